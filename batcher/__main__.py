@@ -1,0 +1,5 @@
+"""`python -m batcher` is the `batcher` command."""
+
+from batcher.cli import main
+
+main()

@@ -1,0 +1,375 @@
+"""The broker: one thread, one zmq.Poller, the scheduler's rules applied to real sockets.
+
+Frontend: a ROUTER that clients (REQ or DEALER) talk to. Backend: a ROUTER that
+worker DEALERs connect to. A request's body is decoded once, to read its header,
+and then forwarded byte for byte; a worker's reply bytes go back to the client
+untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from batcher import protocol
+from batcher.protocol import ErrorCode, ProtocolError
+from batcher.scheduler import Batch, BatchSettings, QueuedRequest, Scheduler, UnknownModel
+from batcher.stopping import StopSignals
+
+log = logging.getLogger("batcher.broker")
+
+#: Messages taken from one socket before the loop looks at the other one and the timers.
+DRAIN_LIMIT = 2000
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    """Where the broker listens and how it batches; the CLI builds one of these."""
+
+    frontend: str = "tcp://127.0.0.1:5555"
+    backend: str = "tcp://127.0.0.1:5556"
+    models: tuple[str, ...] = ("sim",)
+    batch: BatchSettings = field(default_factory=BatchSettings)
+    per_model: dict[str, BatchSettings] = field(default_factory=dict)
+    shutdown_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("models must name at least one model, got none")
+        for name in self.models:
+            if not name:
+                raise ValueError("model names must be non-empty")
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+
+    @property
+    def default_model(self) -> str:
+        """The model a request without `model` goes to: the first one named."""
+        return self.models[0]
+
+
+class BindError(OSError):
+    """An address the broker was told to listen on is taken or invalid."""
+
+
+@dataclass
+class ModelStats:
+    """Counters the `stats` control request reports for one model."""
+
+    batches: int = 0
+    requests: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+
+
+class Broker:
+    """Accepts requests, batches them per model and routes worker replies back."""
+
+    def __init__(self, settings: BrokerSettings, context: zmq.Context[Any] | None = None) -> None:
+        self.settings = settings
+        self._own_context = context is None
+        self.ctx: zmq.Context[Any] = context or zmq.Context()
+        self.scheduler = Scheduler(settings.batch, settings.per_model, list(settings.models))
+        self.stats: dict[str, ModelStats] = {}
+        self.undeliverable = 0
+        self.dropped_backend = 0
+        self._stopping_since: float | None = None
+        self.signals = StopSignals()
+        self.frontend = self._router(settings.frontend)
+        self.backend = self._router(settings.backend)
+
+    def _router(self, address: str) -> zmq.Socket[Any]:
+        sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)  # replies are never dropped for a full pipe
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise BindError(f"cannot bind {address}: {exc.strerror}") from None
+        return sock
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """First call: drain (finish queued and in-flight work). Second call: exit now."""
+        self.signals.trigger()
+
+    def close(self) -> None:
+        """Close the sockets (and the context, when the broker made it)."""
+        self.frontend.close(0)
+        self.backend.close(0)
+        self.signals.close()
+        if self._own_context:
+            self.ctx.term()
+
+    def run(self) -> None:
+        """The event loop; returns once stopped and every accepted request is answered."""
+        poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.backend, zmq.POLLIN)
+        poller.register(self.signals.fd, zmq.POLLIN)
+        log.info(
+            "broker listening: frontend %s, backend %s, models %s (pid %d)",
+            self.settings.frontend,
+            self.settings.backend,
+            ",".join(self.settings.models),
+            os.getpid(),
+        )
+        while True:
+            now = time.monotonic()
+            if self._stopping_since is not None and self._finished_stopping(now):
+                break
+            events = dict(poller.poll(self._poll_timeout_ms(now)))
+            if self.backend in events:
+                self._guard(self._drain_backend)
+            if self.frontend in events:
+                self._guard(self._drain_frontend)
+            if self.signals.fd in events:
+                self.signals.clear()
+                if self._stopping_since is None:
+                    self._stopping_since = time.monotonic()
+                    log.info("draining: new requests are refused, queued ones finished")
+            self._guard(self._dispatch)
+        log.info("broker stopped")
+
+    def _guard(self, step: Any) -> None:
+        """Run one loop step; an exception is logged, never allowed to end the loop."""
+        try:
+            step()
+        except Exception:
+            log.exception("unexpected error in the broker loop (the broker goes on)")
+
+    def _poll_timeout_ms(self, now: float) -> int:
+        wake = self.scheduler.next_wakeup()
+        if self._stopping_since is not None:
+            deadline = self._stopping_since + self.settings.shutdown_grace_s
+            wake = deadline if wake is None else min(wake, deadline)
+        if wake is None:
+            return -1
+        return max(0, math.ceil((wake - now) * 1000))
+
+    def _finished_stopping(self, now: float) -> bool:
+        pending = any(mq.queue for mq in self.scheduler.models.values())
+        busy = any(True for _ in self.scheduler.in_flight())
+        if not pending and not busy:
+            return True
+        assert self._stopping_since is not None
+        if self.signals.count > 1 or now >= self._stopping_since + self.settings.shutdown_grace_s:
+            self._answer_everything(ErrorCode.SHUTTING_DOWN, "the broker is shutting down")
+            return True
+        return False
+
+    def _answer_everything(self, code: ErrorCode, message: str) -> None:
+        for name, mq in self.scheduler.models.items():
+            while mq.queue:
+                self._reply_error(mq.queue.popleft(), name, code, message)
+        for worker_id in list(self.scheduler.workers):
+            for batch in self.scheduler.remove_worker(worker_id):
+                self._fail_batch(batch, code, message)
+
+    # --- frontend ---------------------------------------------------------------------------
+
+    def _drain_frontend(self) -> None:
+        recv = self.frontend.recv_multipart
+        now = time.monotonic()
+        for _ in range(DRAIN_LIMIT):
+            try:
+                frames = recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._accept(frames, now)
+
+    def _accept(self, frames: list[bytes], now: float) -> None:
+        if len(frames) == 3 and not frames[1]:
+            envelope, body = frames[:2], frames[2]
+        else:
+            try:
+                envelope, body = protocol.split_envelope(frames)
+            except protocol.EnvelopeError as exc:
+                self._send_to_client(exc.envelope, protocol.error_reply(None, exc.code, exc.message))
+                return
+        try:
+            header, _ = protocol.parse_request(body)
+        except ProtocolError as exc:
+            self._send_to_client(envelope, protocol.error_reply(None, exc.code, exc.message))
+            return
+        if header.op != "infer":
+            self._control(envelope, header.id, header.op)
+            return
+        model = header.model or self.settings.default_model
+        if self._stopping_since is not None:
+            self._send_to_client(
+                envelope,
+                protocol.error_reply(header.id, ErrorCode.SHUTTING_DOWN, "the broker is shutting down"),
+            )
+            return
+        try:
+            self.scheduler.enqueue(model, QueuedRequest(envelope, body, header.id, now))
+        except UnknownModel:
+            self._send_to_client(
+                envelope,
+                protocol.error_reply(header.id, ErrorCode.UNKNOWN_MODEL, f"no worker serves model {model!r}"),
+            )
+
+    def _control(self, envelope: list[bytes], req_id: object, op: str) -> None:
+        if op == "stats":
+            self._send_to_client(envelope, protocol.ok_reply(req_id, self.snapshot()))
+        else:
+            self._send_to_client(
+                envelope,
+                protocol.error_reply(req_id, ErrorCode.BAD_REQUEST, f"unknown op {op!r}"),
+            )
+
+    def snapshot(self) -> dict[str, Any]:
+        """The broker's state for the `stats` control request."""
+        models: dict[str, Any] = {}
+        for name, mq in self.scheduler.models.items():
+            st = self.stats.get(name, ModelStats())
+            workers = [self.scheduler.workers[w] for w in mq.workers]
+            models[name] = {
+                "queued": len(mq.queue),
+                "workers": len(workers),
+                "busy_workers": sum(1 for w in workers if w.in_flight),
+                "batches_in_flight": sum(len(w.in_flight) for w in workers),
+                "batches": st.batches,
+                "requests": st.requests,
+                "mean_batch_size": st.requests / st.batches if st.batches else 0.0,
+                "errors": dict(st.errors),
+                "max_batch_size": mq.settings.max_batch_size,
+                "max_wait_ms": mq.settings.max_wait_ms,
+            }
+        return {
+            "models": models,
+            "undeliverable": self.undeliverable,
+            "stopping": self._stopping_since is not None,
+        }
+
+    def _send_to_client(self, envelope: list[bytes], body: bytes) -> None:
+        try:
+            self.frontend.send_multipart([*envelope, body], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the client went away
+            self.undeliverable += 1
+            log.debug("reply to a vanished client dropped: %s", exc)
+
+    def _reply_error(self, req: QueuedRequest, model: str, code: ErrorCode, message: str) -> None:
+        self._model_stats(model).errors[code] += 1
+        self._send_to_client(req.envelope, protocol.error_reply(req.id, code, message))
+
+    def _model_stats(self, model: str) -> ModelStats:
+        st = self.stats.get(model)
+        if st is None:
+            st = self.stats[model] = ModelStats()
+        return st
+
+    # --- dispatch ---------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        now = time.monotonic()
+        send = self.backend.send_multipart
+        for batch in self.scheduler.due_batches(now):
+            queue_ms = [round((now - r.arrived_at) * 1000.0, 3) for r in batch.requests]
+            frames = protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests])
+            try:
+                send([batch.worker, *frames], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                log.warning("worker %s unreachable (%s); failing its batches", batch.worker.hex(), exc)
+                self._worker_lost(batch.worker, "worker unreachable")
+
+    # --- backend ----------------------------------------------------------------------------
+
+    def _drain_backend(self) -> None:
+        recv = self.backend.recv_multipart
+        for _ in range(DRAIN_LIMIT):
+            try:
+                frames = recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._on_worker_message(frames)
+            except Exception as exc:  # a peer that is not a worker, or a broken one
+                self.dropped_backend += 1
+                log.warning("dropped a malformed backend message (%d frames): %s", len(frames), exc)
+
+    def _on_worker_message(self, frames: list[bytes]) -> None:
+        if len(frames) < 3 or frames[1] != protocol.WORKER_PROTOCOL:
+            raise ValueError("not a batcher worker message")
+        worker_id, command = frames[0], frames[2]
+        if command == protocol.CMD_REPLY and len(frames) == 5:
+            self._on_reply(worker_id, frames[3], frames[4])
+        elif command == protocol.CMD_READY and len(frames) == 4:
+            self._on_ready(worker_id, frames[3])
+        elif command == protocol.CMD_DISCONNECT:
+            log.info("worker %s disconnected", worker_id.hex())
+            self._worker_lost(worker_id, "worker disconnected")
+        elif command == protocol.CMD_HEARTBEAT:
+            pass
+        else:
+            raise ValueError(f"unknown command {command!r} with {len(frames)} frames")
+
+    def _on_ready(self, worker_id: bytes, info_frame: bytes) -> None:
+        info = protocol.unpack(info_frame)
+        model, slots = info.get("model"), info.get("slots", 1)
+        if not isinstance(model, str) or not model or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"bad READY info {info!r}")
+        lost = self.scheduler.remove_worker(worker_id)
+        for batch in lost:
+            self._fail_batch(batch, ErrorCode.WORKER_FAILED, "worker restarted during the batch")
+        self.scheduler.add_worker(worker_id, model, slots)
+        log.info(
+            "worker joined: model %s, gpu %s, pid %s, id %s",
+            model,
+            info.get("gpu"),
+            info.get("pid"),
+            worker_id.hex(),
+        )
+
+    def _on_reply(self, worker_id: bytes, header_frame: bytes, blob: bytes) -> None:
+        batch_id, _infer_ms, lengths = protocol.unpack(header_frame)
+        batch = self.scheduler.complete(worker_id, batch_id)
+        if batch is None:
+            self.dropped_backend += 1
+            log.warning("dropped a reply for unknown batch %r from %s", batch_id, worker_id.hex())
+            return
+        st = self._model_stats(batch.model)
+        st.batches += 1
+        st.requests += len(batch.requests)
+        try:
+            if len(lengths) != len(batch.requests):
+                raise ValueError(f"{len(lengths)} replies for {len(batch.requests)} requests")
+            replies = protocol.split_replies(lengths, blob)
+        except (TypeError, ValueError) as exc:
+            log.warning("malformed reply from worker %s: %s", worker_id.hex(), exc)
+            self._fail_batch(batch, ErrorCode.WORKER_FAILED, f"the worker sent a malformed reply: {exc}")
+            return
+        send = self.frontend.send_multipart
+        for req, reply in zip(batch.requests, replies, strict=True):
+            try:
+                send([*req.envelope, reply], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                self.undeliverable += 1
+
+    def _worker_lost(self, worker_id: bytes, why: str) -> None:
+        for batch in self.scheduler.remove_worker(worker_id):
+            self._fail_batch(batch, ErrorCode.WORKER_FAILED, why)
+
+    def _fail_batch(self, batch: Batch, code: ErrorCode, message: str) -> None:
+        for req in batch.requests:
+            self._reply_error(req, batch.model, code, message)
+
+
+def run_broker(settings: BrokerSettings) -> None:
+    """Bind, serve until SIGINT/SIGTERM, then drain and close: the `batcher broker` body."""
+    broker = Broker(settings)
+    broker.signals.install()
+    try:
+        broker.run()
+    finally:
+        broker.close()

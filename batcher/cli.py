@@ -1,0 +1,273 @@
+"""The `batcher` command line: serve, broker, worker, send, demo, bench.
+
+Every option can also be set by an environment variable BATCHER_<OPTION>
+(`--max-wait-ms` is BATCHER_MAX_WAIT_MS); a flag on the command line wins.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from batcher.broker import BindError, Broker, BrokerSettings, run_broker
+from batcher.scheduler import BatchSettings
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"
+DEFAULT_BACKEND = "tcp://127.0.0.1:5556"
+
+
+def option(*decls: str, **kwargs: Any) -> Callable[[F], F]:
+    """click.option with the BATCHER_<OPTION> environment variable filled in."""
+    long_name = next(d for d in decls if d.startswith("--"))
+    kwargs.setdefault("envvar", "BATCHER_" + long_name[2:].replace("-", "_").upper())
+    kwargs.setdefault("show_envvar", True)
+    kwargs.setdefault("show_default", True)
+    return click.option(*decls, **kwargs)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+log_level_option = option(
+    "--log-level",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    default="INFO",
+    help="Logging threshold (logs go to stderr).",
+)
+
+
+def batching_options(f: F) -> F:
+    """The options of the broker's batching window, shared by serve, broker and bench."""
+    f = option(
+        "--max-batch-size",
+        type=click.IntRange(min=1),
+        default=8,
+        help="Largest batch sent to a worker.",
+    )(f)
+    f = option(
+        "--max-wait-ms",
+        type=click.FloatRange(min=0),
+        default=5.0,
+        help="Longest a request waits for its batch to fill.",
+    )(f)
+    return f
+
+
+def sim_options(f: F) -> F:
+    """The simulated GPU's cost, shared by serve, worker and bench."""
+    f = option(
+        "--sim-base-ms",
+        type=click.FloatRange(min=0),
+        default=20.0,
+        help="sim model: fixed cost of one batch.",
+    )(f)
+    f = option(
+        "--sim-per-item-ms",
+        type=click.FloatRange(min=0),
+        default=2.5,
+        help="sim model: added cost per request in a batch.",
+    )(f)
+    return f
+
+
+def broker_settings(
+    frontend: str, backend: str, models: tuple[str, ...], max_batch_size: int, max_wait_ms: float
+) -> BrokerSettings:
+    """BrokerSettings from CLI values; model specs (`name=pkg.mod:attr`) give their name."""
+    from workers.models import ModelSpec
+
+    names = tuple(ModelSpec.parse(m).name for m in models) if models else ("sim",)
+    return BrokerSettings(
+        frontend=frontend,
+        backend=backend,
+        models=names,
+        batch=BatchSettings(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms),
+    )
+
+
+def _check_models(models: tuple[str, ...]) -> None:
+    from workers.models import ModelSpec
+
+    for m in models:
+        try:
+            ModelSpec.parse(m)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--model") from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="batcher")
+def main() -> None:
+    """batcher: a dynamic-batching inference broker over ZeroMQ and msgpack."""
+
+
+@main.command()
+@option("--frontend", default=DEFAULT_FRONTEND, help="Address clients connect to (ROUTER).")
+@option("--backend", default=DEFAULT_BACKEND, help="Address workers connect to (ROUTER).")
+@option("--workers", type=click.IntRange(min=0), default=2, help="Worker processes per model.")
+@option(
+    "--model",
+    "models",
+    multiple=True,
+    default=("sim",),
+    help="Model to serve: sim, echo, pkg.module:attr or NAME=SPEC; repeat for several. "
+    "The first is the default for requests that name none.",
+)
+@batching_options
+@sim_options
+@log_level_option
+def serve(
+    frontend: str,
+    backend: str,
+    workers: int,
+    models: tuple[str, ...],
+    max_batch_size: int,
+    max_wait_ms: float,
+    sim_base_ms: float,
+    sim_per_item_ms: float,
+    log_level: str,
+) -> None:
+    """Run a broker and --workers worker processes per model (worker i on GPU i)."""
+    from workers.models import SimSettings
+    from workers.supervisor import PoolSettings, Supervisor
+
+    _setup_logging(log_level)
+    _check_models(models)
+    settings = broker_settings(frontend, backend, models, max_batch_size, max_wait_ms)
+    try:
+        broker = Broker(settings)  # bind before the workers start, so a busy port fails fast
+    except BindError as exc:
+        raise click.ClickException(str(exc)) from None
+    supervisor = Supervisor(
+        PoolSettings(backend, models, workers, SimSettings(sim_base_ms, sim_per_item_ms), log_level=log_level)
+    )
+    broker.signals.install()
+    try:
+        supervisor.start()
+        broker.run()
+    finally:
+        supervisor.stop()
+        broker.close()
+
+
+@main.command()
+@option("--frontend", default=DEFAULT_FRONTEND, help="Address clients connect to (ROUTER).")
+@option("--backend", default=DEFAULT_BACKEND, help="Address workers connect to (ROUTER).")
+@option(
+    "--model",
+    "models",
+    multiple=True,
+    default=("sim",),
+    help="Model requests may name before any worker has joined; the first is the default.",
+)
+@batching_options
+@log_level_option
+def broker(
+    frontend: str,
+    backend: str,
+    models: tuple[str, ...],
+    max_batch_size: int,
+    max_wait_ms: float,
+    log_level: str,
+) -> None:
+    """Run a broker alone; start workers with `batcher worker`."""
+    _setup_logging(log_level)
+    _check_models(models)
+    try:
+        run_broker(broker_settings(frontend, backend, models, max_batch_size, max_wait_ms))
+    except BindError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@option("--connect", default=DEFAULT_BACKEND, help="The broker's backend address.")
+@option("--model", default="sim", help="sim, echo, pkg.module:attr or NAME=SPEC.")
+@option("--gpu", type=click.IntRange(min=0), default=None, help="GPU id (sets CUDA_VISIBLE_DEVICES).")
+@option("--slots", type=click.IntRange(min=1), default=1, help="Batches the worker may hold at once.")
+@option("--parent-pid", type=int, default=None, hidden=True)
+@sim_options
+@log_level_option
+def worker(
+    connect: str,
+    model: str,
+    gpu: int | None,
+    slots: int,
+    parent_pid: int | None,
+    sim_base_ms: float,
+    sim_per_item_ms: float,
+    log_level: str,
+) -> None:
+    """Run one model-worker process connected to a broker's backend."""
+    from workers.models import SimSettings
+    from workers.worker import WorkerSettings, run_worker
+
+    _setup_logging(log_level)
+    _check_models((model,))
+    run_worker(
+        WorkerSettings(connect, model, gpu, SimSettings(sim_base_ms, sim_per_item_ms), slots, parent_pid)
+    )
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, bytes):
+        return value.hex()
+    return repr(value)
+
+
+@main.command()
+@option("--connect", default=DEFAULT_FRONTEND, help="The broker's frontend address.")
+@option("--model", default=None, help="Model to ask (the broker's default when absent).")
+@option("--timeout-ms", type=click.FloatRange(min=0), default=None, help="Deadline per request.")
+@click.argument("inputs", nargs=-1)
+def send(connect: str, model: str | None, timeout_ms: float | None, inputs: tuple[str, ...]) -> None:
+    """Send JSON INPUTS (or one JSON value per stdin line) and print each reply as JSON.
+
+    All inputs are sent at once, so they can share a batch. Exits 1 if any reply is
+    an error.
+    """
+    from batcher.client import Client
+
+    texts = list(inputs) or [line for line in sys.stdin.read().splitlines() if line.strip()]
+    try:
+        values = [json.loads(t) for t in texts]
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="INPUTS") from None
+    failed = False
+    with Client(connect) as client:
+        pendings = [client.submit(v, model=model, timeout_ms=timeout_ms) for v in values]
+        for p in pendings:
+            reply = p.wait()
+            failed |= not reply.get("ok")
+            click.echo(json.dumps(reply, default=_json_default))
+    sys.exit(1 if failed else 0)
+
+
+@main.command()
+@option("--workers", type=click.IntRange(min=1), default=2, help="sim workers to start.")
+@log_level_option
+def demo(workers: int, log_level: str) -> None:
+    """The reference scenario: 8 clients, 5 ms apart, max batch 4, 50 ms window.
+
+    Starts a real broker and workers on free loopback ports, prints each result and
+    checks the reference pass criteria; exits 1 if one fails.
+    """
+    from batcher.demo import run_demo
+
+    _setup_logging(log_level)
+    sys.exit(0 if run_demo(workers) else 1)
+
+
+if __name__ == "__main__":
+    main()

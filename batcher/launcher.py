@@ -1,0 +1,107 @@
+"""Start a `batcher serve` on free loopback ports and stop it by process group.
+
+Used by `batcher demo`, `batcher bench --spawn`, the benchmarks and the tests, so all
+of them wait for readiness the same way (asking the broker, never sleeping) and
+leave no process behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from types import TracebackType
+from typing import Any
+
+from batcher.client import BatcherError, Client
+from workers.supervisor import child_environment
+
+
+def free_tcp_address() -> str:
+    """A loopback TCP address whose port was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+class ServeProcess:
+    """A `batcher serve` subprocess in its own process group."""
+
+    def __init__(self, args: list[str], *, log_level: str = "WARNING", stderr: Any = None) -> None:
+        self.frontend = free_tcp_address()
+        self.backend = free_tcp_address()
+        self.args = args
+        self.log_level = log_level
+        self.stderr = stderr
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "batcher",
+            "serve",
+            "--frontend",
+            self.frontend,
+            "--backend",
+            self.backend,
+            "--log-level",
+            self.log_level,
+            *self.args,
+        ]
+
+    def start(self) -> ServeProcess:
+        self.process = subprocess.Popen(
+            self.command(), start_new_session=True, stderr=self.stderr, env=child_environment()
+        )
+        return self
+
+    def wait_ready(self, workers: int, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Block until the broker reports `workers` workers in all (or raise TimeoutError)."""
+        deadline = time.monotonic() + timeout_s
+        with Client(self.frontend, timeout_s=1.0) as client:
+            while True:
+                if self.process is not None and self.process.poll() is not None:
+                    raise RuntimeError(f"batcher serve exited with {self.process.returncode}")
+                try:
+                    stats: dict[str, Any] = client.control("stats")
+                    if sum(m["workers"] for m in stats["models"].values()) >= workers:
+                        return stats
+                except BatcherError:
+                    pass  # not up yet: the control request timed out
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{workers} workers not ready within {timeout_s}s")
+                time.sleep(0.05)  # between readiness probes only
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM the process group, then SIGKILL it if it lingers; returns serve's exit code."""
+        p = self.process
+        if p is None:
+            return None
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, sig)
+            try:
+                p.wait(wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        _kill_group(p.pid)  # anything of the group still up
+        return p.returncode
+
+    def __enter__(self) -> ServeProcess:
+        return self.start()
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)

@@ -1,0 +1,214 @@
+"""Wire protocol v1: frame layouts, request parsing and reply building.
+
+Everything that knows how bytes look on a socket lives here, so the broker, the
+workers and the clients agree by construction. docs/protocol.md is the prose
+version of this module.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import msgpack
+
+#: First frame of every backend message, so a peer speaking anything else is spotted.
+WORKER_PROTOCOL = b"BATCHER-W1"
+
+#: Backend commands (second frame of every backend message).
+CMD_READY = b"\x01"
+CMD_BATCH = b"\x02"
+CMD_REPLY = b"\x03"
+CMD_HEARTBEAT = b"\x04"
+CMD_DISCONNECT = b"\x05"
+
+#: Request keys that the broker reads; everything else in the body is forwarded untouched.
+ID_TYPES = (int, str)
+
+
+class ErrorCode(StrEnum):
+    """Error codes that can appear in `error.code` of a reply."""
+
+    BAD_REQUEST = "bad_request"
+    UNKNOWN_MODEL = "unknown_model"
+    MODEL_ERROR = "model_error"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    OVERLOADED = "overloaded"
+    CANCELLED = "cancelled"
+    WORKER_FAILED = "worker_failed"
+    SHUTTING_DOWN = "shutting_down"
+
+
+class ProtocolError(Exception):
+    """A message that breaks the protocol; carries the code to answer with."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHeader:
+    """The fields of a request body that the broker needs to schedule it."""
+
+    id: int | str | None
+    model: str | None
+    timeout_ms: float | None
+    priority: float
+    op: str
+
+
+def split_envelope(frames: list[bytes]) -> tuple[list[bytes], bytes]:
+    """Split a ROUTER message into (envelope, body).
+
+    The envelope is the routing identity plus, when present, everything up to and
+    including the first empty delimiter frame; exactly one body frame must follow.
+    Raises ProtocolError with the envelope in `.envelope` so the sender is answered.
+    """
+    n = len(frames)
+    if n == 3 and not frames[1]:  # REQ, or DEALER with delimiter: the common case
+        return frames[:2], frames[2]
+    if n == 2 and frames[1]:  # DEALER without delimiter
+        return frames[:1], frames[1]
+    try:
+        end = frames.index(b"", 1) + 1
+    except ValueError:
+        end = 1
+    envelope = frames[:end]
+    rest = n - end
+    err = EnvelopeError(
+        envelope,
+        f"expected exactly one body frame after the envelope, got {rest}",
+    )
+    raise err
+
+
+class EnvelopeError(ProtocolError):
+    """Wrong frame count; keeps the envelope so the sender can still be answered."""
+
+    def __init__(self, envelope: list[bytes], message: str) -> None:
+        super().__init__(ErrorCode.BAD_REQUEST, message)
+        self.envelope = envelope
+
+
+def _type_name(value: object) -> str:
+    return type(value).__name__
+
+
+def parse_request(body: bytes) -> tuple[RequestHeader, dict[str, Any]]:
+    """Decode a request body once and check the fields the broker relies on."""
+    try:
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"body is not valid msgpack: {exc}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"body must be a msgpack map, got {_type_name(msg)}")
+    req_id = msg.get("id")
+    if (req_id is not None and not isinstance(req_id, ID_TYPES)) or isinstance(req_id, bool):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"id must be an int or a str, got {_type_name(req_id)}")
+    op = msg.get("op", "infer")
+    if not isinstance(op, str):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"op must be a str, got {_type_name(op)}")
+    if op == "infer" and "input" not in msg:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "request has no 'input'")
+    model = msg.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"model must be a str, got {_type_name(model)}")
+    timeout_ms = msg.get("timeout_ms")
+    if timeout_ms is not None:
+        if not isinstance(timeout_ms, int | float) or isinstance(timeout_ms, bool):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"timeout_ms must be a number, got {_type_name(timeout_ms)}"
+            )
+        if not timeout_ms >= 0:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"timeout_ms must be >= 0, got {timeout_ms}")
+    priority = msg.get("priority", 0)
+    if not isinstance(priority, int | float) or isinstance(priority, bool):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"priority must be a number, got {_type_name(priority)}")
+    if priority != priority:  # NaN
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "priority must be a number, got NaN")
+    return RequestHeader(req_id, model, timeout_ms, priority, op), msg
+
+
+# --- replies -------------------------------------------------------------------------------
+
+_packer = msgpack.Packer(use_bin_type=True)
+
+
+def _packer_pack(obj: object) -> bytes:
+    return _packer.pack(obj)  # type: ignore[no-any-return]
+
+
+def error_reply(req_id: object, code: str, message: str) -> bytes:
+    """Body of an error reply, as the broker or a worker sends it."""
+    return _packer_pack({"id": req_id, "ok": False, "error": {"code": str(code), "message": message}})
+
+
+def ok_reply(req_id: object, output: object, meta: dict[str, Any] | None = None) -> bytes:
+    """Body of a successful reply; `meta` adds metadata keys such as batch_size."""
+    reply: dict[str, Any] = {"id": req_id, "ok": True, "output": output}
+    if meta:
+        reply.update(meta)
+    return _packer_pack(reply)
+
+
+def pack(obj: object) -> bytes:
+    """msgpack-encode with the protocol's settings (str as str, bytes as bin)."""
+    return _packer_pack(obj)
+
+
+def unpack(data: bytes) -> Any:
+    """msgpack-decode with the protocol's settings; a fresh decoder on every call."""
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+# --- backend framing -----------------------------------------------------------------------
+
+
+def array_header(n: int) -> bytes:
+    """msgpack array header for n elements, so already-encoded bodies can be joined into
+    one msgpack array without re-encoding any of them."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 0x10000:
+        return b"\xdc" + struct.pack(">H", n)
+    return b"\xdd" + struct.pack(">I", n)
+
+
+def batch_frames(batch_id: int, queue_ms: list[float], bodies: list[bytes]) -> list[bytes]:
+    """Backend BATCH message (after the worker's routing id): a header, then the request
+    bodies joined into one msgpack array, one frame for the whole batch."""
+    return [
+        WORKER_PROTOCOL,
+        CMD_BATCH,
+        _packer_pack([batch_id, queue_ms]),
+        array_header(len(bodies)) + b"".join(bodies),
+    ]
+
+
+def reply_frames(batch_id: int, infer_ms: float, replies: list[bytes]) -> list[bytes]:
+    """Backend REPLY message: a header with each reply's length, then the replies joined."""
+    header = _packer_pack([batch_id, infer_ms, [len(r) for r in replies]])
+    return [WORKER_PROTOCOL, CMD_REPLY, header, b"".join(replies)]
+
+
+def split_replies(lengths: list[int], blob: bytes) -> list[bytes]:
+    """Cut a REPLY message's joined replies back into one body per request."""
+    out = []
+    pos = 0
+    for length in lengths:
+        end = pos + length
+        out.append(blob[pos:end])
+        pos = end
+    if pos != len(blob):
+        raise ValueError(f"reply lengths add up to {pos} bytes, frame has {len(blob)}")
+    return out
+
+
+def ready_frames(model: str, gpu: int | None, pid: int, slots: int) -> list[bytes]:
+    """Backend READY message, a worker's first words: what it serves and how much at once."""
+    info = {"model": model, "gpu": gpu, "pid": pid, "slots": slots}
+    return [WORKER_PROTOCOL, CMD_READY, _packer_pack(info)]

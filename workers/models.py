@@ -1,0 +1,99 @@
+"""Models a worker can serve: the built-in `sim` and `echo`, or any user callable.
+
+A model is a callable that takes the list of a batch's inputs and returns a list of
+outputs of the same length. A user model is named `package.module:attr` (optionally
+`name=package.module:attr` to announce it under a shorter name); when `attr` is a
+class it is instantiated once per worker with the worker's GPU id.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+ModelFn = Callable[[list[Any]], list[Any]]
+
+BUILTIN_MODELS = ("sim", "echo")
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """The simulated GPU's cost: a batch of n takes base_ms + per_item_ms * n."""
+
+    base_ms: float = 20.0
+    per_item_ms: float = 2.5
+
+    def __post_init__(self) -> None:
+        if not self.base_ms >= 0:
+            raise ValueError(f"sim base_ms must be >= 0, got {self.base_ms}")
+        if not self.per_item_ms >= 0:
+            raise ValueError(f"sim per_item_ms must be >= 0, got {self.per_item_ms}")
+
+    def batch_ms(self, n: int) -> float:
+        """How long a batch of n takes on the simulated GPU."""
+        return self.base_ms + self.per_item_ms * n
+
+
+class SimModel:
+    """A simulated GPU: batching pays because the fixed cost is shared by the batch."""
+
+    def __init__(self, settings: SimSettings | None = None) -> None:
+        self.settings = settings or SimSettings()
+
+    def __call__(self, inputs: list[Any]) -> list[Any]:
+        n = len(inputs)
+        batch_ms = self.settings.batch_ms(n)
+        time.sleep(batch_ms / 1000.0)  # sleeping, not spinning: 8 workers share 2 cores
+        amortized_ms = batch_ms / n if n else 0.0
+        return [{"echo": x, "amortized_ms": amortized_ms, "batch_size": n} for x in inputs]
+
+
+def echo(inputs: list[Any]) -> list[Any]:
+    """No work at all: what is left of a round trip is the broker's own cost."""
+    return list(inputs)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A parsed `--model` value: the name announced to the broker and what to load."""
+
+    name: str
+    target: str
+
+    @classmethod
+    def parse(cls, text: str) -> ModelSpec:
+        """`sim`, `echo`, `pkg.mod:attr`, or `name=<any of those>`."""
+        name, sep, target = text.partition("=")
+        if not sep:
+            name, target = text, text
+        name, target = name.strip(), target.strip()
+        if not name or not target:
+            raise ValueError(f"model must be NAME, NAME=SPEC or pkg.module:attr, got {text!r}")
+        if target not in BUILTIN_MODELS and ":" not in target:
+            raise ValueError(
+                f"unknown model {target!r}: use one of {', '.join(BUILTIN_MODELS)} "
+                "or a user model as package.module:attr"
+            )
+        return cls(name, target)
+
+
+def load_model(spec: ModelSpec, gpu: int | None, sim: SimSettings | None = None) -> ModelFn:
+    """Import and build the model named by `spec`, once, in the worker process."""
+    if spec.target == "sim":
+        return SimModel(sim)
+    if spec.target == "echo":
+        return echo
+    module_name, _, attr = spec.target.partition(":")
+    module = importlib.import_module(module_name)
+    obj = module
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if inspect.isclass(obj):
+        obj = obj(gpu)
+    if not callable(obj):
+        raise TypeError(f"{spec.target} is not callable")
+    return obj
