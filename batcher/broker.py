@@ -22,6 +22,7 @@ from batcher import protocol
 from batcher.protocol import ErrorCode, ProtocolError
 from batcher.scheduler import Batch, BatchSettings, QueuedRequest, Scheduler, UnknownModel
 from batcher.stopping import StopSignals
+from batcher.zmqio import recv_frames, send_frames, send_reply
 
 log = logging.getLogger("batcher.broker")
 
@@ -178,14 +179,14 @@ class Broker:
     # --- frontend ---------------------------------------------------------------------------
 
     def _drain_frontend(self) -> None:
-        recv = self.frontend.recv_multipart
+        sock, accept = self.frontend, self._accept
         now = time.monotonic()
         for _ in range(DRAIN_LIMIT):
             try:
-                frames = recv(zmq.NOBLOCK)
+                frames = recv_frames(sock)
             except zmq.Again:
                 return
-            self._accept(frames, now)
+            accept(frames, now)
 
     def _accept(self, frames: list[bytes], now: float) -> None:
         if len(frames) == 3 and not frames[1]:
@@ -254,7 +255,7 @@ class Broker:
 
     def _send_to_client(self, envelope: list[bytes], body: bytes) -> None:
         try:
-            self.frontend.send_multipart([*envelope, body], zmq.NOBLOCK)
+            send_reply(self.frontend, envelope, body)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the client went away
             self.undeliverable += 1
             log.debug("reply to a vanished client dropped: %s", exc)
@@ -273,12 +274,11 @@ class Broker:
 
     def _dispatch(self) -> None:
         now = time.monotonic()
-        send = self.backend.send_multipart
         for batch in self.scheduler.due_batches(now):
             queue_ms = [round((now - r.arrived_at) * 1000.0, 3) for r in batch.requests]
             frames = protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests])
             try:
-                send([batch.worker, *frames], zmq.NOBLOCK)
+                send_frames(self.backend, [batch.worker, *frames])
             except zmq.ZMQError as exc:
                 log.warning("worker %s unreachable (%s); failing its batches", batch.worker.hex(), exc)
                 self._worker_lost(batch.worker, "worker unreachable")
@@ -286,10 +286,10 @@ class Broker:
     # --- backend ----------------------------------------------------------------------------
 
     def _drain_backend(self) -> None:
-        recv = self.backend.recv_multipart
+        sock = self.backend
         for _ in range(DRAIN_LIMIT):
             try:
-                frames = recv(zmq.NOBLOCK)
+                frames = recv_frames(sock)
             except zmq.Again:
                 return
             try:
@@ -349,10 +349,10 @@ class Broker:
             log.warning("malformed reply from worker %s: %s", worker_id.hex(), exc)
             self._fail_batch(batch, ErrorCode.WORKER_FAILED, f"the worker sent a malformed reply: {exc}")
             return
-        send = self.frontend.send_multipart
+        frontend = self.frontend
         for req, reply in zip(batch.requests, replies, strict=True):
             try:
-                send([*req.envelope, reply], zmq.NOBLOCK)
+                send_reply(frontend, req.envelope, reply)
             except zmq.ZMQError:
                 self.undeliverable += 1
 

@@ -269,5 +269,129 @@ def demo(workers: int, log_level: str) -> None:
     sys.exit(0 if run_demo(workers) else 1)
 
 
+@main.command()
+@option("--connect", default=None, help="Frontend of a running broker to load.")
+@option("--spawn", is_flag=True, default=False, help="Start a broker and workers (serve options below).")
+@option("--concurrency", type=click.IntRange(min=1), default=None, help="Closed loop: requests in flight.")
+@option(
+    "--rate",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Open loop: Poisson arrivals per second.",
+)
+@option(
+    "--duration",
+    "duration_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Seconds of load after warm-up (default 10 unless --requests).",
+)
+@option("--requests", type=click.IntRange(min=1), default=None, help="Requests to send in all.")
+@option("--warmup-s", type=click.FloatRange(min=0), default=0.0, help="Seconds of load not measured.")
+@option("--payload-bytes", type=click.IntRange(min=0), default=16, help="Size of each request's input.")
+@option("--model", default=None, help="Model to ask; with --spawn, the model served (default sim).")
+@option("--processes", type=click.IntRange(min=1), default=1, help="Load generator processes.")
+@option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="Write the full result as JSON to this file.",
+)
+@option("--workers", type=click.IntRange(min=1), default=2, help="--spawn: worker processes.")
+@batching_options
+@sim_options
+def bench(
+    connect: str | None,
+    spawn: bool,
+    concurrency: int | None,
+    rate: float | None,
+    duration_s: float | None,
+    requests: int | None,
+    warmup_s: float,
+    payload_bytes: int,
+    model: str | None,
+    processes: int,
+    json_path: str | None,
+    workers: int,
+    max_batch_size: int,
+    max_wait_ms: float,
+    sim_base_ms: float,
+    sim_per_item_ms: float,
+) -> None:
+    """Measure throughput and latency of a broker under closed- or open-loop load."""
+    from batcher.bench import LoadSettings, format_report
+    from batcher.launcher import ServeProcess
+
+    if spawn == (connect is not None):
+        raise click.UsageError("give exactly one of --connect ADDR or --spawn")
+    if concurrency is None and rate is None:
+        concurrency = 64
+    if duration_s is None and requests is None:
+        duration_s = 10.0
+    serve_args = [
+        "--workers",
+        str(workers),
+        "--model",
+        model or "sim",
+        "--max-batch-size",
+        str(max_batch_size),
+        "--max-wait-ms",
+        str(max_wait_ms),
+        "--sim-base-ms",
+        str(sim_base_ms),
+        "--sim-per-item-ms",
+        str(sim_per_item_ms),
+    ]
+    serve = ServeProcess(serve_args) if spawn else None
+    try:
+        if serve is not None:
+            serve.start().wait_ready(workers)
+            connect = serve.frontend
+        assert connect is not None
+        try:
+            settings = LoadSettings(
+                connect=connect,
+                concurrency=concurrency,
+                rate=rate,
+                duration_s=duration_s,
+                requests=requests,
+                payload_bytes=payload_bytes,
+                model=model,
+                processes=processes,
+                warmup_s=warmup_s,
+            )
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+        result = _run_with_progress(settings)
+    finally:
+        if serve is not None:
+            serve.stop()
+    click.echo(format_report(result))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result.to_json(), f, indent=2)
+
+
+def _run_with_progress(settings: Any) -> Any:
+    """run_load with a progress bar on stderr (elapsed time, or requests answered)."""
+    import time
+
+    from batcher.bench import run_load
+
+    if settings.requests is not None:
+        length, unit = settings.requests, "requests"
+    else:
+        length, unit = int((settings.duration_s + settings.warmup_s) * 10), "time"
+    start = time.monotonic()
+    with click.progressbar(length=length, label="bench", file=sys.stderr, show_eta=False) as bar:
+
+        def on_progress(completed: int) -> None:
+            done = completed if unit == "requests" else int((time.monotonic() - start) * 10)
+            bar.update(min(length, done) - bar.pos)
+
+        return run_load(settings, on_progress)
+
+
 if __name__ == "__main__":
     main()

@@ -8,9 +8,8 @@ version of this module.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -50,8 +49,7 @@ class ProtocolError(Exception):
         self.message = message
 
 
-@dataclass(frozen=True, slots=True)
-class RequestHeader:
+class RequestHeader(NamedTuple):
     """The fields of a request body that the broker needs to schedule it."""
 
     id: int | str | None

@@ -20,6 +20,7 @@ import zmq
 from batcher import protocol
 from batcher.protocol import ErrorCode
 from batcher.stopping import StopSignals
+from batcher.zmqio import recv_frames, send_frames
 from workers.models import ModelFn, ModelSpec, SimSettings, load_model
 
 log = logging.getLogger("batcher.worker")
@@ -131,7 +132,7 @@ class Worker:
         assert self.model is not None
         while not self.signals.count:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = recv_frames(sock)
             except zmq.Again:
                 return
             if len(frames) != 4 or frames[0] != protocol.WORKER_PROTOCOL or frames[1] != protocol.CMD_BATCH:
@@ -144,7 +145,7 @@ class Worker:
                 log.exception("could not decode a batch")
                 batch_id = protocol.unpack(frames[2])[0]
                 reply = protocol.reply_frames(batch_id, 0.0, [])
-            sock.send_multipart(reply)
+            send_frames(sock, reply)
             self.batches += 1
 
     def _parent_alive(self) -> bool:
