@@ -379,7 +379,10 @@ def run_load(settings: LoadSettings, on_progress: Callable[[int], None] | None =
                     on_progress(counter.value)
                 if not any(p.is_alive() for p in procs) and not conn.poll(0):
                     raise RuntimeError("a load process died without a result")
-            data = conn.recv()
+            try:
+                data = conn.recv()
+            except EOFError:
+                raise RuntimeError("a load process died without a result") from None
             if not isinstance(data, ShardResult):
                 raise RuntimeError(f"load process failed: {data}")
             shards.append(data)

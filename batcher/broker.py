@@ -20,7 +20,14 @@ import zmq
 
 from batcher import protocol
 from batcher.protocol import ErrorCode, ProtocolError
-from batcher.scheduler import Batch, BatchSettings, QueuedRequest, Scheduler, UnknownModel
+from batcher.scheduler import (
+    Batch,
+    BatchSettings,
+    Overloaded,
+    QueuedRequest,
+    Scheduler,
+    UnknownModel,
+)
 from batcher.stopping import StopSignals
 from batcher.zmqio import recv_frames, send_frames, send_reply
 
@@ -39,6 +46,8 @@ class BrokerSettings:
     models: tuple[str, ...] = ("sim",)
     batch: BatchSettings = field(default_factory=BatchSettings)
     per_model: dict[str, BatchSettings] = field(default_factory=dict)
+    default_timeout_ms: float = 0.0
+    worker_prefetch: int = 1
     shutdown_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -47,6 +56,10 @@ class BrokerSettings:
         for name in self.models:
             if not name:
                 raise ValueError("model names must be non-empty")
+        if not self.default_timeout_ms >= 0:
+            raise ValueError(f"default_timeout_ms must be >= 0, got {self.default_timeout_ms}")
+        if not isinstance(self.worker_prefetch, int) or self.worker_prefetch < 1:
+            raise ValueError(f"worker_prefetch must be >= 1, got {self.worker_prefetch}")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
 
@@ -76,7 +89,10 @@ class Broker:
         self.settings = settings
         self._own_context = context is None
         self.ctx: zmq.Context[Any] = context or zmq.Context()
-        self.scheduler = Scheduler(settings.batch, settings.per_model, list(settings.models))
+        self.scheduler = Scheduler(
+            settings.batch, settings.per_model, list(settings.models), settings.worker_prefetch
+        )
+        self._default_timeout_s = settings.default_timeout_ms / 1000.0
         self.stats: dict[str, ModelStats] = {}
         self.undeliverable = 0
         self.dropped_backend = 0
@@ -158,7 +174,7 @@ class Broker:
         return max(0, math.ceil((wake - now) * 1000))
 
     def _finished_stopping(self, now: float) -> bool:
-        pending = any(mq.queue for mq in self.scheduler.models.values())
+        pending = any(mq.size for mq in self.scheduler.models.values())
         busy = any(True for _ in self.scheduler.in_flight())
         if not pending and not busy:
             return True
@@ -169,9 +185,8 @@ class Broker:
         return False
 
     def _answer_everything(self, code: ErrorCode, message: str) -> None:
-        for name, mq in self.scheduler.models.items():
-            while mq.queue:
-                self._reply_error(mq.queue.popleft(), name, code, message)
+        for name, req in self.scheduler.cancel(lambda r: True):
+            self._reply_error(req, name, code, message)
         for worker_id in list(self.scheduler.workers):
             for batch in self.scheduler.remove_worker(worker_id):
                 self._fail_batch(batch, code, message)
@@ -207,22 +222,37 @@ class Broker:
             return
         model = header.model or self.settings.default_model
         if self._stopping_since is not None:
-            self._send_to_client(
-                envelope,
-                protocol.error_reply(header.id, ErrorCode.SHUTTING_DOWN, "the broker is shutting down"),
-            )
+            self._refuse(envelope, header.id, ErrorCode.SHUTTING_DOWN, "the broker is shutting down")
             return
+        timeout_s = header.timeout_ms / 1000.0 if header.timeout_ms else self._default_timeout_s
+        request = QueuedRequest(
+            envelope, body, header.id, now, header.priority, now + timeout_s if timeout_s else None
+        )
         try:
-            self.scheduler.enqueue(model, QueuedRequest(envelope, body, header.id, now))
+            self.scheduler.enqueue(model, request)
         except UnknownModel:
-            self._send_to_client(
+            self._refuse(envelope, header.id, ErrorCode.UNKNOWN_MODEL, f"no worker serves model {model!r}")
+        except Overloaded:
+            self._model_stats(model).errors[ErrorCode.OVERLOADED] += 1
+            self._refuse(
                 envelope,
-                protocol.error_reply(header.id, ErrorCode.UNKNOWN_MODEL, f"no worker serves model {model!r}"),
+                header.id,
+                ErrorCode.OVERLOADED,
+                f"model {model!r} has {self.scheduler.queued(model)} requests queued, its limit",
             )
+
+    def _refuse(self, envelope: list[bytes], req_id: object, code: ErrorCode, message: str) -> None:
+        self._send_to_client(envelope, protocol.error_reply(req_id, code, message))
 
     def _control(self, envelope: list[bytes], req_id: object, op: str) -> None:
         if op == "stats":
             self._send_to_client(envelope, protocol.ok_reply(req_id, self.snapshot()))
+        elif op == "cancel":
+            # Only the sender's own requests: ids are per client, so match the identity too.
+            identity = envelope[0]
+            cancelled = self.scheduler.cancel(lambda r: r.id == req_id and r.envelope[0] == identity)
+            for name, req in cancelled:
+                self._reply_error(req, name, ErrorCode.CANCELLED, "cancelled by the client")
         else:
             self._send_to_client(
                 envelope,
@@ -235,8 +265,9 @@ class Broker:
         for name, mq in self.scheduler.models.items():
             st = self.stats.get(name, ModelStats())
             workers = [self.scheduler.workers[w] for w in mq.workers]
+            cost = self.scheduler.cost(name)
             models[name] = {
-                "queued": len(mq.queue),
+                "queued": mq.size,
                 "workers": len(workers),
                 "busy_workers": sum(1 for w in workers if w.in_flight),
                 "batches_in_flight": sum(len(w.in_flight) for w in workers),
@@ -246,6 +277,9 @@ class Broker:
                 "errors": dict(st.errors),
                 "max_batch_size": mq.settings.max_batch_size,
                 "max_wait_ms": mq.settings.max_wait_ms,
+                "policy": mq.settings.policy,
+                "max_queue": mq.settings.max_queue,
+                "batch_cost_ms": None if cost is None else [cost[0] * 1000, cost[1] * 1000],
             }
         return {
             "models": models,
@@ -274,6 +308,8 @@ class Broker:
 
     def _dispatch(self) -> None:
         now = time.monotonic()
+        for name, req in self.scheduler.expire(now):
+            self._reply_error(req, name, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
         for batch in self.scheduler.due_batches(now):
             queue_ms = [round((now - r.arrived_at) * 1000.0, 3) for r in batch.requests]
             frames = protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests])
@@ -316,8 +352,8 @@ class Broker:
 
     def _on_ready(self, worker_id: bytes, info_frame: bytes) -> None:
         info = protocol.unpack(info_frame)
-        model, slots = info.get("model"), info.get("slots", 1)
-        if not isinstance(model, str) or not model or not isinstance(slots, int) or slots < 1:
+        model, slots = info.get("model"), info.get("slots")
+        if not isinstance(model, str) or not model or not (slots is None or isinstance(slots, int)):
             raise ValueError(f"bad READY info {info!r}")
         lost = self.scheduler.remove_worker(worker_id)
         for batch in lost:
@@ -332,8 +368,9 @@ class Broker:
         )
 
     def _on_reply(self, worker_id: bytes, header_frame: bytes, blob: bytes) -> None:
-        batch_id, _infer_ms, lengths = protocol.unpack(header_frame)
-        batch = self.scheduler.complete(worker_id, batch_id)
+        batch_id, infer_ms, lengths = protocol.unpack(header_frame)
+        infer_s = infer_ms / 1000.0 if isinstance(infer_ms, int | float) else None
+        batch = self.scheduler.complete(worker_id, batch_id, infer_s)
         if batch is None:
             self.dropped_backend += 1
             log.warning("dropped a reply for unknown batch %r from %s", batch_id, worker_id.hex())

@@ -15,12 +15,14 @@ from typing import Any, TypeVar
 import click
 
 from batcher.broker import BindError, Broker, BrokerSettings, run_broker
-from batcher.scheduler import BatchSettings
+from batcher.scheduler import POLICIES, BatchSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"
 DEFAULT_BACKEND = "tcp://127.0.0.1:5556"
+#: Chosen by measurement: see docs/benchmarks.md.
+DEFAULT_WORKER_PREFETCH = 1
 
 
 def option(*decls: str, **kwargs: Any) -> Callable[[F], F]:
@@ -48,20 +50,84 @@ log_level_option = option(
 )
 
 
-def batching_options(f: F) -> F:
-    """The options of the broker's batching window, shared by serve, broker and bench."""
-    f = option(
-        "--max-batch-size",
-        type=click.IntRange(min=1),
-        default=8,
-        help="Largest batch sent to a worker.",
-    )(f)
-    f = option(
-        "--max-wait-ms",
-        type=click.FloatRange(min=0),
-        default=5.0,
-        help="Longest a request waits for its batch to fill.",
-    )(f)
+def _load_config(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
+    """--config: the file's top-level keys become option defaults (so a flag, then its
+    environment variable, then the file, then the built-in default decide)."""
+    if path is None:
+        return None
+    from batcher.config import ConfigError, load_config
+
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+    ctx.default_map = {**(ctx.default_map or {}), **config.options}
+    return path
+
+
+def _batch_sizes(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    if not value:
+        return None
+    try:
+        return tuple(int(v) for v in value.replace(" ", "").split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected sizes like 1,2,4,8, got {value!r}") from None
+
+
+config_option = option(
+    "--config",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    is_eager=True,
+    expose_value=True,
+    callback=_load_config,
+    help="TOML file: option defaults and per-model [models.NAME] settings.",
+)
+
+
+def scheduling_options(f: F) -> F:
+    """The broker's queueing and batching options, shared by serve, broker and bench."""
+    decorators = [
+        option(
+            "--max-batch-size", type=click.IntRange(min=1), default=8, help="Largest batch sent to a worker."
+        ),
+        option(
+            "--max-wait-ms",
+            type=click.FloatRange(min=0),
+            default=5.0,
+            help="Longest a request waits for its batch to fill.",
+        ),
+        option(
+            "--policy",
+            type=click.Choice(POLICIES),
+            default="adaptive",
+            help="window: wait up to --max-wait-ms for a full batch; adaptive: dispatch at once "
+            "unless waiting is expected to lower latency.",
+        ),
+        option(
+            "--batch-sizes",
+            callback=_batch_sizes,
+            default=None,
+            help="Allowed batch sizes, e.g. 1,2,4,8 (must start at 1); a batch is cut to the "
+            "largest the queue fills.",
+        ),
+        option("--max-queue", type=click.IntRange(min=1), default=10_000, help="Queued requests per model."),
+        option(
+            "--default-timeout-ms",
+            type=click.FloatRange(min=0),
+            default=0.0,
+            help="Deadline for requests that carry no timeout_ms (0: none).",
+        ),
+        option(
+            "--worker-prefetch",
+            type=click.IntRange(min=1),
+            default=DEFAULT_WORKER_PREFETCH,
+            help="Batches a worker may hold at once (the next one waits on the worker).",
+        ),
+        config_option,
+    ]
+    for d in reversed(decorators):
+        f = d(f)
     return f
 
 
@@ -83,18 +149,50 @@ def sim_options(f: F) -> F:
 
 
 def broker_settings(
-    frontend: str, backend: str, models: tuple[str, ...], max_batch_size: int, max_wait_ms: float
+    frontend: str, backend: str, models: tuple[str, ...], sched: dict[str, Any]
 ) -> BrokerSettings:
-    """BrokerSettings from CLI values; model specs (`name=pkg.mod:attr`) give their name."""
+    """BrokerSettings from CLI values: the flags are every model's defaults, and the
+    config file's [models.NAME] tables override them per model."""
+    from batcher.config import ConfigError, load_config
     from workers.models import ModelSpec
 
     names = tuple(ModelSpec.parse(m).name for m in models) if models else ("sim",)
-    return BrokerSettings(
-        frontend=frontend,
-        backend=backend,
-        models=names,
-        batch=BatchSettings(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms),
-    )
+    try:
+        default = BatchSettings(
+            max_batch_size=sched["max_batch_size"],
+            max_wait_ms=sched["max_wait_ms"],
+            batch_sizes=sched["batch_sizes"],
+            max_queue=sched["max_queue"],
+            policy=sched["policy"],
+        )
+        per_model = load_config(sched["config"]).model_settings(default) if sched["config"] else {}
+        return BrokerSettings(
+            frontend=frontend,
+            backend=backend,
+            models=names,
+            batch=default,
+            per_model=per_model,
+            default_timeout_ms=sched["default_timeout_ms"],
+            worker_prefetch=sched["worker_prefetch"],
+        )
+    except (ValueError, ConfigError) as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+SCHEDULING_KEYS = (
+    "max_batch_size",
+    "max_wait_ms",
+    "policy",
+    "batch_sizes",
+    "max_queue",
+    "default_timeout_ms",
+    "worker_prefetch",
+    "config",
+)
+
+
+def _pop_scheduling(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: kwargs.pop(k) for k in SCHEDULING_KEYS}
 
 
 def _check_models(models: tuple[str, ...]) -> None:
@@ -125,7 +223,7 @@ def main() -> None:
     help="Model to serve: sim, echo, pkg.module:attr or NAME=SPEC; repeat for several. "
     "The first is the default for requests that name none.",
 )
-@batching_options
+@scheduling_options
 @sim_options
 @log_level_option
 def serve(
@@ -133,11 +231,10 @@ def serve(
     backend: str,
     workers: int,
     models: tuple[str, ...],
-    max_batch_size: int,
-    max_wait_ms: float,
     sim_base_ms: float,
     sim_per_item_ms: float,
     log_level: str,
+    **kwargs: Any,
 ) -> None:
     """Run a broker and --workers worker processes per model (worker i on GPU i)."""
     from workers.models import SimSettings
@@ -145,7 +242,7 @@ def serve(
 
     _setup_logging(log_level)
     _check_models(models)
-    settings = broker_settings(frontend, backend, models, max_batch_size, max_wait_ms)
+    settings = broker_settings(frontend, backend, models, _pop_scheduling(kwargs))
     try:
         broker = Broker(settings)  # bind before the workers start, so a busy port fails fast
     except BindError as exc:
@@ -172,21 +269,15 @@ def serve(
     default=("sim",),
     help="Model requests may name before any worker has joined; the first is the default.",
 )
-@batching_options
+@scheduling_options
 @log_level_option
-def broker(
-    frontend: str,
-    backend: str,
-    models: tuple[str, ...],
-    max_batch_size: int,
-    max_wait_ms: float,
-    log_level: str,
-) -> None:
+def broker(frontend: str, backend: str, models: tuple[str, ...], log_level: str, **kwargs: Any) -> None:
     """Run a broker alone; start workers with `batcher worker`."""
     _setup_logging(log_level)
     _check_models(models)
+    settings = broker_settings(frontend, backend, models, _pop_scheduling(kwargs))
     try:
-        run_broker(broker_settings(frontend, backend, models, max_batch_size, max_wait_ms))
+        run_broker(settings)
     except BindError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -195,7 +286,6 @@ def broker(
 @option("--connect", default=DEFAULT_BACKEND, help="The broker's backend address.")
 @option("--model", default="sim", help="sim, echo, pkg.module:attr or NAME=SPEC.")
 @option("--gpu", type=click.IntRange(min=0), default=None, help="GPU id (sets CUDA_VISIBLE_DEVICES).")
-@option("--slots", type=click.IntRange(min=1), default=1, help="Batches the worker may hold at once.")
 @option("--parent-pid", type=int, default=None, hidden=True)
 @sim_options
 @log_level_option
@@ -203,7 +293,6 @@ def worker(
     connect: str,
     model: str,
     gpu: int | None,
-    slots: int,
     parent_pid: int | None,
     sim_base_ms: float,
     sim_per_item_ms: float,
@@ -215,9 +304,7 @@ def worker(
 
     _setup_logging(log_level)
     _check_models((model,))
-    run_worker(
-        WorkerSettings(connect, model, gpu, SimSettings(sim_base_ms, sim_per_item_ms), slots, parent_pid)
-    )
+    run_worker(WorkerSettings(connect, model, gpu, SimSettings(sim_base_ms, sim_per_item_ms), parent_pid))
 
 
 def _json_default(value: object) -> object:
@@ -256,8 +343,14 @@ def send(connect: str, model: str | None, timeout_ms: float | None, inputs: tupl
 
 @main.command()
 @option("--workers", type=click.IntRange(min=1), default=2, help="sim workers to start.")
+@option(
+    "--policy",
+    type=click.Choice(POLICIES),
+    default="window",
+    help="Dispatch policy; the reference design's is window.",
+)
 @log_level_option
-def demo(workers: int, log_level: str) -> None:
+def demo(workers: int, policy: str, log_level: str) -> None:
     """The reference scenario: 8 clients, 5 ms apart, max batch 4, 50 ms window.
 
     Starts a real broker and workers on free loopback ports, prints each result and
@@ -266,7 +359,7 @@ def demo(workers: int, log_level: str) -> None:
     from batcher.demo import run_demo
 
     _setup_logging(log_level)
-    sys.exit(0 if run_demo(workers) else 1)
+    sys.exit(0 if run_demo(workers, policy) else 1)
 
 
 @main.command()
@@ -299,7 +392,7 @@ def demo(workers: int, log_level: str) -> None:
     help="Write the full result as JSON to this file.",
 )
 @option("--workers", type=click.IntRange(min=1), default=2, help="--spawn: worker processes.")
-@batching_options
+@scheduling_options
 @sim_options
 def bench(
     connect: str | None,
@@ -314,10 +407,9 @@ def bench(
     processes: int,
     json_path: str | None,
     workers: int,
-    max_batch_size: int,
-    max_wait_ms: float,
     sim_base_ms: float,
     sim_per_item_ms: float,
+    **kwargs: Any,
 ) -> None:
     """Measure throughput and latency of a broker under closed- or open-loop load."""
     from batcher.bench import LoadSettings, format_report
@@ -329,20 +421,12 @@ def bench(
         concurrency = 64
     if duration_s is None and requests is None:
         duration_s = 10.0
-    serve_args = [
-        "--workers",
-        str(workers),
-        "--model",
-        model or "sim",
-        "--max-batch-size",
-        str(max_batch_size),
-        "--max-wait-ms",
-        str(max_wait_ms),
-        "--sim-base-ms",
-        str(sim_base_ms),
-        "--sim-per-item-ms",
-        str(sim_per_item_ms),
-    ]
+    serve_args = ["--workers", str(workers), "--model", model or "sim"]
+    serve_args += ["--sim-base-ms", str(sim_base_ms), "--sim-per-item-ms", str(sim_per_item_ms)]
+    for key, value in _pop_scheduling(kwargs).items():
+        if value is not None:
+            text = ",".join(map(str, value)) if key == "batch_sizes" else str(value)
+            serve_args += ["--" + key.replace("_", "-"), text]
     serve = ServeProcess(serve_args) if spawn else None
     try:
         if serve is not None:

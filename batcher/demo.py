@@ -96,10 +96,12 @@ def check(outcomes: list[Outcome], batches: int, sim: SimSettings) -> list[tuple
     ]
 
 
-def run_demo(workers: int = 2) -> bool:
+def run_demo(workers: int = 2, policy: str = "window") -> bool:
     """Run the scenario against a fresh `batcher serve`; print the report; True if it passed."""
     sim = SimSettings()
     args = [
+        "--policy",
+        policy,
         "--workers",
         str(workers),
         "--model",
@@ -112,7 +114,7 @@ def run_demo(workers: int = 2) -> bool:
     with ServeProcess(args) as serve:
         click.echo(
             f"broker at {serve.frontend}, {workers} sim worker(s), "
-            f"max_batch_size={MAX_BATCH_SIZE}, max_wait_ms={MAX_WAIT_MS}"
+            f"max_batch_size={MAX_BATCH_SIZE}, max_wait_ms={MAX_WAIT_MS}, policy={policy}"
         )
         serve.wait_ready(workers)
         outcomes = send_scenario(serve.frontend)

@@ -206,7 +206,10 @@ def split_replies(lengths: list[int], blob: bytes) -> list[bytes]:
     return out
 
 
-def ready_frames(model: str, gpu: int | None, pid: int, slots: int) -> list[bytes]:
-    """Backend READY message, a worker's first words: what it serves and how much at once."""
-    info = {"model": model, "gpu": gpu, "pid": pid, "slots": slots}
+def ready_frames(model: str, gpu: int | None, pid: int, slots: int | None = None) -> list[bytes]:
+    """Backend READY message, a worker's first words: what it serves (and, optionally, how
+    many batches it accepts at once; the broker's --worker-prefetch applies otherwise)."""
+    info: dict[str, Any] = {"model": model, "gpu": gpu, "pid": pid}
+    if slots is not None:
+        info["slots"] = slots
     return [WORKER_PROTOCOL, CMD_READY, _packer_pack(info)]

@@ -1,40 +1,93 @@
-"""The batching rules, apart from any socket: a sans-I/O core.
+"""The batching and scheduling rules, apart from any socket: a sans-I/O core.
 
-The broker feeds it events (a request arrived, a worker joined, a batch finished, a
-worker left) together with the current time, and asks it which batches are due and
-when to wake up next. Nothing here imports zmq or reads a clock, so every rule is
-tested with a fake clock (tests/test_scheduler.py).
+The broker feeds it events (a request arrived or was cancelled, a worker joined,
+finished a batch or left) together with the current time, and asks it which
+requests expired, which batches are due and when to wake up next. Nothing here
+imports zmq or reads a clock, so every rule is tested with a fake clock
+(tests/test_scheduler.py, tests/test_scheduler_policy.py).
+
+Rules, per model:
+- order: higher `priority` first, then earliest deadline, then arrival;
+- a queued request whose deadline passes is expired (never sent to a worker);
+- the queue holds at most `max_queue` requests; one more is Overloaded;
+- a batch never exceeds `max_batch_size`, and with `batch_sizes` it is cut to the
+  largest allowed size the queue can fill;
+- `window` policy: a batch goes to a worker with a free slot as soon as
+  `max_batch_size` requests wait, or when the oldest has waited `max_wait_ms`;
+- `adaptive` policy: the same two triggers, and besides, an idle worker takes the
+  queue at once unless waiting for the next arrival is expected to lower latency,
+  judged from the model's learned batch cost t(n) = a + b*n and its arrival rate;
+- either policy cuts a batch early rather than let a queued request miss its
+  deadline by waiting.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+POLICIES = ("adaptive", "window")
+
+#: Queued, then exactly one of: in a batch, or answered without one (expired, cancelled).
+QUEUED, DISPATCHED, REMOVED = 0, 1, 2
+
+#: Time constant of the arrival-rate estimate (seconds).
+RATE_TAU_S = 0.2
+#: A deadline-bound batch is cut this long before it would have to start, at the latest.
+DEADLINE_MARGIN_S = 0.001
 
 
 @dataclass(frozen=True, slots=True)
 class BatchSettings:
-    """How one model's requests are grouped into batches."""
+    """How one model's requests are queued and grouped into batches."""
 
     max_batch_size: int = 8
     max_wait_ms: float = 5.0
+    batch_sizes: tuple[int, ...] | None = None
+    max_queue: int = 10_000
+    policy: str = "window"
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size!r}")
         if not self.max_wait_ms >= 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms!r}")
+        if not isinstance(self.max_queue, int) or self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.batch_sizes is not None:
+            sizes = self.batch_sizes
+            if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] != 1:
+                raise ValueError(
+                    "batch_sizes must be increasing, without repeats, and start at 1 "
+                    f"(so a lone request can be served), got {list(sizes)}"
+                )
+            if sizes[-1] > self.max_batch_size:
+                raise ValueError(
+                    f"batch_sizes must not exceed max_batch_size {self.max_batch_size}, got {list(sizes)}"
+                )
 
     @property
     def max_wait_s(self) -> float:
         """The wait window in seconds, the unit the scheduler's clock uses."""
         return self.max_wait_ms / 1000.0
 
+    def cut_size(self, queued: int) -> int:
+        """How many of `queued` requests the next batch takes."""
+        n = min(queued, self.max_batch_size)
+        if self.batch_sizes is None:
+            return n
+        return max(s for s in self.batch_sizes if s <= n) if n >= 1 else 0
+
 
 @dataclass(slots=True, eq=False)
 class QueuedRequest:
-    """One accepted request: where to answer it, what to forward, when it arrived.
+    """One accepted request: where to answer it, what to forward, how to order it.
 
     `envelope` and `body` are opaque to the scheduler; the broker forwards `body`
     untouched and answers on `envelope`.
@@ -44,6 +97,10 @@ class QueuedRequest:
     body: bytes
     id: object
     arrived_at: float
+    priority: float = 0
+    deadline_at: float | None = None
+    state: int = QUEUED
+    seq: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -55,6 +112,7 @@ class Batch:
     worker: bytes
     requests: list[QueuedRequest]
     dispatched_at: float
+    expected_done_at: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -65,42 +123,147 @@ class WorkerState:
     model: str
     slots: int
     in_flight: dict[int, Batch] = field(default_factory=dict)
+    last_used: int = 0  # dispatch counter value when it last got a batch (least recent first)
 
     @property
     def free_slots(self) -> int:
         return self.slots - len(self.in_flight)
 
+    def busy_until(self) -> float:
+        """When its last batch is expected to finish (0 when it holds none)."""
+        return max((b.expected_done_at for b in self.in_flight.values()), default=0.0)
+
+
+class CostModel:
+    """The batch cost t(n) = a + b*n of one model, learned online from worker reports
+    by exponentially weighted least squares (recent batches count most)."""
+
+    DECAY = 0.97
+
+    def __init__(self) -> None:
+        self._w = self._n = self._nn = self._t = self._nt = 0.0
+
+    def observe(self, n: int, seconds: float) -> None:
+        d = self.DECAY
+        self._w = self._w * d + 1.0
+        self._n = self._n * d + n
+        self._nn = self._nn * d + n * n
+        self._t = self._t * d + seconds
+        self._nt = self._nt * d + n * seconds
+
+    @property
+    def known(self) -> bool:
+        return self._w > 0
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b) in seconds; with a single batch size seen so far, b = 0 and a = mean."""
+        w = self._w
+        if w == 0:
+            return 0.0, 0.0
+        mean_n, mean_t = self._n / w, self._t / w
+        var_n = self._nn / w - mean_n * mean_n
+        if var_n < 1e-6:
+            return mean_t, 0.0
+        b = max(0.0, (self._nt / w - mean_n * mean_t) / var_n)
+        a = max(0.0, mean_t - b * mean_n)
+        return a, b
+
+    def predict(self, n: int) -> float:
+        a, b = self.coefficients()
+        return a + b * n
+
+
+class ArrivalRate:
+    """Requests per second, an exponentially decaying count over about RATE_TAU_S."""
+
+    def __init__(self) -> None:
+        self._count = 0.0
+        self._at = 0.0
+
+    def arrive(self, now: float) -> None:
+        self._count = self._count * math.exp(-(now - self._at) / RATE_TAU_S) + 1.0
+        self._at = now
+
+    def per_second(self, now: float) -> float:
+        return self._count * math.exp(-max(0.0, now - self._at) / RATE_TAU_S) / RATE_TAU_S
+
 
 @dataclass(slots=True, eq=False)
 class ModelQueue:
-    """A model's waiting requests and its workers that can take a batch now."""
+    """A model's waiting requests, its workers, and what it has learned of its load."""
 
     settings: BatchSettings
-    queue: deque[QueuedRequest] = field(default_factory=deque)
-    idle: deque[bytes] = field(default_factory=deque)  # workers with a free slot, LRU first
-    workers: set[bytes] = field(default_factory=set)
+    heap: list[tuple[float, float, int, QueuedRequest]] = field(default_factory=list)
+    arrivals: deque[QueuedRequest] = field(default_factory=deque)  # arrival order, lazily cleaned
+    deadlines: list[tuple[float, int, QueuedRequest]] = field(default_factory=list)
+    size: int = 0
+    workers: dict[bytes, None] = field(default_factory=dict)  # an ordered set
+    cost: CostModel = field(default_factory=CostModel)
+    rate: ArrivalRate = field(default_factory=ArrivalRate)
+    recheck_at: float = math.inf  # adaptive: when a decision to wait is reconsidered
+
+    def oldest(self) -> QueuedRequest | None:
+        """The earliest-arrived request still queued."""
+        arrivals = self.arrivals
+        while arrivals and arrivals[0].state != QUEUED:
+            arrivals.popleft()
+        return arrivals[0] if arrivals else None
+
+    def earliest_deadline(self) -> float | None:
+        dl = self.deadlines
+        while dl and dl[0][2].state != QUEUED:
+            heapq.heappop(dl)
+        return dl[0][0] if dl else None
+
+    def pop(self) -> QueuedRequest:
+        """The next request in scheduling order (priority, deadline, arrival)."""
+        heap = self.heap
+        while True:
+            req = heapq.heappop(heap)[3]
+            if req.state == QUEUED:
+                self.size -= 1
+                return req
+
+    def queued(self) -> Iterator[QueuedRequest]:
+        """Every request still queued, in no particular order."""
+        return (entry[3] for entry in self.heap if entry[3].state == QUEUED)
+
+    def discard(self, req: QueuedRequest) -> None:
+        """Take a queued request out (expired or cancelled); its heap entries go lazily."""
+        req.state = REMOVED
+        self.size -= 1
+        if len(self.heap) > 64 and len(self.heap) > 2 * self.size:
+            self.heap = [e for e in self.heap if e[3].state == QUEUED]
+            heapq.heapify(self.heap)
 
 
 class UnknownModel(KeyError):
     """A request named a model that is neither configured nor served by any worker."""
 
 
+class Overloaded(Exception):
+    """The model's queue is full; the request must be refused now, not dropped later."""
+
+
 class Scheduler:
-    """Per-model queues and the window rule: a batch goes to a worker with a free slot
-    as soon as `max_batch_size` requests wait, or when the oldest has waited
-    `max_wait_ms`. No batch is larger than `max_batch_size`; order is FIFO."""
+    """Per-model priority queues, deadlines and the dispatch policies (module docstring)."""
 
     def __init__(
         self,
         default: BatchSettings | None = None,
         per_model: dict[str, BatchSettings] | None = None,
         models: list[str] | None = None,
+        worker_prefetch: int = 1,
     ) -> None:
+        if worker_prefetch < 1:
+            raise ValueError(f"worker_prefetch must be >= 1, got {worker_prefetch}")
         self.default_settings = default or BatchSettings()
+        self.worker_prefetch = worker_prefetch
         self._per_model = dict(per_model or {})
         self._models: dict[str, ModelQueue] = {}
         self._workers: dict[bytes, WorkerState] = {}
         self._next_batch_id = 1
+        self._seq = itertools.count()
         for name in [*(models or []), *self._per_model]:
             self._model(name)
 
@@ -121,53 +284,88 @@ class Scheduler:
     def queued(self, model: str) -> int:
         """Requests of `model` waiting for a batch."""
         mq = self._models.get(model)
-        return len(mq.queue) if mq else 0
+        return mq.size if mq else 0
 
     def in_flight(self) -> Iterator[Batch]:
         """Every batch that a worker holds now."""
         for w in self._workers.values():
             yield from w.in_flight.values()
 
+    def cost(self, model: str) -> tuple[float, float] | None:
+        """The learned (a, b) of t(n) = a + b*n in seconds, None before any report."""
+        mq = self._models.get(model)
+        return mq.cost.coefficients() if mq and mq.cost.known else None
+
     # --- events -----------------------------------------------------------------------------
 
     def enqueue(self, model: str, request: QueuedRequest) -> None:
-        """Queue an accepted request; raises UnknownModel for a model nobody serves."""
+        """Queue an accepted request. Raises UnknownModel for a model nobody serves and
+        Overloaded when the model's queue is full."""
         mq = self._models.get(model)
         if mq is None:
             raise UnknownModel(model)
-        mq.queue.append(request)
+        if mq.size >= mq.settings.max_queue:
+            raise Overloaded(model)
+        seq = request.seq = next(self._seq)
+        deadline = request.deadline_at
+        heapq.heappush(mq.heap, (-request.priority, math.inf if deadline is None else deadline, seq, request))
+        if deadline is not None:
+            heapq.heappush(mq.deadlines, (deadline, seq, request))
+        mq.arrivals.append(request)
+        mq.size += 1
+        mq.rate.arrive(request.arrived_at)
 
-    def add_worker(self, worker_id: bytes, model: str, slots: int) -> None:
-        """A worker announced itself (READY); it can take `slots` batches at once."""
+    def cancel(self, match: Callable[[QueuedRequest], bool]) -> list[tuple[str, QueuedRequest]]:
+        """Remove the queued requests for which `match(request)` is true; returns them with
+        their model. Requests already in a batch are not touched (they finish normally)."""
+        out = []
+        for name, mq in self._models.items():
+            for req in [r for r in mq.queued() if match(r)]:
+                mq.discard(req)
+                out.append((name, req))
+        return out
+
+    def expire(self, now: float) -> list[tuple[str, QueuedRequest]]:
+        """Remove and return the queued requests whose deadline is at or before `now`."""
+        out = []
+        for name, mq in self._models.items():
+            dl = mq.deadlines
+            while dl and (dl[0][2].state != QUEUED or dl[0][0] <= now):
+                _, _, req = heapq.heappop(dl)
+                if req.state == QUEUED:
+                    mq.discard(req)
+                    out.append((name, req))
+        return out
+
+    def add_worker(self, worker_id: bytes, model: str, slots: int | None = None) -> None:
+        """A worker announced itself (READY). It may hold `worker_prefetch` batches at once
+        (fewer if it asks for fewer `slots`)."""
         if worker_id in self._workers:
             self.remove_worker(worker_id)  # re-announced: treat as a fresh worker
         mq = self._model(model)
-        self._workers[worker_id] = WorkerState(worker_id, model, max(1, slots))
-        mq.workers.add(worker_id)
-        mq.idle.append(worker_id)
+        limit = self.worker_prefetch if slots is None else max(1, min(slots, self.worker_prefetch))
+        self._workers[worker_id] = WorkerState(worker_id, model, limit)
+        mq.workers[worker_id] = None
 
     def remove_worker(self, worker_id: bytes) -> list[Batch]:
         """A worker left or died; returns the batches it held so they can be answered."""
         w = self._workers.pop(worker_id, None)
         if w is None:
             return []
-        mq = self._models[w.model]
-        mq.workers.discard(worker_id)
-        if worker_id in mq.idle:
-            mq.idle.remove(worker_id)
+        self._models[w.model].workers.pop(worker_id, None)
         return list(w.in_flight.values())
 
-    def complete(self, worker_id: bytes, batch_id: int) -> Batch | None:
-        """A worker answered a batch; frees its slot. None for an unknown batch
-        (a late or forged reply), which the broker must not deliver."""
+    def complete(self, worker_id: bytes, batch_id: int, infer_s: float | None = None) -> Batch | None:
+        """A worker answered a batch; frees its slot and teaches the cost model. None for
+        an unknown batch (a late or forged reply), which the broker must not deliver."""
         w = self._workers.get(worker_id)
         if w is None:
             return None
         batch = w.in_flight.pop(batch_id, None)
         if batch is None:
             return None
-        if w.free_slots == 1:  # it had none free, so it was not in the idle queue
-            self._models[w.model].idle.append(worker_id)
+        if infer_s is not None and infer_s >= 0:
+            self._models[batch.model].cost.observe(len(batch.requests), infer_s)
         return batch
 
     # --- decisions --------------------------------------------------------------------------
@@ -176,19 +374,25 @@ class Scheduler:
         """Cut every batch that is due at `now` and assign each to a worker."""
         out: list[Batch] = []
         for name, mq in self._models.items():
-            while mq.queue and mq.idle and self._is_due(mq, now):
-                out.append(self._cut(name, mq, now))
+            while mq.size:
+                worker = self._pick_worker(mq, now)
+                if worker is None:
+                    break
+                out.append(self._cut(name, mq, worker, now))
         return out
 
     def next_wakeup(self) -> float | None:
-        """The earliest time at which a batch may become due without any new event."""
-        best: float | None = None
+        """The earliest time at which something may become due without any new event."""
+        best = math.inf
         for mq in self._models.values():
-            if mq.queue and mq.idle:
-                t = mq.queue[0].arrived_at + mq.settings.max_wait_s
-                if best is None or t < best:
-                    best = t
-        return best
+            if mq.deadlines:
+                dl = mq.earliest_deadline()
+                if dl is not None:
+                    best = min(best, dl)
+            if not mq.size or not any(self._workers[w].free_slots for w in mq.workers):
+                continue
+            best = min(best, self._wait_until(mq), mq.recheck_at)
+        return None if best == math.inf else best
 
     # --- internals --------------------------------------------------------------------------
 
@@ -199,20 +403,82 @@ class Scheduler:
             self._models[name] = mq
         return mq
 
-    @staticmethod
-    def _is_due(mq: ModelQueue, now: float) -> bool:
-        s = mq.settings
-        return len(mq.queue) >= s.max_batch_size or now >= mq.queue[0].arrived_at + s.max_wait_s
+    def _wait_until(self, mq: ModelQueue) -> float:
+        """The latest time the queue's head batch may wait for more requests."""
+        oldest = mq.oldest()
+        assert oldest is not None
+        t = oldest.arrived_at + mq.settings.max_wait_s
+        dl = mq.earliest_deadline()
+        if dl is not None:  # leave time to run the batch before the earliest deadline
+            t = min(t, dl - mq.cost.predict(mq.settings.cut_size(mq.size)) - DEADLINE_MARGIN_S)
+        return t
 
-    def _cut(self, name: str, mq: ModelQueue, now: float) -> Batch:
-        queue = mq.queue
-        n = min(len(queue), mq.settings.max_batch_size)
-        requests = [queue.popleft() for _ in range(n)]
-        worker_id = mq.idle.popleft()
-        w = self._workers[worker_id]
-        batch = Batch(self._next_batch_id, name, worker_id, requests, now)
+    def _pick_worker(self, mq: ModelQueue, now: float) -> WorkerState | None:
+        """The worker the next batch goes to now, or None if the queue should wait."""
+        idle: list[WorkerState] = []
+        prefetching: list[WorkerState] = []
+        for wid in mq.workers:
+            w = self._workers[wid]
+            if not w.in_flight:
+                idle.append(w)
+            elif w.free_slots > 0:
+                prefetching.append(w)
+        if not idle and not prefetching:
+            return None
+        s = mq.settings
+        mq.recheck_at = math.inf
+        full = mq.size >= s.max_batch_size
+        if full or now >= self._wait_until(mq):
+            if idle:
+                return min(idle, key=_least_recently_used)
+            return min(prefetching, key=WorkerState.busy_until)
+        if not idle or s.policy == "window":
+            return None
+        # adaptive: an idle worker takes the queue now unless waiting should pay
+        gap = self._gap_if_waiting_pays(mq, len(idle), now)
+        if gap is None:
+            return min(idle, key=_least_recently_used)
+        mq.recheck_at = now + gap  # no arrival by then: the rate estimate has dropped
+        return None
+
+    def _gap_if_waiting_pays(self, mq: ModelQueue, idle_workers: int, now: float) -> float | None:
+        """The expected time to the next arrival if holding the queue for it lowers the
+        total latency, else None.
+
+        Dispatching n now, the next arrival (in g = 1/rate) waits for the first worker to
+        free, at F, and finishes near F + t(1); held back, it joins this batch and all
+        finish at now + g + t(n+1). Holding costs the n queued requests g + b each.
+        With another idle worker the next arrival would not wait at all, so it never pays.
+        """
+        if idle_workers > 1 or not mq.cost.known:
+            return None
+        rate = mq.rate.per_second(now)
+        if rate <= 0:
+            return None
+        n = mq.size
+        a, b = mq.cost.coefficients()
+        gap = 1.0 / rate
+        first_free = now + a + b * n
+        for wid in mq.workers:
+            w = self._workers[wid]
+            if w.in_flight:
+                first_free = min(first_free, max(now, w.busy_until()))
+        gain = (first_free + a + b) - (now + gap + a + b * (n + 1))
+        return gap if gain > n * (gap + b) else None
+
+    def _cut(self, name: str, mq: ModelQueue, worker: WorkerState, now: float) -> Batch:
+        n = mq.settings.cut_size(mq.size)
+        requests = [mq.pop() for _ in range(n)]
+        for r in requests:
+            r.state = DISPATCHED
+        start = max(now, worker.busy_until())
+        batch = Batch(self._next_batch_id, name, worker.worker_id, requests, now)
+        batch.expected_done_at = start + mq.cost.predict(n)
         self._next_batch_id += 1
-        w.in_flight[batch.batch_id] = batch
-        if w.free_slots > 0:
-            mq.idle.append(worker_id)
+        worker.in_flight[batch.batch_id] = batch
+        worker.last_used = batch.batch_id
         return batch
+
+
+def _least_recently_used(w: WorkerState) -> int:
+    return w.last_used

@@ -29,7 +29,6 @@ class PoolSettings:
     models: tuple[str, ...]
     workers_per_model: int
     sim: SimSettings = field(default_factory=SimSettings)
-    slots: int = 1
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -79,8 +78,6 @@ class Supervisor:
             repr(s.sim.base_ms),
             "--sim-per-item-ms",
             repr(s.sim.per_item_ms),
-            "--slots",
-            str(s.slots),
             "--log-level",
             s.log_level,
             "--parent-pid",

@@ -37,15 +37,12 @@ class WorkerSettings:
     model: str = "sim"
     gpu: int | None = None
     sim: SimSettings = field(default_factory=SimSettings)
-    slots: int = 1
     parent_pid: int | None = None
 
     def __post_init__(self) -> None:
         ModelSpec.parse(self.model)  # raises with a precise message
         if self.gpu is not None and self.gpu < 0:
             raise ValueError(f"gpu must be >= 0, got {self.gpu}")
-        if self.slots < 1:
-            raise ValueError(f"slots must be >= 1, got {self.slots}")
 
 
 def run_batch(model: ModelFn, header_frame: bytes, batch_frame: bytes, worker_name: str) -> list[bytes]:
@@ -110,9 +107,7 @@ class Worker:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.connect(self.settings.connect)
-        sock.send_multipart(
-            protocol.ready_frames(self.spec.name, self.settings.gpu, os.getpid(), self.settings.slots)
-        )
+        sock.send_multipart(protocol.ready_frames(self.spec.name, self.settings.gpu, os.getpid()))
         log.info("worker %s ready for model %s at %s", self.name, self.spec.name, self.settings.connect)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
