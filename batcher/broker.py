@@ -8,18 +8,22 @@ untouched.
 
 from __future__ import annotations
 
+import functools
+import heapq
+import itertools
 import logging
 import math
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from batcher import protocol
-from batcher.protocol import ErrorCode, ProtocolError
+from batcher.protocol import ErrorCode, Heartbeat, ProtocolError
 from batcher.scheduler import (
     Batch,
     BatchSettings,
@@ -35,6 +39,8 @@ log = logging.getLogger("batcher.broker")
 
 #: Messages taken from one socket before the loop looks at the other one and the timers.
 DRAIN_LIMIT = 2000
+#: Replies queued for one client (or batches for one worker) before sends fail.
+REPLY_HWM = 100_000
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,9 @@ class BrokerSettings:
     per_model: dict[str, BatchSettings] = field(default_factory=dict)
     default_timeout_ms: float = 0.0
     worker_prefetch: int = 1
+    heartbeat: Heartbeat = field(default_factory=Heartbeat)
+    max_retries: int = 1
+    max_message_bytes: int = 16 * 1024 * 1024
     shutdown_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -60,6 +69,10 @@ class BrokerSettings:
             raise ValueError(f"default_timeout_ms must be >= 0, got {self.default_timeout_ms}")
         if not isinstance(self.worker_prefetch, int) or self.worker_prefetch < 1:
             raise ValueError(f"worker_prefetch must be >= 1, got {self.worker_prefetch}")
+        if not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if not isinstance(self.max_message_bytes, int) or self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
 
@@ -98,14 +111,25 @@ class Broker:
         self.dropped_backend = 0
         self._stopping_since: float | None = None
         self.signals = StopSignals()
-        self.frontend = self._router(settings.frontend)
-        self.backend = self._router(settings.backend)
+        self.workers_lost = 0
+        self.batches_retried = 0
+        self._heard_from: dict[bytes, float] = {}  # worker -> when it last said anything
+        self._timers: list[tuple[float, int, Callable[[float], None]]] = []
+        self._timer_seq = itertools.count()
+        self.frontend = self._router(settings.frontend, settings.max_message_bytes)
+        self.backend = self._router(settings.backend, -1)
+        self.call_every(settings.heartbeat.interval_s, self._heartbeat)
 
-    def _router(self, address: str) -> zmq.Socket[Any]:
+    def _router(self, address: str, max_message_bytes: int) -> zmq.Socket[Any]:
         sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        # A reply to a peer that is gone raises (and is counted) instead of vanishing.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.SNDHWM, 0)  # replies are never dropped for a full pipe
+        # Bounded per-peer queues: a client that stops reading cannot grow the broker
+        # without bound; replies past this raise zmq.Again and are counted.
+        sock.setsockopt(zmq.SNDHWM, REPLY_HWM)
+        # A peer sending a bigger message is disconnected by libzmq before we see it.
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         try:
             sock.bind(address)
         except zmq.ZMQError as exc:
@@ -114,6 +138,24 @@ class Broker:
         return sock
 
     # --- lifecycle --------------------------------------------------------------------------
+
+    def call_every(self, interval_s: float, fn: Callable[[float], None]) -> None:
+        """Run `fn(now)` every `interval_s` on the loop's timer heap (heartbeats, supervision)."""
+
+        def tick(now: float) -> None:
+            self._call_at(now + interval_s, tick)
+            fn(now)
+
+        self._call_at(time.monotonic() + interval_s, tick)
+
+    def _call_at(self, when: float, fn: Callable[[float], None]) -> None:
+        heapq.heappush(self._timers, (when, next(self._timer_seq), fn))
+
+    def _run_timers(self) -> None:
+        now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            _, _, fn = heapq.heappop(self._timers)
+            self._guard(functools.partial(fn, now))
 
     def request_stop(self) -> None:
         """First call: drain (finish queued and in-flight work). Second call: exit now."""
@@ -154,6 +196,7 @@ class Broker:
                 if self._stopping_since is None:
                     self._stopping_since = time.monotonic()
                     log.info("draining: new requests are refused, queued ones finished")
+            self._run_timers()
             self._guard(self._dispatch)
         log.info("broker stopped")
 
@@ -166,6 +209,8 @@ class Broker:
 
     def _poll_timeout_ms(self, now: float) -> int:
         wake = self.scheduler.next_wakeup()
+        if self._timers:
+            wake = self._timers[0][0] if wake is None else min(wake, self._timers[0][0])
         if self._stopping_since is not None:
             deadline = self._stopping_since + self.settings.shutdown_grace_s
             wake = deadline if wake is None else min(wake, deadline)
@@ -313,10 +358,8 @@ class Broker:
         for batch in self.scheduler.due_batches(now):
             queue_ms = [round((now - r.arrived_at) * 1000.0, 3) for r in batch.requests]
             frames = protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests])
-            try:
-                send_frames(self.backend, [batch.worker, *frames])
-            except zmq.ZMQError as exc:
-                log.warning("worker %s unreachable (%s); failing its batches", batch.worker.hex(), exc)
+            if not self._send_to_worker(batch.worker, frames):
+                log.warning("worker %s unreachable; its batches go to another", batch.worker.hex())
                 self._worker_lost(batch.worker, "worker unreachable")
 
     # --- backend ----------------------------------------------------------------------------
@@ -338,16 +381,23 @@ class Broker:
         if len(frames) < 3 or frames[1] != protocol.WORKER_PROTOCOL:
             raise ValueError("not a batcher worker message")
         worker_id, command = frames[0], frames[2]
+        if command == protocol.CMD_READY and len(frames) == 4:
+            self._on_ready(worker_id, frames[3])
+            return
+        if worker_id not in self._heard_from:
+            # Not a worker of ours (we restarted, or declared it dead): make it announce
+            # itself again; whatever it sent is dropped.
+            self.dropped_backend += 1
+            if command != protocol.CMD_DISCONNECT:
+                self._send_to_worker(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
+            return
+        self._heard_from[worker_id] = time.monotonic()
         if command == protocol.CMD_REPLY and len(frames) == 5:
             self._on_reply(worker_id, frames[3], frames[4])
-        elif command == protocol.CMD_READY and len(frames) == 4:
-            self._on_ready(worker_id, frames[3])
         elif command == protocol.CMD_DISCONNECT:
-            log.info("worker %s disconnected", worker_id.hex())
-            self._worker_lost(worker_id, "worker disconnected")
-        elif command == protocol.CMD_HEARTBEAT:
-            pass
-        else:
+            log.info("worker %s left", worker_id.hex())
+            self._worker_lost(worker_id, "worker left", failed=False)
+        elif command != protocol.CMD_HEARTBEAT:
             raise ValueError(f"unknown command {command!r} with {len(frames)} frames")
 
     def _on_ready(self, worker_id: bytes, info_frame: bytes) -> None:
@@ -355,10 +405,10 @@ class Broker:
         model, slots = info.get("model"), info.get("slots")
         if not isinstance(model, str) or not model or not (slots is None or isinstance(slots, int)):
             raise ValueError(f"bad READY info {info!r}")
-        lost = self.scheduler.remove_worker(worker_id)
-        for batch in lost:
-            self._fail_batch(batch, ErrorCode.WORKER_FAILED, "worker restarted during the batch")
+        if worker_id in self._heard_from:  # announced again: whatever it held is lost
+            self._worker_lost(worker_id, "worker restarted during the batch")
         self.scheduler.add_worker(worker_id, model, slots)
+        self._heard_from[worker_id] = time.monotonic()
         log.info(
             "worker joined: model %s, gpu %s, pid %s, id %s",
             model,
@@ -393,9 +443,37 @@ class Broker:
             except zmq.ZMQError:
                 self.undeliverable += 1
 
-    def _worker_lost(self, worker_id: bytes, why: str) -> None:
+    def _heartbeat(self, now: float) -> None:
+        """Tell every worker we live; take those silent past their liveness for dead."""
+        expiry = self.settings.heartbeat.expiry_s
+        for worker_id, heard_at in list(self._heard_from.items()):
+            if now - heard_at > expiry:
+                log.warning("worker %s silent for %.1fs: taken for dead", worker_id.hex(), now - heard_at)
+                self._worker_lost(worker_id, f"worker silent for {now - heard_at:.1f}s")
+            else:
+                self._send_to_worker(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
+
+    def _send_to_worker(self, worker_id: bytes, frames: list[bytes]) -> bool:
+        try:
+            send_frames(self.backend, [worker_id, *frames])
+            return True
+        except zmq.ZMQError:
+            return False
+
+    def _worker_lost(self, worker_id: bytes, why: str, failed: bool = True) -> None:
+        """Forget a worker. Its batches go back to the queue, unless a failed worker was
+        their `max_retries`-th: those requests are answered with worker_failed."""
+        self._heard_from.pop(worker_id, None)
+        if failed:
+            self.workers_lost += 1
         for batch in self.scheduler.remove_worker(worker_id):
-            self._fail_batch(batch, ErrorCode.WORKER_FAILED, why)
+            retry = [r for r in batch.requests if not failed or r.attempts < self.settings.max_retries]
+            if retry:
+                self.batches_retried += 1
+                self.scheduler.requeue(batch.model, retry, count_attempt=failed)
+            for req in batch.requests:
+                if req not in retry:
+                    self._reply_error(req, batch.model, ErrorCode.WORKER_FAILED, why)
 
     def _fail_batch(self, batch: Batch, code: ErrorCode, message: str) -> None:
         for req in batch.requests:

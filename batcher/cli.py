@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import click
 
 from batcher.broker import BindError, Broker, BrokerSettings, run_broker
+from batcher.protocol import Heartbeat
 from batcher.scheduler import POLICIES, BatchSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -23,6 +24,8 @@ DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"
 DEFAULT_BACKEND = "tcp://127.0.0.1:5556"
 #: Chosen by measurement: see docs/benchmarks.md.
 DEFAULT_WORKER_PREFETCH = 1
+#: How often `serve` looks for dead workers to respawn.
+SUPERVISE_INTERVAL_S = 0.2
 
 
 def option(*decls: str, **kwargs: Any) -> Callable[[F], F]:
@@ -85,6 +88,22 @@ config_option = option(
 )
 
 
+heartbeat_options = [
+    option(
+        "--heartbeat-ms",
+        type=click.FloatRange(min=1),
+        default=500.0,
+        help="Interval of heartbeats between broker and workers.",
+    ),
+    option(
+        "--heartbeat-liveness",
+        type=click.IntRange(min=1),
+        default=3,
+        help="Heartbeat intervals of silence after which a peer is taken for dead.",
+    ),
+]
+
+
 def scheduling_options(f: F) -> F:
     """The broker's queueing and batching options, shared by serve, broker and bench."""
     decorators = [
@@ -124,6 +143,19 @@ def scheduling_options(f: F) -> F:
             default=DEFAULT_WORKER_PREFETCH,
             help="Batches a worker may hold at once (the next one waits on the worker).",
         ),
+        option(
+            "--max-retries",
+            type=click.IntRange(min=0),
+            default=1,
+            help="Re-dispatches of a batch whose worker died, before its requests get worker_failed.",
+        ),
+        option(
+            "--max-message-bytes",
+            type=click.IntRange(min=1024),
+            default=16 * 1024 * 1024,
+            help="Largest request accepted; a bigger one disconnects its sender.",
+        ),
+        *heartbeat_options,
         config_option,
     ]
     for d in reversed(decorators):
@@ -174,6 +206,9 @@ def broker_settings(
             per_model=per_model,
             default_timeout_ms=sched["default_timeout_ms"],
             worker_prefetch=sched["worker_prefetch"],
+            heartbeat=Heartbeat(sched["heartbeat_ms"], sched["heartbeat_liveness"]),
+            max_retries=sched["max_retries"],
+            max_message_bytes=sched["max_message_bytes"],
         )
     except (ValueError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
@@ -187,6 +222,10 @@ SCHEDULING_KEYS = (
     "max_queue",
     "default_timeout_ms",
     "worker_prefetch",
+    "max_retries",
+    "max_message_bytes",
+    "heartbeat_ms",
+    "heartbeat_liveness",
     "config",
 )
 
@@ -248,9 +287,17 @@ def serve(
     except BindError as exc:
         raise click.ClickException(str(exc)) from None
     supervisor = Supervisor(
-        PoolSettings(backend, models, workers, SimSettings(sim_base_ms, sim_per_item_ms), log_level=log_level)
+        PoolSettings(
+            backend,
+            models,
+            workers,
+            SimSettings(sim_base_ms, sim_per_item_ms),
+            heartbeat=settings.heartbeat,
+            log_level=log_level,
+        )
     )
     broker.signals.install()
+    broker.call_every(SUPERVISE_INTERVAL_S, supervisor.check)
     try:
         supervisor.start()
         broker.run()
@@ -287,6 +334,8 @@ def broker(frontend: str, backend: str, models: tuple[str, ...], log_level: str,
 @option("--model", default="sim", help="sim, echo, pkg.module:attr or NAME=SPEC.")
 @option("--gpu", type=click.IntRange(min=0), default=None, help="GPU id (sets CUDA_VISIBLE_DEVICES).")
 @option("--parent-pid", type=int, default=None, hidden=True)
+@heartbeat_options[0]
+@heartbeat_options[1]
 @sim_options
 @log_level_option
 def worker(
@@ -294,6 +343,8 @@ def worker(
     model: str,
     gpu: int | None,
     parent_pid: int | None,
+    heartbeat_ms: float,
+    heartbeat_liveness: int,
     sim_base_ms: float,
     sim_per_item_ms: float,
     log_level: str,
@@ -304,7 +355,16 @@ def worker(
 
     _setup_logging(log_level)
     _check_models((model,))
-    run_worker(WorkerSettings(connect, model, gpu, SimSettings(sim_base_ms, sim_per_item_ms), parent_pid))
+    run_worker(
+        WorkerSettings(
+            connect,
+            model,
+            gpu,
+            SimSettings(sim_base_ms, sim_per_item_ms),
+            parent_pid,
+            Heartbeat(heartbeat_ms, heartbeat_liveness),
+        )
+    )
 
 
 def _json_default(value: object) -> object:

@@ -52,11 +52,15 @@ class BatchSettings:
     policy: str = "window"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+        for name in ("max_batch_size", "max_queue"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+        if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size!r}")
         if not self.max_wait_ms >= 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms!r}")
-        if not isinstance(self.max_queue, int) or self.max_queue < 1:
+        if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
@@ -101,6 +105,7 @@ class QueuedRequest:
     deadline_at: float | None = None
     state: int = QUEUED
     seq: int = 0
+    attempts: int = 0  # batches it was sent in whose worker failed
 
 
 @dataclass(slots=True, eq=False)
@@ -306,14 +311,29 @@ class Scheduler:
             raise UnknownModel(model)
         if mq.size >= mq.settings.max_queue:
             raise Overloaded(model)
-        seq = request.seq = next(self._seq)
-        deadline = request.deadline_at
-        heapq.heappush(mq.heap, (-request.priority, math.inf if deadline is None else deadline, seq, request))
-        if deadline is not None:
-            heapq.heappush(mq.deadlines, (deadline, seq, request))
+        request.seq = next(self._seq)
+        self._push(mq, request)
         mq.arrivals.append(request)
-        mq.size += 1
         mq.rate.arrive(request.arrived_at)
+
+    def requeue(self, model: str, requests: list[QueuedRequest], count_attempt: bool = True) -> None:
+        """Put the requests of a batch whose worker failed (or left) back in their queue,
+        where their original arrival keeps them ahead of later requests. The queue limit
+        does not apply: they were accepted already."""
+        mq = self._models[model]
+        for req in reversed(requests):
+            req.state = QUEUED
+            req.attempts += count_attempt
+            self._push(mq, req)
+            mq.arrivals.appendleft(req)  # older than anything queued since
+
+    @staticmethod
+    def _push(mq: ModelQueue, req: QueuedRequest) -> None:
+        deadline = req.deadline_at
+        heapq.heappush(mq.heap, (-req.priority, math.inf if deadline is None else deadline, req.seq, req))
+        if deadline is not None:
+            heapq.heappush(mq.deadlines, (deadline, req.seq, req))
+        mq.size += 1
 
     def cancel(self, match: Callable[[QueuedRequest], bool]) -> list[tuple[str, QueuedRequest]]:
         """Remove the queued requests for which `match(request)` is true; returns them with
@@ -337,15 +357,16 @@ class Scheduler:
                     out.append((name, req))
         return out
 
-    def add_worker(self, worker_id: bytes, model: str, slots: int | None = None) -> None:
+    def add_worker(self, worker_id: bytes, model: str, slots: int | None = None) -> list[Batch]:
         """A worker announced itself (READY). It may hold `worker_prefetch` batches at once
-        (fewer if it asks for fewer `slots`)."""
-        if worker_id in self._workers:
-            self.remove_worker(worker_id)  # re-announced: treat as a fresh worker
+        (fewer if it asks for fewer `slots`). A worker announcing itself again is a fresh
+        one: the batches it held are returned, to be answered or sent elsewhere."""
+        lost = self.remove_worker(worker_id)
         mq = self._model(model)
         limit = self.worker_prefetch if slots is None else max(1, min(slots, self.worker_prefetch))
         self._workers[worker_id] = WorkerState(worker_id, model, limit)
         mq.workers[worker_id] = None
+        return lost
 
     def remove_worker(self, worker_id: bytes) -> list[Batch]:
         """A worker left or died; returns the batches it held so they can be answered."""

@@ -73,7 +73,8 @@ class ModelSpec:
         name, target = name.strip(), target.strip()
         if not name or not target:
             raise ValueError(f"model must be NAME, NAME=SPEC or pkg.module:attr, got {text!r}")
-        if target not in BUILTIN_MODELS and ":" not in target:
+        module, _, attr = target.partition(":")
+        if target not in BUILTIN_MODELS and not (module.strip() and attr.strip()):
             raise ValueError(
                 f"unknown model {target!r}: use one of {', '.join(BUILTIN_MODELS)} "
                 "or a user model as package.module:attr"

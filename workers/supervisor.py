@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from batcher.protocol import Heartbeat
 from workers.models import SimSettings
 
 log = logging.getLogger("batcher.supervisor")
@@ -29,6 +30,7 @@ class PoolSettings:
     models: tuple[str, ...]
     workers_per_model: int
     sim: SimSettings = field(default_factory=SimSettings)
+    heartbeat: Heartbeat = field(default_factory=Heartbeat)
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -36,13 +38,26 @@ class PoolSettings:
             raise ValueError(f"workers must be >= 0, got {self.workers_per_model}")
 
 
+#: A worker that dies sooner than this after starting counts as failing at start-up.
+EARLY_DEATH_S = 10.0
+#: Start-up failures in a row after which a GPU's worker is given up.
+MAX_EARLY_DEATHS = 5
+RESPAWN_MIN_S = 0.5
+RESPAWN_MAX_S = 10.0
+
+
 @dataclass
 class WorkerProcess:
-    """One started worker: what it runs and its process."""
+    """One GPU's worker: what it runs, its current process and its restart history."""
 
     model: str
     gpu: int
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | None
+    started_at: float = 0.0
+    early_deaths: int = 0
+    restarts: int = 0
+    respawn_at: float | None = None
+    given_up: bool = False
 
 
 def child_environment(**extra: str) -> dict[str, str]:
@@ -78,6 +93,10 @@ class Supervisor:
             repr(s.sim.base_ms),
             "--sim-per-item-ms",
             repr(s.sim.per_item_ms),
+            "--heartbeat-ms",
+            repr(s.heartbeat.interval_ms),
+            "--heartbeat-liveness",
+            str(s.heartbeat.liveness),
             "--log-level",
             s.log_level,
             "--parent-pid",
@@ -89,29 +108,73 @@ class Supervisor:
         gpu = 0
         for model in self.settings.models:
             for _ in range(self.settings.workers_per_model):
-                self.workers.append(self._spawn(model, gpu))
+                w = WorkerProcess(model, gpu, None)
+                self._spawn(w)
+                self.workers.append(w)
                 gpu += 1
 
-    def _spawn(self, model: str, gpu: int) -> WorkerProcess:
-        env = child_environment(CUDA_VISIBLE_DEVICES=str(gpu))
+    def _spawn(self, w: WorkerProcess) -> None:
+        env = child_environment(CUDA_VISIBLE_DEVICES=str(w.gpu))
         # Same process group as `serve` (so killing the group leaves nothing behind); the
         # worker ignores SIGINT, so a terminal's Ctrl-C lets `serve` drain first.
-        proc = subprocess.Popen(self.command(model, gpu), env=env)
-        log.info("started worker for model %s on gpu %d (pid %d)", model, gpu, proc.pid)
-        return WorkerProcess(model, gpu, proc)
+        w.process = subprocess.Popen(self.command(w.model, w.gpu), env=env)
+        w.started_at = time.monotonic()
+        w.respawn_at = None
+        log.info("started worker for model %s on gpu %d (pid %d)", w.model, w.gpu, w.process.pid)
+
+    def check(self, now: float) -> None:
+        """Respawn dead workers with back-off; give up on one that keeps dying at start-up.
+        Called from the broker's loop (its timer heap), so it never blocks."""
+        for w in self.workers:
+            if w.given_up:
+                continue
+            if w.respawn_at is not None:
+                if now >= w.respawn_at:
+                    w.restarts += 1
+                    self._spawn(w)
+                continue
+            if w.process is None or w.process.poll() is None:
+                continue
+            code = w.process.returncode
+            lived_s = now - w.started_at
+            w.early_deaths = w.early_deaths + 1 if lived_s < EARLY_DEATH_S else 0
+            if w.early_deaths >= MAX_EARLY_DEATHS:
+                w.given_up = True
+                log.error(
+                    "worker for model %s on gpu %d died %d times in a row within %.0fs of starting "
+                    "(last exit code %s); giving up on it",
+                    w.model,
+                    w.gpu,
+                    w.early_deaths,
+                    EARLY_DEATH_S,
+                    code,
+                )
+                continue
+            delay = min(RESPAWN_MAX_S, RESPAWN_MIN_S * 2 ** max(0, w.early_deaths - 1))
+            w.respawn_at = now + delay
+            log.warning(
+                "worker for model %s on gpu %d (pid %d) exited with code %s after %.1fs; respawning in %.1fs",
+                w.model,
+                w.gpu,
+                w.process.pid,
+                code,
+                lived_s,
+                delay,
+            )
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM every worker (each finishes its batch), SIGKILL those still up after
         `timeout_s`, and reap them all."""
-        for w in self.workers:
-            if w.process.poll() is None:
-                w.process.send_signal(signal.SIGTERM)
+        procs = [w.process for w in self.workers if w.process is not None]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for w in self.workers:
+        for p in procs:
             try:
-                w.process.wait(max(0.0, deadline - time.monotonic()))
+                p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("worker pid %d did not stop in %.1fs; killing it", w.process.pid, timeout_s)
-                w.process.kill()
-                w.process.wait()
+                log.warning("worker pid %d did not stop in %.1fs; killing it", p.pid, timeout_s)
+                p.kill()
+                p.wait()
         self.workers.clear()

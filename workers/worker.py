@@ -7,26 +7,32 @@ forwards them to clients without touching them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
 import signal
 import socket
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from socket import socketpair
 from typing import Any
 
 import zmq
 
 from batcher import protocol
-from batcher.protocol import ErrorCode
+from batcher.protocol import ErrorCode, Heartbeat
 from batcher.stopping import StopSignals
 from batcher.zmqio import recv_frames, send_frames
 from workers.models import ModelFn, ModelSpec, SimSettings, load_model
 
 log = logging.getLogger("batcher.worker")
 
-#: How often a worker looks at its parent and the broker when nothing else happens.
-TICK_MS = 1000
+#: Back-off between attempts to reach a broker that stopped answering (seconds).
+RECONNECT_MIN_S = 0.25
+RECONNECT_MAX_S = 8.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,7 @@ class WorkerSettings:
     gpu: int | None = None
     sim: SimSettings = field(default_factory=SimSettings)
     parent_pid: int | None = None
+    heartbeat: Heartbeat = field(default_factory=Heartbeat)
 
     def __post_init__(self) -> None:
         ModelSpec.parse(self.model)  # raises with a precise message
@@ -80,7 +87,11 @@ def run_batch(model: ModelFn, header_frame: bytes, batch_frame: bytes, worker_na
 
 
 class Worker:
-    """Connects to the broker's backend and serves batches until told to stop."""
+    """Connects to the broker's backend and serves batches until told to stop.
+
+    The socket belongs to the main thread, which keeps heartbeating while the model
+    runs in a thread of its own; batches are run one at a time, in arrival order.
+    """
 
     def __init__(self, settings: WorkerSettings, context: zmq.Context[Any] | None = None) -> None:
         self.settings = settings
@@ -91,6 +102,15 @@ class Worker:
         self.signals = StopSignals()
         self.model: ModelFn | None = None
         self.batches = 0
+        self.reconnects = 0
+        self._sock: zmq.Socket[Any] | None = None
+        self._pending: deque[list[bytes]] = deque()  # BATCH frames not started yet
+        self._running: Future[list[bytes]] | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._done_r, self._done_w = socketpair()
+        self._done_r.setblocking(False)
+        self._poller = zmq.Poller()
+        self._told_to_reconnect = False
 
     def load(self) -> None:
         """Load the model, with CUDA_VISIBLE_DEVICES set first as a real GPU would need."""
@@ -103,49 +123,121 @@ class Worker:
         """Serve until SIGINT/SIGTERM (after finishing the batch at hand) or the parent dies."""
         if self.model is None:
             self.load()
-        assert self.model is not None
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.connect(self.settings.connect)
-        sock.send_multipart(protocol.ready_frames(self.spec.name, self.settings.gpu, os.getpid()))
-        log.info("worker %s ready for model %s at %s", self.name, self.spec.name, self.settings.connect)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self.signals.fd, zmq.POLLIN)
+        hb = self.settings.heartbeat
+        self._poller.register(self.signals.fd, zmq.POLLIN)
+        self._poller.register(self._done_r.fileno(), zmq.POLLIN)
+        self._connect()
+        now = time.monotonic()
+        next_beat, heard_at = now + hb.interval_s, now
+        backoff_s, reconnect_at = RECONNECT_MIN_S, None
         try:
-            while not self.signals.count and self._parent_alive():
-                events = dict(poller.poll(TICK_MS))
-                if sock in events:
-                    self._drain(sock)
-            sock.send_multipart([protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
+            while self._parent_alive() and not (self.signals.count and self._running is None):
+                wake = next_beat if reconnect_at is None else min(next_beat, reconnect_at)
+                events = dict(self._poller.poll(max(0, math.ceil((wake - time.monotonic()) * 1000))))
+                now = time.monotonic()
+                if self._done_r.fileno() in events:
+                    self._finish_batch()
+                if self._sock is not None and self._sock in events and self._drain():
+                    heard_at, backoff_s = now, RECONNECT_MIN_S
+                if self.signals.fd in events:
+                    self.signals.clear()
+                    log.info("worker %s stopping after its current batch", self.name)
+                if self._sock is not None and (self._told_to_reconnect or now - heard_at > hb.expiry_s):
+                    log.warning("worker %s: lost the broker; reconnecting in %.1fs", self.name, backoff_s)
+                    self._disconnect()
+                    reconnect_at, backoff_s = now + backoff_s, min(RECONNECT_MAX_S, backoff_s * 2)
+                if reconnect_at is not None and now >= reconnect_at:
+                    self._connect()
+                    heard_at, reconnect_at = now, None
+                if self._sock is not None and now >= next_beat:
+                    send_frames(self._sock, [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
+                    next_beat = now + hb.interval_s
+            if self._sock is not None:
+                send_frames(self._sock, [protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
         finally:
-            sock.close()
+            self._disconnect(linger_ms=500)
+            self._executor.shutdown(wait=False, cancel_futures=True)
             self.signals.close()
+            self._done_r.close()
+            self._done_w.close()
         log.info("worker %s stopped after %d batches", self.name, self.batches)
 
-    def _drain(self, sock: zmq.Socket[Any]) -> None:
-        assert self.model is not None
-        while not self.signals.count:
+    def _connect(self) -> None:
+        """A fresh DEALER (and so a fresh identity at the broker), announced with READY."""
+        sock: zmq.Socket[Any] = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.settings.connect)
+        send_frames(sock, protocol.ready_frames(self.spec.name, self.settings.gpu, os.getpid()))
+        self._poller.register(sock, zmq.POLLIN)
+        self._sock = sock
+        self._told_to_reconnect = False
+        log.info("worker %s ready for model %s at %s", self.name, self.spec.name, self.settings.connect)
+
+    def _disconnect(self, linger_ms: int = 0) -> None:
+        """Drop the socket. Batches not started yet go too: the broker that lost us
+        re-dispatches them (and drops any late reply)."""
+        if self._sock is None:
+            return
+        self._poller.unregister(self._sock)
+        self._sock.close(linger=linger_ms)
+        self._sock = None
+        self._pending.clear()
+        self.reconnects += 1
+
+    def _drain(self) -> bool:
+        """Take every message from the broker; returns whether any came."""
+        assert self._sock is not None
+        heard = False
+        while True:
             try:
-                frames = recv_frames(sock)
+                frames = recv_frames(self._sock)
             except zmq.Again:
-                return
-            if len(frames) != 4 or frames[0] != protocol.WORKER_PROTOCOL or frames[1] != protocol.CMD_BATCH:
+                return heard
+            heard = True
+            if len(frames) < 2 or frames[0] != protocol.WORKER_PROTOCOL:
                 log.warning("ignored a broker message of %d frames", len(frames))
-                continue
-            try:
-                reply = run_batch(self.model, frames[2], frames[3], self.name)
-            except Exception:
-                # Undecodable batch: an empty REPLY makes the broker fail all its requests.
-                log.exception("could not decode a batch")
-                batch_id = protocol.unpack(frames[2])[0]
-                reply = protocol.reply_frames(batch_id, 0.0, [])
-            send_frames(sock, reply)
-            self.batches += 1
+            elif frames[1] == protocol.CMD_BATCH and len(frames) == 4:
+                self._pending.append(frames)
+                self._start_next()
+            elif frames[1] == protocol.CMD_DISCONNECT:
+                log.info("worker %s: the broker does not know us; announcing again", self.name)
+                self._told_to_reconnect = True
+                return heard
+            elif frames[1] != protocol.CMD_HEARTBEAT:
+                log.warning("ignored broker command %r", frames[1])
+
+    def _start_next(self) -> None:
+        if self._running is not None or not self._pending or self.signals.count:
+            return
+        assert self.model is not None
+        frames = self._pending.popleft()
+        self._running = self._executor.submit(_run_safely, self.model, frames[2], frames[3], self.name)
+        self._running.add_done_callback(lambda _: self._done_w.send(b"\0"))
+
+    def _finish_batch(self) -> None:
+        with contextlib.suppress(OSError):
+            self._done_r.recv(4096)
+        if self._running is None or not self._running.done():
+            return
+        reply = self._running.result()
+        self._running = None
+        self.batches += 1
+        if self._sock is not None:  # else the broker lost us and re-dispatches the batch
+            send_frames(self._sock, reply)
+        self._start_next()
 
     def _parent_alive(self) -> bool:
         parent = self.settings.parent_pid
         return parent is None or os.getppid() == parent
+
+
+def _run_safely(model: ModelFn, header_frame: bytes, batch_frame: bytes, name: str) -> list[bytes]:
+    try:
+        return run_batch(model, header_frame, batch_frame, name)
+    except Exception:
+        # Undecodable batch: an empty REPLY makes the broker fail all its requests.
+        log.exception("could not decode a batch")
+        return protocol.reply_frames(protocol.unpack(header_frame)[0], 0.0, [])
 
 
 def run_worker(settings: WorkerSettings) -> None:

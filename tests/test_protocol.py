@@ -1,0 +1,390 @@
+"""Wire protocol v1: request parsing and validation, envelopes, replies, backend framing."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batcher import protocol
+from batcher.protocol import EnvelopeError, ErrorCode, ProtocolError, RequestHeader
+
+
+def body(msg: object) -> bytes:
+    """A request body as any msgpack client would encode it."""
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def bad_request(raw: bytes) -> ProtocolError:
+    """Parse `raw`, expecting a bad_request rejection; returns the error."""
+    with pytest.raises(ProtocolError) as info:
+        protocol.parse_request(raw)
+    assert info.value.code == ErrorCode.BAD_REQUEST
+    assert str(info.value) == info.value.message
+    return info.value
+
+
+# --- parse_request: accepted requests ----------------------------------------------------------
+
+
+def test_parse_minimal_request_fills_defaults() -> None:
+    header, msg = protocol.parse_request(body({"input": "hello"}))
+    assert header == RequestHeader(id=None, model=None, timeout_ms=None, priority=0, op="infer")
+    assert msg == {"input": "hello"}
+
+
+def test_parse_full_request_returns_every_field_and_keeps_unknown_keys() -> None:
+    request = {
+        "id": "req-1",
+        "model": "resnet",
+        "input": {"pixels": b"\x00\x01\x02", "shape": [1, 3]},
+        "timeout_ms": 250.5,
+        "priority": -2,
+        "trace": {"span": 7},
+    }
+    header, msg = protocol.parse_request(body(request))
+    assert header == RequestHeader(id="req-1", model="resnet", timeout_ms=250.5, priority=-2, op="infer")
+    assert msg == request
+    assert isinstance(msg["input"]["pixels"], bytes)  # bin stays bytes, str stays str
+
+
+@pytest.mark.parametrize("req_id", [0, -1, 2**63, "", "abc", "é"])
+def test_parse_accepts_int_and_str_ids(req_id: int | str) -> None:
+    header, _ = protocol.parse_request(body({"id": req_id, "input": 1}))
+    assert header.id == req_id
+
+
+@pytest.mark.parametrize("value", [None, 0, [], {}, b""])
+def test_parse_accepts_any_input_value_including_nil(value: object) -> None:
+    header, msg = protocol.parse_request(body({"id": 1, "input": value}))
+    assert msg["input"] == value
+    assert header.id == 1
+
+
+@pytest.mark.parametrize("timeout_ms", [0, 0.0, 1, 1500.25])
+def test_parse_accepts_non_negative_timeouts(timeout_ms: float) -> None:
+    header, _ = protocol.parse_request(body({"input": 1, "timeout_ms": timeout_ms}))
+    assert header.timeout_ms == timeout_ms
+
+
+@pytest.mark.parametrize("priority", [0, 5, -3, 0.5, -1e9])
+def test_parse_accepts_numeric_priorities(priority: float) -> None:
+    header, _ = protocol.parse_request(body({"input": 1, "priority": priority}))
+    assert header.priority == priority
+
+
+def test_parse_control_op_needs_no_input() -> None:
+    header, _ = protocol.parse_request(body({"id": 9, "op": "stats"}))
+    assert header.op == "stats"
+    assert header.id == 9
+
+
+def test_parse_accepts_non_str_map_keys_in_payload() -> None:
+    _, msg = protocol.parse_request(body({"input": {1: "one", 2: "two"}}))
+    assert msg["input"] == {1: "one", 2: "two"}
+
+
+# --- parse_request: every bad_request case ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param(b"", id="empty"),
+        pytest.param(b"\xc1", id="reserved-byte"),
+        pytest.param(b"not msgpack at all", id="text"),
+        pytest.param(body({"id": 1, "input": "hello"}) + b"\x01", id="trailing-data"),
+    ],
+)
+def test_body_not_msgpack(raw: bytes) -> None:
+    err = bad_request(raw)
+    assert err.message.startswith("body is not valid msgpack")
+
+
+@pytest.mark.parametrize("cut", [1, 5, -1])
+def test_truncated_msgpack(cut: int) -> None:
+    whole = body({"id": 1, "model": "sim", "input": "a long enough input string"})
+    err = bad_request(whole[:cut])
+    assert err.message.startswith("body is not valid msgpack")
+
+
+@pytest.mark.parametrize(
+    ("msg", "type_name"),
+    [([1, 2], "list"), (7, "int"), ("input", "str"), (None, "NoneType"), (b"\x80", "bytes")],
+)
+def test_body_not_a_map(msg: object, type_name: str) -> None:
+    err = bad_request(body(msg))
+    assert err.message == f"body must be a msgpack map, got {type_name}"
+
+
+def test_missing_input() -> None:
+    err = bad_request(body({"id": 1, "model": "sim"}))
+    assert err.message == "request has no 'input'"
+
+
+def test_missing_input_with_explicit_infer_op() -> None:
+    err = bad_request(body({"id": 1, "op": "infer"}))
+    assert err.message == "request has no 'input'"
+
+
+@pytest.mark.parametrize(
+    ("req_id", "type_name"),
+    [(1.5, "float"), ([1], "list"), (True, "bool"), (False, "bool"), ({"a": 1}, "dict"), (b"id", "bytes")],
+)
+def test_id_of_wrong_type(req_id: object, type_name: str) -> None:
+    err = bad_request(body({"id": req_id, "input": 1}))
+    assert err.message == f"id must be an int or a str, got {type_name}"
+
+
+@pytest.mark.parametrize(
+    ("model", "type_name"), [(3, "int"), (["sim"], "list"), (b"sim", "bytes"), (True, "bool")]
+)
+def test_model_not_a_str(model: object, type_name: str) -> None:
+    err = bad_request(body({"input": 1, "model": model}))
+    assert err.message == f"model must be a str, got {type_name}"
+
+
+@pytest.mark.parametrize(
+    ("timeout_ms", "message"),
+    [
+        ("100", "timeout_ms must be a number, got str"),
+        ([100], "timeout_ms must be a number, got list"),
+        (True, "timeout_ms must be a number, got bool"),
+        (False, "timeout_ms must be a number, got bool"),
+        (-1, "timeout_ms must be >= 0, got -1"),
+        (-0.5, "timeout_ms must be >= 0, got -0.5"),
+        (math.nan, "timeout_ms must be >= 0, got nan"),
+    ],
+)
+def test_timeout_ms_invalid(timeout_ms: object, message: str) -> None:
+    err = bad_request(body({"input": 1, "timeout_ms": timeout_ms}))
+    assert err.message == message
+
+
+@pytest.mark.parametrize(
+    ("priority", "message"),
+    [
+        ("high", "priority must be a number, got str"),
+        (None, "priority must be a number, got NoneType"),
+        ([1], "priority must be a number, got list"),
+        (math.nan, "priority must be a number, got NaN"),
+        (True, "priority must be a number, got bool"),
+    ],
+)
+def test_priority_invalid(priority: object, message: str) -> None:
+    err = bad_request(body({"input": 1, "priority": priority}))
+    assert err.message == message
+
+
+@pytest.mark.parametrize(("op", "type_name"), [(1, "int"), (None, "NoneType"), (b"stats", "bytes")])
+def test_op_not_a_str(op: object, type_name: str) -> None:
+    err = bad_request(body({"input": 1, "op": op}))
+    assert err.message == f"op must be a str, got {type_name}"
+
+
+def test_bad_request_can_be_answered_with_an_error_reply() -> None:
+    err = bad_request(body([1, 2]))
+    reply = protocol.unpack(protocol.error_reply(None, err.code, err.message))
+    assert reply == {
+        "id": None,
+        "ok": False,
+        "error": {"code": "bad_request", "message": "body must be a msgpack map, got list"},
+    }
+
+
+# --- split_envelope ----------------------------------------------------------------------------
+
+BODY = body({"id": 1, "input": "x"})
+
+
+def test_envelope_req_style() -> None:
+    envelope, got = protocol.split_envelope([b"client", b"", BODY])
+    assert envelope == [b"client", b""]
+    assert got == BODY
+
+
+def test_envelope_dealer_without_delimiter() -> None:
+    envelope, got = protocol.split_envelope([b"client", BODY])
+    assert envelope == [b"client"]
+    assert got == BODY
+
+
+def test_envelope_reply_goes_back_on_the_same_frames() -> None:
+    frames = [b"\x00\x80\x00\x00\x29", b"", BODY]
+    envelope, got = protocol.split_envelope(frames)
+    assert [*envelope, got] == frames
+
+
+def test_envelope_multi_hop() -> None:
+    envelope, got = protocol.split_envelope([b"id1", b"id2", b"", BODY])
+    assert envelope == [b"id1", b"id2", b""]
+    assert got == BODY
+
+
+@pytest.mark.parametrize(
+    ("frames", "envelope", "bodies"),
+    [
+        pytest.param([b"client", b""], [b"client", b""], 0, id="no-body-after-delimiter"),
+        pytest.param([b"client", b"", BODY, BODY], [b"client", b""], 2, id="two-bodies-after-delimiter"),
+        pytest.param([b"client"], [b"client"], 0, id="only-identity"),
+        pytest.param([b"client", BODY, BODY], [b"client"], 2, id="dealer-two-bodies"),
+        pytest.param([b"id1", b"id2", b"", BODY, BODY], [b"id1", b"id2", b""], 2, id="multi-hop-two-bodies"),
+        pytest.param([b"id1", b"id2", b""], [b"id1", b"id2", b""], 0, id="multi-hop-no-body"),
+    ],
+)
+def test_envelope_wrong_frame_count(frames: list[bytes], envelope: list[bytes], bodies: int) -> None:
+    with pytest.raises(EnvelopeError) as info:
+        protocol.split_envelope(frames)
+    err = info.value
+    assert isinstance(err, ProtocolError)
+    assert err.code == ErrorCode.BAD_REQUEST
+    assert err.envelope == envelope
+    assert err.message == f"expected exactly one body frame after the envelope, got {bodies}"
+
+
+# --- replies -----------------------------------------------------------------------------------
+
+
+def test_error_reply_shape() -> None:
+    reply = protocol.unpack(protocol.error_reply(42, ErrorCode.MODEL_ERROR, "boom"))
+    assert reply == {"id": 42, "ok": False, "error": {"code": "model_error", "message": "boom"}}
+
+
+def test_error_reply_id_nil_when_absent() -> None:
+    reply = protocol.unpack(protocol.error_reply(None, ErrorCode.OVERLOADED, "queue full"))
+    assert reply["id"] is None
+    assert "id" in reply
+    assert reply["error"] == {"code": "overloaded", "message": "queue full"}
+
+
+@pytest.mark.parametrize("code", list(ErrorCode))
+def test_error_reply_code_is_the_plain_string(code: ErrorCode) -> None:
+    reply = protocol.unpack(protocol.error_reply("r", code, "m"))
+    assert reply["error"]["code"] == code.value
+    assert type(reply["error"]["code"]) is str
+
+
+def test_ok_reply_shape() -> None:
+    reply = protocol.unpack(protocol.ok_reply("abc", [1.5, {"k": b"v"}]))
+    assert reply == {"id": "abc", "ok": True, "output": [1.5, {"k": b"v"}]}
+
+
+def test_ok_reply_id_nil_when_absent() -> None:
+    reply = protocol.unpack(protocol.ok_reply(None, "out"))
+    assert reply == {"id": None, "ok": True, "output": "out"}
+
+
+def test_ok_reply_merges_metadata() -> None:
+    meta = {"batch_size": 4, "worker": "host/gpu0/123", "queue_ms": 1.25, "infer_ms": 30.0}
+    reply = protocol.unpack(protocol.ok_reply(7, None, meta))
+    assert reply == {"id": 7, "ok": True, "output": None, **meta}
+
+
+def test_ok_reply_empty_metadata_adds_nothing() -> None:
+    assert protocol.ok_reply(1, 2, {}) == protocol.ok_reply(1, 2)
+
+
+def test_ok_reply_unencodable_output_raises_and_next_reply_is_intact() -> None:
+    with pytest.raises(TypeError):
+        protocol.ok_reply(1, object())
+    assert protocol.unpack(protocol.ok_reply(2, "fine")) == {"id": 2, "ok": True, "output": "fine"}
+
+
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text() | st.binary(),
+        lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(), children, max_size=4),
+        max_leaves=10,
+    )
+)
+@settings(max_examples=100, deadline=None)
+def test_pack_unpack_round_trip(value: Any) -> None:
+    assert protocol.unpack(protocol.pack(value)) == value
+
+
+# --- backend framing ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n", "header_len"), [(0, 1), (1, 1), (15, 1), (16, 3), (65535, 3), (65536, 5)])
+def test_array_header_joins_encoded_items_without_reencoding(n: int, header_len: int) -> None:
+    items = [{"id": i, "input": i % 7} for i in range(n)]
+    encoded = [body(item) for item in items]
+    header = protocol.array_header(n)
+    assert len(header) == header_len
+    assert protocol.unpack(header + b"".join(encoded)) == items
+    # Byte-identical to encoding the whole list in one go.
+    assert header + b"".join(encoded) == body(items)
+
+
+def test_batch_frames_layout_and_round_trip() -> None:
+    bodies = [body({"id": i, "input": [i] * i, "extra": "kept"}) for i in range(5)]
+    queue_ms = [0.5, 1.0, 1.5, 2.0, 2.5]
+    frames = protocol.batch_frames(17, queue_ms, bodies)
+    assert frames[:2] == [protocol.WORKER_PROTOCOL, protocol.CMD_BATCH]
+    assert len(frames) == 4
+    assert protocol.unpack(frames[2]) == [17, queue_ms]
+    assert protocol.unpack(frames[3]) == [protocol.unpack(b) for b in bodies]
+    assert frames[3].endswith(b"".join(bodies))  # bodies forwarded byte for byte
+
+
+def test_batch_frames_empty_batch() -> None:
+    frames = protocol.batch_frames(1, [], [])
+    assert protocol.unpack(frames[3]) == []
+
+
+def test_reply_frames_split_replies_round_trip() -> None:
+    replies = [protocol.ok_reply(i, "x" * i) for i in range(20)]
+    frames = protocol.reply_frames(3, 12.5, replies)
+    assert frames[:2] == [protocol.WORKER_PROTOCOL, protocol.CMD_REPLY]
+    assert len(frames) == 4
+    batch_id, infer_ms, lengths = protocol.unpack(frames[2])
+    assert (batch_id, infer_ms) == (3, 12.5)
+    assert lengths == [len(r) for r in replies]
+    assert protocol.split_replies(lengths, frames[3]) == replies
+
+
+@given(st.lists(st.binary(max_size=40), max_size=20))
+@settings(max_examples=100, deadline=None)
+def test_split_replies_inverts_reply_frames(replies: list[bytes]) -> None:
+    frames = protocol.reply_frames(1, 0.0, replies)
+    _, _, lengths = protocol.unpack(frames[2])
+    assert protocol.split_replies(lengths, frames[3]) == replies
+
+
+@pytest.mark.parametrize(
+    ("lengths", "blob", "total"),
+    [
+        pytest.param([3], b"abcde", 3, id="too-short"),
+        pytest.param([3, 4], b"abcde", 7, id="too-long"),
+        pytest.param([], b"abc", 0, id="no-lengths-but-bytes"),
+        pytest.param([1], b"", 1, id="bytes-missing"),
+    ],
+)
+def test_split_replies_rejects_lengths_that_do_not_add_up(
+    lengths: list[int], blob: bytes, total: int
+) -> None:
+    assert sum(lengths) == total
+    # Either way the message names the frame's real size, so a broken worker is diagnosable.
+    with pytest.raises(ValueError, match=f"{len(blob)}-byte frame|frame has {len(blob)}"):
+        protocol.split_replies(lengths, blob)
+
+
+@pytest.mark.parametrize("lengths", [[-1, 6], [6, -1]])
+def test_split_replies_rejects_negative_lengths(lengths: list[int]) -> None:
+    with pytest.raises(ValueError):
+        protocol.split_replies(lengths, b"abcde")
+
+
+def test_ready_frames_layout() -> None:
+    frames = protocol.ready_frames("sim", 2, 4242, 3)
+    assert frames[:2] == [protocol.WORKER_PROTOCOL, protocol.CMD_READY]
+    assert protocol.unpack(frames[2]) == {"model": "sim", "gpu": 2, "pid": 4242, "slots": 3}
+
+
+def test_ready_frames_without_slots_leaves_them_to_the_broker() -> None:
+    frames = protocol.ready_frames("echo", None, 1)
+    assert protocol.unpack(frames[2]) == {"model": "echo", "gpu": None, "pid": 1}

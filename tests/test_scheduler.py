@@ -1,0 +1,623 @@
+"""The sans-I/O batching core, driven with a fake clock (plain floats for `now`)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections import Counter, defaultdict
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from batcher.scheduler import Batch, BatchSettings, QueuedRequest, Scheduler, UnknownModel
+
+_ids = itertools.count()
+
+
+def req(t: float, req_id: int | None = None) -> QueuedRequest:
+    """A request that arrived at fake time `t`; its id is unique unless given."""
+    rid = next(_ids) if req_id is None else req_id
+    return QueuedRequest(envelope=[f"client-{rid}".encode(), b""], body=b"\x80", id=rid, arrived_at=t)
+
+
+def enqueue_many(s: Scheduler, model: str, n: int, t: float) -> list[QueuedRequest]:
+    reqs = [req(t) for _ in range(n)]
+    for r in reqs:
+        s.enqueue(model, r)
+    return reqs
+
+
+def ids(batch: Batch) -> list[object]:
+    return [r.id for r in batch.requests]
+
+
+def sched(size: int = 4, wait_ms: float = 10.0, workers: int = 1, slots: int = 1) -> Scheduler:
+    """A scheduler for model "m" with `workers` workers named w0, w1, ..., each taking up
+    to `slots` batches at once."""
+    s = Scheduler(
+        per_model={"m": BatchSettings(max_batch_size=size, max_wait_ms=wait_ms)}, worker_prefetch=slots
+    )
+    for i in range(workers):
+        s.add_worker(f"w{i}".encode(), "m", slots)
+    return s
+
+
+# --- size trigger --------------------------------------------------------------------------------
+
+
+def test_size_trigger_dispatches_as_soon_as_a_full_batch_waits() -> None:
+    s = sched(size=4)
+    first = enqueue_many(s, "m", 3, t=100.0)
+    assert s.due_batches(100.0) == []
+    last = enqueue_many(s, "m", 1, t=100.0)
+    (batch,) = s.due_batches(100.0)
+    assert batch.requests == first + last
+    assert batch.worker == b"w0"
+    assert batch.model == "m"
+    assert batch.dispatched_at == 100.0
+    assert s.queued("m") == 0
+    assert list(s.in_flight()) == [batch]
+
+
+def test_size_trigger_needs_a_worker() -> None:
+    s = Scheduler(per_model={"m": BatchSettings(max_batch_size=2, max_wait_ms=10.0)})
+    reqs = enqueue_many(s, "m", 2, t=0.0)
+    assert s.due_batches(0.0) == []
+    assert s.due_batches(50.0) == []
+    assert s.next_wakeup() is None
+    s.add_worker(b"late", "m", 1)
+    (batch,) = s.due_batches(50.0)
+    assert batch.requests == reqs
+    assert batch.worker == b"late"
+
+
+# --- wait trigger --------------------------------------------------------------------------------
+
+
+def test_wait_trigger_fires_exactly_at_arrival_plus_max_wait() -> None:
+    s = sched(size=4, wait_ms=10.0)
+    (r,) = enqueue_many(s, "m", 1, t=100.0)
+    deadline = 100.0 + 0.010
+    assert s.next_wakeup() == deadline
+    assert s.due_batches(100.0) == []
+    assert s.due_batches(math.nextafter(deadline, -math.inf)) == []
+    assert s.next_wakeup() == deadline  # nothing moved
+    (batch,) = s.due_batches(deadline)
+    assert batch.requests == [r]
+    assert batch.dispatched_at == deadline
+    assert s.next_wakeup() is None
+
+
+def test_wait_trigger_is_the_oldest_request_and_takes_every_waiting_one() -> None:
+    s = sched(size=8, wait_ms=10.0)
+    reqs = [req(0.0), req(0.004), req(0.009)]
+    for r in reqs:
+        s.enqueue("m", r)
+    assert s.next_wakeup() == 0.0 + 0.010
+    (batch,) = s.due_batches(0.010)
+    assert batch.requests == reqs
+
+
+def test_wait_trigger_next_window_starts_from_the_next_oldest() -> None:
+    s = sched(size=2, wait_ms=10.0, workers=2)
+    a, b, c = req(0.0), req(0.0), req(0.005)
+    for r in (a, b, c):
+        s.enqueue("m", r)
+    (first,) = s.due_batches(0.0)  # size trigger for a, b
+    assert first.requests == [a, b]
+    assert s.next_wakeup() == 0.005 + 0.010
+    assert s.due_batches(0.010) == []
+    (second,) = s.due_batches(0.005 + 0.010)
+    assert second.requests == [c]
+
+
+def test_zero_wait_dispatches_on_arrival() -> None:
+    s = sched(size=8, wait_ms=0.0)
+    (r,) = enqueue_many(s, "m", 1, t=3.0)
+    assert s.next_wakeup() == 3.0
+    (batch,) = s.due_batches(3.0)
+    assert batch.requests == [r]
+
+
+def test_next_wakeup_is_the_earliest_over_models() -> None:
+    s = Scheduler(
+        per_model={
+            "slow": BatchSettings(max_batch_size=8, max_wait_ms=50.0),
+            "fast": BatchSettings(max_batch_size=8, max_wait_ms=2.0),
+        }
+    )
+    s.add_worker(b"ws", "slow", 1)
+    s.add_worker(b"wf", "fast", 1)
+    assert s.next_wakeup() is None
+    s.enqueue("slow", req(0.0))
+    s.enqueue("fast", req(0.010))
+    assert s.next_wakeup() == 0.010 + 0.002
+
+
+# --- batch size bound and FIFO -----------------------------------------------------------------
+
+
+def test_no_batch_exceeds_max_batch_size() -> None:
+    s = sched(size=8, wait_ms=10.0, workers=20)
+    reqs = enqueue_many(s, "m", 100, t=0.0)
+    batches = s.due_batches(0.0)
+    assert [len(b.requests) for b in batches] == [8] * 12
+    assert s.queued("m") == 4
+    assert s.due_batches(0.009) == []
+    (rest,) = s.due_batches(0.010)
+    assert len(rest.requests) == 4
+    dispatched = [r for b in [*batches, rest] for r in b.requests]
+    assert dispatched == reqs  # FIFO, none lost, none twice
+
+
+def test_single_worker_drains_a_long_queue_in_fifo_batches() -> None:
+    s = sched(size=8, wait_ms=10.0)
+    reqs = enqueue_many(s, "m", 100, t=0.0)
+    order: list[QueuedRequest] = []
+    sizes: list[int] = []
+    now = 0.0
+    while s.queued("m"):
+        batches = s.due_batches(now)
+        assert len(batches) == 1  # one worker, one slot
+        (batch,) = batches
+        sizes.append(len(batch.requests))
+        order.extend(batch.requests)
+        assert s.due_batches(now) == []  # the worker is busy
+        assert s.complete(b"w0", batch.batch_id) is batch
+        now += 0.001
+    assert sizes == [8] * 12 + [4]
+    assert order == reqs
+
+
+def test_fifo_is_per_model() -> None:
+    s = Scheduler(per_model={"a": BatchSettings(2, 10.0), "b": BatchSettings(2, 10.0)}, worker_prefetch=4)
+    s.add_worker(b"wa", "a", 4)
+    s.add_worker(b"wb", "b", 4)
+    ra = [req(0.0) for _ in range(4)]
+    rb = [req(0.0) for _ in range(4)]
+    for x, y in zip(ra, rb, strict=True):
+        s.enqueue("a", x)
+        s.enqueue("b", y)
+    batches = s.due_batches(0.0)
+    by_model: dict[str, list[QueuedRequest]] = defaultdict(list)
+    for b in batches:
+        assert b.worker == {"a": b"wa", "b": b"wb"}[b.model]
+        by_model[b.model].extend(b.requests)
+    assert by_model == {"a": ra, "b": rb}
+
+
+# --- busy workers ----------------------------------------------------------------------------
+
+
+def test_requests_wait_while_every_worker_is_busy() -> None:
+    s = sched(size=2, wait_ms=10.0)
+    enqueue_many(s, "m", 2, t=0.0)
+    (busy,) = s.due_batches(0.0)
+    waiting = enqueue_many(s, "m", 3, t=0.001)
+    assert s.due_batches(1.0) == []  # long past the window, but nobody is free
+    assert s.next_wakeup() is None
+    assert s.queued("m") == 3
+    assert s.complete(b"w0", busy.batch_id) is busy
+    (batch,) = s.due_batches(1.0)
+    assert batch.requests == waiting[:2]
+    assert batch.worker == b"w0"
+    assert s.queued("m") == 1
+
+
+def test_full_batch_goes_as_soon_as_a_worker_frees_even_before_the_window() -> None:
+    s = sched(size=4, wait_ms=10.0)
+    enqueue_many(s, "m", 4, t=5.0)
+    (busy,) = s.due_batches(5.0)
+    full = enqueue_many(s, "m", 4, t=5.0)
+    assert s.due_batches(5.001) == []
+    s.complete(b"w0", busy.batch_id)
+    (batch,) = s.due_batches(5.001)  # well before 5.0 + 0.010
+    assert batch.requests == full
+
+
+def test_partial_batch_waits_for_its_window_after_a_worker_frees() -> None:
+    s = sched(size=4, wait_ms=10.0)
+    enqueue_many(s, "m", 4, t=5.0)
+    (busy,) = s.due_batches(5.0)
+    (r,) = enqueue_many(s, "m", 1, t=5.002)
+    s.complete(b"w0", busy.batch_id)
+    assert s.due_batches(5.003) == []
+    assert s.next_wakeup() == 5.002 + 0.010
+    (batch,) = s.due_batches(5.002 + 0.010)
+    assert batch.requests == [r]
+
+
+def test_several_workers_take_successive_batches() -> None:
+    s = sched(size=4, wait_ms=10.0, workers=3)
+    reqs = enqueue_many(s, "m", 12, t=0.0)
+    batches = s.due_batches(0.0)
+    assert [b.requests for b in batches] == [reqs[0:4], reqs[4:8], reqs[8:12]]
+    assert sorted(b.worker for b in batches) == [b"w0", b"w1", b"w2"]
+    assert len({b.batch_id for b in batches}) == 3
+    enqueue_many(s, "m", 4, t=0.0)
+    assert s.due_batches(0.0) == []  # all three busy
+
+
+def test_freed_worker_goes_to_the_back_of_the_line() -> None:
+    s = sched(size=1, wait_ms=10.0, workers=2)
+    enqueue_many(s, "m", 1, t=0.0)
+    (first,) = s.due_batches(0.0)
+    s.complete(first.worker, first.batch_id)
+    enqueue_many(s, "m", 1, t=0.0)
+    (second,) = s.due_batches(0.0)
+    assert second.worker != first.worker  # least recently used first
+
+
+def test_worker_with_several_slots_holds_several_batches() -> None:
+    s = sched(size=2, wait_ms=10.0, workers=1, slots=2)
+    enqueue_many(s, "m", 6, t=0.0)
+    b1, b2 = s.due_batches(0.0)
+    assert b1.worker == b2.worker == b"w0"
+    assert s.workers[b"w0"].free_slots == 0
+    assert s.due_batches(0.0) == []
+    assert s.complete(b"w0", b1.batch_id) is b1
+    assert s.workers[b"w0"].free_slots == 1
+    (b3,) = s.due_batches(0.0)
+    assert b3.worker == b"w0"
+    assert {b.batch_id for b in s.in_flight()} == {b2.batch_id, b3.batch_id}
+
+
+def test_worker_slots_are_capped_by_the_prefetch_limit() -> None:
+    s = Scheduler(default=BatchSettings(max_batch_size=1, max_wait_ms=10.0), worker_prefetch=2)
+    s.add_worker(b"asks-5", "x", 5)
+    s.add_worker(b"asks-none", "y")
+    s.add_worker(b"asks-1", "z", 1)
+    for model in ("x", "y", "z"):
+        enqueue_many(s, model, 10, t=0.0)
+    held = Counter(b.worker for b in s.due_batches(0.0))
+    assert held == {b"asks-5": 2, b"asks-none": 2, b"asks-1": 1}
+
+
+def test_default_prefetch_is_one_batch_per_worker() -> None:
+    s = Scheduler(default=BatchSettings(max_batch_size=1, max_wait_ms=10.0))
+    s.add_worker(b"w", "m", 4)
+    enqueue_many(s, "m", 4, t=0.0)
+    assert len(s.due_batches(0.0)) == 1
+
+
+@pytest.mark.parametrize("prefetch", [0, -1])
+def test_worker_prefetch_must_be_positive(prefetch: int) -> None:
+    with pytest.raises(ValueError, match=f"^worker_prefetch must be >= 1, got {prefetch}$"):
+        Scheduler(worker_prefetch=prefetch)
+
+
+def test_idle_worker_is_preferred_over_a_busy_one_with_a_free_slot() -> None:
+    s = sched(size=2, wait_ms=10.0, workers=2, slots=2)
+    enqueue_many(s, "m", 2, t=0.0)
+    (first,) = s.due_batches(0.0)
+    enqueue_many(s, "m", 2, t=0.0)
+    (second,) = s.due_batches(0.0)
+    assert {first.worker, second.worker} == {b"w0", b"w1"}
+
+
+def test_busy_worker_with_a_free_slot_gets_a_partial_batch_only_at_the_window() -> None:
+    s = sched(size=4, wait_ms=10.0, workers=1, slots=2)
+    enqueue_many(s, "m", 4, t=0.0)
+    (busy,) = s.due_batches(0.0)
+    (r,) = enqueue_many(s, "m", 1, t=0.002)
+    assert s.due_batches(0.005) == []
+    assert s.next_wakeup() == 0.002 + 0.010
+    (batch,) = s.due_batches(0.002 + 0.010)
+    assert batch.requests == [r]
+    assert batch.worker == busy.worker
+    assert len(list(s.in_flight())) == 2
+
+
+def test_completing_a_batch_of_a_partly_busy_worker_does_not_double_book_it() -> None:
+    s = sched(size=1, wait_ms=10.0, workers=1, slots=3)
+    enqueue_many(s, "m", 1, t=0.0)
+    (b1,) = s.due_batches(0.0)  # one of three slots used, still free
+    s.complete(b"w0", b1.batch_id)
+    enqueue_many(s, "m", 5, t=0.0)
+    batches = s.due_batches(0.0)
+    assert len(batches) == 3  # never more than its three slots
+    assert s.workers[b"w0"].free_slots == 0
+
+
+# --- worker removal and late replies ------------------------------------------------------------
+
+
+def test_remove_worker_returns_its_in_flight_batches() -> None:
+    s = sched(size=2, wait_ms=10.0, workers=2, slots=2)
+    enqueue_many(s, "m", 8, t=0.0)
+    batches = s.due_batches(0.0)
+    mine = [b for b in batches if b.worker == b"w0"]
+    assert len(mine) == 2
+    lost = s.remove_worker(b"w0")
+    assert sorted(b.batch_id for b in lost) == sorted(b.batch_id for b in mine)
+    assert b"w0" not in s.workers
+    assert all(b.worker == b"w1" for b in s.in_flight())
+    for b in mine:
+        assert s.complete(b"w0", b.batch_id) is None  # late reply from the removed worker
+
+
+def test_remove_unknown_worker_returns_nothing() -> None:
+    s = sched()
+    assert s.remove_worker(b"nobody") == []
+    assert s.remove_worker(b"w0") == []  # idle worker: nothing in flight
+    assert s.remove_worker(b"w0") == []  # twice
+
+
+def test_removed_worker_gets_no_more_batches() -> None:
+    s = sched(size=2, wait_ms=10.0, workers=2)
+    s.remove_worker(b"w0")
+    enqueue_many(s, "m", 4, t=0.0)
+    (batch,) = s.due_batches(1.0)
+    assert batch.worker == b"w1"
+    s.remove_worker(b"w1")
+    assert s.due_batches(2.0) == []
+    assert s.queued("m") == 2  # queued requests stay for the next worker
+    s.add_worker(b"w2", "m", 1)
+    (batch,) = s.due_batches(2.0)
+    assert batch.worker == b"w2"
+
+
+def test_complete_returns_none_for_unknown_or_late_batch_ids() -> None:
+    s = sched(size=1, wait_ms=10.0, workers=2)
+    enqueue_many(s, "m", 1, t=0.0)
+    (batch,) = s.due_batches(0.0)
+    other = b"w1" if batch.worker == b"w0" else b"w0"
+    assert s.complete(batch.worker, batch.batch_id + 1000) is None  # never issued
+    assert s.complete(other, batch.batch_id) is None  # forged by another worker
+    assert s.complete(b"stranger", batch.batch_id) is None
+    assert list(s.in_flight()) == [batch]  # none of those freed it
+    assert s.complete(batch.worker, batch.batch_id) is batch
+    assert s.complete(batch.worker, batch.batch_id) is None  # duplicate reply
+
+
+def test_reannounced_worker_does_not_accept_replies_for_old_batches() -> None:
+    s = sched(size=1, wait_ms=10.0)
+    enqueue_many(s, "m", 1, t=0.0)
+    (batch,) = s.due_batches(0.0)
+    lost = s.remove_worker(b"w0")  # as the broker does on a second READY
+    s.add_worker(b"w0", "m", 1)
+    assert lost == [batch]
+    assert s.complete(b"w0", batch.batch_id) is None
+    assert s.workers[b"w0"].free_slots == 1
+
+
+# --- models and settings ----------------------------------------------------------------------
+
+
+def test_unknown_model_is_rejected() -> None:
+    s = Scheduler(models=["known"])
+    with pytest.raises(UnknownModel):
+        s.enqueue("other", req(0.0))
+    assert isinstance(UnknownModel("x"), KeyError)
+    assert s.queued("other") == 0
+    assert not s.knows_model("other")
+    assert s.knows_model("known")
+
+
+def test_a_worker_makes_its_model_known_and_it_stays_known() -> None:
+    s = Scheduler()
+    assert not s.knows_model("new")
+    s.add_worker(b"w", "new", 1)
+    assert s.knows_model("new")
+    s.remove_worker(b"w")
+    assert s.knows_model("new")
+    s.enqueue("new", req(0.0))
+    assert s.queued("new") == 1
+
+
+def test_configured_model_queues_without_workers() -> None:
+    s = Scheduler(models=["m"])
+    s.enqueue("m", req(0.0))
+    assert s.queued("m") == 1
+    assert s.due_batches(100.0) == []
+
+
+def test_per_model_settings() -> None:
+    default = BatchSettings(max_batch_size=3, max_wait_ms=1.0)
+    big = BatchSettings(max_batch_size=5, max_wait_ms=100.0)
+    s = Scheduler(default=default, per_model={"big": big}, models=["plain"], worker_prefetch=10)
+    assert s.knows_model("big")  # per-model entries are configured models
+    s.add_worker(b"wb", "big", 10)
+    s.add_worker(b"wp", "plain", 10)
+    s.add_worker(b"wn", "new", 10)
+    assert s.models["big"].settings == big
+    assert s.models["plain"].settings == default
+    assert s.models["new"].settings == default
+    for model in ("big", "plain", "new"):
+        enqueue_many(s, model, 7, t=0.0)
+    sizes: dict[str, list[int]] = defaultdict(list)
+    for b in s.due_batches(0.0):
+        sizes[b.model].append(len(b.requests))
+    assert sizes == {"big": [5], "plain": [3, 3], "new": [3, 3]}
+    for b in s.due_batches(0.001):  # default window is over, big's is not
+        sizes[b.model].append(len(b.requests))
+    assert sizes == {"big": [5], "plain": [3, 3, 1], "new": [3, 3, 1]}
+    (last,) = s.due_batches(0.100)
+    assert (last.model, len(last.requests)) == ("big", 2)
+
+
+def test_default_settings() -> None:
+    assert BatchSettings() == BatchSettings(max_batch_size=8, max_wait_ms=5.0)
+    assert Scheduler().default_settings == BatchSettings()
+    assert BatchSettings(max_wait_ms=5.0).max_wait_s == 0.005
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_batch_size": 0}, "max_batch_size must be >= 1, got 0"),
+        ({"max_batch_size": -3}, "max_batch_size must be >= 1, got -3"),
+        ({"max_wait_ms": -1}, "max_wait_ms must be >= 0, got -1"),
+        ({"max_wait_ms": -0.5}, "max_wait_ms must be >= 0, got -0.5"),
+        ({"max_wait_ms": math.nan}, "max_wait_ms must be >= 0, got nan"),
+    ],
+)
+def test_batch_settings_rejects_bad_values(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        BatchSettings(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size", [2.5, "8", True])
+def test_batch_settings_rejects_non_int_batch_size_saying_why(size: object) -> None:
+    with pytest.raises(ValueError, match="max_batch_size must be an int"):
+        BatchSettings(max_batch_size=size)  # type: ignore[arg-type]
+
+
+def test_batch_settings_accepts_edge_values() -> None:
+    s = BatchSettings(max_batch_size=1, max_wait_ms=0)
+    assert (s.max_batch_size, s.max_wait_s) == (1, 0.0)
+
+
+# --- properties over random event sequences ------------------------------------------------------
+
+MODELS = {
+    "a": BatchSettings(max_batch_size=3, max_wait_ms=10.0),
+    "b": BatchSettings(max_batch_size=1, max_wait_ms=0.0),
+    "c": BatchSettings(max_batch_size=5, max_wait_ms=2.5),
+    "d": BatchSettings(max_batch_size=4, max_wait_ms=5.0, policy="adaptive"),
+}
+PREFETCH = 2
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random arrivals, workers joining and leaving, replies and time passing.
+
+    What the machine keeps of the world: what was enqueued (per model, in order), which
+    batches it was handed, and which of them came back or were lost with a worker.
+    """
+
+    workers = Bundle("workers")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = Scheduler(per_model=dict(MODELS), worker_prefetch=PREFETCH)
+        self.now = 1000.0
+        self.next_id = 0
+        self.next_worker = 0
+        self.enqueued: dict[str, list[object]] = {m: [] for m in MODELS}
+        self.dispatched: dict[str, list[object]] = {m: [] for m in MODELS}
+        self.in_flight: dict[int, Batch] = {}
+        self.finished: list[Batch] = []  # completed, or lost with a removed worker
+        self.slots: dict[bytes, int] = {}
+        self.batch_ids: set[int] = set()
+
+    def _add(self, model: str, slots: int | None) -> bytes:
+        wid = f"w{self.next_worker}".encode()
+        self.next_worker += 1
+        self.s.add_worker(wid, model, slots)
+        self.slots[wid] = PREFETCH if slots is None else min(slots, PREFETCH)
+        return wid
+
+    @initialize(target=workers, model=st.sampled_from(sorted(MODELS)), slots=st.none() | st.integers(1, 3))
+    def first_worker(self, model: str, slots: int | None) -> bytes:
+        return self._add(model, slots)
+
+    @rule(target=workers, model=st.sampled_from(sorted(MODELS)), slots=st.none() | st.integers(1, 3))
+    def add_worker(self, model: str, slots: int | None) -> bytes:
+        return self._add(model, slots)
+
+    @rule(wid=consumes(workers))
+    def remove_worker(self, wid: bytes) -> None:
+        lost = self.s.remove_worker(wid)
+        expected = {bid for bid, b in self.in_flight.items() if b.worker == wid}
+        assert {b.batch_id for b in lost} == expected
+        for b in lost:
+            self.finished.append(self.in_flight.pop(b.batch_id))
+        self.slots.pop(wid)
+
+    @rule(model=st.sampled_from(sorted(MODELS)), n=st.integers(1, 7))
+    def enqueue(self, model: str, n: int) -> None:
+        for _ in range(n):
+            self.s.enqueue(model, QueuedRequest([b"c"], b"", self.next_id, self.now))
+            self.enqueued[model].append(self.next_id)
+            self.next_id += 1
+
+    @rule(dt=st.floats(min_value=0.0, max_value=0.02, allow_nan=False))
+    def advance(self, dt: float) -> None:
+        self.now += dt
+
+    @rule()
+    def advance_to_wakeup(self) -> None:
+        t = self.s.next_wakeup()
+        if t is not None and t > self.now:
+            self.now = t
+
+    @precondition(lambda self: bool(self.in_flight))
+    @rule(data=st.data(), infer_s=st.none() | st.floats(min_value=0.0, max_value=0.05))
+    def complete(self, data: st.DataObject, infer_s: float | None) -> None:
+        bid = data.draw(st.sampled_from(sorted(self.in_flight)))
+        batch = self.in_flight[bid]
+        assert self.s.complete(batch.worker, bid, infer_s) is batch
+        self.finished.append(self.in_flight.pop(bid))
+
+    @rule(worker=st.sampled_from([b"w0", b"w1", b"w5", b"ghost"]), bid=st.integers(0, 60))
+    def stray_reply(self, worker: bytes, bid: int) -> None:
+        batch = self.in_flight.get(bid)
+        if batch is not None and batch.worker == worker:
+            return  # a genuine reply; `complete` covers it
+        assert self.s.complete(worker, bid) is None
+
+    @rule()
+    def dispatch(self) -> None:
+        for b in self.s.due_batches(self.now):
+            assert 1 <= len(b.requests) <= MODELS[b.model].max_batch_size
+            assert b.worker in self.slots
+            assert self.s.workers[b.worker].model == b.model
+            assert b.batch_id not in self.batch_ids
+            assert b.dispatched_at == self.now
+            self.batch_ids.add(b.batch_id)
+            self.in_flight[b.batch_id] = b
+            self.dispatched[b.model].extend(r.id for r in b.requests)
+        # Nothing due is left behind while a worker of its model has a free slot.
+        for name, mq in self.s.models.items():
+            queued = list(mq.queued())
+            free = any(
+                w.model == name and len(w.in_flight) < self.slots[wid] for wid, w in self.s.workers.items()
+            )
+            if free and queued:
+                assert len(queued) < mq.settings.max_batch_size
+                assert self.now < min(r.arrived_at for r in queued) + mq.settings.max_wait_s
+        wake = self.s.next_wakeup()
+        assert wake is None or wake > self.now
+
+    @invariant()
+    def every_request_in_exactly_one_place(self) -> None:
+        places: list[object] = []
+        for mq in self.s.models.values():
+            places.extend(r.id for r in mq.queued())
+        in_flight = list(self.s.in_flight())
+        assert {b.batch_id for b in in_flight} == set(self.in_flight)
+        for b in in_flight:
+            places.extend(r.id for r in b.requests)
+        for b in self.finished:
+            places.extend(r.id for r in b.requests)
+        assert Counter(places) == Counter(range(self.next_id))  # never lost, never twice
+
+    @invariant()
+    def fifo_within_each_model(self) -> None:
+        for name in MODELS:
+            queued = sorted(r.id for r in self.s.models[name].queued())  # type: ignore[type-var]
+            assert self.s.queued(name) == len(queued)
+            assert self.dispatched[name] + queued == self.enqueued[name]
+
+    @invariant()
+    def workers_never_hold_more_than_their_slots(self) -> None:
+        assert set(self.s.workers) == set(self.slots)
+        for wid, w in self.s.workers.items():
+            assert len(w.in_flight) <= self.slots[wid]
+            assert all(b.worker == wid for b in w.in_flight.values())
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+test_scheduler_state_machine = SchedulerMachine.TestCase
