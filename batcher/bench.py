@@ -24,6 +24,7 @@ import zmq
 from hdrh.histogram import HdrHistogram
 
 from batcher import protocol
+from batcher.security import secure_client
 from batcher.zmqio import recv_frames, send_frames
 
 #: Latencies are recorded in microseconds, from 1 us to 10 minutes, 3 significant digits.
@@ -53,6 +54,7 @@ class LoadSettings:
     warmup_s: float = 0.0
     drain_timeout_s: float = 10.0
     seed: int | None = None
+    curve_key: str | None = None  # a key pair file usable as both server key and own key
 
     def __post_init__(self) -> None:
         if (self.concurrency is None) == (self.rate is None):
@@ -99,6 +101,7 @@ class LoadSettings:
             warmup_s=self.warmup_s,
             drain_timeout_s=self.drain_timeout_s,
             seed=None if self.seed is None else self.seed + index,
+            curve_key=self.curve_key,
         )
 
 
@@ -139,6 +142,8 @@ def run_shard(settings: LoadSettings, progress: Any = None) -> ShardResult:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if settings.curve_key:
+        secure_client(sock, settings.curve_key, settings.curve_key)
     sock.connect(settings.connect)
     try:
         return _Generator(settings, sock, progress).run()

@@ -32,6 +32,7 @@ from batcher.scheduler import (
     Scheduler,
     UnknownModel,
 )
+from batcher.security import CurveServerKeys, secure_server
 from batcher.stopping import StopSignals
 from batcher.zmqio import recv_frames, send_frames, send_reply
 
@@ -57,6 +58,7 @@ class BrokerSettings:
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     max_retries: int = 1
     max_message_bytes: int = 16 * 1024 * 1024
+    curve: CurveServerKeys | None = None
     shutdown_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -116,11 +118,20 @@ class Broker:
         self._heard_from: dict[bytes, float] = {}  # worker -> when it last said anything
         self._timers: list[tuple[float, int, Callable[[float], None]]] = []
         self._timer_seq = itertools.count()
-        self.frontend = self._router(settings.frontend, settings.max_message_bytes)
-        self.backend = self._router(settings.backend, -1)
+        self.frontend = self._router(settings.max_message_bytes)
+        self.backend = self._router(-1)
+        self._auth = None
+        try:
+            if settings.curve is not None:
+                self._auth = secure_server(self.ctx, [self.frontend, self.backend], settings.curve)
+            self._bind(self.frontend, settings.frontend)
+            self._bind(self.backend, settings.backend)
+        except BaseException:
+            self.close()
+            raise
         self.call_every(settings.heartbeat.interval_s, self._heartbeat)
 
-    def _router(self, address: str, max_message_bytes: int) -> zmq.Socket[Any]:
+    def _router(self, max_message_bytes: int) -> zmq.Socket[Any]:
         sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         # A reply to a peer that is gone raises (and is counted) instead of vanishing.
@@ -130,12 +141,14 @@ class Broker:
         sock.setsockopt(zmq.SNDHWM, REPLY_HWM)
         # A peer sending a bigger message is disconnected by libzmq before we see it.
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        return sock
+
+    @staticmethod
+    def _bind(sock: zmq.Socket[Any], address: str) -> None:
         try:
             sock.bind(address)
         except zmq.ZMQError as exc:
-            sock.close(0)
             raise BindError(f"cannot bind {address}: {exc.strerror}") from None
-        return sock
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -163,6 +176,8 @@ class Broker:
 
     def close(self) -> None:
         """Close the sockets (and the context, when the broker made it)."""
+        if self._auth is not None:
+            self._auth.stop()
         self.frontend.close(0)
         self.backend.close(0)
         self.signals.close()

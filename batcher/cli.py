@@ -17,6 +17,7 @@ import click
 from batcher.broker import BindError, Broker, BrokerSettings, run_broker
 from batcher.protocol import Heartbeat
 from batcher.scheduler import POLICIES, BatchSettings
+from batcher.security import CurveServerKeys, KeyFileError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -88,6 +89,29 @@ config_option = option(
 )
 
 
+curve_client_options = [
+    option(
+        "--curve-server-key",
+        type=click.Path(exists=True, dir_okay=False),
+        default=None,
+        help="The broker's public key file: turns CurveZMQ encryption on.",
+    ),
+    option(
+        "--curve-secret-key",
+        type=click.Path(exists=True, dir_okay=False),
+        default=None,
+        help="This side's key pair (NAME.key_secret), for a broker with an allow-list.",
+    ),
+]
+
+
+def with_curve_client(f: F) -> F:
+    """The client side of CurveZMQ, shared by worker, send and bench."""
+    for d in reversed(curve_client_options):
+        f = d(f)
+    return f
+
+
 heartbeat_options = [
     option(
         "--heartbeat-ms",
@@ -156,6 +180,18 @@ def scheduling_options(f: F) -> F:
             help="Largest request accepted; a bigger one disconnects its sender.",
         ),
         *heartbeat_options,
+        option(
+            "--curve-secret-key",
+            type=click.Path(exists=True, dir_okay=False),
+            default=None,
+            help="The broker's key pair (NAME.key_secret from `batcher keygen`): encrypts both sockets.",
+        ),
+        option(
+            "--curve-clients",
+            type=click.Path(exists=True, file_okay=False),
+            default=None,
+            help="Directory of the public keys (.key) of the clients and workers allowed in.",
+        ),
         config_option,
     ]
     for d in reversed(decorators):
@@ -209,9 +245,18 @@ def broker_settings(
             heartbeat=Heartbeat(sched["heartbeat_ms"], sched["heartbeat_liveness"]),
             max_retries=sched["max_retries"],
             max_message_bytes=sched["max_message_bytes"],
+            curve=_curve_keys(sched["curve_secret_key"], sched["curve_clients"]),
         )
     except (ValueError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def _curve_keys(secret_key: str | None, clients: str | None) -> CurveServerKeys | None:
+    if secret_key is None:
+        if clients is not None:
+            raise click.UsageError("--curve-clients needs --curve-secret-key (the broker's key pair)")
+        return None
+    return CurveServerKeys(secret_key, clients)
 
 
 SCHEDULING_KEYS = (
@@ -226,6 +271,8 @@ SCHEDULING_KEYS = (
     "max_message_bytes",
     "heartbeat_ms",
     "heartbeat_liveness",
+    "curve_secret_key",
+    "curve_clients",
     "config",
 )
 
@@ -284,7 +331,7 @@ def serve(
     settings = broker_settings(frontend, backend, models, _pop_scheduling(kwargs))
     try:
         broker = Broker(settings)  # bind before the workers start, so a busy port fails fast
-    except BindError as exc:
+    except (BindError, KeyFileError) as exc:
         raise click.ClickException(str(exc)) from None
     supervisor = Supervisor(
         PoolSettings(
@@ -294,6 +341,7 @@ def serve(
             SimSettings(sim_base_ms, sim_per_item_ms),
             heartbeat=settings.heartbeat,
             log_level=log_level,
+            curve_secret_key=settings.curve.secret_key_file if settings.curve else None,
         )
     )
     broker.signals.install()
@@ -325,7 +373,7 @@ def broker(frontend: str, backend: str, models: tuple[str, ...], log_level: str,
     settings = broker_settings(frontend, backend, models, _pop_scheduling(kwargs))
     try:
         run_broker(settings)
-    except BindError as exc:
+    except (BindError, KeyFileError) as exc:
         raise click.ClickException(str(exc)) from None
 
 
@@ -336,6 +384,7 @@ def broker(frontend: str, backend: str, models: tuple[str, ...], log_level: str,
 @option("--parent-pid", type=int, default=None, hidden=True)
 @heartbeat_options[0]
 @heartbeat_options[1]
+@with_curve_client
 @sim_options
 @log_level_option
 def worker(
@@ -345,6 +394,8 @@ def worker(
     parent_pid: int | None,
     heartbeat_ms: float,
     heartbeat_liveness: int,
+    curve_server_key: str | None,
+    curve_secret_key: str | None,
     sim_base_ms: float,
     sim_per_item_ms: float,
     log_level: str,
@@ -363,6 +414,8 @@ def worker(
             SimSettings(sim_base_ms, sim_per_item_ms),
             parent_pid,
             Heartbeat(heartbeat_ms, heartbeat_liveness),
+            curve_server_key,
+            curve_secret_key,
         )
     )
 
@@ -377,8 +430,16 @@ def _json_default(value: object) -> object:
 @option("--connect", default=DEFAULT_FRONTEND, help="The broker's frontend address.")
 @option("--model", default=None, help="Model to ask (the broker's default when absent).")
 @option("--timeout-ms", type=click.FloatRange(min=0), default=None, help="Deadline per request.")
+@with_curve_client
 @click.argument("inputs", nargs=-1)
-def send(connect: str, model: str | None, timeout_ms: float | None, inputs: tuple[str, ...]) -> None:
+def send(
+    connect: str,
+    model: str | None,
+    timeout_ms: float | None,
+    curve_server_key: str | None,
+    curve_secret_key: str | None,
+    inputs: tuple[str, ...],
+) -> None:
     """Send JSON INPUTS (or one JSON value per stdin line) and print each reply as JSON.
 
     All inputs are sent at once, so they can share a batch. Exits 1 if any reply is
@@ -392,7 +453,7 @@ def send(connect: str, model: str | None, timeout_ms: float | None, inputs: tupl
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"not JSON: {exc}", param_hint="INPUTS") from None
     failed = False
-    with Client(connect) as client:
+    with Client(connect, curve_server_key=curve_server_key, curve_secret_key=curve_secret_key) as client:
         pendings = [client.submit(v, model=model, timeout_ms=timeout_ms) for v in values]
         for p in pendings:
             reply = p.wait()
@@ -483,7 +544,9 @@ def bench(
         duration_s = 10.0
     serve_args = ["--workers", str(workers), "--model", model or "sim"]
     serve_args += ["--sim-base-ms", str(sim_base_ms), "--sim-per-item-ms", str(sim_per_item_ms)]
-    for key, value in _pop_scheduling(kwargs).items():
+    scheduling = _pop_scheduling(kwargs)
+    curve_key = scheduling["curve_secret_key"] if spawn else None
+    for key, value in scheduling.items():
         if value is not None:
             text = ",".join(map(str, value)) if key == "batch_sizes" else str(value)
             serve_args += ["--" + key.replace("_", "-"), text]
@@ -504,6 +567,7 @@ def bench(
                 model=model,
                 processes=processes,
                 warmup_s=warmup_s,
+                curve_key=curve_key,
             )
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
@@ -535,6 +599,18 @@ def _run_with_progress(settings: Any) -> Any:
             bar.update(min(length, done) - bar.pos)
 
         return run_load(settings, on_progress)
+
+
+@main.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--name", default="batcher", show_default=True, help="Base name of the two files.")
+def keygen(directory: str, name: str) -> None:
+    """Write a CurveZMQ key pair to DIRECTORY: NAME.key (public, to share) and
+    NAME.key_secret (secret, keep private)."""
+    from batcher.security import generate_keys
+
+    public, secret = generate_keys(directory, name)
+    click.echo(f"public key: {public}\nsecret key: {secret}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ timed out is recognised and dropped.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import zmq
 
 from batcher import protocol
+from batcher.security import secure_client
 
 
 class BatcherError(Exception):
@@ -95,10 +97,13 @@ def error_from_reply(reply: dict[str, Any]) -> BatcherError:
 class PendingReply:
     """A request in flight; `result()` waits for it while serving the others too."""
 
-    def __init__(self, client: Client, request_id: int, deadline: float | None) -> None:
+    def __init__(self, client: Client, request_id: int, body: bytes, wait_s: float | None) -> None:
         self._client = client
         self.request_id = request_id
-        self.deadline = deadline
+        self.body = body
+        self.wait_s = wait_s
+        self.attempts = 1
+        self.deadline = None if wait_s is None else time.monotonic() + wait_s
         self.reply: dict[str, Any] | None = None
 
     def done(self) -> bool:
@@ -118,24 +123,48 @@ class PendingReply:
         assert self.reply is not None
         return self.reply
 
+    def cancel(self) -> None:
+        """Ask the broker to drop this request if it is still queued; it is then answered
+        with `cancelled` (a request already running is answered normally)."""
+        if self.reply is None:
+            self._client._send({"op": "cancel", "id": self.request_id})
+
 
 class Client:
-    """Talks to a broker's frontend. Not thread-safe: one client per thread."""
+    """Talks to a broker's frontend over one DEALER socket. Not thread-safe.
+
+    `timeout_s` bounds the wait for each reply (None: wait forever). With `retries`,
+    a request that got no reply in time is sent again, up to that many times: only for
+    idempotent models, since the first attempt may still run; whichever reply comes
+    first is the answer and a duplicate is dropped. ZeroMQ reconnects to a restarted
+    broker by itself; requests lost with the old one time out (and are retried).
+    """
 
     def __init__(
         self,
         address: str = "tcp://127.0.0.1:5555",
         timeout_s: float | None = 30.0,
+        retries: int = 0,
         context: zmq.Context[Any] | None = None,
+        curve_server_key: str | None = None,
+        curve_secret_key: str | None = None,
     ) -> None:
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
         self.address = address
         self.timeout_s = timeout_s
+        self.retries = retries
         self._ctx: zmq.Context[Any] = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        if curve_server_key:  # the broker's public key file; ours from curve_secret_key
+            secure_client(self._sock, curve_server_key, curve_secret_key)
         self._sock.connect(address)
         self._ids = itertools.count(1)
         self._pending: dict[int, PendingReply] = {}
+        self.duplicates_dropped = 0
 
     def __enter__(self) -> Client:
         return self
@@ -156,22 +185,18 @@ class Client:
         priority: float | None = None,
     ) -> PendingReply:
         """Send a request without waiting; many can be in flight over the one socket."""
-        request_id = next(self._ids)
-        body: dict[str, Any] = {"id": request_id, "input": input}
+        body: dict[str, Any] = {"input": input}
         if model is not None:
             body["model"] = model
         if timeout_ms is not None:
             body["timeout_ms"] = timeout_ms
         if priority is not None:
             body["priority"] = priority
-        self._sock.send_multipart([b"", protocol.pack(body)])
         wait_s = self.timeout_s
-        if timeout_ms is not None:  # the broker answers by then; allow for the trip back
-            wait_s = timeout_ms / 1000.0 + 1.0 if wait_s is None else min(wait_s, timeout_ms / 1000.0 + 1.0)
-        deadline = None if wait_s is None else time.monotonic() + wait_s
-        pending = PendingReply(self, request_id, deadline)
-        self._pending[request_id] = pending
-        return pending
+        if timeout_ms:  # the broker answers by then; allow for the trip back
+            limit = timeout_ms / 1000.0 + 1.0
+            wait_s = limit if wait_s is None else min(wait_s, limit)
+        return self._start(body, wait_s)
 
     def request(
         self,
@@ -205,12 +230,19 @@ class Client:
 
     def control(self, op: str) -> Any:
         """Send a control request (`stats`) and return its output."""
+        return self._start({"op": op}, self.timeout_s).result()
+
+    def _start(self, fields: dict[str, Any], wait_s: float | None) -> PendingReply:
         request_id = next(self._ids)
-        self._sock.send_multipart([b"", protocol.pack({"id": request_id, "op": op})])
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
-        pending = PendingReply(self, request_id, deadline)
+        body = self._send({"id": request_id, **fields})
+        pending = PendingReply(self, request_id, body, wait_s)
         self._pending[request_id] = pending
-        return pending.result()
+        return pending
+
+    def _send(self, fields: dict[str, Any]) -> bytes:
+        body = protocol.pack(fields)
+        self._sock.send_multipart([b"", body])
+        return body
 
     def _wait_for(self, target: PendingReply) -> None:
         while target.reply is None:
@@ -218,16 +250,28 @@ class Client:
             if target.deadline is not None:
                 remaining = target.deadline - time.monotonic()
                 if remaining <= 0:
-                    self._pending.pop(target.request_id, None)
-                    target.reply = {
-                        "id": target.request_id,
-                        "ok": False,
-                        "error": {"code": "timeout", "message": f"no reply from {self.address}"},
-                    }
-                    return
-                timeout_ms = max(1, int(remaining * 1000))
+                    self._expire(target)
+                    continue
+                timeout_ms = max(1, math.ceil(remaining * 1000))
             if self._sock.poll(timeout_ms, zmq.POLLIN):
                 self._receive_ready()
+
+    def _expire(self, pending: PendingReply) -> None:
+        """No reply in time: send it again while retries last, else give up on it."""
+        if pending.attempts <= self.retries and pending.wait_s is not None:
+            pending.attempts += 1
+            pending.deadline = time.monotonic() + pending.wait_s
+            self._sock.send_multipart([b"", pending.body])
+            return
+        self._pending.pop(pending.request_id, None)
+        pending.reply = {
+            "id": pending.request_id,
+            "ok": False,
+            "error": {
+                "code": "timeout",
+                "message": f"no reply from {self.address} after {pending.attempts} attempt(s)",
+            },
+        }
 
     def _receive_ready(self) -> None:
         while True:
@@ -240,5 +284,7 @@ class Client:
                 pending = self._pending.pop(reply["id"], None)
             except Exception:
                 continue  # not a reply of ours; nothing to match it to
-            if pending is not None:
+            if pending is None:
+                self.duplicates_dropped += 1  # a retried request's second reply, or a late one
+            else:
                 pending.reply = reply

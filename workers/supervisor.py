@@ -32,6 +32,7 @@ class PoolSettings:
     sim: SimSettings = field(default_factory=SimSettings)
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     log_level: str = "INFO"
+    curve_secret_key: str | None = None  # the broker's: its local workers use its key pair
 
     def __post_init__(self) -> None:
         if self.workers_per_model < 0:
@@ -101,7 +102,11 @@ class Supervisor:
             s.log_level,
             "--parent-pid",
             str(os.getpid()),
-        ]
+        ] + (
+            ["--curve-server-key", s.curve_secret_key, "--curve-secret-key", s.curve_secret_key]
+            if s.curve_secret_key
+            else []
+        )
 
     def start(self) -> None:
         """Start every worker; worker i gets GPU id i."""

@@ -24,6 +24,7 @@ import zmq
 
 from batcher import protocol
 from batcher.protocol import ErrorCode, Heartbeat
+from batcher.security import secure_client
 from batcher.stopping import StopSignals
 from batcher.zmqio import recv_frames, send_frames
 from workers.models import ModelFn, ModelSpec, SimSettings, load_model
@@ -45,6 +46,8 @@ class WorkerSettings:
     sim: SimSettings = field(default_factory=SimSettings)
     parent_pid: int | None = None
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
+    curve_server_key: str | None = None  # the broker's public key file: turns CURVE on
+    curve_secret_key: str | None = None  # this worker's key pair (.key_secret)
 
     def __post_init__(self) -> None:
         ModelSpec.parse(self.model)  # raises with a precise message
@@ -166,6 +169,8 @@ class Worker:
         """A fresh DEALER (and so a fresh identity at the broker), announced with READY."""
         sock: zmq.Socket[Any] = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.settings.curve_server_key:
+            secure_client(sock, self.settings.curve_server_key, self.settings.curve_secret_key)
         sock.connect(self.settings.connect)
         send_frames(sock, protocol.ready_frames(self.spec.name, self.settings.gpu, os.getpid()))
         self._poller.register(sock, zmq.POLLIN)
