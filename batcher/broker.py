@@ -23,6 +23,7 @@ from typing import Any
 import zmq
 
 from batcher import protocol
+from batcher.metrics import NoMetrics, PrometheusMetrics, Recent, percentile
 from batcher.protocol import ErrorCode, Heartbeat, ProtocolError
 from batcher.scheduler import (
     Batch,
@@ -59,6 +60,7 @@ class BrokerSettings:
     max_retries: int = 1
     max_message_bytes: int = 16 * 1024 * 1024
     curve: CurveServerKeys | None = None
+    metrics_port: int | None = None
     shutdown_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -93,8 +95,9 @@ class ModelStats:
     """Counters the `stats` control request reports for one model."""
 
     batches: int = 0
-    requests: int = 0
-    errors: Counter[str] = field(default_factory=Counter)
+    requests: int = 0  # in completed batches
+    outcomes: Counter[str] = field(default_factory=Counter)  # "ok" or an error code -> replies
+    recent: Recent = field(default_factory=Recent)
 
 
 class Broker:
@@ -109,6 +112,8 @@ class Broker:
         )
         self._default_timeout_s = settings.default_timeout_ms / 1000.0
         self.stats: dict[str, ModelStats] = {}
+        self.refused: Counter[str] = Counter()  # requests without a model to count them under
+        self.metrics: NoMetrics = NoMetrics()
         self.undeliverable = 0
         self.dropped_backend = 0
         self._stopping_since: float | None = None
@@ -130,6 +135,23 @@ class Broker:
             self.close()
             raise
         self.call_every(settings.heartbeat.interval_s, self._heartbeat)
+        if settings.metrics_port is not None:
+            prom = PrometheusMetrics(self._gauges)
+            prom.serve(settings.metrics_port)
+            self.metrics = prom
+            log.info("metrics at http://127.0.0.1:%d/metrics", settings.metrics_port)
+
+    def _gauges(self) -> dict[str, dict[str, float]]:
+        """Queue depth, workers and batches in flight per model (read at scrape time)."""
+        out: dict[str, dict[str, float]] = {}
+        for name, mq in list(self.scheduler.models.items()):
+            workers = [self.scheduler.workers[w] for w in list(mq.workers) if w in self.scheduler.workers]
+            out[name] = {
+                "queue_depth": mq.size,
+                "workers": len(workers),
+                "batches_in_flight": sum(len(w.in_flight) for w in workers),
+            }
+        return out
 
     def _router(self, max_message_bytes: int) -> zmq.Socket[Any]:
         sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
@@ -270,19 +292,19 @@ class Broker:
             try:
                 envelope, body = protocol.split_envelope(frames)
             except protocol.EnvelopeError as exc:
-                self._send_to_client(exc.envelope, protocol.error_reply(None, exc.code, exc.message))
+                self._refuse(exc.envelope, None, exc.code, exc.message)
                 return
         try:
             header, _ = protocol.parse_request(body)
         except ProtocolError as exc:
-            self._send_to_client(envelope, protocol.error_reply(None, exc.code, exc.message))
+            self._refuse(envelope, None, exc.code, exc.message)
             return
         if header.op != "infer":
             self._control(envelope, header.id, header.op)
             return
         model = header.model or self.settings.default_model
         if self._stopping_since is not None:
-            self._refuse(envelope, header.id, ErrorCode.SHUTTING_DOWN, "the broker is shutting down")
+            self._refuse(envelope, header.id, ErrorCode.SHUTTING_DOWN, "the broker is shutting down", model)
             return
         timeout_s = header.timeout_ms / 1000.0 if header.timeout_ms else self._default_timeout_s
         request = QueuedRequest(
@@ -293,16 +315,30 @@ class Broker:
         except UnknownModel:
             self._refuse(envelope, header.id, ErrorCode.UNKNOWN_MODEL, f"no worker serves model {model!r}")
         except Overloaded:
-            self._model_stats(model).errors[ErrorCode.OVERLOADED] += 1
             self._refuse(
                 envelope,
                 header.id,
                 ErrorCode.OVERLOADED,
                 f"model {model!r} has {self.scheduler.queued(model)} requests queued, its limit",
+                model,
             )
 
-    def _refuse(self, envelope: list[bytes], req_id: object, code: ErrorCode, message: str) -> None:
+    def _refuse(
+        self, envelope: list[bytes], req_id: object, code: ErrorCode, message: str, model: str | None = None
+    ) -> None:
+        """Answer a request that was never queued (counted under its model when it has one)."""
+        if model is not None:
+            self._count(model, code)
+        else:
+            self.refused[code] += 1
+            self.metrics.request_done("", code)
         self._send_to_client(envelope, protocol.error_reply(req_id, code, message))
+
+    def _count(self, model: str, outcome: str, n: int = 1) -> None:
+        if not n:
+            return
+        self._model_stats(model).outcomes[outcome] += n
+        self.metrics.request_done(model, outcome, n)
 
     def _control(self, envelope: list[bytes], req_id: object, op: str) -> None:
         if op == "stats":
@@ -326,15 +362,21 @@ class Broker:
             st = self.stats.get(name, ModelStats())
             workers = [self.scheduler.workers[w] for w in mq.workers]
             cost = self.scheduler.cost(name)
+            recent = st.recent
             models[name] = {
                 "queued": mq.size,
                 "workers": len(workers),
                 "busy_workers": sum(1 for w in workers if w.in_flight),
                 "batches_in_flight": sum(len(w.in_flight) for w in workers),
+                "worker_list": [{"id": w.worker_id.hex(), "batches_held": len(w.in_flight)} for w in workers],
                 "batches": st.batches,
                 "requests": st.requests,
                 "mean_batch_size": st.requests / st.batches if st.batches else 0.0,
-                "errors": dict(st.errors),
+                "outcomes": dict(st.outcomes),
+                "queue_ms_p50": percentile(recent.queue_ms, 50),
+                "queue_ms_p99": percentile(recent.queue_ms, 99),
+                "infer_ms_p50": percentile(recent.infer_ms, 50),
+                "infer_ms_p99": percentile(recent.infer_ms, 99),
                 "max_batch_size": mq.settings.max_batch_size,
                 "max_wait_ms": mq.settings.max_wait_ms,
                 "policy": mq.settings.policy,
@@ -343,6 +385,10 @@ class Broker:
             }
         return {
             "models": models,
+            "refused_without_model": dict(self.refused),
+            "workers_lost": self.workers_lost,
+            "batches_retried": self.batches_retried,
+            "dropped_backend_messages": self.dropped_backend,
             "undeliverable": self.undeliverable,
             "stopping": self._stopping_since is not None,
         }
@@ -355,7 +401,7 @@ class Broker:
             log.debug("reply to a vanished client dropped: %s", exc)
 
     def _reply_error(self, req: QueuedRequest, model: str, code: ErrorCode, message: str) -> None:
-        self._model_stats(model).errors[code] += 1
+        self._count(model, code)
         self._send_to_client(req.envelope, protocol.error_reply(req.id, code, message))
 
     def _model_stats(self, model: str) -> ModelStats:
@@ -372,6 +418,8 @@ class Broker:
             self._reply_error(req, name, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
         for batch in self.scheduler.due_batches(now):
             queue_ms = [round((now - r.arrived_at) * 1000.0, 3) for r in batch.requests]
+            self._model_stats(batch.model).recent.queue_ms.extend(queue_ms)
+            self.metrics.queue_waits_ms(batch.model, queue_ms)
             frames = protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests])
             if not self._send_to_worker(batch.worker, frames):
                 log.warning("worker %s unreachable; its batches go to another", batch.worker.hex())
@@ -424,6 +472,7 @@ class Broker:
             self._worker_lost(worker_id, "worker restarted during the batch")
         self.scheduler.add_worker(worker_id, model, slots)
         self._heard_from[worker_id] = time.monotonic()
+        self.metrics.worker_event(model, "joined")
         log.info(
             "worker joined: model %s, gpu %s, pid %s, id %s",
             model,
@@ -433,7 +482,9 @@ class Broker:
         )
 
     def _on_reply(self, worker_id: bytes, header_frame: bytes, blob: bytes) -> None:
-        batch_id, infer_ms, lengths = protocol.unpack(header_frame)
+        header = protocol.unpack(header_frame)
+        batch_id, infer_ms, lengths = header[:3]
+        model_errors = header[3] if len(header) > 3 and isinstance(header[3], int) else 0
         infer_s = infer_ms / 1000.0 if isinstance(infer_ms, int | float) else None
         batch = self.scheduler.complete(worker_id, batch_id, infer_s)
         if batch is None:
@@ -443,6 +494,9 @@ class Broker:
         st = self._model_stats(batch.model)
         st.batches += 1
         st.requests += len(batch.requests)
+        if infer_s is not None:
+            st.recent.infer_ms.append(infer_ms)
+            self.metrics.batch_done(batch.model, len(batch.requests), infer_s)
         try:
             if len(lengths) != len(batch.requests):
                 raise ValueError(f"{len(lengths)} replies for {len(batch.requests)} requests")
@@ -451,6 +505,9 @@ class Broker:
             log.warning("malformed reply from worker %s: %s", worker_id.hex(), exc)
             self._fail_batch(batch, ErrorCode.WORKER_FAILED, f"the worker sent a malformed reply: {exc}")
             return
+        n_errors = min(model_errors, len(replies))
+        self._count(batch.model, "ok", len(replies) - n_errors)
+        self._count(batch.model, ErrorCode.MODEL_ERROR, n_errors)
         frontend = self.frontend
         for req, reply in zip(batch.requests, replies, strict=True):
             try:
@@ -479,6 +536,9 @@ class Broker:
         """Forget a worker. Its batches go back to the queue, unless a failed worker was
         their `max_retries`-th: those requests are answered with worker_failed."""
         self._heard_from.pop(worker_id, None)
+        state = self.scheduler.workers.get(worker_id)
+        if state is not None:
+            self.metrics.worker_event(state.model, "died" if failed else "left")
         if failed:
             self.workers_lost += 1
         for batch in self.scheduler.remove_worker(worker_id):

@@ -7,7 +7,6 @@ Every option can also be set by an environment variable BATCHER_<OPTION>
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -15,6 +14,7 @@ from typing import Any, TypeVar
 import click
 
 from batcher.broker import BindError, Broker, BrokerSettings, run_broker
+from batcher.logs import FORMATS, setup_logging
 from batcher.protocol import Heartbeat
 from batcher.scheduler import POLICIES, BatchSettings
 from batcher.security import CurveServerKeys, KeyFileError
@@ -38,20 +38,21 @@ def option(*decls: str, **kwargs: Any) -> Callable[[F], F]:
     return click.option(*decls, **kwargs)
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
-        stream=sys.stderr,
-    )
-
-
-log_level_option = option(
-    "--log-level",
-    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-    default="INFO",
-    help="Logging threshold (logs go to stderr).",
-)
+def logging_options(f: F) -> F:
+    """--log-level and --log-format, on every command."""
+    f = option(
+        "--log-format",
+        type=click.Choice(FORMATS),
+        default="text",
+        help="Log lines as text or as JSON objects.",
+    )(f)
+    f = option(
+        "--log-level",
+        type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+        default="INFO",
+        help="Logging threshold (logs go to stderr).",
+    )(f)
+    return f
 
 
 def _load_config(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
@@ -192,6 +193,12 @@ def scheduling_options(f: F) -> F:
             default=None,
             help="Directory of the public keys (.key) of the clients and workers allowed in.",
         ),
+        option(
+            "--metrics-port",
+            type=click.IntRange(min=1, max=65535),
+            default=None,
+            help="Serve Prometheus metrics at http://127.0.0.1:PORT/metrics.",
+        ),
         config_option,
     ]
     for d in reversed(decorators):
@@ -246,6 +253,7 @@ def broker_settings(
             max_retries=sched["max_retries"],
             max_message_bytes=sched["max_message_bytes"],
             curve=_curve_keys(sched["curve_secret_key"], sched["curve_clients"]),
+            metrics_port=sched["metrics_port"],
         )
     except (ValueError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
@@ -273,6 +281,7 @@ SCHEDULING_KEYS = (
     "heartbeat_liveness",
     "curve_secret_key",
     "curve_clients",
+    "metrics_port",
     "config",
 )
 
@@ -311,7 +320,7 @@ def main() -> None:
 )
 @scheduling_options
 @sim_options
-@log_level_option
+@logging_options
 def serve(
     frontend: str,
     backend: str,
@@ -320,13 +329,14 @@ def serve(
     sim_base_ms: float,
     sim_per_item_ms: float,
     log_level: str,
+    log_format: str,
     **kwargs: Any,
 ) -> None:
     """Run a broker and --workers worker processes per model (worker i on GPU i)."""
     from workers.models import SimSettings
     from workers.supervisor import PoolSettings, Supervisor
 
-    _setup_logging(log_level)
+    setup_logging(log_level, log_format)
     _check_models(models)
     settings = broker_settings(frontend, backend, models, _pop_scheduling(kwargs))
     try:
@@ -341,8 +351,10 @@ def serve(
             SimSettings(sim_base_ms, sim_per_item_ms),
             heartbeat=settings.heartbeat,
             log_level=log_level,
+            log_format=log_format,
             curve_secret_key=settings.curve.secret_key_file if settings.curve else None,
-        )
+        ),
+        on_event=broker.metrics.worker_event,
     )
     broker.signals.install()
     broker.call_every(SUPERVISE_INTERVAL_S, supervisor.check)
@@ -365,10 +377,12 @@ def serve(
     help="Model requests may name before any worker has joined; the first is the default.",
 )
 @scheduling_options
-@log_level_option
-def broker(frontend: str, backend: str, models: tuple[str, ...], log_level: str, **kwargs: Any) -> None:
+@logging_options
+def broker(
+    frontend: str, backend: str, models: tuple[str, ...], log_level: str, log_format: str, **kwargs: Any
+) -> None:
     """Run a broker alone; start workers with `batcher worker`."""
-    _setup_logging(log_level)
+    setup_logging(log_level, log_format)
     _check_models(models)
     settings = broker_settings(frontend, backend, models, _pop_scheduling(kwargs))
     try:
@@ -386,7 +400,7 @@ def broker(frontend: str, backend: str, models: tuple[str, ...], log_level: str,
 @heartbeat_options[1]
 @with_curve_client
 @sim_options
-@log_level_option
+@logging_options
 def worker(
     connect: str,
     model: str,
@@ -399,12 +413,13 @@ def worker(
     sim_base_ms: float,
     sim_per_item_ms: float,
     log_level: str,
+    log_format: str,
 ) -> None:
     """Run one model-worker process connected to a broker's backend."""
     from workers.models import SimSettings
     from workers.worker import WorkerSettings, run_worker
 
-    _setup_logging(log_level)
+    setup_logging(log_level, log_format)
     _check_models((model,))
     run_worker(
         WorkerSettings(
@@ -431,6 +446,7 @@ def _json_default(value: object) -> object:
 @option("--model", default=None, help="Model to ask (the broker's default when absent).")
 @option("--timeout-ms", type=click.FloatRange(min=0), default=None, help="Deadline per request.")
 @with_curve_client
+@logging_options
 @click.argument("inputs", nargs=-1)
 def send(
     connect: str,
@@ -438,6 +454,8 @@ def send(
     timeout_ms: float | None,
     curve_server_key: str | None,
     curve_secret_key: str | None,
+    log_level: str,
+    log_format: str,
     inputs: tuple[str, ...],
 ) -> None:
     """Send JSON INPUTS (or one JSON value per stdin line) and print each reply as JSON.
@@ -447,6 +465,7 @@ def send(
     """
     from batcher.client import Client
 
+    setup_logging(log_level, log_format)
     texts = list(inputs) or [line for line in sys.stdin.read().splitlines() if line.strip()]
     try:
         values = [json.loads(t) for t in texts]
@@ -470,8 +489,8 @@ def send(
     default="window",
     help="Dispatch policy; the reference design's is window.",
 )
-@log_level_option
-def demo(workers: int, policy: str, log_level: str) -> None:
+@logging_options
+def demo(workers: int, policy: str, log_level: str, log_format: str) -> None:
     """The reference scenario: 8 clients, 5 ms apart, max batch 4, 50 ms window.
 
     Starts a real broker and workers on free loopback ports, prints each result and
@@ -479,7 +498,7 @@ def demo(workers: int, policy: str, log_level: str) -> None:
     """
     from batcher.demo import run_demo
 
-    _setup_logging(log_level)
+    setup_logging(log_level, log_format)
     sys.exit(0 if run_demo(workers, policy) else 1)
 
 
@@ -515,6 +534,7 @@ def demo(workers: int, policy: str, log_level: str) -> None:
 @option("--workers", type=click.IntRange(min=1), default=2, help="--spawn: worker processes.")
 @scheduling_options
 @sim_options
+@logging_options
 def bench(
     connect: str | None,
     spawn: bool,
@@ -530,12 +550,15 @@ def bench(
     workers: int,
     sim_base_ms: float,
     sim_per_item_ms: float,
+    log_level: str,
+    log_format: str,
     **kwargs: Any,
 ) -> None:
     """Measure throughput and latency of a broker under closed- or open-loop load."""
     from batcher.bench import LoadSettings, format_report
     from batcher.launcher import ServeProcess
 
+    setup_logging(log_level, log_format)
     if spawn == (connect is not None):
         raise click.UsageError("give exactly one of --connect ADDR or --spawn")
     if concurrency is None and rate is None:
@@ -602,13 +625,61 @@ def _run_with_progress(settings: Any) -> Any:
 
 
 @main.command()
+@option("--connect", default=DEFAULT_FRONTEND, help="The broker's frontend address.")
+@click.option("--watch", is_flag=True, help="Refresh in place until Ctrl-C.")
+@click.option("--interval-s", type=click.FloatRange(min=0.1), default=1.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the raw stats as JSON.")
+@option("--timeout-s", type=click.FloatRange(min=0.1), default=5.0, help="How long to wait for the broker.")
+@with_curve_client
+@logging_options
+def stats(
+    connect: str,
+    watch: bool,
+    interval_s: float,
+    as_json: bool,
+    timeout_s: float,
+    curve_server_key: str | None,
+    curve_secret_key: str | None,
+    log_level: str,
+    log_format: str,
+) -> None:
+    """Ask a running broker for its queues, workers, batches and recent latencies."""
+    import time
+
+    from batcher.client import BatcherError, Client
+    from batcher.stats_table import format_stats
+
+    setup_logging(log_level, log_format)
+    with Client(
+        connect, timeout_s, curve_server_key=curve_server_key, curve_secret_key=curve_secret_key
+    ) as c:
+        while True:
+            try:
+                snapshot = c.control("stats")
+            except BatcherError as exc:
+                raise click.ClickException(f"no stats from {connect}: {exc}") from None
+            text = json.dumps(snapshot, indent=2) if as_json else format_stats(snapshot)
+            if not watch:
+                click.echo(text)
+                return
+            click.clear()
+            click.echo(f"{connect}  {time.strftime('%H:%M:%S')}\n{text}")
+            try:
+                time.sleep(interval_s)  # the refresh interval of --watch
+            except KeyboardInterrupt:
+                return
+
+
+@main.command()
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--name", default="batcher", show_default=True, help="Base name of the two files.")
-def keygen(directory: str, name: str) -> None:
+@logging_options
+def keygen(directory: str, name: str, log_level: str, log_format: str) -> None:
     """Write a CurveZMQ key pair to DIRECTORY: NAME.key (public, to share) and
     NAME.key_secret (secret, keep private)."""
     from batcher.security import generate_keys
 
+    setup_logging(log_level, log_format)
     public, secret = generate_keys(directory, name)
     click.echo(f"public key: {public}\nsecret key: {secret}")
 

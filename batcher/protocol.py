@@ -210,9 +210,10 @@ def batch_frames(batch_id: int, queue_ms: list[float], bodies: list[bytes]) -> l
     ]
 
 
-def reply_frames(batch_id: int, infer_ms: float, replies: list[bytes]) -> list[bytes]:
-    """Backend REPLY message: a header with each reply's length, then the replies joined."""
-    header = _packer_pack([batch_id, infer_ms, [len(r) for r in replies]])
+def reply_frames(batch_id: int, infer_ms: float, replies: list[bytes], errors: int = 0) -> list[bytes]:
+    """Backend REPLY message: a header with each reply's length (and how many replies are
+    errors, for the broker's counters), then the replies joined."""
+    header = _packer_pack([batch_id, infer_ms, [len(r) for r in replies], errors])
     return [WORKER_PROTOCOL, CMD_REPLY, header, b"".join(replies)]
 
 

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batcher.protocol import Heartbeat
@@ -32,6 +33,7 @@ class PoolSettings:
     sim: SimSettings = field(default_factory=SimSettings)
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     log_level: str = "INFO"
+    log_format: str = "text"
     curve_secret_key: str | None = None  # the broker's: its local workers use its key pair
 
     def __post_init__(self) -> None:
@@ -72,9 +74,10 @@ def child_environment(**extra: str) -> dict[str, str]:
 class Supervisor:
     """Owns the worker processes of one `serve`."""
 
-    def __init__(self, settings: PoolSettings) -> None:
+    def __init__(self, settings: PoolSettings, on_event: Callable[[str, str], None] | None = None) -> None:
         self.settings = settings
         self.workers: list[WorkerProcess] = []
+        self.on_event = on_event or (lambda model, event: None)  # (model, "respawned"|"given_up")
 
     def command(self, model: str, gpu: int) -> list[str]:
         """The command line of one worker process."""
@@ -100,6 +103,8 @@ class Supervisor:
             str(s.heartbeat.liveness),
             "--log-level",
             s.log_level,
+            "--log-format",
+            s.log_format,
             "--parent-pid",
             str(os.getpid()),
         ] + (
@@ -137,6 +142,7 @@ class Supervisor:
                 if now >= w.respawn_at:
                     w.restarts += 1
                     self._spawn(w)
+                    self.on_event(w.model, "respawned")
                 continue
             if w.process is None or w.process.poll() is None:
                 continue
@@ -145,6 +151,7 @@ class Supervisor:
             w.early_deaths = w.early_deaths + 1 if lived_s < EARLY_DEATH_S else 0
             if w.early_deaths >= MAX_EARLY_DEATHS:
                 w.given_up = True
+                self.on_event(w.model, "given_up")
                 log.error(
                     "worker for model %s on gpu %d died %d times in a row within %.0fs of starting "
                     "(last exit code %s); giving up on it",

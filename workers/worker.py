@@ -75,18 +75,20 @@ def run_batch(model: ModelFn, header_frame: bytes, batch_frame: bytes, worker_na
         message = f"{type(exc).__name__}: {exc}"
         log.warning("model raised on a batch of %d: %s", n, message)
         replies = [protocol.error_reply(r.get("id"), ErrorCode.MODEL_ERROR, message) for r in requests]
-        return protocol.reply_frames(batch_id, infer_ms, replies)
+        return protocol.reply_frames(batch_id, infer_ms, replies, errors=n)
     infer_ms = round((time.perf_counter() - t0) * 1000.0, 3)
     replies = []
+    errors = 0
     for r, out, q in zip(requests, outputs, queue_ms, strict=True):
         meta = {"batch_size": n, "worker": worker_name, "queue_ms": q, "infer_ms": infer_ms}
         try:
             replies.append(protocol.ok_reply(r.get("id"), out, meta))
         except (TypeError, ValueError, OverflowError) as exc:
+            errors += 1
             replies.append(
                 protocol.error_reply(r.get("id"), ErrorCode.MODEL_ERROR, f"output cannot be encoded: {exc}")
             )
-    return protocol.reply_frames(batch_id, infer_ms, replies)
+    return protocol.reply_frames(batch_id, infer_ms, replies, errors)
 
 
 class Worker:

@@ -1,0 +1,133 @@
+"""What the broker counts: Prometheus metrics (prometheus_client) and recent samples.
+
+Recent samples (a bounded ring per model) feed the `stats` control request's
+p50/p99; they cost an append per request. The Prometheus histograms cost about
+0.5 us per observation, so they exist only when --metrics-port is given; without
+it the broker uses `NoMetrics`, whose methods do nothing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Recent samples kept per model for the stats percentiles.
+RECENT = 2048
+
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class Recent:
+    """The last RECENT queue waits and inference times of one model, in milliseconds."""
+
+    queue_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    infer_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+
+
+def percentile(values: deque[float] | list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) by nearest rank, None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+class NoMetrics:
+    """The broker's metrics when no --metrics-port is given: every call is a no-op."""
+
+    def request_done(self, model: str, outcome: str, count: int = 1) -> None:
+        pass
+
+    def batch_done(self, model: str, size: int, infer_s: float) -> None:
+        pass
+
+    def queue_waits_ms(self, model: str, waits_ms: list[float]) -> None:
+        pass
+
+    def worker_event(self, model: str, event: str) -> None:
+        pass
+
+
+class PrometheusMetrics(NoMetrics):
+    """Prometheus metrics in a registry of their own, served over HTTP by
+    prometheus_client's server thread; gauges are read from the broker at scrape time."""
+
+    def __init__(self, gauges: Callable[[], dict[str, dict[str, float]]]) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client.core import GaugeMetricFamily
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "batcher_requests",
+            "Requests answered, by model and outcome (ok or error code)",
+            ["model", "outcome"],
+            registry=self.registry,
+        )
+        self.batch_size = Histogram(
+            "batcher_batch_size",
+            "Requests per batch sent to a worker",
+            ["model"],
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "batcher_queue_wait_seconds",
+            "Time from arrival at the broker to dispatch",
+            ["model"],
+            buckets=SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self.inference = Histogram(
+            "batcher_inference_seconds",
+            "Model time per batch, as the worker reports it",
+            ["model"],
+            buckets=SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self.worker_events = Counter(
+            "batcher_worker_events",
+            "Workers that joined, left, died or were respawned",
+            ["model", "event"],
+            registry=self.registry,
+        )
+
+        class Gauges:
+            def collect(self) -> Any:
+                snapshot = gauges()
+                for name, help_text in (
+                    ("queue_depth", "Requests waiting for a batch"),
+                    ("workers", "Workers alive"),
+                    ("batches_in_flight", "Batches held by workers"),
+                ):
+                    family = GaugeMetricFamily(f"batcher_{name}", help_text, labels=["model"])
+                    for model, values in snapshot.items():
+                        family.add_metric([model], values[name])
+                    yield family
+
+        self.registry.register(Gauges())
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        """Start the HTTP endpoint (/metrics) in prometheus_client's thread."""
+        from prometheus_client import start_http_server
+
+        start_http_server(port, addr=addr, registry=self.registry)
+
+    def request_done(self, model: str, outcome: str, count: int = 1) -> None:
+        if count:
+            self.requests.labels(model, outcome).inc(count)
+
+    def batch_done(self, model: str, size: int, infer_s: float) -> None:
+        self.batch_size.labels(model).observe(size)
+        self.inference.labels(model).observe(infer_s)
+
+    def queue_waits_ms(self, model: str, waits_ms: list[float]) -> None:
+        observe = self.queue_wait.labels(model).observe
+        for w in waits_ms:
+            observe(w / 1000.0)
+
+    def worker_event(self, model: str, event: str) -> None:
+        self.worker_events.labels(model, event).inc()
