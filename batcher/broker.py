@@ -55,7 +55,7 @@ class BrokerSettings:
     batch: BatchSettings = field(default_factory=BatchSettings)
     per_model: dict[str, BatchSettings] = field(default_factory=dict)
     default_timeout_ms: float = 0.0
-    worker_prefetch: int = 1
+    worker_prefetch: int = 2
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     max_retries: int = 1
     max_message_bytes: int = 16 * 1024 * 1024

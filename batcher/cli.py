@@ -24,7 +24,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"
 DEFAULT_BACKEND = "tcp://127.0.0.1:5556"
 #: Chosen by measurement: see docs/benchmarks.md.
-DEFAULT_WORKER_PREFETCH = 1
+DEFAULT_WORKER_PREFETCH = 2
 #: How often `serve` looks for dead workers to respawn.
 SUPERVISE_INTERVAL_S = 0.2
 
