@@ -1,6 +1,7 @@
 """batcher: a dynamic-batching inference broker over ZeroMQ and msgpack."""
 
-from batcher.client import BatcherError, Client, ClientTimeout
+from batcher.aio import AsyncClient
+from batcher.client import BatcherError, Client, ClientTimeout, MultiClient
 
-__all__ = ["BatcherError", "Client", "ClientTimeout"]
+__all__ = ["AsyncClient", "BatcherError", "Client", "ClientTimeout", "MultiClient"]
 __version__ = "0.1.0"

@@ -283,7 +283,12 @@ class Broker:
                 frames = recv_frames(sock)
             except zmq.Again:
                 return
-            accept(frames, now)
+            try:
+                accept(frames, now)
+            except Exception:  # a bug of ours: the sender still hears back
+                log.exception("unexpected error handling a request (the broker goes on)")
+                envelope = frames[:2] if len(frames) > 2 and not frames[1] else frames[:1]
+                self._refuse(envelope, None, ErrorCode.INTERNAL, "the broker failed to handle this request")
 
     def _accept(self, frames: list[bytes], now: float) -> None:
         if len(frames) == 3 and not frames[1]:

@@ -7,7 +7,9 @@ timed out is recognised and dropped.
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import logging
 import math
 import time
 from collections.abc import Iterable
@@ -17,6 +19,8 @@ import zmq
 
 from batcher import protocol
 from batcher.security import secure_client
+
+log = logging.getLogger("batcher.client")
 
 
 class BatcherError(Exception):
@@ -64,6 +68,12 @@ class ShuttingDown(BatcherError):
     code = "shutting_down"
 
 
+class InternalError(BatcherError):
+    """The broker hit a bug of its own handling this request (and logged it)."""
+
+    code = "internal_error"
+
+
 class ClientTimeout(BatcherError):
     """No reply arrived within the client's own timeout (the broker may be down)."""
 
@@ -81,6 +91,7 @@ _ERRORS: dict[str, type[BatcherError]] = {
         Cancelled,
         WorkerFailed,
         ShuttingDown,
+        InternalError,
         ClientTimeout,
     )
 }
@@ -288,3 +299,355 @@ class Client:
                 self.duplicates_dropped += 1  # a retried request's second reply, or a late one
             else:
                 pending.reply = reply
+
+
+# --- several frontends --------------------------------------------------------------------------
+
+
+class _Frontend:
+    """One broker frontend of a MultiClient: its Client and whether it is taken for down."""
+
+    def __init__(self, client: Client, down_s: float) -> None:
+        self.client = client
+        self.address = client.address
+        self.first_down_s = down_s
+        self.backoff_s = down_s
+        self.down_until: float | None = None  # None: up
+        self.probe: PendingReply | None = None  # a `stats` request asking whether it is back
+        self.owners: dict[int, MultiPending] = {}  # the Client's request id -> our request
+        self.sent = 0  # attempts sent here, for spreading and for tests
+        self.timeouts = 0
+
+    @property
+    def up(self) -> bool:
+        return self.down_until is None
+
+    def mark_up(self) -> None:
+        self.down_until = None
+        self.backoff_s = self.first_down_s
+
+
+class MultiPending:
+    """A MultiClient request in flight; `result()` waits for it while serving the others."""
+
+    def __init__(self, multi: MultiClient, fields: dict[str, Any], wait_s: float | None) -> None:
+        self._multi = multi
+        self.fields = fields
+        self.wait_s = wait_s
+        self.attempts = 0  # sends, on whichever frontend
+        self.timeouts = 0
+        self.tried: list[str] = []  # the frontend of each attempt, in order
+        self.reply: dict[str, Any] | None = None
+        self._frontend: _Frontend | None = None
+        self._inner: PendingReply | None = None
+        self._pinned = False  # a control request for one given frontend: never moved
+
+    @property
+    def address(self) -> str | None:
+        """The frontend of the latest attempt."""
+        return self.tried[-1] if self.tried else None
+
+    def done(self) -> bool:
+        return self.reply is not None
+
+    def result(self) -> Any:
+        """The output; raises the typed error for an error reply, ClientTimeout for none."""
+        reply = self.wait()
+        if reply.get("ok"):
+            return reply.get("output")
+        raise error_from_reply(reply)
+
+    def wait(self) -> dict[str, Any]:
+        """The whole reply map (with metadata such as batch_size), error or not."""
+        if self.reply is None:
+            self._multi._wait_for(self)
+        assert self.reply is not None
+        return self.reply
+
+    def cancel(self) -> None:
+        """Ask the broker holding it to drop this request if it is still queued."""
+        if self.reply is None and self._frontend is not None and self._inner is not None:
+            self._frontend.client._send({"op": "cancel", "id": self._inner.request_id})
+
+
+class MultiClient:
+    """Spreads requests round-robin over several broker frontends (one Client each).
+
+    A frontend whose request gets no reply within `timeout_s` is taken for down: new
+    requests skip it for `down_s` seconds, after which it is asked for `stats` (a probe,
+    never a user's request); an answer brings it back, silence doubles its back-off (up
+    to `max_down_s`). The timed-out request is sent again on another frontend while
+    `retries` last, so, as with Client, retries are only for idempotent models: the
+    first attempt may still run, and whichever reply comes first is the answer.
+    A `shutting_down` reply (a draining broker, which never queued the request) also
+    takes its frontend down, and the request goes to another one whatever `retries` says.
+    When every frontend is down, requests go to the one due back soonest. Not thread-safe.
+    """
+
+    def __init__(
+        self,
+        addresses: Iterable[str],
+        timeout_s: float = 5.0,
+        retries: int = 1,
+        down_s: float = 1.0,
+        max_down_s: float = 30.0,
+        context: zmq.Context[Any] | None = None,
+        curve_server_key: str | None = None,
+        curve_secret_key: str | None = None,
+    ) -> None:
+        addresses = list(addresses)
+        if not addresses:
+            raise ValueError("MultiClient needs at least one address")
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f"duplicate addresses in {addresses}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 (it is how a down frontend is found), got {timeout_s}")
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        if not 0 < down_s <= max_down_s:
+            raise ValueError(f"need 0 < down_s <= max_down_s, got {down_s} and {max_down_s}")
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.max_down_s = max_down_s
+        self._ctx: zmq.Context[Any] = context or zmq.Context.instance()
+        self._frontends: list[_Frontend] = []
+        try:
+            for a in addresses:
+                c = Client(a, timeout_s, 0, self._ctx, curve_server_key, curve_secret_key)
+                self._frontends.append(_Frontend(c, down_s))
+        except BaseException:
+            self.close()
+            raise
+        self._poller = zmq.Poller()
+        self._by_socket: dict[zmq.Socket[Any], _Frontend] = {}
+        for fe in self._frontends:
+            self._poller.register(fe.client._sock, zmq.POLLIN)
+            self._by_socket[fe.client._sock] = fe
+        self._next = 0  # round-robin position
+        self._deadlines: list[tuple[float, int, MultiPending, PendingReply]] = []
+        self._seq = itertools.count()
+        #: Requests sent again on another frontend after a timeout or `shutting_down`.
+        self.resent = 0
+        #: Replies that matched no waiting request (late, or a resent request's second).
+        self.duplicates_dropped = 0
+
+    # --- lifecycle and state ----------------------------------------------------------------
+
+    def __enter__(self) -> MultiClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every socket; replies still in flight are abandoned."""
+        for fe in self._frontends:
+            fe.client.close()
+            fe.owners.clear()
+        self._deadlines.clear()
+
+    @property
+    def addresses(self) -> list[str]:
+        return [fe.address for fe in self._frontends]
+
+    def down(self) -> list[str]:
+        """The frontends currently taken for down."""
+        return [fe.address for fe in self._frontends if not fe.up]
+
+    def sent(self) -> dict[str, int]:
+        """Attempts sent to each frontend so far (probes not counted)."""
+        return {fe.address: fe.sent for fe in self._frontends}
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def submit(
+        self,
+        input: Any,
+        model: str | None = None,
+        timeout_ms: float | None = None,
+        priority: float | None = None,
+    ) -> MultiPending:
+        """Send a request to the next frontend that is up, without waiting."""
+        body: dict[str, Any] = {"input": input}
+        if model is not None:
+            body["model"] = model
+        if timeout_ms is not None:
+            body["timeout_ms"] = timeout_ms
+        if priority is not None:
+            body["priority"] = priority
+        wait_s = self.timeout_s
+        if timeout_ms:  # the broker answers by then; allow for the trip back
+            wait_s = min(wait_s, timeout_ms / 1000.0 + 1.0)
+        pending = MultiPending(self, body, wait_s)
+        self._send(pending, time.monotonic())
+        return pending
+
+    def request(
+        self,
+        input: Any,
+        model: str | None = None,
+        timeout_ms: float | None = None,
+        priority: float | None = None,
+    ) -> Any:
+        """Send one request and return its output, or raise its typed error."""
+        return self.submit(input, model, timeout_ms, priority).result()
+
+    def request_many(
+        self,
+        inputs: Iterable[Any],
+        model: str | None = None,
+        timeout_ms: float | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Send all inputs at once, spread over the frontends, and return the outputs in
+        order. With return_exceptions, errors come back in place instead of raising."""
+        pendings = [self.submit(x, model, timeout_ms) for x in inputs]
+        out: list[Any] = []
+        for p in pendings:
+            try:
+                out.append(p.result())
+            except BatcherError as exc:
+                if not return_exceptions:
+                    raise
+                out.append(exc)
+        return out
+
+    def control(self, op: str, address: str | None = None) -> Any:
+        """Send a control request (`stats`) to the next frontend that is up, or to
+        `address` only (no resend elsewhere), and return its output."""
+        pending = MultiPending(self, {"op": op}, self.timeout_s)
+        if address is None:
+            self._send(pending, time.monotonic())
+        else:
+            matches = [fe for fe in self._frontends if fe.address == address]
+            if not matches:
+                raise ValueError(f"{address} is not one of {self.addresses}")
+            pending._pinned = True
+            self._send_to(pending, matches[0])
+        return pending.result()
+
+    # --- machinery --------------------------------------------------------------------------
+
+    def _pick(self, now: float, avoid: _Frontend | None) -> _Frontend:
+        """The next frontend that is up, round-robin; else the one due back soonest."""
+        n = len(self._frontends)
+        for k in range(n):
+            fe = self._frontends[(self._next + k) % n]
+            if fe.up and fe is not avoid:
+                self._next = (self._next + k + 1) % n
+                return fe
+        others = [fe for fe in self._frontends if fe is not avoid] or self._frontends
+        return min(others, key=lambda fe: fe.down_until or now)
+
+    def _send(self, pending: MultiPending, now: float, avoid: _Frontend | None = None) -> None:
+        self._send_to(pending, self._pick(now, avoid))
+
+    def _send_to(self, pending: MultiPending, fe: _Frontend) -> None:
+        inner = fe.client._start(pending.fields, pending.wait_s)
+        fe.owners[inner.request_id] = pending
+        fe.sent += 1
+        pending._frontend, pending._inner = fe, inner
+        pending.attempts += 1
+        pending.tried.append(fe.address)
+        if inner.deadline is not None:
+            heapq.heappush(self._deadlines, (inner.deadline, next(self._seq), pending, inner))
+
+    def _mark_down(self, fe: _Frontend, now: float, why: str) -> None:
+        if fe.up:
+            fe.down_until = now + fe.backoff_s
+            log.warning("frontend %s taken for down for %.1fs: %s", fe.address, fe.backoff_s, why)
+
+    def _wait_for(self, target: MultiPending) -> None:
+        while target.reply is None:
+            now = time.monotonic()
+            self._expire_due(now)
+            self._probe(now)
+            if target.reply is not None:
+                return
+            wakes = [self._deadlines[0][0]] if self._deadlines else []
+            wakes += [fe.probe.deadline for fe in self._frontends if fe.probe and fe.probe.deadline]
+            timeout_ms = -1
+            if wakes:
+                timeout_ms = max(0, math.ceil((min(wakes) - now) * 1000))
+            for sock, _ in self._poller.poll(timeout_ms):
+                self._receive(self._by_socket[sock])
+
+    def _receive(self, fe: _Frontend) -> None:
+        sock, pending_replies = fe.client._sock, fe.client._pending
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                reply = protocol.unpack(frames[-1])
+                inner = pending_replies.pop(reply["id"], None)
+            except Exception:
+                continue  # not a reply of ours; nothing to match it to
+            if inner is None:
+                self.duplicates_dropped += 1
+                continue
+            inner.reply = reply
+            if not fe.up:
+                log.info("frontend %s answers again", fe.address)
+            fe.mark_up()  # any answer shows it is up
+            if fe.probe is inner:
+                fe.probe = None
+                continue
+            owner = fe.owners.pop(inner.request_id, None)
+            if owner is not None:
+                self._settle(owner, fe, reply)
+
+    def _settle(self, pending: MultiPending, fe: _Frontend, reply: dict[str, Any]) -> None:
+        error = reply.get("error") if not reply.get("ok") else None
+        if (
+            isinstance(error, dict)
+            and error.get("code") == "shutting_down"
+            and not pending._pinned
+            and len(set(pending.tried)) < len(self._frontends)
+        ):
+            now = time.monotonic()
+            self._mark_down(fe, now, "it is shutting down")
+            self.resent += 1
+            self._send(pending, now, avoid=fe)
+            return
+        pending.reply = reply
+
+    def _expire_due(self, now: float) -> None:
+        """Requests past their deadline: take their frontend for down and send them again
+        elsewhere while retries last, else answer them with a timeout."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, pending, inner = heapq.heappop(self._deadlines)
+            if pending.reply is not None or pending._inner is not inner:
+                continue  # answered, or already sent again
+            fe = pending._frontend
+            assert fe is not None
+            fe.client._pending.pop(inner.request_id, None)
+            fe.owners.pop(inner.request_id, None)
+            fe.timeouts += 1
+            self._mark_down(fe, now, f"no reply within {pending.wait_s}s")
+            pending.timeouts += 1
+            if pending.timeouts <= self.retries and not pending._pinned:
+                self.resent += 1
+                self._send(pending, now, avoid=fe)
+                continue
+            message = f"no reply after {pending.attempts} attempt(s): {', '.join(pending.tried)}"
+            pending.reply = {
+                "id": inner.request_id,
+                "ok": False,
+                "error": {"code": "timeout", "message": message},
+            }
+
+    def _probe(self, now: float) -> None:
+        """Ask each down frontend whose back-off is over whether it is back; a probe
+        that goes unanswered doubles the back-off."""
+        for fe in self._frontends:
+            if fe.probe is not None:
+                if fe.probe.deadline is not None and now >= fe.probe.deadline:
+                    fe.client._pending.pop(fe.probe.request_id, None)
+                    fe.probe = None
+                    fe.backoff_s = min(self.max_down_s, fe.backoff_s * 2)
+                    fe.down_until = now + fe.backoff_s
+                    log.info("frontend %s still down; next try in %.1fs", fe.address, fe.backoff_s)
+            elif fe.down_until is not None and now >= fe.down_until:
+                fe.probe = fe.client._start({"op": "stats"}, self.timeout_s)

@@ -63,6 +63,7 @@ class ErrorCode(StrEnum):
     CANCELLED = "cancelled"
     WORKER_FAILED = "worker_failed"
     SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal_error"
 
 
 class ProtocolError(Exception):

@@ -1,0 +1,246 @@
+"""The asyncio client: one DEALER socket on zmq.asyncio, any number of requests in flight.
+
+A single reader task takes every reply off the socket and resolves the future of the
+request with that `id`, so thousands of coroutines can await their own replies over
+one connection, and the broker can batch them together:
+
+    async with AsyncClient("tcp://127.0.0.1:5555") as client:
+        outputs = await asyncio.gather(*(client.request(x) for x in range(64)))
+
+Errors raise the same typed exceptions as the blocking client (batcher.client):
+`ModelError`, `UnknownModel`, ... and `ClientTimeout` when no reply came in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from batcher import protocol
+from batcher.client import BatcherError, ClientTimeout, error_from_reply
+from batcher.security import secure_client
+
+log = logging.getLogger("batcher.aio")
+
+
+class ClientClosed(BatcherError):
+    """The client was closed while this request waited for its reply."""
+
+    code = "closed"
+
+
+class AsyncClient:
+    """Talks to a broker's frontend over one zmq.asyncio DEALER socket.
+
+    Use it from one event loop. `timeout_s` bounds the wait for each reply (None: wait
+    forever); with `retries`, a request that got no reply in time is sent again (only
+    for idempotent models: the first attempt may still run; a second reply is dropped).
+    Cancelling a coroutine that awaits `request` asks the broker to drop the request
+    if it is still queued.
+    """
+
+    def __init__(
+        self,
+        address: str = "tcp://127.0.0.1:5555",
+        timeout_s: float | None = 30.0,
+        retries: int = 0,
+        context: zmq.asyncio.Context | None = None,
+        curve_server_key: str | None = None,
+        curve_secret_key: str | None = None,
+    ) -> None:
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._sock: zmq.asyncio.Socket = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        if curve_server_key:  # the broker's public key file; ours from curve_secret_key
+            secure_client(self._sock, curve_server_key, curve_secret_key)
+        self._sock.connect(address)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._closed = False
+        #: Replies that matched no waiting request: a retried request's second reply,
+        #: or a late one to a request that already timed out.
+        self.duplicates_dropped = 0
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def close(self) -> None:
+        """Stop the reader, close the socket; requests still waiting raise ClientClosed."""
+        if self._closed:
+            return
+        self._closed = True
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+        self._sock.close(0)
+        self._fail_pending(ClientClosed(f"the client of {self.address} was closed"))
+
+    def _fail_pending(self, exc: BatcherError) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(
+                self._read_replies(), name=f"batcher-reader {self.address}"
+            )
+
+    async def _read_replies(self) -> None:
+        """The one task that receives: each reply resolves the future of its id."""
+        try:
+            while True:
+                frames = await self._sock.recv_multipart()
+                try:
+                    reply = protocol.unpack(frames[-1])
+                    fut = self._pending.pop(reply["id"], None)
+                except Exception:
+                    continue  # not a reply of ours; nothing to match it to
+                if fut is None or fut.done():
+                    self.duplicates_dropped += 1
+                else:
+                    fut.set_result(reply)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the socket broke: nobody would ever be answered
+            log.error("reply reader for %s stopped: %s", self.address, exc)
+            self._fail_pending(BatcherError(f"reply reader stopped: {exc}", code="closed"))
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def _wait_s(self, timeout_ms: float | None) -> float | None:
+        wait_s = self.timeout_s
+        if timeout_ms:  # the broker answers by then; allow for the trip back
+            limit = timeout_ms / 1000.0 + 1.0
+            wait_s = limit if wait_s is None else min(wait_s, limit)
+        return wait_s
+
+    async def _call(self, fields: dict[str, Any], wait_s: float | None) -> dict[str, Any]:
+        """Send one request and return its whole reply map (an error reply included)."""
+        if self._closed:
+            raise ClientClosed(f"the client of {self.address} is closed")
+        self._ensure_reader()
+        request_id = next(self._ids)
+        body = protocol.pack({"id": request_id, **fields})
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = fut
+        attempts = 0
+        try:
+            while True:
+                attempts += 1
+                await self._sock.send_multipart([b"", body])
+                try:
+                    # shield: a timed-out wait must leave the future for a retry's reply
+                    return await asyncio.wait_for(asyncio.shield(fut), wait_s)
+                except TimeoutError:
+                    if attempts > self.retries:
+                        raise ClientTimeout(
+                            f"no reply from {self.address} after {attempts} attempt(s)",
+                            reply={"id": request_id},
+                        ) from None
+        except asyncio.CancelledError:
+            if not fut.done() and not self._closed and "op" not in fields:
+                # Best effort, without awaiting: drop it from the broker's queue.
+                with contextlib.suppress(zmq.ZMQError):
+                    cancel = protocol.pack({"id": request_id, "op": "cancel"})
+                    sent = asyncio.ensure_future(self._sock.send_multipart([b"", cancel]))
+                    sent.add_done_callback(_ignore_result)
+            raise
+        finally:
+            if self._pending.get(request_id) is fut:
+                del self._pending[request_id]
+            if not fut.done():
+                fut.cancel()
+
+    async def request_reply(
+        self,
+        input: Any,
+        model: str | None = None,
+        timeout_ms: float | None = None,
+        priority: float | None = None,
+    ) -> dict[str, Any]:
+        """Send one request and return the whole reply map (output or error, with
+        metadata such as batch_size and worker); raises only ClientTimeout."""
+        body: dict[str, Any] = {"input": input}
+        if model is not None:
+            body["model"] = model
+        if timeout_ms is not None:
+            body["timeout_ms"] = timeout_ms
+        if priority is not None:
+            body["priority"] = priority
+        return await self._call(body, self._wait_s(timeout_ms))
+
+    async def request(
+        self,
+        input: Any,
+        model: str | None = None,
+        timeout_ms: float | None = None,
+        priority: float | None = None,
+    ) -> Any:
+        """Send one request and return its output, or raise its typed error."""
+        reply = await self.request_reply(input, model, timeout_ms, priority)
+        if reply.get("ok"):
+            return reply.get("output")
+        raise error_from_reply(reply)
+
+    async def request_many(
+        self,
+        inputs: Iterable[Any],
+        model: str | None = None,
+        timeout_ms: float | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Send all inputs at once (so the broker can batch them) and return the outputs
+        in order. With return_exceptions, BatcherErrors come back in place; otherwise
+        the first one (in input order) is raised once every request has finished."""
+        results = await asyncio.gather(
+            *(self.request(x, model, timeout_ms) for x in inputs), return_exceptions=True
+        )
+        for r in results:
+            if isinstance(r, BaseException) and not (return_exceptions and isinstance(r, BatcherError)):
+                raise r
+        return list(results)
+
+    async def control(self, op: str) -> Any:
+        """Send a control request (`stats`) and return its output."""
+        reply = await self._call({"op": op}, self.timeout_s)
+        if reply.get("ok"):
+            return reply.get("output")
+        raise error_from_reply(reply)
+
+
+def _ignore_result(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # retrieved, so asyncio does not log it
