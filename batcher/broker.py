@@ -112,6 +112,7 @@ class Broker:
         )
         self._default_timeout_s = settings.default_timeout_ms / 1000.0
         self.stats: dict[str, ModelStats] = {}
+        self._failed_models: dict[str, str] = {}  # model -> why no worker can serve it
         self.refused: Counter[str] = Counter()  # requests without a model to count them under
         self.metrics: NoMetrics = NoMetrics()
         self.undeliverable = 0
@@ -302,7 +303,7 @@ class Broker:
         try:
             header, _ = protocol.parse_request(body)
         except ProtocolError as exc:
-            self._refuse(envelope, None, exc.code, exc.message)
+            self._refuse(envelope, exc.req_id, exc.code, exc.message)
             return
         if header.op != "infer":
             self._control(envelope, header.id, header.op)
@@ -310,6 +311,9 @@ class Broker:
         model = header.model or self.settings.default_model
         if self._stopping_since is not None:
             self._refuse(envelope, header.id, ErrorCode.SHUTTING_DOWN, "the broker is shutting down", model)
+            return
+        if model in self._failed_models and not self.scheduler.models[model].workers:
+            self._refuse(envelope, header.id, ErrorCode.WORKER_FAILED, self._failed_models[model], model)
             return
         timeout_s = header.timeout_ms / 1000.0 if header.timeout_ms else self._default_timeout_s
         request = QueuedRequest(
@@ -327,6 +331,14 @@ class Broker:
                 f"model {model!r} has {self.scheduler.queued(model)} requests queued, its limit",
                 model,
             )
+
+    def model_failed(self, model: str, why: str) -> None:
+        """No worker of `model` can start: answer its queued requests and refuse new ones
+        with worker_failed, until a worker of it joins after all."""
+        log.error("%s: its requests are answered with worker_failed", why)
+        self._failed_models[model] = why
+        for name, req in self.scheduler.cancel(lambda r: True, model):
+            self._reply_error(req, name, ErrorCode.WORKER_FAILED, why)
 
     def _refuse(
         self, envelope: list[bytes], req_id: object, code: ErrorCode, message: str, model: str | None = None
@@ -477,6 +489,7 @@ class Broker:
             self._worker_lost(worker_id, "worker restarted during the batch")
         self.scheduler.add_worker(worker_id, model, slots)
         self._heard_from[worker_id] = time.monotonic()
+        self._failed_models.pop(model, None)
         self.metrics.worker_event(model, "joined")
         log.info(
             "worker joined: model %s, gpu %s, pid %s, id %s",
@@ -488,6 +501,15 @@ class Broker:
 
     def _on_reply(self, worker_id: bytes, header_frame: bytes, blob: bytes) -> None:
         header = protocol.unpack(header_frame)
+        if not isinstance(header, list) or len(header) < 3:
+            # Unusable reply: if it names a batch of this worker, fail that batch now
+            # rather than leave its clients waiting while the worker keeps heartbeating.
+            batch_id = header[0] if isinstance(header, list) and header else None
+            if isinstance(batch_id, int):
+                batch = self.scheduler.complete(worker_id, batch_id)
+                if batch is not None:
+                    self._fail_batch(batch, ErrorCode.WORKER_FAILED, "the worker sent a malformed reply")
+            raise ValueError(f"REPLY header must be [batch_id, infer_ms, lengths, errors], got {header!r}")
         batch_id, infer_ms, lengths = header[:3]
         model_errors = header[3] if len(header) > 3 and isinstance(header[3], int) else 0
         infer_s = infer_ms / 1000.0 if isinstance(infer_ms, int | float) else None

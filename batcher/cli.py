@@ -7,6 +7,7 @@ Every option can also be set by an environment variable BATCHER_<OPTION>
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -229,9 +230,9 @@ def broker_settings(
     """BrokerSettings from CLI values: the flags are every model's defaults, and the
     config file's [models.NAME] tables override them per model."""
     from batcher.config import ConfigError, load_config
-    from workers.models import ModelSpec
 
-    names = tuple(ModelSpec.parse(m).name for m in models) if models else ("sim",)
+    # `serve` takes model specs (NAME=pkg.mod:attr); the broker only needs their names.
+    names = tuple(m.partition("=")[0].strip() for m in models) if models else ("sim",)
     try:
         default = BatchSettings(
             max_batch_size=sched["max_batch_size"],
@@ -354,8 +355,20 @@ def serve(
             log_format=log_format,
             curve_secret_key=settings.curve.secret_key_file if settings.curve else None,
         ),
-        on_event=broker.metrics.worker_event,
     )
+
+    fatal: list[str] = []
+
+    def on_worker_event(model: str, event: str) -> None:
+        broker.metrics.worker_event(model, event)
+        if event == "load_failed":  # a configuration error: stop now, say why, exit non-zero
+            fatal.append(f"model {model!r} could not be loaded (the worker's error is above)")
+            broker.request_stop()
+            broker.request_stop()
+        elif event == "given_up" and supervisor.all_given_up(model):
+            broker.model_failed(model, f"every worker of model {model!r} failed to start (see serve's log)")
+
+    supervisor.on_event = on_worker_event
     broker.signals.install()
     broker.call_every(SUPERVISE_INTERVAL_S, supervisor.check)
     try:
@@ -364,6 +377,8 @@ def serve(
     finally:
         supervisor.stop()
         broker.close()
+    if fatal:
+        raise click.ClickException(fatal[0])
 
 
 @main.command()
@@ -374,7 +389,8 @@ def serve(
     "models",
     multiple=True,
     default=("sim",),
-    help="Model requests may name before any worker has joined; the first is the default.",
+    help="Model name requests may use before any worker has joined (repeat for several); "
+    "the first is the default.",
 )
 @scheduling_options
 @logging_options
@@ -383,7 +399,6 @@ def broker(
 ) -> None:
     """Run a broker alone; start workers with `batcher worker`."""
     setup_logging(log_level, log_format)
-    _check_models(models)
     settings = broker_settings(frontend, backend, models, _pop_scheduling(kwargs))
     try:
         run_broker(settings)
@@ -417,22 +432,27 @@ def worker(
 ) -> None:
     """Run one model-worker process connected to a broker's backend."""
     from workers.models import SimSettings
-    from workers.worker import WorkerSettings, run_worker
+    from workers.supervisor import EXIT_MODEL_LOAD_FAILED
+    from workers.worker import ModelLoadError, WorkerSettings, run_worker
 
     setup_logging(log_level, log_format)
     _check_models((model,))
-    run_worker(
-        WorkerSettings(
-            connect,
-            model,
-            gpu,
-            SimSettings(sim_base_ms, sim_per_item_ms),
-            parent_pid,
-            Heartbeat(heartbeat_ms, heartbeat_liveness),
-            curve_server_key,
-            curve_secret_key,
+    try:
+        run_worker(
+            WorkerSettings(
+                connect,
+                model,
+                gpu,
+                SimSettings(sim_base_ms, sim_per_item_ms),
+                parent_pid,
+                Heartbeat(heartbeat_ms, heartbeat_liveness),
+                curve_server_key,
+                curve_secret_key,
+            )
         )
-    )
+    except ModelLoadError as exc:
+        logging.getLogger("batcher.worker").error("%s", exc)
+        sys.exit(EXIT_MODEL_LOAD_FAILED)
 
 
 def _json_default(value: object) -> object:

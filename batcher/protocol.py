@@ -24,7 +24,7 @@ CMD_REPLY = b"\x03"
 CMD_HEARTBEAT = b"\x04"
 CMD_DISCONNECT = b"\x05"
 
-#: Request keys that the broker reads; everything else in the body is forwarded untouched.
+#: The types a request `id` may have (everything else in a body is forwarded untouched).
 ID_TYPES = (int, str)
 
 
@@ -67,12 +67,14 @@ class ErrorCode(StrEnum):
 
 
 class ProtocolError(Exception):
-    """A message that breaks the protocol; carries the code to answer with."""
+    """A message that breaks the protocol; carries the code to answer with and, when the
+    body's `id` could be read, that id, so the client can match the error reply."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, req_id: int | str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.req_id = req_id
 
 
 class RequestHeader(NamedTuple):
@@ -131,27 +133,29 @@ def parse_request(body: bytes) -> tuple[RequestHeader, dict[str, Any]]:
     req_id = msg.get("id")
     if (req_id is not None and not isinstance(req_id, ID_TYPES)) or isinstance(req_id, bool):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"id must be an int or a str, got {_type_name(req_id)}")
+
+    def bad(message: str) -> ProtocolError:
+        return ProtocolError(ErrorCode.BAD_REQUEST, message, req_id)
+
     op = msg.get("op", "infer")
     if not isinstance(op, str):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"op must be a str, got {_type_name(op)}")
+        raise bad(f"op must be a str, got {_type_name(op)}")
     if op == "infer" and "input" not in msg:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "request has no 'input'")
+        raise bad("request has no 'input'")
     model = msg.get("model")
     if model is not None and not isinstance(model, str):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"model must be a str, got {_type_name(model)}")
+        raise bad(f"model must be a str, got {_type_name(model)}")
     timeout_ms = msg.get("timeout_ms")
     if timeout_ms is not None:
         if not isinstance(timeout_ms, int | float) or isinstance(timeout_ms, bool):
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"timeout_ms must be a number, got {_type_name(timeout_ms)}"
-            )
+            raise bad(f"timeout_ms must be a number, got {_type_name(timeout_ms)}")
         if not timeout_ms >= 0:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"timeout_ms must be >= 0, got {timeout_ms}")
+            raise bad(f"timeout_ms must be >= 0, got {timeout_ms}")
     priority = msg.get("priority", 0)
     if not isinstance(priority, int | float) or isinstance(priority, bool):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"priority must be a number, got {_type_name(priority)}")
+        raise bad(f"priority must be a number, got {_type_name(priority)}")
     if priority != priority:  # NaN
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "priority must be a number, got NaN")
+        raise bad("priority must be a number, got NaN")
     return RequestHeader(req_id, model, timeout_ms, priority, op), msg
 
 

@@ -335,11 +335,15 @@ class Scheduler:
             heapq.heappush(mq.deadlines, (deadline, req.seq, req))
         mq.size += 1
 
-    def cancel(self, match: Callable[[QueuedRequest], bool]) -> list[tuple[str, QueuedRequest]]:
-        """Remove the queued requests for which `match(request)` is true; returns them with
-        their model. Requests already in a batch are not touched (they finish normally)."""
+    def cancel(
+        self, match: Callable[[QueuedRequest], bool], model: str | None = None
+    ) -> list[tuple[str, QueuedRequest]]:
+        """Remove the queued requests (of `model`, or of all) for which `match(request)` is
+        true; returns them with their model. Requests already in a batch are not touched."""
         out = []
         for name, mq in self._models.items():
+            if model is not None and name != model:
+                continue
             for req in [r for r in mq.queued() if match(r)]:
                 mq.discard(req)
                 out.append((name, req))

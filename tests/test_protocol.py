@@ -341,7 +341,8 @@ def test_reply_frames_split_replies_round_trip() -> None:
     frames = protocol.reply_frames(3, 12.5, replies)
     assert frames[:2] == [protocol.WORKER_PROTOCOL, protocol.CMD_REPLY]
     assert len(frames) == 4
-    batch_id, infer_ms, lengths = protocol.unpack(frames[2])
+    batch_id, infer_ms, lengths, errors = protocol.unpack(frames[2])
+    assert errors == 0
     assert (batch_id, infer_ms) == (3, 12.5)
     assert lengths == [len(r) for r in replies]
     assert protocol.split_replies(lengths, frames[3]) == replies
@@ -351,7 +352,7 @@ def test_reply_frames_split_replies_round_trip() -> None:
 @settings(max_examples=100, deadline=None)
 def test_split_replies_inverts_reply_frames(replies: list[bytes]) -> None:
     frames = protocol.reply_frames(1, 0.0, replies)
-    _, _, lengths = protocol.unpack(frames[2])
+    _, _, lengths, _ = protocol.unpack(frames[2])
     assert protocol.split_replies(lengths, frames[3]) == replies
 
 

@@ -34,10 +34,12 @@ def run(
     out = run_batch(model, frames[2], frames[3], WORKER)
     assert out[:2] == [protocol.WORKER_PROTOCOL, protocol.CMD_REPLY]
     assert len(out) == 4
-    got_id, infer_ms, lengths = protocol.unpack(out[2])
+    got_id, infer_ms, lengths, errors = protocol.unpack(out[2])
     assert got_id == batch_id
     assert len(lengths) == len(requests)
-    return infer_ms, [protocol.unpack(r) for r in protocol.split_replies(lengths, out[3])]
+    replies = [protocol.unpack(r) for r in protocol.split_replies(lengths, out[3])]
+    assert errors == sum(not r["ok"] for r in replies)  # the broker counts outcomes from this
+    return infer_ms, replies
 
 
 def double(inputs: list[Any]) -> list[Any]:

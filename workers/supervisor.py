@@ -41,6 +41,8 @@ class PoolSettings:
             raise ValueError(f"workers must be >= 0, got {self.workers_per_model}")
 
 
+#: Exit code of a worker whose model cannot be imported or built.
+EXIT_MODEL_LOAD_FAILED = 78  # sysexits.h EX_CONFIG
 #: A worker that dies sooner than this after starting counts as failing at start-up.
 EARLY_DEATH_S = 10.0
 #: Start-up failures in a row after which a GPU's worker is given up.
@@ -132,6 +134,11 @@ class Supervisor:
         w.respawn_at = None
         log.info("started worker for model %s on gpu %d (pid %d)", w.model, w.gpu, w.process.pid)
 
+    def all_given_up(self, model: str) -> bool:
+        """Whether every worker of `model` kept dying at start-up and was given up."""
+        mine = [w for w in self.workers if w.model == model]
+        return bool(mine) and all(w.given_up for w in mine)
+
     def check(self, now: float) -> None:
         """Respawn dead workers with back-off; give up on one that keeps dying at start-up.
         Called from the broker's loop (its timer heap), so it never blocks."""
@@ -148,6 +155,12 @@ class Supervisor:
                 continue
             code = w.process.returncode
             lived_s = now - w.started_at
+            if code == EXIT_MODEL_LOAD_FAILED and w.restarts == 0:
+                # A model that does not load on the first try is a configuration error
+                # (a typo in --model, a missing package): respawning cannot fix it.
+                w.given_up = True
+                self.on_event(w.model, "load_failed")
+                continue
             w.early_deaths = w.early_deaths + 1 if lived_s < EARLY_DEATH_S else 0
             if w.early_deaths >= MAX_EARLY_DEATHS:
                 w.given_up = True

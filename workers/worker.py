@@ -119,8 +119,8 @@ class Worker:
 
     def load(self) -> None:
         """Load the model, with CUDA_VISIBLE_DEVICES set first as a real GPU would need."""
-        if self.settings.gpu is not None:
-            os.environ.setdefault("CUDA_VISIBLE_DEVICES", str(self.settings.gpu))
+        if self.settings.gpu is not None:  # --gpu N means device N, whatever was inherited
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(self.settings.gpu)
         self.model = load_model(self.spec, self.settings.gpu, self.settings.sim)
         log.info("model %s loaded (%s) on gpu %s", self.spec.name, self.spec.target, self.settings.gpu)
 
@@ -247,9 +247,17 @@ def _run_safely(model: ModelFn, header_frame: bytes, batch_frame: bytes, name: s
         return protocol.reply_frames(protocol.unpack(header_frame)[0], 0.0, [])
 
 
+class ModelLoadError(RuntimeError):
+    """The model could not be imported or built; the worker cannot start."""
+
+
 def run_worker(settings: WorkerSettings) -> None:
     """The `batcher worker` body: load, serve, stop cleanly on SIGINT/SIGTERM."""
     worker = Worker(settings)
+    try:
+        worker.load()
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model {settings.model!r}: {type(exc).__name__}: {exc}") from exc
     worker.signals.install()
     if settings.parent_pid is not None:
         # Started by `serve`: a terminal's Ctrl-C is for `serve`, which drains the broker

@@ -1,0 +1,30 @@
+"""Models for the integration tests, loaded by workers as `tests.fixture_models:NAME`."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def flaky(inputs: list[Any]) -> list[Any]:
+    """Echo, but raise for the whole batch when any input is "boom"."""
+    if "boom" in inputs:
+        raise ValueError(f"boom in a batch of {len(inputs)}")
+    return list(inputs)
+
+
+def wrong_length(inputs: list[Any]) -> list[Any]:
+    """One output too few."""
+    return list(inputs)[:-1]
+
+
+def cuda_devices(inputs: list[Any]) -> list[Any]:
+    """What a CUDA library would see: the worker's CUDA_VISIBLE_DEVICES."""
+    return [os.environ.get("CUDA_VISIBLE_DEVICES") for _ in inputs]
+
+
+def crash(inputs: list[Any]) -> list[Any]:
+    """Echo, but kill the worker process outright (as a segfault would) on "crash"."""
+    if "crash" in inputs:
+        os._exit(3)
+    return list(inputs)

@@ -1,0 +1,259 @@
+"""The example clients of docs/protocol.md (examples/c, examples/node) against a real broker.
+
+Each client is built or loaded first; when its toolchain is missing (a C compiler,
+make and the libzmq and msgpack-c headers; or node with `npm install` done in
+examples/node) its tests are skipped with the reason, never failed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from batcher.client import BatcherError, Client
+from batcher.launcher import ServeProcess, free_tcp_address
+from batcher.security import generate_keys
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parent.parent
+C_DIR = ROOT / "examples" / "c"
+NODE_DIR = ROOT / "examples" / "node"
+
+#: Bounds on every subprocess this module runs (seconds).
+BUILD_TIMEOUT_S = 120
+RUN_TIMEOUT_S = 30
+
+LINE = re.compile(r"^id=(?P<id>\S+) ok=(?P<ok>true|false) (?P<rest>.*)$")
+SUMMARY = re.compile(r"^summary: sent=(\d+) replies=(\d+) ok=(\d+) errors=(\d+)$")
+
+
+def _run(
+    cmd: list[str], cwd: Path | None = None, timeout_s: float = RUN_TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
+    )
+
+
+def _tail(text: str) -> str:
+    """The telling line of a tool's error output: the first error line, else the last line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in lines:
+        if "error" in line.lower() or "cannot find" in line.lower():
+            return line
+    return lines[-1] if lines else "(no output)"
+
+
+def _c_dependency_flags() -> list[str]:
+    """Compiler flags for libzmq and msgpack-c from pkg-config, when it knows them."""
+    if shutil.which("pkg-config") is None:
+        return []
+    for msgpack_pc in ("msgpack-c", "msgpack"):
+        res = _run(["pkg-config", "--cflags", "libzmq", msgpack_pc])
+        if res.returncode == 0:
+            return res.stdout.split()
+    return []
+
+
+@pytest.fixture(scope="module")
+def c_client(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """examples/c/client built out of the tree with its Makefile; skips without a toolchain."""
+    cc = os.environ.get("CC", "cc")
+    for tool in (cc, "make"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"C example: no `{tool}` on PATH")
+    # Headers present? Preprocess only, so a real error in client.c still fails the build below.
+    probe = subprocess.run(
+        [cc, *_c_dependency_flags(), "-E", "-x", "c", "-", "-o", os.devnull],
+        input="#include <zmq.h>\n#include <msgpack.h>\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if probe.returncode != 0:
+        pytest.skip(
+            "C example: zmq.h or msgpack.h not found (apt-get install libzmq3-dev libmsgpack-dev): "
+            + _tail(probe.stderr)
+        )
+    out = tmp_path_factory.mktemp("c-client") / "client"
+    build = _run(["make", "-C", str(C_DIR), f"OUT={out}"], timeout_s=BUILD_TIMEOUT_S)
+    assert build.returncode == 0, f"make failed:\n{build.stdout}\n{build.stderr}"
+    return [str(out)]
+
+
+@pytest.fixture(scope="module")
+def node_client() -> list[str]:
+    """`node examples/node/client.js`; skips without node or without its node_modules."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("Node example: no `node` on PATH")
+    check = _run([node, "-e", "require('zeromq'); require('@msgpack/msgpack')"], cwd=NODE_DIR, timeout_s=60)
+    if check.returncode != 0:
+        pytest.skip(
+            "Node example: zeromq or @msgpack/msgpack not installed (run `npm install` in "
+            f"examples/node): {_tail(check.stderr)}"
+        )
+    return [node, str(NODE_DIR / "client.js")]
+
+
+@pytest.fixture(params=["c", "node"])
+def example(request: pytest.FixtureRequest) -> list[str]:
+    """The command that runs one example client (its options follow)."""
+    fixture = "c_client" if request.param == "c" else "node_client"
+    command: list[str] = request.getfixturevalue(fixture)
+    return command
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[ServeProcess]:
+    """`batcher serve` with one `echo` worker on free loopback ports, stopped at teardown;
+    its stderr is shown if it does not become ready."""
+    log_path = tmp_path / "serve.stderr"
+    with log_path.open("wb") as log:
+        serve = ServeProcess(["--workers", "1", "--model", "echo"], log_level="INFO", stderr=log)
+        serve.start()
+        try:
+            try:
+                serve.wait_ready(1, timeout_s=20.0)
+            except (TimeoutError, RuntimeError) as exc:
+                pytest.fail(f"batcher serve not ready: {exc}\n{log_path.read_text(errors='replace')}")
+            yield serve
+        finally:
+            serve.stop()
+
+
+@pytest.fixture
+def curve_broker(tmp_path: Path) -> Iterator[tuple[ServeProcess, dict[str, str]]]:
+    """A `serve` with CURVE on and an allow-list holding one client key; yields it with
+    the key files: broker_public, client_secret."""
+    broker_public, broker_secret = generate_keys(str(tmp_path / "broker"), "broker")
+    _, client_secret = generate_keys(str(tmp_path / "clients"), "client")
+    keys = {"broker_public": broker_public, "client_secret": client_secret}
+    log_path = tmp_path / "serve.stderr"
+    args = ["--workers", "1", "--model", "echo", "--curve-secret-key", broker_secret]
+    args += ["--curve-clients", str(tmp_path / "clients")]
+    with log_path.open("wb") as log:
+        serve = ServeProcess(args, log_level="INFO", stderr=log)
+        serve.start()
+        try:
+            # ServeProcess.wait_ready speaks plain TCP: ask with the client's keys instead.
+            deadline = time.monotonic() + 20.0
+            with Client(
+                serve.frontend, timeout_s=1.0, curve_server_key=broker_public, curve_secret_key=client_secret
+            ) as client:
+                while True:
+                    assert serve.process is not None and serve.process.poll() is None, log_path.read_text()
+                    try:
+                        if client.control("stats")["models"]["echo"]["workers"] >= 1:
+                            break
+                    except BatcherError:
+                        pass  # not up yet
+                    if time.monotonic() > deadline:
+                        pytest.fail(f"CURVE broker not ready:\n{log_path.read_text(errors='replace')}")
+                    time.sleep(0.05)
+            yield serve, keys
+        finally:
+            serve.stop()
+
+
+def _parse(stdout: str) -> tuple[list[dict[str, str]], tuple[int, ...]]:
+    """The reply lines (id, ok, rest) and the summary counts of a client's output."""
+    replies, summary = [], None
+    for line in stdout.splitlines():
+        if m := LINE.match(line):
+            replies.append(m.groupdict())
+        elif m := SUMMARY.match(line):
+            summary = tuple(int(x) for x in m.groups())
+        else:
+            pytest.fail(f"unexpected output line {line!r}")
+    assert summary is not None, f"no summary line in:\n{stdout}"
+    return replies, summary
+
+
+def test_every_request_answered_with_its_output(example: list[str], broker: ServeProcess) -> None:
+    res = _run([*example, "-e", broker.frontend, "-n", "5", "-t", "10000"])
+    assert res.returncode == 0, res.stderr
+    replies, summary = _parse(res.stdout)
+    assert summary == (5, 5, 5, 0)
+    assert sorted(int(r["id"]) for r in replies) == [1, 2, 3, 4, 5]
+    for r in replies:
+        assert r["ok"] == "true"
+        assert re.fullmatch(rf'output="hello {r["id"]}" batch_size=[1-5]', r["rest"]), r["rest"]
+
+
+def test_model_named_explicitly(example: list[str], broker: ServeProcess) -> None:
+    res = _run([*example, "-e", broker.frontend, "-n", "1", "-m", "echo"])
+    assert res.returncode == 0, res.stderr
+    replies, summary = _parse(res.stdout)
+    assert summary == (1, 1, 1, 0)
+    assert replies[0]["id"] == "1"
+    assert replies[0]["rest"].startswith('output="hello 1"')
+
+
+def test_error_replies_are_printed_and_exit_1(example: list[str], broker: ServeProcess) -> None:
+    res = _run([*example, "-e", broker.frontend, "-n", "2", "-m", "nope"])
+    assert res.returncode == 1, res.stderr
+    replies, summary = _parse(res.stdout)
+    assert summary == (2, 2, 0, 2)
+    assert sorted(r["id"] for r in replies) == ["1", "2"]
+    for r in replies:
+        assert r["ok"] == "false"
+        assert r["rest"] == "error=unknown_model message=\"no worker serves model 'nope'\""
+
+
+def test_curve_with_an_allowed_key(
+    example: list[str], curve_broker: tuple[ServeProcess, dict[str, str]]
+) -> None:
+    serve, keys = curve_broker
+    cmd = [
+        *example,
+        "-e",
+        serve.frontend,
+        "-n",
+        "3",
+        "-k",
+        keys["broker_public"],
+        "-s",
+        keys["client_secret"],
+    ]
+    res = _run(cmd)
+    assert res.returncode == 0, res.stderr
+    replies, summary = _parse(res.stdout)
+    assert summary == (3, 3, 3, 0)
+    assert sorted(r["rest"].split(" batch_size=")[0] for r in replies) == [
+        f'output="hello {i}"' for i in (1, 2, 3)
+    ]
+
+
+def test_curve_refuses_keys_off_the_allow_list(
+    example: list[str], curve_broker: tuple[ServeProcess, dict[str, str]]
+) -> None:
+    serve, keys = curve_broker
+    for extra in (["-k", keys["broker_public"]], []):  # a throwaway key pair; no CURVE at all
+        res = _run([*example, "-e", serve.frontend, "-n", "1", "-t", "500", *extra])
+        assert res.returncode == 2, (extra, res.stdout, res.stderr)
+        sent, replies, ok, errors = _parse(res.stdout)[1]
+        # A refused CURVE handshake can leave the socket unwritable: then nothing is sent.
+        assert sent in (0, 1) and (replies, ok, errors) == (0, 0, 0)
+
+
+def test_no_broker_is_a_timeout_exit_2(example: list[str]) -> None:
+    res = _run([*example, "-e", free_tcp_address(), "-n", "2", "-t", "300"])
+    assert res.returncode == 2
+    _, summary = _parse(res.stdout)
+    assert summary == (2, 0, 0, 0)
+    assert "timeout" in res.stderr
+
+
+def test_bad_usage_exits_2(example: list[str]) -> None:
+    res = _run([*example, "-n", "0"])
+    assert res.returncode == 2
+    assert res.stdout == ""
