@@ -14,6 +14,7 @@ import itertools
 import logging
 import math
 import os
+import random
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -108,7 +109,13 @@ class Broker:
         self._own_context = context is None
         self.ctx: zmq.Context[Any] = context or zmq.Context()
         self.scheduler = Scheduler(
-            settings.batch, settings.per_model, list(settings.models), settings.worker_prefetch
+            settings.batch,
+            settings.per_model,
+            list(settings.models),
+            settings.worker_prefetch,
+            # Batch ids differ across broker restarts, so a reply meant for a previous
+            # broker can never be taken for one of ours.
+            first_batch_id=random.getrandbits(62),
         )
         self._default_timeout_s = settings.default_timeout_ms / 1000.0
         self.stats: dict[str, ModelStats] = {}
@@ -549,8 +556,10 @@ class Broker:
             if now - heard_at > expiry:
                 log.warning("worker %s silent for %.1fs: taken for dead", worker_id.hex(), now - heard_at)
                 self._worker_lost(worker_id, f"worker silent for {now - heard_at:.1f}s")
-            else:
-                self._send_to_worker(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
+            elif not self._send_to_worker(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT]):
+                # ROUTER_MANDATORY: the connection is gone, so the process is (a crash)
+                log.warning("worker %s disconnected: taken for dead", worker_id.hex())
+                self._worker_lost(worker_id, "worker disconnected")
 
     def _send_to_worker(self, worker_id: bytes, frames: list[bytes]) -> bool:
         try:

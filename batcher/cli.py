@@ -375,7 +375,8 @@ def serve(
         supervisor.start()
         broker.run()
     finally:
-        supervisor.stop()
+        # After a second signal nothing waits: workers still in a batch are killed.
+        supervisor.stop(timeout_s=0.0 if broker.signals.count > 1 else 5.0)
         broker.close()
     if fatal:
         raise click.ClickException(fatal[0])

@@ -125,7 +125,9 @@ def _type_name(value: object) -> str:
 def parse_request(body: bytes) -> tuple[RequestHeader, dict[str, Any]]:
     """Decode a request body once and check the fields the broker relies on."""
     try:
-        msg = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        # Decoded inside a one-element array, as the worker will see it (one level
+        # deeper): a body that fits msgpack's nesting limit here fits it there too.
+        msg = msgpack.unpackb(b"\x91" + body, raw=False, strict_map_key=False)[0]
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"body is not valid msgpack: {exc}") from None
     if not isinstance(msg, dict):

@@ -259,6 +259,7 @@ class Scheduler:
         per_model: dict[str, BatchSettings] | None = None,
         models: list[str] | None = None,
         worker_prefetch: int = 1,
+        first_batch_id: int = 1,
     ) -> None:
         if worker_prefetch < 1:
             raise ValueError(f"worker_prefetch must be >= 1, got {worker_prefetch}")
@@ -267,7 +268,7 @@ class Scheduler:
         self._per_model = dict(per_model or {})
         self._models: dict[str, ModelQueue] = {}
         self._workers: dict[bytes, WorkerState] = {}
-        self._next_batch_id = 1
+        self._next_batch_id = first_batch_id
         self._seq = itertools.count()
         for name in [*(models or []), *self._per_model]:
             self._model(name)
@@ -321,11 +322,14 @@ class Scheduler:
         where their original arrival keeps them ahead of later requests. The queue limit
         does not apply: they were accepted already."""
         mq = self._models[model]
-        for req in reversed(requests):
+        for req in requests:
             req.state = QUEUED
             req.attempts += count_attempt
             self._push(mq, req)
-            mq.arrivals.appendleft(req)  # older than anything queued since
+        # Rebuild the arrival order (rare: only after a worker failure), since requests
+        # older than the requeued ones may still be queued.
+        queued = {id(r): r for r in [*requests, *mq.arrivals] if r.state == QUEUED}
+        mq.arrivals = deque(sorted(queued.values(), key=lambda r: r.seq))
 
     @staticmethod
     def _push(mq: ModelQueue, req: QueuedRequest) -> None:

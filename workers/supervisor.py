@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batcher.protocol import Heartbeat
-from workers.models import SimSettings
+from workers.models import ModelSpec, SimSettings
 
 log = logging.getLogger("batcher.supervisor")
 
@@ -55,7 +55,7 @@ RESPAWN_MAX_S = 10.0
 class WorkerProcess:
     """One GPU's worker: what it runs, its current process and its restart history."""
 
-    model: str
+    model: str  # the --model spec, NAME=pkg.mod:attr or a plain name
     gpu: int
     process: subprocess.Popen[bytes] | None
     started_at: float = 0.0
@@ -63,6 +63,11 @@ class WorkerProcess:
     restarts: int = 0
     respawn_at: float | None = None
     given_up: bool = False
+
+    @property
+    def name(self) -> str:
+        """The model name the worker announces (the broker knows models by it)."""
+        return ModelSpec.parse(self.model).name
 
 
 def child_environment(**extra: str) -> dict[str, str]:
@@ -136,7 +141,7 @@ class Supervisor:
 
     def all_given_up(self, model: str) -> bool:
         """Whether every worker of `model` kept dying at start-up and was given up."""
-        mine = [w for w in self.workers if w.model == model]
+        mine = [w for w in self.workers if w.name == model]
         return bool(mine) and all(w.given_up for w in mine)
 
     def check(self, now: float) -> None:
@@ -149,7 +154,7 @@ class Supervisor:
                 if now >= w.respawn_at:
                     w.restarts += 1
                     self._spawn(w)
-                    self.on_event(w.model, "respawned")
+                    self.on_event(w.name, "respawned")
                 continue
             if w.process is None or w.process.poll() is None:
                 continue
@@ -159,12 +164,12 @@ class Supervisor:
                 # A model that does not load on the first try is a configuration error
                 # (a typo in --model, a missing package): respawning cannot fix it.
                 w.given_up = True
-                self.on_event(w.model, "load_failed")
+                self.on_event(w.name, "load_failed")
                 continue
             w.early_deaths = w.early_deaths + 1 if lived_s < EARLY_DEATH_S else 0
             if w.early_deaths >= MAX_EARLY_DEATHS:
                 w.given_up = True
-                self.on_event(w.model, "given_up")
+                self.on_event(w.name, "given_up")
                 log.error(
                     "worker for model %s on gpu %d died %d times in a row within %.0fs of starting "
                     "(last exit code %s); giving up on it",

@@ -111,6 +111,8 @@ class Worker:
         self._sock: zmq.Socket[Any] | None = None
         self._pending: deque[list[bytes]] = deque()  # BATCH frames not started yet
         self._running: Future[list[bytes]] | None = None
+        self._running_on = 0  # the connection the running batch came on
+        self._connection = 0  # counts connections: a reply goes back only on its batch's own
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._done_r, self._done_w = socketpair()
         self._done_r.setblocking(False)
@@ -177,6 +179,7 @@ class Worker:
         send_frames(sock, protocol.ready_frames(self.spec.name, self.settings.gpu, os.getpid()))
         self._poller.register(sock, zmq.POLLIN)
         self._sock = sock
+        self._connection += 1
         self._told_to_reconnect = False
         log.info("worker %s ready for model %s at %s", self.name, self.spec.name, self.settings.connect)
 
@@ -218,6 +221,7 @@ class Worker:
             return
         assert self.model is not None
         frames = self._pending.popleft()
+        self._running_on = self._connection
         self._running = self._executor.submit(_run_safely, self.model, frames[2], frames[3], self.name)
         self._running.add_done_callback(lambda _: self._done_w.send(b"\0"))
 
@@ -229,7 +233,10 @@ class Worker:
         reply = self._running.result()
         self._running = None
         self.batches += 1
-        if self._sock is not None:  # else the broker lost us and re-dispatches the batch
+        # A batch from an earlier connection belongs to a broker that has taken us for dead
+        # (or to one that restarted): it re-dispatched the batch, so the reply must not go
+        # to the new connection, where its batch id could name another batch.
+        if self._sock is not None and self._running_on == self._connection:
             send_frames(self._sock, reply)
         self._start_next()
 

@@ -1,0 +1,489 @@
+"""Reliability: real processes, real faults (SIGKILL, SIGSTOP, start-up crashes, broker
+restarts, SIGTERM), and the client-facing guarantees around them.
+
+The guarantee checked throughout: every request a client sent gets exactly one reply,
+its result or an explicit error code, whatever happens to the workers. The heartbeat
+is 100 ms (x 3 liveness) here to keep the tests fast; benchmarks/reliability.py
+measures the same faults with the defaults (500 ms x 3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from batcher.client import (
+    BatcherError,
+    Cancelled,
+    Client,
+    ClientTimeout,
+    DeadlineExceeded,
+)
+from batcher.launcher import free_tcp_address
+from tests.reliability_models import MARKS_ENV, DealerLoad, LoggedServe, read_marks
+
+pytestmark = pytest.mark.integration
+
+SLEEPY = "sleepy=tests.reliability_models:Sleepy"
+BROKEN = "tests.reliability_models:CrashAtStartup"
+FAST_SIM = ("--sim-base-ms", "5", "--sim-per-item-ms", "0.5")
+HEARTBEAT = ("--heartbeat-ms", "100")
+
+
+def pack(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def wait_until(
+    predicate: Callable[[], Any],
+    timeout_s: float,
+    what: str,
+    interval_s: float = 0.02,
+    error: type[Exception] = AssertionError,
+) -> Any:
+    """Poll `predicate` until it returns something truthy (returned), or raise `error` after
+    `timeout_s` (RuntimeError for the set-up steps of xfail tests, so that a broken set-up
+    is reported as a failure, never taken for the expected one)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise error(f"{what}: not within {timeout_s}s")
+        time.sleep(interval_s)  # between probes of the condition
+
+
+def stats_of(address: str, ctx: zmq.Context[Any], timeout_s: float = 1.0) -> dict[str, Any] | None:
+    """The broker's stats, or None when it does not answer within `timeout_s`."""
+    with Client(address, timeout_s=timeout_s, context=ctx) as c:
+        try:
+            return dict(c.control("stats"))
+        except BatcherError:
+            return None
+
+
+def model_stats(address: str, ctx: zmq.Context[Any], model: str) -> dict[str, Any]:
+    stats = stats_of(address, ctx)
+    return stats["models"].get(model, {}) if stats else {}
+
+
+def recv(sock: zmq.Socket[Any], timeout_s: float = 10.0) -> dict[str, Any]:
+    """The next reply body on `sock`, or fail after `timeout_s`."""
+    assert sock.poll(int(timeout_s * 1000), zmq.POLLIN), f"no reply within {timeout_s}s"
+    return dict(unpack(sock.recv_multipart()[-1]))
+
+
+def in_flight_on(marks: Path, pid: int) -> dict[str, Any] | None:
+    """The batch worker `pid` is running now (its last mark is a start), per Sleepy's marks."""
+    own = [m for m in read_marks(marks) if m["pid"] == pid]
+    return own[-1] if own and own[-1]["event"] == "start" else None
+
+
+def check_exactly_once(load: DealerLoad, allowed_errors: set[str]) -> dict[str, Any]:
+    """Every request sent got exactly one reply, its own result or an allowed error code."""
+    summary = load.summary()
+    assert not load.foreign, f"replies to ids never sent on that socket: {load.foreign[:5]}"
+    twice = {t: r for t, r in load.replies.items() if len(r) > 1}
+    assert not twice, f"{len(twice)} requests answered more than once: {list(twice.items())[:3]}"
+    lost = sorted(load.outstanding())
+    assert not lost, f"{len(lost)} requests never answered: {lost[:10]}"
+    assert summary["wrong"] == 0, f"results for other requests: {summary}"
+    assert set(summary["errors"]) <= allowed_errors, summary
+    return summary
+
+
+@pytest.fixture
+def served(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., LoggedServe]]:
+    """Factory: `served(*args, workers=N)` starts `batcher serve ARGS` (log level INFO, its
+    log in a file) and waits for N workers. Teardown SIGCONTs and stops its process group;
+    on failure the log is printed."""
+    started: list[LoggedServe] = []
+
+    def start(*args: str, workers: int, timeout_s: float = 30.0) -> LoggedServe:
+        s = LoggedServe(args, tmp_path / f"serve-{len(started)}.log")
+        started.append(s)
+        return s.start(workers, timeout_s=timeout_s)
+
+    yield start
+    for s in started:
+        s.stop(timeout_s=5.0)
+    if any(getattr(getattr(request.node, f"rep_{w}", None), "failed", False) for w in ("setup", "call")):
+        for s in started:
+            print(f"----- log of {' '.join(s.sp.command())}\n{s.log()}")
+
+
+@pytest.fixture
+def marks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The file the Sleepy workers of this test write their batch marks to."""
+    path = tmp_path / "marks.jsonl"
+    monkeypatch.setenv(MARKS_ENV, str(path))
+    return path
+
+
+# --- worker faults ----------------------------------------------------------------------------------
+
+
+def test_sigkill_worker_under_load_every_request_answered_once_and_worker_respawned(served, marks, zctx):
+    s = served(
+        "--workers", "2", "--model", SLEEPY, *HEARTBEAT, "--max-batch-size", "4", "--max-wait-ms", "2",
+        workers=2,
+    )  # fmt: skip
+    before = s.worker_pids()
+    assert len(before) == 2, before
+    victim = min(before)
+    load = DealerLoad(zctx, s.frontend, clients=3, depth=4, sleep_s=0.2)
+    try:
+        held = load.run_until(lambda: in_flight_on(marks, victim), 10, "a batch running on the victim")
+        os.kill(victim, signal.SIGKILL)
+
+        def respawned() -> bool:
+            new = s.worker_pids() - before
+            served_by_new = any(
+                r[0]["ok"] and r[0]["output"]["pid"] in new for r in load.replies.values() if r
+            )
+            return served_by_new and model_stats(s.frontend, zctx, "sleepy").get("workers") == 2
+
+        load.run_until(respawned, 20, "a respawned worker serving, and 2 workers in stats")
+        load.drain(15)
+    finally:
+        load.close()
+
+    summary = check_exactly_once(load, allowed_errors={"worker_failed"})
+    assert summary["ok"] >= 12, summary
+    for tag in held["tags"]:  # the batch the victim held was re-dispatched to another worker
+        reply = load.replies[tag][0]
+        assert reply["ok"] and reply["output"]["pid"] != victim, reply
+    log = s.log()
+    # Found dead by its silence, or on the failed send of its next batch, whichever comes first.
+    assert "taken for dead" in log or "unreachable" in log, log
+    assert "respawning in" in log and f"(pid {victim}) exited with code -9" in log, log
+
+
+def test_sigstop_worker_past_liveness_batch_redispatched_then_it_rejoins_without_duplicates(
+    served, marks, zctx, connect
+):
+    s = served(
+        "--workers", "2", "--model", SLEEPY, *HEARTBEAT,
+        "--max-batch-size", "4", "--policy", "window", "--max-wait-ms", "2000",
+        workers=2,
+    )  # fmt: skip
+    sock = connect(zmq.DEALER, s.frontend)
+    tags = [f"s{i}" for i in range(4)]
+    for tag in tags:  # one full batch: it goes to one worker at once
+        sock.send_multipart([b"", pack({"id": tag, "input": {"tag": tag, "sleep": 0.4}})])
+    held = wait_until(
+        lambda: next((m for m in read_marks(marks) if m["event"] == "start"), None), 10, "the batch started"
+    )
+    victim = held["pid"]
+    assert sorted(held["tags"]) == tags, held
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        replies = [recv(sock, timeout_s=10) for _ in tags]
+        assert sorted(r["id"] for r in replies) == tags, replies
+        for reply in replies:
+            assert reply["ok"] and reply["output"]["pid"] != victim, f"not re-dispatched: {reply}"
+        assert model_stats(s.frontend, zctx, "sleepy")["workers"] == 1, "the stopped worker still counted"
+    finally:
+        os.kill(victim, signal.SIGCONT)
+
+    # The stopped worker finishes its batch late; the broker drops that reply, and the
+    # worker, told DISCONNECT, announces itself again (same process, new connection).
+    wait_until(
+        lambda: any(m["event"] == "end" and m["pid"] == victim for m in read_marks(marks)), 10, "late end"
+    )
+    wait_until(lambda: model_stats(s.frontend, zctx, "sleepy").get("workers") == 2, 10, "the worker rejoined")
+    assert victim in s.worker_pids(), "the stopped worker was replaced rather than rejoining"
+    # A barrier on the same socket: a duplicate forwarded before it would arrive first.
+    sock.send_multipart([b"", pack({"id": "barrier", "op": "stats"})])
+    barrier = recv(sock)
+    assert barrier["id"] == "barrier", f"a second reply reached the client: {barrier}"
+    # The rejoined worker serves again: a full batch goes to the least recently used worker.
+    after = [f"after{i}" for i in range(4)]
+    for tag in after:
+        sock.send_multipart([b"", pack({"id": tag, "input": {"tag": tag}})])
+    replies = [recv(sock) for _ in after]
+    assert sorted(r["id"] for r in replies) == after, replies
+    assert all(r["ok"] and r["output"]["pid"] == victim for r in replies), replies
+    assert "taken for dead" in s.log()
+
+
+def test_worker_dying_at_startup_is_given_up_after_5_attempts_and_serve_serves_on(served, zctx):
+    s = served("--workers", "1", "--model", "sim", "--model", BROKEN, *FAST_SIM, workers=1)
+    with Client(s.frontend, timeout_s=10, context=zctx) as c:
+        served_meanwhile = 0
+        deadline = time.monotonic() + 40
+        while "giving up" not in s.log():  # 5 starts, 0.5 + 1 + 2 + 4 s apart
+            assert time.monotonic() < deadline, "serve never gave up on the broken worker"
+            assert c.request(served_meanwhile)["echo"] == served_meanwhile
+            served_meanwhile += 1
+        log = s.log()
+        broken = f"worker for model {BROKEN} on gpu 1"
+        assert log.count("simulated crash loading the weights for gpu 1") == 5, log
+        assert log.count(f"started {broken} (pid") == 5, log
+        assert log.count("exited with code 3 after") == 4, log  # and 4 respawns
+        assert f"{broken} died 5 times in a row" in log and "giving up on it" in log, log
+        assert s.process.poll() is None, "serve exited"
+        assert c.request("still")["echo"] == "still"
+        models = c.control("stats")["models"]
+        assert models["sim"]["workers"] == 1 and models[BROKEN]["workers"] == 0, models
+        with pytest.raises(BatcherError) as nobody:  # an explicit answer, not a hang
+            c.request("x", model=BROKEN, timeout_ms=200)
+        assert nobody.value.code in ("worker_failed", "deadline_exceeded"), nobody.value
+    assert served_meanwhile > 0
+    assert len(s.worker_pids()) == 1
+
+
+def test_requests_for_a_named_model_whose_workers_were_given_up_are_refused(served, zctx):
+    s = served("--workers", "1", "--model", "sim", "--model", f"broken={BROKEN}", *FAST_SIM, workers=1)
+    wait_until(lambda: "giving up" in s.log(), 40, "serve gave up", interval_s=0.1, error=RuntimeError)
+    with Client(s.frontend, timeout_s=3, context=zctx) as c:
+        reply = c.submit("x", model="broken").wait()
+    assert reply["error"]["code"] == "worker_failed", f"expected worker_failed, got {reply}"
+
+
+# --- shutdown -----------------------------------------------------------------------------------------
+
+
+def test_sigterm_drains_queued_and_running_requests_then_serve_exits_0(served, zctx, connect):
+    s = served(
+        "--workers", "1", "--model", SLEEPY, "--max-batch-size", "2", "--policy", "window",
+        "--max-wait-ms", "10000",
+        workers=1,
+    )  # fmt: skip
+    sock = connect(zmq.DEALER, s.frontend)
+    late = connect(zmq.DEALER, s.frontend)
+    for i in range(6):  # 3 batches of 2, 0.3 s each: running or held by the worker, or queued
+        sock.send_multipart([b"", pack({"id": i, "input": {"tag": i, "sleep": 0.3}})])
+    wait_until(
+        lambda: (
+            (m := model_stats(s.frontend, zctx, "sleepy")).get("batches_in_flight")
+            and m["queued"] + 2 * m["batches_in_flight"] == 6
+            and m["queued"] > 0
+        ),
+        10,
+        "all six with the broker, some still queued",
+    )
+    worker_pids = s.worker_pids()
+    signalled = time.monotonic()
+    os.kill(s.pid, signal.SIGTERM)
+    wait_until(lambda: (stats_of(s.frontend, zctx) or {}).get("stopping"), 5, "draining")
+    late.send_multipart([b"", pack({"id": "late", "input": {"tag": "late"}})])
+    refused = recv(late)
+    assert refused["id"] == "late" and refused["error"]["code"] == "shutting_down", refused
+
+    replies = {}
+    for _ in range(6):
+        reply = recv(sock)
+        assert reply["id"] not in replies, f"second reply: {reply}"
+        replies[reply["id"]] = reply
+    for i in range(6):
+        assert replies[i]["ok"] and replies[i]["output"]["input"]["tag"] == i, replies[i]
+    assert s.process.wait(timeout=10) == 0
+    assert time.monotonic() - signalled < 5
+    assert not s.group_alive(), f"left running: {s.group_alive()} (workers were {worker_pids})"
+
+
+def test_second_sigterm_stops_serve_at_once_answering_everything(served, zctx, connect):
+    s = served(
+        "--workers", "1", "--model", SLEEPY, "--max-batch-size", "2", "--policy", "window",
+        "--max-wait-ms", "10000",
+        workers=1,
+    )  # fmt: skip
+    sock = connect(zmq.DEALER, s.frontend)
+    for i in range(4):  # two batches of 2, each would run 30 s
+        sock.send_multipart([b"", pack({"id": i, "input": {"tag": i, "sleep": 30}})])
+    wait_until(
+        lambda: model_stats(s.frontend, zctx, "sleepy").get("batches_in_flight"),
+        10,
+        "a batch running",
+        error=RuntimeError,
+    )
+    os.kill(s.pid, signal.SIGTERM)
+    wait_until(lambda: (stats_of(s.frontend, zctx) or {}).get("stopping"), 5, "draining", error=RuntimeError)
+    signalled = time.monotonic()
+    os.kill(s.pid, signal.SIGTERM)
+    codes = sorted(recv(sock, timeout_s=5)["error"]["code"] for _ in range(4))
+    assert codes == ["shutting_down"] * 4, codes
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        s.process.wait(timeout=10)
+    took = time.monotonic() - signalled
+    assert s.process.returncode is not None, "serve still running 10 s after the second SIGTERM"
+    assert not s.group_alive(), f"left running: {s.group_alive()}"
+    assert took < 2.0, f"serve took {took:.1f}s to exit after the second SIGTERM"
+
+
+# --- broker restart -------------------------------------------------------------------------------------
+
+
+def test_broker_restart_worker_rejoins_by_itself_and_retrying_client_gets_every_result(spawn, zctx):
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    broker_args = ("broker", "--frontend", frontend, "--backend", backend, "--model", "sim", *HEARTBEAT,
+                   "--max-batch-size", "4", "--max-wait-ms", "2")  # fmt: skip
+    first_broker = spawn(*broker_args)
+    worker = spawn("worker", "--connect", backend, "--model", "sim", *HEARTBEAT,
+                   "--sim-base-ms", "150", "--sim-per-item-ms", "0")  # fmt: skip
+    wait_until(lambda: model_stats(frontend, zctx, "sim").get("workers") == 1, 20, "the worker joined")
+
+    with Client(frontend, timeout_s=2.0, retries=2, context=zctx) as c:
+        before = [c.submit(f"before-{i}") for i in range(6)]
+        wait_until(
+            lambda: model_stats(frontend, zctx, "sim").get("batches_in_flight"), 5, "a batch in flight"
+        )
+        os.kill(first_broker.pid, signal.SIGKILL)
+        first_broker.process.wait(timeout=5)
+        during = [c.submit(f"during-{i}") for i in range(6)]  # no broker at all
+        spawn(*broker_args)
+        wait_until(lambda: model_stats(frontend, zctx, "sim").get("workers") == 1, 20, "the worker rejoined")
+        assert worker.process.poll() is None, "the worker exited instead of reconnecting"
+        after = [c.submit(f"after-{i}") for i in range(6)]
+        for p in before + during + after:
+            reply = p.wait()
+            sent = unpack(p.body)["input"]
+            assert reply["ok"] and reply["output"]["echo"] == sent, reply
+            assert reply["worker"].endswith(f"/{worker.pid}"), reply
+    worker_log = worker.stderr_path.read_text()
+    assert "lost the broker" in worker_log or "does not know us" in worker_log, worker_log
+
+
+def test_reply_for_a_dead_brokers_batch_is_never_delivered_to_the_new_brokers_clients(
+    spawn, zctx, connect, tmp_path
+):
+    marks = tmp_path / "marks.jsonl"
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    broker_args = ("broker", "--frontend", frontend, "--backend", backend, "--model", SLEEPY, *HEARTBEAT)
+    first_broker = spawn(*broker_args)
+    spawn("worker", "--connect", backend, "--model", SLEEPY, *HEARTBEAT, env={MARKS_ENV: str(marks)})
+
+    def joined() -> bool:
+        return model_stats(frontend, zctx, "sleepy").get("workers") == 1
+
+    wait_until(joined, 20, "the worker joined", error=RuntimeError)
+    old_client = connect(zmq.DEALER, frontend)
+    old_client.send_multipart([b"", pack({"id": 1, "input": {"tag": "old client's", "sleep": 3.0}})])
+    wait_until(lambda: read_marks(marks), 10, "the old broker's batch 1 started", error=RuntimeError)
+    os.kill(first_broker.pid, signal.SIGKILL)
+    first_broker.process.wait(timeout=5)
+    spawn(*broker_args)
+    wait_until(joined, 10, "the worker rejoined", error=RuntimeError)
+    if len(read_marks(marks)) != 1:  # the scenario needs the old batch still running
+        raise RuntimeError("the old batch ended before the worker rejoined: scenario not set up")
+
+    new_client = connect(zmq.DEALER, frontend)  # its first request: batch 1 of the new broker
+    new_client.send_multipart([b"", pack({"id": 1, "input": {"tag": "new client's"}})])
+    reply = recv(new_client, timeout_s=10)
+    assert reply["ok"] and reply["output"]["input"]["tag"] == "new client's", (
+        f"the new client got another client's result: {reply}"
+    )
+
+
+# --- the client's own timeout and retries -------------------------------------------------------------
+
+
+def test_client_without_broker_raises_client_timeout_within_its_timeout(zctx):
+    address = free_tcp_address()  # nothing listens there
+    with Client(address, timeout_s=0.5, context=zctx) as c:
+        started = time.monotonic()
+        with pytest.raises(ClientTimeout) as err:
+            c.request("x")
+        took = time.monotonic() - started
+        assert 0.5 <= took < 1.2, took
+        assert err.value.code == "timeout" and "after 1 attempt(s)" in err.value.message
+    with Client(address, timeout_s=0.3, retries=2, context=zctx) as c:
+        started = time.monotonic()
+        with pytest.raises(ClientTimeout) as err:
+            c.request("x")
+        took = time.monotonic() - started
+        assert 0.9 <= took < 1.8, took
+        assert "after 3 attempt(s)" in err.value.message
+
+
+def broker_without_workers(spawn: Callable[..., Any], zctx: zmq.Context[Any], *args: str) -> tuple[str, str]:
+    """Start `batcher broker` for model sim with no worker; returns (frontend, backend)."""
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    spawn("broker", "--frontend", frontend, "--backend", backend, "--model", "sim", *args)
+    wait_until(lambda: stats_of(frontend, zctx), 20, "the broker answers")
+    return frontend, backend
+
+
+def test_client_retries_resend_and_duplicates_are_dropped(spawn, zctx):
+    frontend, _ = broker_without_workers(spawn, zctx)
+    with Client(frontend, timeout_s=0.4, retries=2, context=zctx) as c:
+        started = time.monotonic()
+        # Re-sent at 0.4 and 0.8 s; the first copy's deadline (0.9 s) answers it before the
+        # client would give up (1.2 s). The two later copies expire too, and are dropped.
+        with pytest.raises(DeadlineExceeded):
+            c.submit("x", timeout_ms=900).result()
+        assert 0.85 <= time.monotonic() - started < 1.2
+        wait_until(
+            lambda: c.control("stats")["models"]["sim"]["outcomes"].get("deadline_exceeded") == 3,
+            5,
+            "all three copies expired at the broker",
+        )
+        assert c.duplicates_dropped == 2
+
+
+def test_cancel_a_queued_request(spawn, zctx):
+    frontend, backend = broker_without_workers(spawn, zctx)
+    with Client(frontend, timeout_s=20, context=zctx) as c:
+        keep = c.submit("keep")
+        drop = c.submit("drop")
+        wait_until(lambda: c.control("stats")["models"]["sim"]["queued"] == 2, 5, "both queued")
+        drop.cancel()
+        with pytest.raises(Cancelled):
+            drop.result()
+        sim = c.control("stats")["models"]["sim"]
+        assert sim["queued"] == 1 and sim["outcomes"] == {"cancelled": 1}, sim
+        assert not keep.done()
+        spawn("worker", "--connect", backend, "--model", "sim", *FAST_SIM)
+        assert keep.result()["echo"] == "keep"  # only the cancelled one was dropped
+
+
+def test_deadlines_end_to_end_and_default_timeout(spawn, zctx):
+    frontend, _ = broker_without_workers(spawn, zctx, "--default-timeout-ms", "300")
+    with Client(frontend, timeout_s=5, context=zctx) as c:
+        for timeout_ms, low, high in ((None, 0.3, 1.0), (100, 0.1, 0.6), (600, 0.6, 1.3)):
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                c.request("queued", timeout_ms=timeout_ms)
+            took = time.monotonic() - started
+            assert low <= took < high, f"timeout_ms {timeout_ms}: answered after {took:.2f}s"
+        assert c.control("stats")["models"]["sim"]["outcomes"] == {"deadline_exceeded": 3}
+
+
+def test_overload_refuses_the_11th_and_loses_none_of_the_first_10(spawn, zctx, connect):
+    frontend, backend = broker_without_workers(spawn, zctx, "--max-queue", "10", "--max-wait-ms", "1")
+    sock = connect(zmq.DEALER, frontend)
+    for i in range(11):
+        sock.send_multipart([b"", pack({"id": i, "input": i})])
+    refused = recv(sock)
+    assert refused["id"] == 10 and refused["error"]["code"] == "overloaded", refused
+    sock.send_multipart([b"", pack({"id": "barrier", "op": "stats"})])
+    stats = recv(sock)
+    assert stats["id"] == "barrier", f"a queued request was answered with no worker: {stats}"
+    sim = stats["output"]["models"]["sim"]
+    assert sim["queued"] == 10 and sim["outcomes"] == {"overloaded": 1}, sim
+
+    spawn("worker", "--connect", backend, "--model", "sim", *FAST_SIM)  # now the queue can drain
+    replies: dict[int, dict[str, Any]] = {}
+    while len(replies) < 10:
+        reply = recv(sock, timeout_s=20)
+        assert reply["id"] not in replies, f"second reply: {reply}"
+        replies[reply["id"]] = reply
+    assert sorted(replies) == list(range(10))
+    for i, reply in replies.items():
+        assert reply["ok"] and reply["output"]["echo"] == i, reply

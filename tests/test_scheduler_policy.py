@@ -1,0 +1,1182 @@
+"""The scheduling rules of batcher.scheduler's module docstring, driven with a fake clock.
+
+tests/test_scheduler.py covers the basic window rules; this file covers deadlines,
+priorities, backpressure, several models, allowed batch sizes, cancellation, the
+adaptive policy, the cost model, and property tests over random event sequences for
+both policies. Every `now` is a plain float; nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from batcher.scheduler import (
+    DEADLINE_MARGIN_S,
+    RATE_TAU_S,
+    ArrivalRate,
+    Batch,
+    BatchSettings,
+    CostModel,
+    Overloaded,
+    QueuedRequest,
+    Scheduler,
+    UnknownModel,
+)
+
+_ids = itertools.count()
+
+
+def rq(t: float, priority: float = 0, deadline: float | None = None, rid: object = None) -> QueuedRequest:
+    """A request that arrived at fake time `t`; its id is unique unless given."""
+    rid = next(_ids) if rid is None else rid
+    return QueuedRequest([f"client-{rid}".encode(), b""], b"\x80", rid, t, priority, deadline)
+
+
+def put(s: Scheduler, model: str, *reqs: QueuedRequest) -> list[QueuedRequest]:
+    """Enqueue `reqs` in order and return them."""
+    for r in reqs:
+        s.enqueue(model, r)
+    return list(reqs)
+
+
+def make(
+    size: int = 8,
+    wait_ms: float = 10.0,
+    workers: int = 1,
+    slots: int = 1,
+    policy: str = "window",
+    batch_sizes: tuple[int, ...] | None = None,
+    max_queue: int = 10_000,
+) -> Scheduler:
+    """A scheduler for model "m" with workers w0, w1, ... of `slots` batches each."""
+    settings_m = BatchSettings(size, wait_ms, batch_sizes, max_queue, policy)
+    s = Scheduler(per_model={"m": settings_m}, worker_prefetch=slots)
+    for i in range(workers):
+        s.add_worker(f"w{i}".encode(), "m", slots)
+    return s
+
+
+def turn(s: Scheduler, now: float) -> tuple[list[tuple[str, QueuedRequest]], list[Batch]]:
+    """One broker loop turn: expire, then cut the due batches."""
+    return s.expire(now), s.due_batches(now)
+
+
+def teach(s: Scheduler, observations: list[tuple[int, float]], now: float, model: str = "m") -> float:
+    """Teach `model` its batch cost through `complete(..., infer_s=...)`: for each (n, seconds)
+    a batch of n is cut (past its window) and reported. Returns a time late enough for the
+    arrival-rate estimate to have decayed to nothing."""
+    for n, seconds in observations:
+        put(s, model, *[rq(now) for _ in range(n)])
+        now += 1.0  # past any window
+        (batch,) = s.due_batches(now)
+        assert len(batch.requests) == n
+        assert s.complete(batch.worker, batch.batch_id, infer_s=seconds) is batch
+    return now + 10.0
+
+
+def _rid(r: QueuedRequest) -> int:
+    """The id of a request numbered 0, 1, 2, ... (in arrival order in the property tests)."""
+    assert isinstance(r.id, int)
+    return r.id
+
+
+def ids(batch: Batch) -> list[object]:
+    return [r.id for r in batch.requests]
+
+
+# --- 1. deadlines -------------------------------------------------------------------------------
+
+
+def test_expire_returns_a_request_exactly_at_its_deadline_and_it_is_never_sent() -> None:
+    s = make(size=1, wait_ms=10.0)
+    put(s, "m", rq(1.0))
+    (busy,) = s.due_batches(1.0)  # w0 is busy from now on
+    deadline = 1.050
+    (r,) = put(s, "m", rq(1.0, deadline=deadline))
+    (other,) = put(s, "m", rq(1.0))
+    assert turn(s, math.nextafter(deadline, -math.inf)) == ([], [])
+    assert s.expire(deadline) == [("m", r)]
+    assert s.expire(deadline) == []  # once only
+    assert s.queued("m") == 1
+    s.complete(b"w0", busy.batch_id)
+    sent: list[QueuedRequest] = []
+    for now in (deadline, deadline + 1.0, deadline + 2.0):
+        expired, batches = turn(s, now)
+        assert expired == []
+        for b in batches:
+            sent += b.requests
+            s.complete(b.worker, b.batch_id)
+    assert sent == [other]
+
+
+def test_expire_long_after_the_deadline_still_returns_it_once() -> None:
+    s = Scheduler(models=["m"])
+    (r,) = put(s, "m", rq(0.0, deadline=0.5))
+    assert s.expire(100.0) == [("m", r)]
+    assert s.expire(200.0) == []
+    assert s.queued("m") == 0
+
+
+def test_a_request_in_a_batch_is_not_expired() -> None:
+    s = make(size=1)
+    (r,) = put(s, "m", rq(0.0, deadline=0.5))
+    (batch,) = s.due_batches(0.0)
+    assert s.expire(1.0) == []
+    assert s.complete(b"w0", batch.batch_id) is batch
+    assert batch.requests == [r]
+
+
+def test_next_wakeup_is_no_later_than_the_earliest_deadline() -> None:
+    s = Scheduler(per_model={"m": BatchSettings(max_batch_size=8, max_wait_ms=1000.0)}, models=["idle"])
+    put(s, "idle", rq(0.0, deadline=3.0))  # a model without any worker
+    assert s.next_wakeup() == 3.0
+    put(s, "idle", rq(0.0, deadline=2.0), rq(0.0))
+    assert s.next_wakeup() == 2.0
+    s.add_worker(b"w0", "m", 1)
+    (r,) = put(s, "m", rq(0.0, deadline=0.5))  # window ends at 1.0, deadline cut at 0.499
+    assert s.next_wakeup() == 0.5 - DEADLINE_MARGIN_S
+    assert s.due_batches(0.499)[0].requests == [r]
+    assert s.next_wakeup() == 2.0
+    assert [q.deadline_at for _, q in s.expire(2.0)] == [2.0]
+    assert s.next_wakeup() == 3.0
+    s.expire(3.0)
+    assert s.next_wakeup() is None  # the one without a deadline waits for a worker
+
+
+def test_next_wakeup_reports_a_deadline_while_every_worker_is_busy() -> None:
+    s = make(size=1, wait_ms=10.0)
+    put(s, "m", rq(0.0))
+    s.due_batches(0.0)
+    (r,) = put(s, "m", rq(0.0, deadline=0.7))
+    assert s.next_wakeup() == 0.7
+    assert turn(s, 0.7) == ([("m", r)], [])
+    assert s.next_wakeup() is None
+
+
+def test_deadline_cuts_the_window_early_by_the_margin_without_cost_knowledge() -> None:
+    s = make(size=8, wait_ms=100.0)
+    a = put(s, "m", rq(0.0), rq(0.001, deadline=0.020))
+    due = 0.020 - DEADLINE_MARGIN_S
+    assert s.next_wakeup() == due  # not 0.0 + 0.100
+    assert s.due_batches(math.nextafter(due, -math.inf)) == []
+    (batch,) = s.due_batches(due)
+    assert batch.requests == [a[1], a[0]]  # earliest deadline first
+    assert s.expire(0.020) == []
+
+
+def test_deadline_cut_leaves_time_for_the_learned_batch_cost() -> None:
+    s = make(size=8, wait_ms=100.0)
+    t0 = teach(s, [(n, 0.010 + 0.002 * n) for n in (1, 2, 3, 4, 1, 4)], now=0.0)
+    a, b = s.cost("m") or (0.0, 0.0)
+    assert a == pytest.approx(0.010)
+    assert b == pytest.approx(0.002)
+    deadline = t0 + 0.050
+    reqs = put(s, "m", rq(t0), rq(t0 + 0.001, deadline=deadline), rq(t0 + 0.002))
+    predicted = s.models["m"].cost.predict(3)
+    due = deadline - predicted - DEADLINE_MARGIN_S
+    assert due == pytest.approx(t0 + 0.033)  # 0.050 - (0.010 + 3 * 0.002) - 0.001
+    assert s.next_wakeup() == due  # before t0 + 0.100 and before deadline - margin
+    assert turn(s, math.nextafter(due, -math.inf)) == ([], [])
+    expired, (batch,) = turn(s, due)
+    assert expired == []
+    assert batch.requests == [reqs[1], reqs[0], reqs[2]]
+    assert batch.expected_done_at == pytest.approx(deadline - DEADLINE_MARGIN_S)
+
+
+def test_deadline_cut_accounts_for_the_allowed_batch_size() -> None:
+    s = make(size=8, wait_ms=100.0, batch_sizes=(1, 2, 4, 8))
+    t0 = teach(s, [(1, 0.012), (2, 0.014), (4, 0.018), (8, 0.026)], now=0.0)
+    deadline = t0 + 0.050
+    put(s, "m", *[rq(t0) for _ in range(6)], rq(t0, deadline=deadline))
+    # 7 queued: the cut is 4 (a + 4b = 0.018), not 7
+    due = deadline - s.models["m"].cost.predict(4) - DEADLINE_MARGIN_S
+    assert due == pytest.approx(t0 + 0.031)
+    assert s.next_wakeup() == due
+    (batch,) = s.due_batches(due)
+    assert len(batch.requests) == 4
+    assert batch.requests[0].deadline_at == deadline
+
+
+def test_a_deadline_already_too_close_makes_the_batch_due_at_once() -> None:
+    s = make(size=8, wait_ms=100.0)
+    t0 = teach(s, [(1, 0.05), (2, 0.06)], now=0.0)
+    (r,) = put(s, "m", rq(t0, deadline=t0 + 0.030))  # t(1) = 0.05 > 0.030
+    (batch,) = s.due_batches(t0)
+    assert batch.requests == [r]
+
+
+# --- 2. priorities --------------------------------------------------------------------------------
+
+
+def _mixed() -> list[QueuedRequest]:
+    """Requests a..g, arriving in that order, with assorted priorities and deadlines."""
+    return [
+        rq(0.000, priority=0, rid="a"),
+        rq(0.001, priority=1, rid="b"),
+        rq(0.002, priority=1, deadline=5.0, rid="c"),
+        rq(0.003, priority=1, deadline=3.0, rid="d"),
+        rq(0.004, priority=0, deadline=1.0, rid="e"),
+        rq(0.005, priority=2, rid="f"),
+        rq(0.006, priority=1, rid="g"),
+    ]
+
+
+def test_order_is_priority_then_earliest_deadline_then_arrival() -> None:
+    s = make(size=8, wait_ms=10.0)
+    put(s, "m", *_mixed())
+    (batch,) = s.due_batches(0.010)
+    assert ids(batch) == ["f", "d", "c", "b", "g", "e", "a"]
+
+
+def test_order_holds_across_successive_batches() -> None:
+    s = make(size=3, wait_ms=10.0, workers=3)
+    put(s, "m", *_mixed())
+    batches = s.due_batches(0.000)  # 7 queued >= 3: full batches at once, while 3 remain
+    assert [ids(b) for b in batches] == [["f", "d", "c"], ["b", "g", "e"]]
+    (last,) = s.due_batches(0.010)
+    assert ids(last) == ["a"]
+
+
+def test_fractional_and_negative_priorities_order_too() -> None:
+    s = make(size=8, wait_ms=10.0)
+    put(s, "m", rq(0.0, -1, rid="neg"), rq(0.0, 0.5, rid="half"), rq(0.0, 0, rid="zero"))
+    (batch,) = s.due_batches(0.010)
+    assert ids(batch) == ["half", "zero", "neg"]
+
+
+def test_high_priority_flood_starves_older_low_priority_requests() -> None:
+    """Documented behaviour: priority is strict, with no aging. While higher-priority
+    requests fill every batch, an older low-priority request waits, however long past
+    `max_wait_ms` (the window only decides *when* a batch goes, not who is in it); it is
+    served as soon as the flood stops."""
+    s = make(size=2, wait_ms=10.0)
+    (low,) = put(s, "m", rq(0.0, priority=0, rid="low"))
+    now = 0.0
+    served: list[object] = []
+    for i in range(50):
+        put(s, "m", rq(now, priority=1, rid=f"hi{2 * i}"), rq(now, priority=1, rid=f"hi{2 * i + 1}"))
+        (batch,) = s.due_batches(now)  # full: at once
+        served += ids(batch)
+        assert "low" not in ids(batch)
+        now += 0.005
+        s.complete(b"w0", batch.batch_id)
+    assert now - low.arrived_at > 20 * 0.010  # starved far past its window
+    assert served == [f"hi{k}" for k in range(100)]
+    (batch,) = s.due_batches(now)  # the flood stopped; its window is long over
+    assert batch.requests == [low]
+
+
+def test_requeue_puts_a_failed_batch_ahead_of_later_arrivals_of_the_same_priority() -> None:
+    s = make(size=4, wait_ms=10.0)
+    a1, a2 = put(s, "m", rq(0.0, rid="a1"), rq(0.0, rid="a2"))
+    (first,) = s.due_batches(0.010)
+    assert first.requests == [a1, a2]
+    put(s, "m", rq(0.011, rid="b1"), rq(0.012, priority=1, rid="hi"))
+    (lost,) = s.remove_worker(b"w0")
+    s.requeue("m", lost.requests)
+    assert (a1.attempts, a2.attempts) == (1, 1)
+    assert s.queued("m") == 4
+    s.add_worker(b"w1", "m", 1)
+    (again,) = s.due_batches(0.013)  # 4 queued: full
+    assert ids(again) == ["hi", "a1", "a2", "b1"]  # priority first, then original arrival
+    assert [r.attempts for r in again.requests] == [0, 1, 1, 0]
+
+
+def test_requeue_counts_an_attempt_only_when_asked() -> None:
+    s = make(size=2, wait_ms=10.0)
+    reqs = put(s, "m", rq(0.0), rq(0.0))
+    (b1,) = s.due_batches(0.0)
+    s.requeue("m", s.remove_worker(b"w0")[0].requests)  # failed: counts
+    s.add_worker(b"w1", "m", 1)
+    (b2,) = s.due_batches(0.0)
+    assert b2.requests == reqs
+    s.requeue("m", s.remove_worker(b"w1")[0].requests, count_attempt=False)  # left cleanly
+    assert [r.attempts for r in reqs] == [1, 1]
+    s.add_worker(b"w2", "m", 1)
+    (b3,) = s.due_batches(0.0)
+    assert b3.requests == reqs
+    assert b1.batch_id < b2.batch_id < b3.batch_id
+
+
+def test_requeued_request_alone_keeps_the_window_of_its_arrival() -> None:
+    s = make(size=4, wait_ms=10.0, workers=2)
+    (a,) = put(s, "m", rq(0.0))
+    (first,) = s.due_batches(0.010)
+    (b,) = put(s, "m", rq(0.011))
+    assert s.next_wakeup() == 0.011 + 0.010
+    (second,) = s.due_batches(0.011 + 0.010)
+    assert (first.requests, second.requests) == ([a], [b])
+    s.requeue("m", s.remove_worker(first.worker)[0].requests)
+    s.add_worker(b"w2", "m", 1)
+    assert s.next_wakeup() == 0.010  # its window ran out long ago
+    (again,) = s.due_batches(0.022)
+    assert again.requests == [a]
+
+
+def test_requeued_request_keeps_the_window_of_its_arrival_before_later_ones() -> None:
+    s = make(size=4, wait_ms=10.0, workers=1, slots=2)
+    (a,) = put(s, "m", rq(0.0))
+    (first,) = s.due_batches(0.010)
+    (c,) = put(s, "m", rq(0.015))
+    assert s.due_batches(0.015) == []  # w0's free slot waits for c's window
+    s.requeue("m", s.remove_worker(b"w0")[0].requests)
+    s.add_worker(b"w1", "m", 2)
+    assert s.next_wakeup() == 0.010  # a's window, not c's
+    (again,) = s.due_batches(0.016)
+    assert again.requests == [a, c]
+    assert first.requests == [a]
+
+
+def test_requeue_keeps_deadlines() -> None:
+    s = make(size=1, wait_ms=10.0)
+    (r,) = put(s, "m", rq(0.0, deadline=1.0))
+    s.due_batches(0.0)
+    s.requeue("m", s.remove_worker(b"w0")[0].requests)
+    assert s.next_wakeup() == 1.0
+    assert s.expire(1.0) == [("m", r)]
+    assert s.expire(2.0) == []
+    assert s.queued("m") == 0
+
+
+# --- 3. backpressure --------------------------------------------------------------------------------
+
+
+def _make_room(s: Scheduler, how: str, reqs: list[QueuedRequest]) -> None:
+    """Take one of the three queued `reqs` out of the queue, the way `how` says."""
+    if how == "dispatched":
+        s.add_worker(b"w", "m", 1)
+        (batch,) = s.due_batches(0.0)
+        assert batch.requests == [reqs[1]]  # the one with a deadline goes first
+    elif how == "expired":
+        assert s.expire(0.5) == [("m", reqs[1])]
+    else:
+        assert s.cancel(lambda r: r is reqs[2]) == [("m", reqs[2])]
+
+
+@pytest.mark.parametrize("how", ["dispatched", "expired", "cancelled"])
+def test_one_more_than_max_queue_is_overloaded_until_one_leaves(how: str) -> None:
+    s = Scheduler(per_model={"m": BatchSettings(max_batch_size=1, max_wait_ms=10.0, max_queue=3)})
+    reqs = put(s, "m", rq(0.0), rq(0.0, deadline=0.5), rq(0.0))
+    with pytest.raises(Overloaded) as info:
+        s.enqueue("m", rq(0.0))
+    assert info.value.args == ("m",)
+    assert s.queued("m") == 3
+    _make_room(s, how, reqs)
+    assert s.queued("m") == 2
+    s.enqueue("m", rq(0.0))
+    with pytest.raises(Overloaded):
+        s.enqueue("m", rq(0.0))
+
+
+def test_refused_request_is_not_queued_and_not_counted_as_an_arrival() -> None:
+    s = make(size=8, wait_ms=10.0, max_queue=1)
+    (first,) = put(s, "m", rq(0.0))
+    late = rq(0.0)
+    with pytest.raises(Overloaded):
+        s.enqueue("m", late)
+    assert s.models["m"].rate.per_second(0.0) == pytest.approx(1 / RATE_TAU_S)  # one arrival
+    (batch,) = s.due_batches(0.010)
+    assert batch.requests == [first]
+    assert s.cancel(lambda r: r is late) == []
+
+
+def test_requeue_ignores_the_queue_limit() -> None:
+    s = make(size=2, wait_ms=10.0, max_queue=2)
+    put(s, "m", rq(0.0), rq(0.0))
+    (batch,) = s.due_batches(0.0)
+    put(s, "m", rq(0.0), rq(0.0))  # full again
+    s.requeue("m", s.remove_worker(b"w0")[0].requests)
+    assert s.queued("m") == 4
+    with pytest.raises(Overloaded):
+        s.enqueue("m", rq(0.0))
+    s.add_worker(b"w1", "m", 1)
+    assert s.due_batches(0.0)[0].requests == batch.requests
+    assert s.queued("m") == 2
+    with pytest.raises(Overloaded):
+        s.enqueue("m", rq(0.0))
+
+
+# --- 4. several models ------------------------------------------------------------------------------
+
+
+def test_models_have_separate_queues_limits_and_windows() -> None:
+    s = Scheduler(
+        per_model={
+            "a": BatchSettings(max_batch_size=2, max_wait_ms=1.0, max_queue=2),
+            "b": BatchSettings(max_batch_size=4, max_wait_ms=50.0, max_queue=5),
+        }
+    )
+    s.add_worker(b"wa", "a", 1)
+    s.add_worker(b"wb", "b", 1)
+    ra = put(s, "a", rq(0.0))
+    rb = put(s, "b", rq(0.0), rq(0.0), rq(0.0))
+    ra += put(s, "a", rq(0.0))
+    with pytest.raises(Overloaded):
+        s.enqueue("a", rq(0.0))
+    rb += put(s, "b", rq(0.0), rq(0.0))  # b still has room
+    batches = {b.model: b for b in s.due_batches(0.0)}
+    assert batches["a"].requests == ra  # full at 2, and only a's requests
+    assert batches["b"].requests == rb[:4]
+    assert batches["a"].worker == b"wa"
+    assert batches["b"].worker == b"wb"
+    assert s.next_wakeup() is None  # b's last one waits for b's worker, not a's
+    s.complete(b"wa", batches["a"].batch_id)
+    s.complete(b"wb", batches["b"].batch_id)
+    (ra_late,) = put(s, "a", rq(0.010))
+    assert s.next_wakeup() == 0.010 + 0.001  # a's 1 ms window, before b's 50 ms
+    (batch,) = s.due_batches(0.011)
+    assert batch.requests == [ra_late]
+    assert s.next_wakeup() == 0.050
+    (batch,) = s.due_batches(0.050)
+    assert batch.requests == rb[4:]
+
+
+def test_models_with_different_policies_side_by_side() -> None:
+    s = Scheduler(
+        per_model={
+            "win": BatchSettings(max_batch_size=8, max_wait_ms=10.0, policy="window"),
+            "ada": BatchSettings(max_batch_size=8, max_wait_ms=10.0, policy="adaptive"),
+        }
+    )
+    s.add_worker(b"ww", "win", 1)
+    s.add_worker(b"wa", "ada", 1)
+    (w,) = put(s, "win", rq(0.0))
+    (a,) = put(s, "ada", rq(0.0))
+    (batch,) = s.due_batches(0.0)
+    assert (batch.model, batch.requests) == ("ada", [a])
+    assert s.next_wakeup() == 0.010
+    (batch,) = s.due_batches(0.010)
+    assert (batch.model, batch.requests) == ("win", [w])
+
+
+def test_unknown_model_is_never_served_and_never_becomes_known() -> None:
+    s = Scheduler(models=["m"])
+    s.add_worker(b"w0", "m", 1)
+    for t in (0.0, 1.0):
+        with pytest.raises(UnknownModel) as info:
+            s.enqueue("nope", rq(t, deadline=t + 0.1))
+        assert info.value.args == ("nope",)
+    assert not s.knows_model("nope")
+    assert "nope" not in s.models
+    assert s.next_wakeup() is None
+    assert turn(s, 5.0) == ([], [])
+    assert s.cancel(lambda r: True) == []
+
+
+def test_configured_model_without_workers_queues_and_expires_by_deadline() -> None:
+    s = Scheduler(per_model={"m": BatchSettings(max_batch_size=2, max_wait_ms=1.0)})
+    keep, soon, later = put(s, "m", rq(0.0), rq(0.0, deadline=0.5), rq(0.0, deadline=0.8))
+    assert s.next_wakeup() == 0.5  # a deadline, not the window: nobody could take a batch
+    assert turn(s, 0.5) == ([("m", soon)], [])
+    assert s.next_wakeup() == 0.8
+    assert turn(s, 0.9) == ([("m", later)], [])
+    assert s.next_wakeup() is None
+    assert s.queued("m") == 1
+    s.add_worker(b"w0", "m", 1)
+    (batch,) = s.due_batches(1.0)
+    assert batch.requests == [keep]
+
+
+# --- 5. allowed batch sizes -------------------------------------------------------------------------
+
+
+def test_seven_queued_with_sizes_1_2_4_8_go_as_4_then_2_then_1() -> None:
+    s = make(size=8, wait_ms=10.0, workers=3, batch_sizes=(1, 2, 4, 8))
+    reqs = put(s, "m", *[rq(0.0) for _ in range(7)])
+    assert s.due_batches(0.009) == []  # 7 < 8: the window decides
+    batches = s.due_batches(0.010)
+    assert [len(b.requests) for b in batches] == [4, 2, 1]
+    assert [r for b in batches for r in b.requests] == reqs
+
+
+def test_allowed_sizes_with_one_worker_drain_in_allowed_sizes() -> None:
+    s = make(size=8, wait_ms=10.0, batch_sizes=(1, 2, 4, 8))
+    put(s, "m", *[rq(0.0) for _ in range(7)])
+    sizes = []
+    now = 0.010
+    while s.queued("m"):
+        (batch,) = s.due_batches(now)
+        sizes.append(len(batch.requests))
+        s.complete(b"w0", batch.batch_id)
+        now += 0.001
+    assert sizes == [4, 2, 1]
+
+
+def test_a_full_queue_with_allowed_sizes_goes_at_once_in_the_largest() -> None:
+    s = make(size=8, wait_ms=10.0, workers=2, batch_sizes=(1, 2, 4, 8))
+    put(s, "m", *[rq(0.0) for _ in range(11)])
+    batches = s.due_batches(0.0)
+    assert [len(b.requests) for b in batches] == [8]  # 3 left wait for their window
+    assert [len(b.requests) for b in s.due_batches(0.010)] == [2]
+
+
+def test_largest_allowed_size_may_be_below_max_batch_size() -> None:
+    s = make(size=5, wait_ms=10.0, workers=3, batch_sizes=(1, 3))
+    put(s, "m", *[rq(0.0) for _ in range(5)])
+    assert [len(b.requests) for b in s.due_batches(0.0)] == [3]  # full at 5, cut to 3
+    assert [len(b.requests) for b in s.due_batches(0.010)] == [1, 1]
+
+
+@pytest.mark.parametrize("sizes", [(2, 4), (1, 4, 2), (1, 2, 2, 4), (), (0, 1), (4, 2, 1), (1, 1)], ids=repr)
+def test_batch_sizes_must_be_increasing_without_repeats_and_start_at_1(sizes: tuple[int, ...]) -> None:
+    message = (
+        "batch_sizes must be increasing, without repeats, and start at 1 "
+        f"(so a lone request can be served), got {list(sizes)}"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        BatchSettings(max_batch_size=8, batch_sizes=sizes)
+
+
+@pytest.mark.parametrize(("max_size", "sizes"), [(8, (1, 2, 16)), (4, (1, 2, 4, 8)), (1, (1, 2))])
+def test_batch_sizes_must_not_exceed_max_batch_size(max_size: int, sizes: tuple[int, ...]) -> None:
+    message = f"batch_sizes must not exceed max_batch_size {max_size}, got {list(sizes)}"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        BatchSettings(max_batch_size=max_size, batch_sizes=sizes)
+
+
+@pytest.mark.parametrize(("max_size", "sizes"), [(8, (1, 2, 4, 8)), (1, (1,)), (8, (1, 3))])
+def test_batch_sizes_accepted(max_size: int, sizes: tuple[int, ...]) -> None:
+    s = BatchSettings(max_batch_size=max_size, batch_sizes=sizes)
+    assert [s.cut_size(q) for q in range(0, 10)] == [
+        0,
+        *(max(x for x in sizes if x <= min(q, max_size)) for q in range(1, 10)),
+    ]
+
+
+# --- 6. cancellation ------------------------------------------------------------------------------
+
+
+def test_cancel_removes_only_matching_queued_requests_and_names_their_model() -> None:
+    s = Scheduler(models=["a", "b"], default=BatchSettings(max_batch_size=8, max_wait_ms=10.0))
+    ra = put(s, "a", rq(0.0, rid=1), rq(0.0, rid=2), rq(0.0, rid=3))
+    rb = put(s, "b", rq(0.0, rid=2), rq(0.0, rid=4))
+    out = s.cancel(lambda r: r.id == 2)
+    assert Counter((m, r.id) for m, r in out) == Counter({("a", 2): 1, ("b", 2): 1})
+    assert {id(r) for _, r in out} == {id(ra[1]), id(rb[0])}
+    assert (s.queued("a"), s.queued("b")) == (2, 1)
+    assert s.cancel(lambda r: r.id == 2) == []  # already gone
+    assert s.cancel(lambda r: False) == []
+    s.add_worker(b"wa", "a", 1)
+    s.add_worker(b"wb", "b", 1)
+    batches = {b.model: b for b in s.due_batches(0.010)}
+    assert batches["a"].requests == [ra[0], ra[2]]
+    assert batches["b"].requests == [rb[1]]
+
+
+def test_cancel_does_not_touch_a_request_already_in_a_batch() -> None:
+    s = make(size=2, wait_ms=10.0)
+    sent = put(s, "m", rq(0.0, rid="x"), rq(0.0, rid="y"))
+    (batch,) = s.due_batches(0.0)
+    (queued,) = put(s, "m", rq(0.0, rid="x"))  # same id, another client, still queued
+    assert s.cancel(lambda r: r.id == "x") == [("m", queued)]
+    assert s.cancel(lambda r: r.id == "y") == []
+    assert list(s.in_flight()) == [batch]
+    assert s.complete(b"w0", batch.batch_id) is batch
+    assert batch.requests == sent
+
+
+def test_cancelled_request_frees_its_deadline_and_window() -> None:
+    s = make(size=8, wait_ms=10.0)
+    (r,) = put(s, "m", rq(0.0, deadline=0.005))
+    assert s.next_wakeup() == 0.005 - DEADLINE_MARGIN_S
+    assert s.cancel(lambda q: q is r) == [("m", r)]
+    assert s.next_wakeup() is None
+    assert turn(s, 1.0) == ([], [])
+
+
+def test_many_cancellations_and_expiries_keep_queue_order_and_count() -> None:
+    """Enough removed requests for the queue to compact its heap of lazy entries."""
+    s = make(size=8, wait_ms=10.0, workers=0)
+    reqs = put(
+        s, "m", *[rq(0.0, priority=i % 3, deadline=1.0 if i % 5 == 0 else None, rid=i) for i in range(300)]
+    )
+    cancelled = s.cancel(lambda r: _rid(r) % 2 == 1)
+    assert len(cancelled) == 150
+    expired = s.expire(1.0)
+    assert sorted(_rid(r) for _, r in expired) == list(range(0, 300, 10))
+    left = [r for r in reqs if _rid(r) % 2 == 0 and _rid(r) % 5 != 0]
+    assert s.queued("m") == len(left) == 120
+    for i in range(4):
+        s.add_worker(f"w{i}".encode(), "m", 1)
+    out = []
+    now = 2.0
+    while s.queued("m"):
+        for b in s.due_batches(now):
+            out += b.requests
+            s.complete(b.worker, b.batch_id)
+    assert out == sorted(left, key=lambda r: (-r.priority, r.seq))
+
+
+# --- 7. adaptive policy -----------------------------------------------------------------------------
+
+#: A batch cost with a large fixed part: one more request costs little, a batch a lot.
+BIG_A, SMALL_B = 0.050, 0.001
+BIG_A_OBSERVATIONS = [(n, BIG_A + SMALL_B * n) for n in (1, 8, 1, 8)]
+
+
+def _waiting_pays(wait_ms: float, workers: int = 2) -> tuple[Scheduler, float, QueuedRequest]:
+    """Adaptive "m" with a learned cost t(n) = 0.050 + 0.001 n, one worker busy with a full
+    batch (until t0 + 0.058), the other(s) idle, and one request just arrived at t0 after a
+    burst of 9 arrivals (rate about 45/s, next arrival expected in 22 ms)."""
+    s = make(size=8, wait_ms=wait_ms, workers=workers, policy="adaptive")
+    t0 = teach(s, BIG_A_OBSERVATIONS, now=0.0)
+    put(s, "m", *[rq(t0) for _ in range(8)])
+    (full,) = s.due_batches(t0)
+    assert len(full.requests) == 8
+    (lone,) = put(s, "m", rq(t0))
+    return s, t0, lone
+
+
+def test_adaptive_without_cost_knowledge_dispatches_a_lone_request_at_once() -> None:
+    s = make(size=8, wait_ms=10.0, policy="adaptive")
+    (r,) = put(s, "m", rq(3.0))
+    (batch,) = s.due_batches(3.0)
+    assert batch.requests == [r]
+    assert batch.dispatched_at == 3.0
+
+
+def test_adaptive_never_waits_with_two_idle_workers() -> None:
+    s, t0, lone = _waiting_pays(wait_ms=50.0, workers=3)  # would pay with a single idle one
+    (batch,) = s.due_batches(t0)
+    assert batch.requests == [lone]
+
+
+def test_adaptive_holds_the_queue_when_waiting_pays() -> None:
+    s, t0, lone = _waiting_pays(wait_ms=50.0)
+    assert s.due_batches(t0) == []
+    wake = s.next_wakeup()
+    assert wake is not None
+    assert math.isfinite(wake)
+    assert t0 < wake <= lone.arrived_at + 0.050
+    assert wake == pytest.approx(t0 + RATE_TAU_S / 9, rel=1e-3)  # 1 / (9 / tau)
+    # nothing arrived by then: the rate estimate dropped and the request goes
+    (batch,) = s.due_batches(wake)
+    assert batch.requests == [lone]
+
+
+def test_adaptive_never_waits_past_max_wait_while_a_worker_is_idle() -> None:
+    s, t0, lone = _waiting_pays(wait_ms=10.0)  # expected gap 22 ms > the 10 ms window
+    assert s.due_batches(t0) == []
+    assert s.next_wakeup() == lone.arrived_at + 0.010
+    assert s.due_batches(t0 + 0.005) == []
+    (batch,) = s.due_batches(lone.arrived_at + 0.010)
+    assert batch.requests == [lone]
+
+
+def test_adaptive_saturated_queue_goes_in_full_batches() -> None:
+    s = make(size=8, wait_ms=50.0, workers=3, policy="adaptive")
+    t0 = teach(s, BIG_A_OBSERVATIONS, now=0.0)
+    put(s, "m", *[rq(t0) for _ in range(20)])
+    batches = s.due_batches(t0)
+    assert [len(b.requests) for b in batches[:2]] == [8, 8]
+    assert sum(len(b.requests) for b in batches) + s.queued("m") == 20
+
+
+def test_adaptive_saturated_single_worker_gets_a_full_batch_even_when_waiting_would_pay() -> None:
+    s, t0, _ = _waiting_pays(wait_ms=50.0)
+    put(s, "m", *[rq(t0) for _ in range(9)])  # 10 queued >= 8
+    (batch,) = s.due_batches(t0)
+    assert len(batch.requests) == 8
+
+
+def test_adaptive_busy_worker_with_a_free_slot_gets_full_batches_only() -> None:
+    s = make(size=4, wait_ms=10.0, workers=1, slots=2, policy="adaptive")
+    put(s, "m", rq(0.0))
+    (first,) = s.due_batches(0.0)  # idle: at once
+    (lone,) = put(s, "m", rq(0.001))
+    assert s.due_batches(0.001) == []  # w0 is busy; its free slot takes no partial batch
+    assert s.next_wakeup() == 0.001 + 0.010
+    more = put(s, "m", rq(0.002), rq(0.002), rq(0.002))
+    (prefetched,) = s.due_batches(0.002)
+    assert prefetched.worker == b"w0"
+    assert prefetched.requests == [lone, *more]
+    assert first.worker == b"w0"
+
+
+def test_adaptive_prefers_an_idle_worker_over_a_free_prefetch_slot() -> None:
+    s = make(size=4, wait_ms=10.0, workers=2, slots=2, policy="adaptive")
+    put(s, "m", rq(0.0))
+    (first,) = s.due_batches(0.0)
+    reqs = put(s, "m", *[rq(0.0) for _ in range(4)])
+    (second,) = s.due_batches(0.0)
+    assert second.requests == reqs
+    assert second.worker != first.worker
+    (lone,) = put(s, "m", rq(0.001))
+    assert s.due_batches(0.001) == []  # both busy: no partial batch for a prefetch slot
+    (batch,) = s.due_batches(0.011)
+    assert batch.requests == [lone]
+
+
+def test_adaptive_partial_batch_goes_to_a_prefetch_slot_at_the_window() -> None:
+    s = make(size=4, wait_ms=10.0, workers=1, slots=2, policy="adaptive")
+    put(s, "m", rq(0.0))
+    assert len(s.due_batches(0.0)) == 1
+    (lone,) = put(s, "m", rq(0.001))
+    (batch,) = s.due_batches(0.011)
+    assert batch.requests == [lone]
+    assert len(list(s.in_flight())) == 2
+
+
+# --- 8. cost model and arrival rate ----------------------------------------------------------------
+
+
+def test_cost_model_learns_a_and_b_from_complete() -> None:
+    s = make(size=8, wait_ms=10.0)
+    assert s.cost("m") is None
+    teach(s, [(n, 0.02 + 0.0025 * n) for n in (1, 2, 3, 4, 5, 6, 7, 8)], now=0.0)
+    a, b = s.cost("m") or (math.nan, math.nan)
+    assert a == pytest.approx(0.02, abs=1e-9)
+    assert b == pytest.approx(0.0025, abs=1e-9)
+    assert s.models["m"].cost.predict(10) == pytest.approx(0.045)
+
+
+def test_cost_model_with_one_batch_size_is_the_mean_and_no_slope() -> None:
+    cm = CostModel()
+    for seconds in (0.030, 0.050):
+        cm.observe(4, seconds)
+    d = CostModel.DECAY
+    mean = (0.030 * d + 0.050) / (d + 1.0)  # recent batches count most
+    a, b = cm.coefficients()
+    assert a == pytest.approx(mean)
+    assert b == 0.0
+    assert cm.predict(8) == pytest.approx(mean)
+    same = CostModel()
+    for _ in range(5):
+        same.observe(3, 0.040)
+    a, b = same.coefficients()
+    assert a == pytest.approx(0.040)
+    assert b == 0.0
+
+
+@pytest.mark.parametrize("n", [1, 5, 11])
+def test_cost_model_with_one_batch_size_has_no_slope_despite_rounding(n: int) -> None:
+    """With n = 5 the decayed sums leave a variance of about 4e-15 instead of 0 (rounding);
+    a slope fitted to that noise would be nonsense, so the mean is used."""
+    cm = CostModel()
+    times = (0.010, 0.011, 0.012)
+    for seconds in times:
+        cm.observe(n, seconds)
+    d = CostModel.DECAY
+    mean = (times[0] * d * d + times[1] * d + times[2]) / (d * d + d + 1.0)
+    a, b = cm.coefficients()
+    assert a == pytest.approx(mean)
+    assert b == 0.0
+
+
+def test_cost_model_knows_nothing_before_a_report_and_ignores_missing_or_negative_times() -> None:
+    assert CostModel().coefficients() == (0.0, 0.0)
+    assert not CostModel().known
+    s = make(size=1, wait_ms=10.0)
+    for infer_s in (None, -0.5):
+        put(s, "m", rq(0.0))
+        (batch,) = s.due_batches(0.0)
+        s.complete(b"w0", batch.batch_id, infer_s=infer_s)
+    assert s.cost("m") is None
+
+
+def test_cost_model_follows_a_change_in_cost() -> None:
+    cm = CostModel()
+    for n in (1, 2, 4, 8) * 10:
+        cm.observe(n, 0.01 + 0.001 * n)
+    for n in (1, 2, 4, 8) * 60:
+        cm.observe(n, 0.03 + 0.004 * n)
+    a, b = cm.coefficients()
+    assert a == pytest.approx(0.03, rel=0.05)
+    assert b == pytest.approx(0.004, rel=0.05)
+
+
+def test_arrival_rate_decays_with_time() -> None:
+    rate = ArrivalRate()
+    for _ in range(10):
+        rate.arrive(5.0)
+    assert rate.per_second(5.0) == pytest.approx(10 / RATE_TAU_S)
+    assert rate.per_second(5.0 + RATE_TAU_S) == pytest.approx(10 / RATE_TAU_S / math.e)
+    values = [rate.per_second(5.0 + k * 0.05) for k in range(20)]
+    assert values == sorted(values, reverse=True)
+    assert rate.per_second(5.0 + 10.0) < 1e-18
+    assert rate.per_second(4.0) == pytest.approx(10 / RATE_TAU_S)  # never grows backwards
+    rate.arrive(5.0 + RATE_TAU_S)
+    assert rate.per_second(5.0 + RATE_TAU_S) == pytest.approx((10 / math.e + 1) / RATE_TAU_S)
+
+
+# --- requeue keeps the window of requests older than the requeued ones ------------------------
+
+
+def _older_left_behind_by_allowed_sizes() -> tuple[Scheduler, QueuedRequest]:
+    """The window cut 2 of 3 (allowed sizes), the older low-priority one stayed."""
+    s = make(size=8, wait_ms=10.0, batch_sizes=(1, 2, 4, 8))
+    (old,) = put(s, "m", rq(0.000, priority=0))
+    put(s, "m", rq(0.001, priority=1), rq(0.001, priority=1))
+    (batch,) = s.due_batches(0.010)  # old's window: 3 queued, cut to 2 (the high ones)
+    assert old not in batch.requests
+    s.requeue("m", s.remove_worker(b"w0")[0].requests)
+    return s, old
+
+
+def _older_left_behind_by_cancel() -> tuple[Scheduler, QueuedRequest]:
+    """A full batch of newer high-priority requests was requeued, then mostly cancelled."""
+    s = make(size=4, wait_ms=10.0)
+    (old,) = put(s, "m", rq(0.000, priority=0))
+    high = put(s, "m", *[rq(0.001, priority=1) for _ in range(4)])
+    (batch,) = s.due_batches(0.001)  # full: the four high ones
+    assert batch.requests == high
+    s.requeue("m", s.remove_worker(b"w0")[0].requests)
+    s.cancel(lambda r: r in high[1:])  # their clients gave up
+    return s, old
+
+
+def _older_left_behind_by_retry_limit() -> tuple[Scheduler, QueuedRequest]:
+    """As the broker does when a worker fails: only the requests below `max_retries`
+    are requeued, the others are answered with worker_failed."""
+    s = make(size=4, wait_ms=10.0)
+    (old,) = put(s, "m", rq(0.000, priority=0))
+    high = put(s, "m", *[rq(0.001, priority=1) for _ in range(4)])
+    (batch,) = s.due_batches(0.001)
+    assert batch.requests == high
+    s.requeue("m", s.remove_worker(b"w0")[0].requests[:1])
+    return s, old
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [_older_left_behind_by_allowed_sizes, _older_left_behind_by_cancel, _older_left_behind_by_retry_limit],
+)
+def test_requeue_does_not_hide_an_older_request_from_its_window(
+    setup: Callable[[], tuple[Scheduler, QueuedRequest]],
+) -> None:
+    """The window runs from the oldest queued request, requeued or not."""
+    s, old = setup()
+    s.add_worker(b"w1", "m", 1)
+    now = 0.0105  # old has waited 10.5 ms, the requeued ones 9.5 ms
+    wake = s.next_wakeup()
+    assert wake is not None
+    assert wake <= old.arrived_at + 0.010
+    assert s.due_batches(now), "an idle worker and a request past its window, yet no batch"
+
+
+# --- 9. properties over random event sequences ------------------------------------------------------
+
+PREFETCH = 2
+#: As the broker's max_retries: a request lost with this many failed attempts is not requeued.
+MAX_RETRIES = 2
+#: The second model, always "window" without batch sizes, with a small queue limit.
+MODEL_N = BatchSettings(max_batch_size=3, max_wait_ms=2.0, max_queue=4)
+#: How a completing worker reports its time: not at all, a small cost, a large fixed part.
+INFER = {"none": None, "small": (0.0005, 0.0002), "big": (0.100, 0.002)}
+
+Op = tuple[object, ...]
+# arrive: model ("x" is not configured), priority, deadline in ms from now, how many
+_arrive = st.tuples(
+    st.just("arrive"),
+    st.sampled_from(["m", "m", "m", "n", "n", "x"]),
+    st.integers(0, 2),
+    st.none() | st.integers(0, 30),
+    st.integers(1, 4),
+)
+_complete = st.tuples(st.just("complete"), st.integers(0, 1000), st.sampled_from(sorted(INFER)))
+_advance = st.tuples(st.just("advance"), st.integers(0, 20))  # ms
+_wakeup = st.tuples(st.just("wakeup"))
+ops = st.lists(
+    st.one_of(
+        _arrive,
+        _arrive,
+        _arrive,
+        _complete,
+        _complete,
+        _advance,
+        _wakeup,
+        _wakeup,
+        st.tuples(st.just("cancel"), st.integers(0, 1000)),  # one request by id
+        st.tuples(st.just("cancel_where"), st.integers(0, 2)),  # every other one of a priority
+        st.tuples(st.just("add"), st.sampled_from(["m", "n"]), st.none() | st.integers(1, 3)),
+        st.tuples(st.just("remove"), st.integers(0, 1000)),
+        st.tuples(st.just("reannounce"), st.integers(0, 1000)),
+    ),
+    min_size=10,
+    max_size=60,
+)
+#: How a run starts: "bare" without workers; else a worker per model, and for "small" and
+#: "big" a batch cost already learned (through ordinary batches and replies).
+starts = st.sampled_from(["bare", "cold", "small", "big"])
+
+
+def start_ops(start: str) -> list[Op]:
+    """The events that bring a fresh run to `start`."""
+    if start == "bare":
+        return []
+    setup: list[Op] = [("add", "m", None), ("add", "n", None)]
+    if start != "cold":
+        for n in (1, 4):
+            setup += [("arrive", "m", 0, None, n), ("wakeup",), ("wakeup",), ("complete", 0, start)]
+        setup += [("advance", 20)]
+    return setup
+
+
+class Run:
+    """Drives a Scheduler like the broker does (expire, then due_batches, after every event)
+    and checks every rule it can see against its own record of each request."""
+
+    def __init__(self, policy: str, sizes: tuple[int, ...] | None, requeue: bool, window: bool) -> None:
+        m = BatchSettings(8 if sizes else 4, 5.0, batch_sizes=sizes, max_queue=10, policy=policy)
+        self.settings = {"m": m, "n": MODEL_N}
+        self.s = Scheduler(per_model=dict(self.settings), worker_prefetch=PREFETCH)
+        self.requeue = requeue  # a lost batch goes back to its queue (else: answered as failed)
+        self.check_window = window
+        self.now = 1000.0
+        self.reqs: list[QueuedRequest] = []  # by id: the id is the arrival order
+        self.model_of: dict[int, str] = {}
+        self.queued: dict[str, set[int]] = {"m": set(), "n": set()}
+        self.flight: dict[int, Batch] = {}
+        self.answers: dict[int, str] = {}
+        self.workers: list[bytes] = []
+        self.next_worker = 0
+
+    # --- bookkeeping
+
+    def answer(self, rid: int, how: str) -> None:
+        assert rid not in self.answers, f"request {rid} answered twice: {self.answers[rid]}, {how}"
+        self.answers[rid] = how
+
+    def key(self, rid: int) -> tuple[float, float, int]:
+        """Rule 2: priority (higher first), then earliest deadline, then arrival."""
+        r = self.reqs[rid]
+        return (-r.priority, math.inf if r.deadline_at is None else r.deadline_at, rid)
+
+    def lost(self, batches: list[Batch]) -> None:
+        """Batches of a worker that failed: like the broker, requeue the requests that have
+        retries left (when requeueing at all) and answer the others as failed."""
+        for b in batches:
+            assert self.flight.pop(b.batch_id) is b
+            retry = [r for r in b.requests if self.requeue and r.attempts < MAX_RETRIES]
+            if retry:
+                before = [r.attempts for r in retry]
+                self.s.requeue(b.model, retry)
+                assert [r.attempts for r in retry] == [a + 1 for a in before]
+                self.queued[b.model].update(_rid(r) for r in retry)
+            for r in b.requests:
+                if r not in retry:
+                    self.answer(_rid(r), "worker failed")
+
+    def add_worker(self, model: str, slots: int | None) -> None:
+        wid = f"w{self.next_worker}".encode()
+        self.next_worker += 1
+        assert self.s.add_worker(wid, model, slots) == []
+        self.workers.append(wid)
+
+    def cancelled(self, out: list[tuple[str, QueuedRequest]], expected: set[tuple[str, int]]) -> None:
+        assert {(m, _rid(r)) for m, r in out} == expected
+        assert len(out) == len(expected)
+        for m, r in out:
+            assert r is self.reqs[_rid(r)]
+            self.queued[m].remove(_rid(r))
+            self.answer(_rid(r), "cancelled")
+
+    # --- events
+
+    def arrive(self, model: str, priority: int, deadline_ms: int | None, count: int) -> None:
+        for _ in range(count):
+            rid = len(self.reqs)
+            deadline = None if deadline_ms is None else self.now + deadline_ms / 1000.0
+            r = QueuedRequest([b"c"], b"", rid, self.now, priority, deadline)
+            self.reqs.append(r)
+            self.model_of[rid] = model
+            if model not in self.settings:
+                with pytest.raises(UnknownModel):
+                    self.s.enqueue(model, r)
+                self.answer(rid, "unknown model")
+            elif len(self.queued[model]) >= self.settings[model].max_queue:
+                with pytest.raises(Overloaded):
+                    self.s.enqueue(model, r)
+                self.answer(rid, "overloaded")
+            else:
+                self.s.enqueue(model, r)
+                self.queued[model].add(rid)
+
+    def apply(self, op: Op) -> None:
+        s = self.s
+        match op:
+            case ("arrive", str(model), int(priority), deadline_ms, int(count)):
+                assert deadline_ms is None or isinstance(deadline_ms, int)
+                self.arrive(model, priority, deadline_ms, count)
+            case ("cancel", int(i)) if self.reqs:
+                target = i % len(self.reqs)
+                model = self.model_of[target]
+                queued = target in self.queued.get(model, set())
+                self.cancelled(s.cancel(lambda r: r.id == target), {(model, target)} if queued else set())
+            case ("cancel_where", int(p)):
+                out = s.cancel(lambda r: r.priority == p and _rid(r) % 2 == 0)
+                expected = {
+                    (m, rid)
+                    for m, q in self.queued.items()
+                    for rid in q
+                    if self.reqs[rid].priority == p and rid % 2 == 0
+                }
+                self.cancelled(out, expected)
+            case ("add", str(model), slots):
+                assert slots is None or isinstance(slots, int)
+                self.add_worker(model, slots)
+            case ("remove" | "reannounce", int(i)) if self.workers:
+                wid = self.workers[i % len(self.workers)]
+                mine = {bid for bid, b in self.flight.items() if b.worker == wid}
+                if op[0] == "remove":
+                    lost = s.remove_worker(wid)
+                    self.workers.remove(wid)
+                else:  # a second READY: a fresh worker under the same id
+                    lost = s.add_worker(wid, s.workers[wid].model, None)
+                assert {b.batch_id for b in lost} == mine
+                self.lost(lost)
+            case ("complete", int(i), str(cost)) if self.flight:
+                bid = sorted(self.flight)[i % len(self.flight)]
+                batch = self.flight.pop(bid)
+                ab = INFER[cost]
+                infer_s = None if ab is None else ab[0] + ab[1] * len(batch.requests)
+                assert s.complete(batch.worker, bid, infer_s) is batch
+                for r in batch.requests:
+                    self.answer(_rid(r), "done")
+            case ("advance", int(ms)):
+                self.now += ms / 1000.0
+            case ("wakeup",):
+                wake = s.next_wakeup()
+                if wake is not None and wake > self.now:
+                    self.now = wake
+        self.turn()
+
+    # --- one broker loop turn, and the rules
+
+    def turn(self) -> None:
+        s, now = self.s, self.now
+        for m, r in s.expire(now):
+            assert r.deadline_at is not None and r.deadline_at <= now
+            self.queued[m].remove(_rid(r))
+            self.answer(_rid(r), "expired")
+        pool = {m: set(q) for m, q in self.queued.items()}  # queued at the time of the cut
+        for b in s.due_batches(now):
+            cfg = self.settings[b.model]
+            assert 1 <= len(b.requests) <= cfg.max_batch_size
+            assert cfg.batch_sizes is None or len(b.requests) in cfg.batch_sizes
+            assert s.workers[b.worker].model == b.model
+            assert b.dispatched_at == now
+            taken = [_rid(r) for r in b.requests]
+            assert set(taken) <= pool[b.model], "a batch holds a request that is not queued"
+            assert len(set(taken)) == len(taken)
+            keys = [self.key(rid) for rid in taken]
+            assert keys == sorted(keys), "a batch is not in priority, deadline, arrival order"
+            pool[b.model] -= set(taken)
+            if pool[b.model]:
+                assert max(keys) < min(self.key(rid) for rid in pool[b.model]), "a later one went first"
+            for r in b.requests:
+                assert r.deadline_at is None or r.deadline_at > now, "an expired request was sent"
+            self.queued[b.model] -= set(taken)
+            assert b.batch_id not in self.flight
+            self.flight[b.batch_id] = b
+        self.check_state()
+
+    def check_state(self) -> None:
+        s, now = self.s, self.now
+        assert not s.knows_model("x")
+        assert {b.batch_id for b in s.in_flight()} == set(self.flight)
+        for w in s.workers.values():
+            assert len(w.in_flight) <= w.slots <= PREFETCH
+        deadlines: list[float] = []
+        for m, cfg in self.settings.items():
+            mq = s.models[m]
+            queued = list(mq.queued())
+            assert {_rid(r) for r in queued} == self.queued[m]
+            assert s.queued(m) == len(queued)
+            deadlines += [r.deadline_at for r in queued if r.deadline_at is not None]
+            idle = any(not s.workers[w].in_flight for w in mq.workers)
+            if self.check_window and queued and idle:
+                assert len(queued) < cfg.max_batch_size, "a full batch waits beside an idle worker"
+                for r in queued:
+                    assert not r.arrived_at + cfg.max_wait_s <= now, "waited max_wait beside an idle worker"
+        assert all(d > now for d in deadlines)
+        wake = s.next_wakeup()
+        if deadlines:
+            assert wake is not None and wake <= min(deadlines)
+        assert wake is None or wake > now
+        if self.check_window:
+            for m, cfg in self.settings.items():
+                mq = s.models[m]
+                if self.queued[m] and any(s.workers[w].free_slots for w in mq.workers):
+                    oldest = min(self.reqs[rid].arrived_at for rid in self.queued[m])
+                    assert wake is not None and wake <= oldest + cfg.max_wait_s
+
+    def finish(self) -> None:
+        """Add a worker to each model and let time run until nothing is left; then every
+        request has exactly one answer."""
+        for m in self.settings:
+            self.add_worker(m, None)
+        self.turn()
+        for _ in range(1000):
+            if not self.flight and not any(self.queued.values()):
+                break
+            if self.flight:
+                for _ in range(len(self.flight)):
+                    self.apply(("complete", 0, "none"))  # each reply is a loop turn of its own
+                continue
+            assert self.s.next_wakeup() is not None, "requests queued, none in flight, no wake-up"
+            self.apply(("wakeup",))
+        assert not self.flight and not any(self.queued.values())
+        assert sorted(self.answers) == list(range(len(self.reqs)))  # none lost; twice fails in answer()
+        assert all(self.model_of[rid] in self.settings for rid, how in self.answers.items() if how == "done")
+        if not self.requeue:
+            assert all(r.attempts == 0 for r in self.reqs)
+
+
+@pytest.mark.parametrize("sizes", [None, (1, 2, 4, 8)], ids=["any-size", "sizes-1-2-4-8"])
+@pytest.mark.parametrize("policy", ["window", "adaptive"])
+@settings(max_examples=150, deadline=None)
+@given(start=starts, ops=ops, requeue=st.booleans())
+def test_random_sequences_keep_every_rule(
+    policy: str, sizes: tuple[int, ...] | None, start: str, ops: list[Op], requeue: bool
+) -> None:
+    """Arrivals, cancels, workers joining, leaving and failing, replies and time passing:
+    every request is answered exactly once; batches respect their size limits and the
+    order rule; nothing waits past its window (or a full batch waits) beside an idle
+    worker; nothing expired is sent. A lost batch is requeued or answered as failed."""
+    run = Run(policy, sizes, requeue=requeue, window=True)
+    for op in start_ops(start) + ops:
+        run.apply(op)
+    run.finish()
+
+
+#: Short sequences that once showed a requeue bug (an older request hidden from its window).
+_REQUEUE_BUG_WINDOW: list[Op] = [
+    ("add", "m", 1),
+    ("arrive", "m", 0, None, 1),  # old
+    ("advance", 1),
+    ("arrive", "m", 1, None, 2),  # two high
+    ("wakeup",),  # old's window: 3 queued, a batch of 2 (the high ones)
+    ("remove", 0),  # lost and requeued: old now hides behind them
+    ("add", "m", 1),  # idle, and old has waited its window: nothing is cut
+]
+_REQUEUE_BUG_ADAPTIVE: list[Op] = [
+    ("add", "m", 2),
+    ("arrive", "m", 0, None, 1),  # adaptive: straight to w0, which keeps a free slot
+    ("arrive", "m", 0, None, 1),  # old: waits, a prefetch slot takes only a full or due batch
+    ("advance", 1),
+    ("arrive", "m", 1, None, 2),  # two high
+    ("add", "m", 1),  # w1 is idle: adaptive hands it a batch of 2 (the high ones)
+    ("remove", 1),  # lost and requeued: next_wakeup runs from their arrival, not old's
+]
+
+
+@pytest.mark.parametrize("policy", ["window", "adaptive"])
+@settings(max_examples=150, deadline=None)
+@example(start="bare", ops=_REQUEUE_BUG_WINDOW)
+@example(start="bare", ops=_REQUEUE_BUG_ADAPTIVE)
+@given(start=starts, ops=ops)
+def test_random_sequences_with_requeue_keep_the_window_rule(policy: str, start: str, ops: list[Op]) -> None:
+    """As above with every lost batch requeued, window checks included."""
+    run = Run(policy, (1, 2, 4, 8), requeue=True, window=True)
+    for op in start_ops(start) + ops:
+        run.apply(op)
+    run.finish()
