@@ -60,8 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--policies",
         default=DEFAULT_POLICY,
-        help="comma-separated scheduling policies; 'default' = no --policy flag; 'all' = every choice "
-        "`batcher serve --help` lists",
+        help="comma-separated scheduling policies, each NAME or NAME@MAX_WAIT_MS; 'default' = no "
+        "--policy flag; 'all' = every choice `batcher serve --help` lists",
     )
     p.add_argument("--processes", type=int, default=1, help="load generator processes")
     p.add_argument("--no-plot", action="store_true", help="do not draw results/latency.png")
@@ -84,7 +84,8 @@ def resolve_policies(requested: str) -> tuple[list[str], list[str], list[str], d
     names = list(dict.fromkeys(names))  # no duplicates, order kept
     run, skipped, notes = [], [], []
     for name in names:
-        if name == DEFAULT_POLICY or (supported and (not choices or name in choices)):
+        base = name.partition("@")[0]  # NAME@WAIT_MS runs NAME with --max-wait-ms WAIT_MS
+        if base == DEFAULT_POLICY or (supported and (not choices or base in choices)):
             run.append(name)
         elif not supported:
             skipped.append(name)
@@ -99,9 +100,11 @@ def resolve_policies(requested: str) -> tuple[list[str], list[str], list[str], d
 
 
 def measure_policy(args: argparse.Namespace, policy: str, capacity: float) -> dict[str, Any]:
-    extra = [] if policy == DEFAULT_POLICY else ["--policy", policy]
+    base, _, wait = policy.partition("@")
+    extra = [] if base == DEFAULT_POLICY else ["--policy", base]
+    max_wait_ms = float(wait) if wait else args.max_wait_ms
     srv = serve_args(
-        workers=args.workers, max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, extra=extra
+        workers=args.workers, max_batch_size=args.max_batch_size, max_wait_ms=max_wait_ms, extra=extra
     )
     levels = []
     with running_serve(srv, args.workers) as serve:
@@ -132,7 +135,9 @@ def measure_policy(args: argparse.Namespace, policy: str, capacity: float) -> di
         ]
     lone = median_summary(lone_runs)
     print(f"{policy}: lone client: p50 {lone['p50_ms']:.2f} ms, p99 {lone['p99_ms']:.2f} ms", flush=True)
-    return {"policy": policy, "levels": levels, "lone": lone, "lone_runs": lone_runs}
+    return {
+        "policy": policy, "max_wait_ms": max_wait_ms, "levels": levels, "lone": lone, "lone_runs": lone_runs,
+    }  # fmt: skip
 
 
 def plot(results: list[dict[str, Any]], capacity: float) -> str | None:
@@ -179,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
             m = lv["median"]
             rows.append(
                 [
-                    res["label"], f"{args.max_wait_ms:g}", f"{lv['level']:.0%}", lv["rate"],
+                    res["label"], f"{res['max_wait_ms']:g}", f"{lv['level']:.0%}", lv["rate"],
                     m["throughput_rps"], m["p50_ms"], m["p99_ms"], m["mean_batch_size"],
                     m["errors"] + m["lost"], client_note(m) or "kept up",
                 ]
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         [
             [
                 r["label"],
-                f"{args.max_wait_ms:g}",
+                f"{r['max_wait_ms']:g}",
                 r["lone"]["p50_ms"],
                 r["lone"]["p99_ms"],
                 t1,
@@ -206,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     png = None if args.no_plot else plot(results, capacity)
     body = (
         f"sim model, {args.workers} workers, max batch {args.max_batch_size}, "
-        f"max-wait-ms {args.max_wait_ms:g}: "
+        f"max-wait-ms as in each row (default {args.max_wait_ms:g}): "
         f"capacity {args.workers} * {args.max_batch_size} / t({args.max_batch_size}) = {capacity:.0f} req/s. "
         f"Open loop (Poisson arrivals, latency from each request's due time) from {args.processes} load "
         f"process(es); median of {args.runs} run(s) of {args.duration:g} s after {args.warmup:g} s warm-up "
