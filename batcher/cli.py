@@ -67,6 +67,10 @@ def _load_config(ctx: click.Context, param: click.Parameter, path: str | None) -
         config = load_config(path)
     except ConfigError as exc:
         raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+    known = {p.name for command in main.commands.values() for p in command.params if p.name is not None}
+    unknown = sorted(set(config.options) - known)
+    if unknown:
+        raise click.BadParameter(f"{path}: unknown settings {unknown}", ctx=ctx, param=param)
     ctx.default_map = {**(ctx.default_map or {}), **config.options}
     return path
 

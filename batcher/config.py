@@ -63,6 +63,9 @@ def load_config(path: str) -> Config:
                 f"{path}: [models.{name}] has unknown keys {unknown}; allowed: {', '.join(MODEL_KEYS)}"
             )
     options = {k.replace("-", "_"): v for k, v in data.items()}
+    if "model" in options:  # the --model option's parameter is named `models` (repeatable)
+        value = options.pop("model")
+        options["models"] = [value] if isinstance(value, str) else list(value)
     if "batch_sizes" in options and isinstance(options["batch_sizes"], list):
         options["batch_sizes"] = ",".join(str(v) for v in options["batch_sizes"])
     return Config(path, options, models)

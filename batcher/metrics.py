@@ -57,10 +57,11 @@ class PrometheusMetrics(NoMetrics):
     prometheus_client's server thread; gauges are read from the broker at scrape time."""
 
     def __init__(self, gauges: Callable[[], dict[str, dict[str, float]]]) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
         from prometheus_client.core import GaugeMetricFamily
 
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # the broker's own CPU and memory
         self.requests = Counter(
             "batcher_requests",
             "Requests answered, by model and outcome (ok or error code)",

@@ -1,0 +1,203 @@
+"""batcher.aio.AsyncClient: many coroutines over one DEALER, typed errors, timeouts.
+
+Against a real `batcher serve` for concurrency and errors, and against a scripted
+ROUTER (tests/fake_broker.py) for what a real broker does only by accident: silence,
+late replies, replies out of order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+from urllib.parse import urlparse
+
+import psutil
+import pytest
+import zmq.asyncio
+
+from batcher import AsyncClient
+from batcher.aio import ClientClosed
+from batcher.client import BadRequest, BatcherError, ClientTimeout, ModelError, UnknownModel
+from batcher.launcher import free_tcp_address
+from tests.fake_broker import Answer, FakeBroker, fake_brokers
+
+FAST_SIM = ("--sim-base-ms", "5", "--sim-per-item-ms", "0.5")
+FLAKY = "flaky=tests.fixture_models:flaky"
+
+
+@pytest.fixture
+def fake_broker() -> Iterator[Callable[[Answer], FakeBroker]]:
+    with fake_brokers() as make:
+        yield make
+
+
+@pytest.fixture
+def actx() -> Iterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def connections_to(address: str) -> int:
+    """TCP connections of this process to `address`'s port."""
+    port = urlparse(address).port
+    return sum(1 for c in psutil.Process().net_connections(kind="tcp") if c.raddr and c.raddr.port == port)
+
+
+# --- against a real broker ----------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_64_concurrent_requests_share_one_socket_and_batch(serve, actx):
+    sp = serve("--workers", "1", "--model", "sim", *FAST_SIM, "--max-wait-ms", "20", "--max-batch-size", "8",
+               workers=1)  # fmt: skip
+
+    async def main() -> tuple[list[dict[str, Any]], int, dict[str, Any]]:
+        async with AsyncClient(sp.frontend, timeout_s=10, context=actx) as client:
+            replies = await asyncio.gather(*(client.request_reply({"n": i}) for i in range(64)))
+            sockets = connections_to(sp.frontend)
+            return replies, sockets, await client.control("stats")
+
+    replies, sockets, stats = asyncio.run(main())
+    assert sockets == 1, f"{sockets} connections to the broker; one socket should carry them all"
+    for i, reply in enumerate(replies):
+        assert reply["ok"] and reply["output"]["echo"] == {"n": i}, reply
+    sizes = [r["batch_size"] for r in replies]
+    assert 1 < max(sizes) <= 8, sizes
+    sim = stats["models"]["sim"]
+    assert sim["requests"] == 64 and sim["batches"] < 64, sim
+
+
+@pytest.mark.integration
+def test_typed_errors_and_request_many(serve, actx):
+    sp = serve("--workers", "1", "--model", "sim", "--model", FLAKY, *FAST_SIM, workers=2)
+
+    async def main() -> None:
+        async with AsyncClient(sp.frontend, timeout_s=10, context=actx) as client:
+            with pytest.raises(UnknownModel) as unknown:
+                await client.request("x", model="nope")
+            assert unknown.value.code == "unknown_model" and "nope" in unknown.value.message
+
+            with pytest.raises(ModelError) as failed:
+                await client.request("boom", model="flaky")
+            assert isinstance(failed.value, BatcherError) and "boom" in failed.value.message
+
+            with pytest.raises(BadRequest):
+                await client.control("no-such-op")
+
+            assert await client.request_many(["a", "b", "c"], model="flaky") == ["a", "b", "c"]
+            mixed = await client.request_many(["ok", "x"], model="nope", return_exceptions=True)
+            assert all(isinstance(e, UnknownModel) for e in mixed), mixed
+            with pytest.raises(UnknownModel):
+                await client.request_many([1, 2], model="nope")
+            # Errors and successes at once, over the one socket, each to its own caller.
+            results = await asyncio.gather(
+                client.request("a", model="flaky"),
+                client.request(1, model="nope"),
+                client.request({"k": 1}),
+                return_exceptions=True,
+            )
+            assert results[0] == "a", results
+            assert isinstance(results[1], UnknownModel), results
+            assert isinstance(results[2], dict) and results[2]["echo"] == {"k": 1}, results
+
+    asyncio.run(main())
+
+
+# --- against a scripted broker ------------------------------------------------------------------
+
+
+def test_timeout_of_one_request_leaves_the_others_answered(fake_broker, actx):
+    # Odd ids are never answered; even ones are, in reverse order of arrival.
+    def answer(body: dict[str, Any]) -> dict[str, Any] | None:
+        return None if body["id"] % 2 else {"id": body["id"], "ok": True, "output": body["input"] * 10}
+
+    fb = fake_broker(answer)
+
+    async def main() -> list[Any]:
+        async with AsyncClient(fb.address, timeout_s=0.3, context=actx) as client:
+            return await client.request_many(range(1, 9), return_exceptions=True)
+
+    started = time.monotonic()
+    results = asyncio.run(main())
+    elapsed = time.monotonic() - started
+    for i, r in zip(range(1, 9), results, strict=True):
+        if i % 2:
+            assert isinstance(r, ClientTimeout) and r.code == "timeout", (i, r)
+        else:
+            assert r == i * 10, (i, r)
+    assert elapsed < 2.0, f"timeouts ran one after another: {elapsed:.2f}s"
+
+
+def test_per_request_timeout_retries_and_late_reply_is_dropped(fake_broker, actx):
+    fb = fake_broker(lambda body: None)  # silent
+
+    async def main() -> tuple[float, AsyncClient]:
+        client = AsyncClient(fb.address, timeout_s=0.2, retries=1, context=actx)
+        try:
+            started = time.monotonic()
+            with pytest.raises(ClientTimeout) as timed_out:
+                await client.request("x")
+            elapsed = time.monotonic() - started
+            assert "2 attempt(s)" in timed_out.value.message
+            # The same body (same id) was sent twice; a reply coming now is a late one.
+            fb.wait_received(lambda got: len(got) == 2)
+            assert got_ids(fb) == [1, 1]
+            fb.reply_later({"id": 1, "ok": True, "output": "late"})
+            deadline = time.monotonic() + 5
+            while client.duplicates_dropped == 0:
+                assert time.monotonic() < deadline, "the late reply never arrived"
+                await asyncio.sleep(0.01)  # lets the reader task run while polling a condition
+            fb.answer = lambda body: {"id": body["id"], "ok": True, "output": body["input"]}
+            assert await client.request("y") == "y"  # the late reply was not taken for this one
+            return elapsed, client
+        finally:
+            await client.close()
+
+    elapsed, client = asyncio.run(main())
+    assert 0.35 < elapsed < 1.5, elapsed
+    assert client.duplicates_dropped == 1, "the late reply was not recognised as one"
+
+
+def got_ids(fb: FakeBroker) -> list[Any]:
+    return [b["id"] for b in fb.received]
+
+
+def test_timeout_against_an_address_nobody_listens_on(actx):
+    async def main() -> None:
+        async with AsyncClient(free_tcp_address(), timeout_s=0.2, context=actx) as client:
+            with pytest.raises(ClientTimeout):
+                await client.request(1, timeout_ms=50)  # the client waits 0.2 s, not 1.05
+            with pytest.raises(ClientTimeout):
+                await client.control("stats")
+
+    started = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - started < 1.5
+
+
+def test_cancelling_a_request_tells_the_broker_and_close_fails_waiters(fake_broker, actx):
+    fb = fake_broker(lambda body: None)
+
+    async def main() -> None:
+        client = AsyncClient(fb.address, timeout_s=None, context=actx)
+        task = asyncio.ensure_future(client.request("first"))
+        waiter = asyncio.ensure_future(client.request("second"))
+        while len(fb.received) < 2:  # both sent
+            await asyncio.sleep(0.01)  # yields to the client's tasks while polling a condition
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        fb.wait_received(lambda got: any(b.get("op") == "cancel" for b in got))
+        await client.close()
+        with pytest.raises(ClientClosed):
+            await waiter
+        with pytest.raises(ClientClosed):
+            await client.request("after close")
+
+    asyncio.run(main())
+    cancel = next(b for b in fb.received if b.get("op") == "cancel")
+    first = next(b for b in fb.received if b.get("input") == "first")
+    assert cancel["id"] == first["id"]
