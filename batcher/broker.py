@@ -129,6 +129,7 @@ class Broker:
         self.workers_lost = 0
         self.batches_retried = 0
         self._heard_from: dict[bytes, float] = {}  # worker -> when it last said anything
+        self._worker_names: dict[bytes, str] = {}  # worker -> "model/gpuN/pid P/id HEX", for logs
         self._timers: list[tuple[float, int, Callable[[float], None]]] = []
         self._timer_seq = itertools.count()
         self.frontend = self._router(settings.max_message_bytes)
@@ -392,7 +393,9 @@ class Broker:
                 "workers": len(workers),
                 "busy_workers": sum(1 for w in workers if w.in_flight),
                 "batches_in_flight": sum(len(w.in_flight) for w in workers),
-                "worker_list": [{"id": w.worker_id.hex(), "batches_held": len(w.in_flight)} for w in workers],
+                "worker_list": [
+                    {"worker": self._name(w.worker_id), "batches_held": len(w.in_flight)} for w in workers
+                ],
                 "batches": st.batches,
                 "requests": st.requests,
                 "mean_batch_size": st.requests / st.batches if st.batches else 0.0,
@@ -446,7 +449,7 @@ class Broker:
             self.metrics.queue_waits_ms(batch.model, queue_ms)
             frames = protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests])
             if not self._send_to_worker(batch.worker, frames):
-                log.warning("worker %s unreachable; its batches go to another", batch.worker.hex())
+                log.warning("worker %s unreachable; its batches go to another", self._name(batch.worker))
                 self._worker_lost(batch.worker, "worker unreachable")
 
     # --- backend ----------------------------------------------------------------------------
@@ -482,7 +485,7 @@ class Broker:
         if command == protocol.CMD_REPLY and len(frames) == 5:
             self._on_reply(worker_id, frames[3], frames[4])
         elif command == protocol.CMD_DISCONNECT:
-            log.info("worker %s left", worker_id.hex())
+            log.info("worker %s left", self._name(worker_id))
             self._worker_lost(worker_id, "worker left", failed=False)
         elif command != protocol.CMD_HEARTBEAT:
             raise ValueError(f"unknown command {command!r} with {len(frames)} frames")
@@ -490,7 +493,7 @@ class Broker:
     def _on_ready(self, worker_id: bytes, info_frame: bytes) -> None:
         info = protocol.unpack(info_frame)
         model, slots = info.get("model"), info.get("slots")
-        if not isinstance(model, str) or not model or not (slots is None or isinstance(slots, int)):
+        if not isinstance(model, str) or not model or not (slots is None or type(slots) is int):
             raise ValueError(f"bad READY info {info!r}")
         if worker_id in self._heard_from:  # announced again: whatever it held is lost
             self._worker_lost(worker_id, "worker restarted during the batch")
@@ -498,13 +501,10 @@ class Broker:
         self._heard_from[worker_id] = time.monotonic()
         self._failed_models.pop(model, None)
         self.metrics.worker_event(model, "joined")
-        log.info(
-            "worker joined: model %s, gpu %s, pid %s, id %s",
-            model,
-            info.get("gpu"),
-            info.get("pid"),
-            worker_id.hex(),
+        self._worker_names[worker_id] = (
+            f"{model}/gpu{info.get('gpu')}/pid {info.get('pid')}/id {worker_id.hex()}"
         )
+        log.info("worker joined: %s", self._name(worker_id))
 
     def _on_reply(self, worker_id: bytes, header_frame: bytes, blob: bytes) -> None:
         header = protocol.unpack(header_frame)
@@ -523,7 +523,7 @@ class Broker:
         batch = self.scheduler.complete(worker_id, batch_id, infer_s)
         if batch is None:
             self.dropped_backend += 1
-            log.warning("dropped a reply for unknown batch %r from %s", batch_id, worker_id.hex())
+            log.warning("dropped a reply for unknown batch %r from %s", batch_id, self._name(worker_id))
             return
         st = self._model_stats(batch.model)
         st.batches += 1
@@ -536,7 +536,7 @@ class Broker:
                 raise ValueError(f"{len(lengths)} replies for {len(batch.requests)} requests")
             replies = protocol.split_replies(lengths, blob)
         except (TypeError, ValueError) as exc:
-            log.warning("malformed reply from worker %s: %s", worker_id.hex(), exc)
+            log.warning("malformed reply from worker %s: %s", self._name(worker_id), exc)
             self._fail_batch(batch, ErrorCode.WORKER_FAILED, f"the worker sent a malformed reply: {exc}")
             return
         n_errors = min(model_errors, len(replies))
@@ -549,16 +549,21 @@ class Broker:
             except zmq.ZMQError:
                 self.undeliverable += 1
 
+    def _name(self, worker_id: bytes) -> str:
+        return self._worker_names.get(worker_id, f"id {worker_id.hex()}")
+
     def _heartbeat(self, now: float) -> None:
         """Tell every worker we live; take those silent past their liveness for dead."""
         expiry = self.settings.heartbeat.expiry_s
         for worker_id, heard_at in list(self._heard_from.items()):
             if now - heard_at > expiry:
-                log.warning("worker %s silent for %.1fs: taken for dead", worker_id.hex(), now - heard_at)
+                log.warning(
+                    "worker %s silent for %.1fs: taken for dead", self._name(worker_id), now - heard_at
+                )
                 self._worker_lost(worker_id, f"worker silent for {now - heard_at:.1f}s")
             elif not self._send_to_worker(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT]):
                 # ROUTER_MANDATORY: the connection is gone, so the process is (a crash)
-                log.warning("worker %s disconnected: taken for dead", worker_id.hex())
+                log.warning("worker %s disconnected: taken for dead", self._name(worker_id))
                 self._worker_lost(worker_id, "worker disconnected")
 
     def _send_to_worker(self, worker_id: bytes, frames: list[bytes]) -> bool:
@@ -572,6 +577,7 @@ class Broker:
         """Forget a worker. Its batches go back to the queue, unless a failed worker was
         their `max_retries`-th: those requests are answered with worker_failed."""
         self._heard_from.pop(worker_id, None)
+        self._worker_names.pop(worker_id, None)
         state = self.scheduler.workers.get(worker_id)
         if state is not None:
             self.metrics.worker_event(state.model, "died" if failed else "left")
