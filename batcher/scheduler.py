@@ -186,6 +186,9 @@ class ArrivalRate:
         self._at = 0.0
 
     def arrive(self, now: float) -> None:
+        if now == self._at:  # requests taken in one drain of the socket share a time
+            self._count += 1.0
+            return
         self._count = self._count * math.exp(-(now - self._at) / RATE_TAU_S) + 1.0
         self._at = now
 
@@ -198,6 +201,10 @@ class ModelQueue:
     """A model's waiting requests, its workers, and what it has learned of its load."""
 
     settings: BatchSettings
+    # Scheduling order lives in two lanes: requests of priority 0 without a deadline (the
+    # common case) in `fifo`, already in order, and all others in `heap`; pop() takes the
+    # lesser head, so the order is as if all were in one heap, at a deque's cost.
+    fifo: deque[QueuedRequest] = field(default_factory=deque)
     heap: list[tuple[float, float, int, QueuedRequest]] = field(default_factory=list)
     arrivals: deque[QueuedRequest] = field(default_factory=deque)  # arrival order, lazily cleaned
     deadlines: list[tuple[float, int, QueuedRequest]] = field(default_factory=list)
@@ -222,24 +229,40 @@ class ModelQueue:
 
     def pop(self) -> QueuedRequest:
         """The next request in scheduling order (priority, deadline, arrival)."""
-        heap = self.heap
-        while True:
+        fifo, heap = self.fifo, self.heap
+        while fifo and fifo[0].state != QUEUED:
+            fifo.popleft()
+        while heap and heap[0][3].state != QUEUED:
+            heapq.heappop(heap)
+        if heap and (not fifo or _heap_first(heap[0], fifo[0].seq)):
             req = heapq.heappop(heap)[3]
-            if req.state == QUEUED:
-                self.size -= 1
-                return req
+        else:
+            req = fifo.popleft()
+        self.size -= 1
+        return req
 
     def queued(self) -> Iterator[QueuedRequest]:
         """Every request still queued, in no particular order."""
-        return (entry[3] for entry in self.heap if entry[3].state == QUEUED)
+        yield from (r for r in self.fifo if r.state == QUEUED)
+        yield from (entry[3] for entry in self.heap if entry[3].state == QUEUED)
 
     def discard(self, req: QueuedRequest) -> None:
-        """Take a queued request out (expired or cancelled); its heap entries go lazily."""
+        """Take a queued request out (expired or cancelled); its entries go lazily."""
         req.state = REMOVED
         self.size -= 1
         if len(self.heap) > 64 and len(self.heap) > 2 * self.size:
             self.heap = [e for e in self.heap if e[3].state == QUEUED]
             heapq.heapify(self.heap)
+        if len(self.fifo) > 64 and len(self.fifo) > 2 * self.size:
+            self.fifo = deque(r for r in self.fifo if r.state == QUEUED)
+
+
+def _heap_first(entry: tuple[float, float, int, QueuedRequest], fifo_seq: int) -> bool:
+    """Whether a heap entry comes before the fifo head, whose key is (0, inf, fifo_seq)."""
+    neg_priority, deadline, seq, _ = entry
+    if neg_priority != 0:
+        return neg_priority < 0
+    return deadline < math.inf or seq < fifo_seq
 
 
 class UnknownModel(KeyError):
@@ -313,7 +336,11 @@ class Scheduler:
         if mq.size >= mq.settings.max_queue:
             raise Overloaded(model)
         request.seq = next(self._seq)
-        self._push(mq, request)
+        if request.priority == 0 and request.deadline_at is None:
+            mq.fifo.append(request)  # in seq order, like the heap would keep it
+            mq.size += 1
+        else:
+            self._push(mq, request)
         mq.arrivals.append(request)
         mq.rate.arrive(request.arrived_at)
 

@@ -7,17 +7,15 @@ forwards them to clients without touching them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import signal
 import socket
+import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from socket import socketpair
 from typing import Any
 
 import zmq
@@ -94,8 +92,10 @@ def run_batch(model: ModelFn, header_frame: bytes, batch_frame: bytes, worker_na
 class Worker:
     """Connects to the broker's backend and serves batches until told to stop.
 
-    The socket belongs to the main thread, which keeps heartbeating while the model
-    runs in a thread of its own; batches are run one at a time, in arrival order.
+    The model runs in the main thread, right where the batch arrives (no hand-off to
+    another thread on the hot path). The socket belongs to whichever thread holds
+    `_socket_lock`: the main thread, except while the model runs, when a small thread
+    may take it to send heartbeats, so a worker in a long batch is not taken for dead.
     """
 
     def __init__(self, settings: WorkerSettings, context: zmq.Context[Any] | None = None) -> None:
@@ -109,15 +109,12 @@ class Worker:
         self.batches = 0
         self.reconnects = 0
         self._sock: zmq.Socket[Any] | None = None
-        self._pending: deque[list[bytes]] = deque()  # BATCH frames not started yet
-        self._running: Future[list[bytes]] | None = None
-        self._running_on = 0  # the connection the running batch came on
-        self._connection = 0  # counts connections: a reply goes back only on its batch's own
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-        self._done_r, self._done_w = socketpair()
-        self._done_r.setblocking(False)
+        self._pending: deque[list[bytes]] = deque()  # BATCH frames not run yet
         self._poller = zmq.Poller()
         self._told_to_reconnect = False
+        self._socket_lock = threading.Lock()  # a full memory barrier when the socket changes thread
+        self._in_model = False
+        self._stopped = threading.Event()
 
     def load(self) -> None:
         """Load the model, with CUDA_VISIBLE_DEVICES set first as a real GPU would need."""
@@ -130,44 +127,78 @@ class Worker:
         """Serve until SIGINT/SIGTERM (after finishing the batch at hand) or the parent dies."""
         if self.model is None:
             self.load()
+        beat = threading.Thread(target=self._beat_while_in_model, name="heartbeat", daemon=True)
+        try:
+            with self._socket_lock:
+                beat.start()
+                self._serve()
+        finally:
+            self._stopped.set()
+            beat.join(timeout=1.0)
+            with self._socket_lock:
+                self._disconnect(linger_ms=500)
+            self.signals.close()
+        log.info("worker %s stopped after %d batches", self.name, self.batches)
+
+    def _serve(self) -> None:
         hb = self.settings.heartbeat
         self._poller.register(self.signals.fd, zmq.POLLIN)
-        self._poller.register(self._done_r.fileno(), zmq.POLLIN)
         self._connect()
         now = time.monotonic()
         next_beat, heard_at = now + hb.interval_s, now
         backoff_s, reconnect_at = RECONNECT_MIN_S, None
-        try:
-            while self._parent_alive() and not (self.signals.count and self._running is None):
-                wake = next_beat if reconnect_at is None else min(next_beat, reconnect_at)
-                events = dict(self._poller.poll(max(0, math.ceil((wake - time.monotonic()) * 1000))))
-                now = time.monotonic()
-                if self._done_r.fileno() in events:
-                    self._finish_batch()
-                if self._sock is not None and self._sock in events and self._drain():
-                    heard_at, backoff_s = now, RECONNECT_MIN_S
-                if self.signals.fd in events:
-                    self.signals.clear()
-                    log.info("worker %s stopping after its current batch", self.name)
-                if self._sock is not None and (self._told_to_reconnect or now - heard_at > hb.expiry_s):
-                    log.warning("worker %s: lost the broker; reconnecting in %.1fs", self.name, backoff_s)
-                    self._disconnect()
-                    reconnect_at, backoff_s = now + backoff_s, min(RECONNECT_MAX_S, backoff_s * 2)
-                if reconnect_at is not None and now >= reconnect_at:
-                    self._connect()
-                    heard_at, reconnect_at = now, None
-                if self._sock is not None and now >= next_beat:
+        while self._parent_alive() and not self.signals.count:
+            wake = next_beat if reconnect_at is None else min(next_beat, reconnect_at)
+            events = dict(self._poller.poll(max(0, math.ceil((wake - time.monotonic()) * 1000))))
+            now = time.monotonic()
+            if self._sock is not None and self._sock in events and self._drain():
+                heard_at, backoff_s = now, RECONNECT_MIN_S
+            if self.signals.fd in events:
+                self.signals.clear()
+            if self._pending:
+                self._run_pending()
+                continue  # poll again first: what the broker sent meanwhile is news of it
+            if self._sock is not None and (self._told_to_reconnect or now - heard_at > hb.expiry_s):
+                log.warning("worker %s: lost the broker; reconnecting in %.1fs", self.name, backoff_s)
+                self._disconnect()
+                reconnect_at, backoff_s = now + backoff_s, min(RECONNECT_MAX_S, backoff_s * 2)
+            if reconnect_at is not None and now >= reconnect_at:
+                self._connect()
+                heard_at, reconnect_at = now, None
+            if self._sock is not None and now >= next_beat:
+                send_frames(self._sock, [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
+                next_beat = now + hb.interval_s
+        if self.signals.count:
+            log.info("worker %s stopping", self.name)
+        if self._sock is not None:
+            # Batches received but not run go back to the broker's queue when it reads this.
+            send_frames(self._sock, [protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
+
+    def _run_pending(self) -> None:
+        """Run the batches received so far, in order, answering each on its connection;
+        a stop signal lets the batch at hand finish and leaves the rest to the broker."""
+        assert self.model is not None
+        while self._pending and not self.signals.count and self._sock is not None:
+            frames = self._pending.popleft()
+            self._in_model = True
+            self._socket_lock.release()  # the heartbeat thread may use the socket meanwhile
+            try:
+                reply = _run_safely(self.model, frames[2], frames[3], self.name)
+            finally:
+                self._socket_lock.acquire()
+                self._in_model = False
+            self.batches += 1
+            send_frames(self._sock, reply)
+
+    def _beat_while_in_model(self) -> None:
+        """Heartbeat while the main thread is inside the model and cannot."""
+        interval = self.settings.heartbeat.interval_s
+        while not self._stopped.wait(interval):
+            if not self._in_model:
+                continue
+            with self._socket_lock:
+                if self._in_model and self._sock is not None:
                     send_frames(self._sock, [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
-                    next_beat = now + hb.interval_s
-            if self._sock is not None:
-                send_frames(self._sock, [protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
-        finally:
-            self._disconnect(linger_ms=500)
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self.signals.close()
-            self._done_r.close()
-            self._done_w.close()
-        log.info("worker %s stopped after %d batches", self.name, self.batches)
 
     def _connect(self) -> None:
         """A fresh DEALER (and so a fresh identity at the broker), announced with READY."""
@@ -179,13 +210,12 @@ class Worker:
         send_frames(sock, protocol.ready_frames(self.spec.name, self.settings.gpu, os.getpid()))
         self._poller.register(sock, zmq.POLLIN)
         self._sock = sock
-        self._connection += 1
         self._told_to_reconnect = False
         log.info("worker %s ready for model %s at %s", self.name, self.spec.name, self.settings.connect)
 
     def _disconnect(self, linger_ms: int = 0) -> None:
-        """Drop the socket. Batches not started yet go too: the broker that lost us
-        re-dispatches them (and drops any late reply)."""
+        """Drop the socket. Batches not run yet go too: a broker that lost us re-dispatches
+        them, and a reply can only ever go back on the connection its batch came on."""
         if self._sock is None:
             return
         self._poller.unregister(self._sock)
@@ -208,37 +238,13 @@ class Worker:
                 log.warning("ignored a broker message of %d frames", len(frames))
             elif frames[1] == protocol.CMD_BATCH and len(frames) == 4:
                 self._pending.append(frames)
-                self._start_next()
             elif frames[1] == protocol.CMD_DISCONNECT:
                 log.info("worker %s: the broker does not know us; announcing again", self.name)
                 self._told_to_reconnect = True
+                self._pending.clear()
                 return heard
             elif frames[1] != protocol.CMD_HEARTBEAT:
                 log.warning("ignored broker command %r", frames[1])
-
-    def _start_next(self) -> None:
-        if self._running is not None or not self._pending or self.signals.count:
-            return
-        assert self.model is not None
-        frames = self._pending.popleft()
-        self._running_on = self._connection
-        self._running = self._executor.submit(_run_safely, self.model, frames[2], frames[3], self.name)
-        self._running.add_done_callback(lambda _: self._done_w.send(b"\0"))
-
-    def _finish_batch(self) -> None:
-        with contextlib.suppress(OSError):
-            self._done_r.recv(4096)
-        if self._running is None or not self._running.done():
-            return
-        reply = self._running.result()
-        self._running = None
-        self.batches += 1
-        # A batch from an earlier connection belongs to a broker that has taken us for dead
-        # (or to one that restarted): it re-dispatched the batch, so the reply must not go
-        # to the new connection, where its batch id could name another batch.
-        if self._sock is not None and self._running_on == self._connection:
-            send_frames(self._sock, reply)
-        self._start_next()
 
     def _parent_alive(self) -> bool:
         parent = self.settings.parent_pid
