@@ -129,7 +129,7 @@ class Broker:
         self.workers_lost = 0
         self.batches_retried = 0
         self._heard_from: dict[bytes, float] = {}  # worker -> when it last said anything
-        self._worker_names: dict[bytes, str] = {}  # worker -> "model/gpuN/pid P/id HEX", for logs
+        self._worker_names: dict[bytes, str] = {}  # worker -> "model/gpuN/pidP/idHEX", for logs
         self._timers: list[tuple[float, int, Callable[[float], None]]] = []
         self._timer_seq = itertools.count()
         self.frontend = self._router(settings.max_message_bytes)
@@ -502,7 +502,7 @@ class Broker:
         self._failed_models.pop(model, None)
         self.metrics.worker_event(model, "joined")
         self._worker_names[worker_id] = (
-            f"{model}/gpu{info.get('gpu')}/pid {info.get('pid')}/id {worker_id.hex()}"
+            f"{model}/gpu{info.get('gpu')}/pid{info.get('pid')}/id{worker_id.hex()}"
         )
         log.info("worker joined: %s", self._name(worker_id))
 
@@ -550,7 +550,7 @@ class Broker:
                 self.undeliverable += 1
 
     def _name(self, worker_id: bytes) -> str:
-        return self._worker_names.get(worker_id, f"id {worker_id.hex()}")
+        return self._worker_names.get(worker_id, f"id{worker_id.hex()}")
 
     def _heartbeat(self, now: float) -> None:
         """Tell every worker we live; take those silent past their liveness for dead."""

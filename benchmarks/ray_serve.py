@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="= Ray's batch_wait_timeout_s * 1000")
     p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--sim-base-ms", type=float, default=20.0, help="t(n) = base + per_item * n, both systems")
+    p.add_argument("--sim-per-item-ms", type=float, default=2.5)
+    p.add_argument("--name", default=NAME, help="results/NAME.md and .json (to keep several setups)")
     p.add_argument("--max-ongoing-requests", type=int, default=512, help="Ray Serve, per replica")
     p.add_argument("--client", choices=["handle", "http"], default="handle", help="how to drive Ray Serve")
     p.add_argument("--processes", type=int, default=1, help="batcher load generator processes")
@@ -114,6 +117,7 @@ def measure_batcher(args: argparse.Namespace) -> dict[str, Any]:
     if args.policy and not supported:
         print(f"batcher serve lists no --policy option: --policy {args.policy} ignored", flush=True)
     args.batcher_policy = (args.policy if extra else default) or "(none)"
+    extra += ["--sim-base-ms", str(args.sim_base_ms), "--sim-per-item-ms", str(args.sim_per_item_ms)]
     srv = serve_args(workers=w, max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, extra=extra)
     with running_serve(srv, w) as serve:
         loaded = [
@@ -150,7 +154,7 @@ def build_app(args: argparse.Namespace) -> Any:
     """The Ray Serve application: W replicas of a batched, blocking sim model."""
     from ray import serve
 
-    base_ms, per_item_ms = 20.0, 2.5
+    base_ms, per_item_ms = args.sim_base_ms, args.sim_per_item_ms
 
     @serve.deployment(
         num_replicas=args.workers,
@@ -317,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     import ray
 
-    theory = theoretical_capacity(args.workers, args.max_batch_size)
+    theory = theoretical_capacity(args.workers, args.max_batch_size, args.sim_base_ms, args.sim_per_item_ms)
     systems = {"batcher": measure_batcher(args), f"Ray Serve {ray.__version__}": measure_ray(args)}
     rows = []
     for name, res in systems.items():
@@ -345,19 +349,21 @@ def main(argv: list[str] | None = None) -> None:
         if args.client == "handle"
         else "HTTP (aiohttp) through Ray Serve's proxy"
     )
+    t1 = sim_batch_ms(1, args.sim_base_ms, args.sim_per_item_ms)
     body = (
-        f"sim model, W = {args.workers} workers / replicas, max batch {args.max_batch_size}, max wait "
+        f"sim model, t(n) = {args.sim_base_ms:g} + {args.sim_per_item_ms:g} * n ms, "
+        f"W = {args.workers} workers / replicas, max batch {args.max_batch_size}, max wait "
         f"{args.max_wait_ms:g} ms (Ray: @serve.batch batch_wait_timeout_s {args.max_wait_ms / 1000:g}, "
         f"max_ongoing_requests {args.max_ongoing_requests}, a blocking time.sleep(t(n)) handler); "
         f"theoretical {theory:.0f} req/s. Closed loop with {args.concurrency} in flight, and a lone client "
-        f"(1 in flight, against t(1) = {sim_batch_ms(1):g} ms); median of {args.runs} run(s) of "
+        f"(1 in flight, against t(1) = {t1:g} ms); median of {args.runs} run(s) of "
         f"{args.duration:g} s after {args.warmup:g} s warm-up. batcher (policy {args.batcher_policy}): "
         f"`batcher.bench` load processes over ZeroMQ; Ray Serve: {client}, Ray started with num_cpus=2 "
         "on loopback.\n\n"
         f"{table}\n\nbatcher / Ray Serve throughput: {ratio:.2f}x.\n"
     )
     write_results(
-        NAME,
+        args.name,
         TITLE,
         body,
         {

@@ -88,7 +88,7 @@ def worker_ids_by_pid(text: str) -> dict[int, list[str]]:
     """The broker-side ids each worker pid joined with, in order (a rejoin adds one)."""
     out: dict[int, list[str]] = {}
     for _, message in log_events(text):
-        m = re.search(r"worker joined: model \S+, gpu \S+, pid (\d+), id ([0-9a-f]+)", message)
+        m = re.search(r"worker joined: \S+/pid(\d+)/id([0-9a-f]+)", message)
         if m:
             out.setdefault(int(m.group(1)), []).append(m.group(2))
     return out
@@ -120,7 +120,7 @@ class StatsPoller:
 
 
 def worker_ids(stats: dict[str, Any], model: str) -> set[str]:
-    return {w["id"] for w in stats["models"].get(model, {}).get("worker_list", [])}
+    return {w["worker"] for w in stats["models"].get(model, {}).get("worker_list", [])}
 
 
 def ms(seconds: float | None) -> float | None:
@@ -171,7 +171,8 @@ def worker_fault(ctx: zmq.Context[Any], workdir: Path, sig: str, stop_s: float) 
                     os.kill(victim, signal.SIGCONT)
                     resumed = time.time()
                 if detected is None:
-                    pattern = rf"worker {victim_id} (silent for .*taken for dead|unreachable)"
+                    died = "silent for .*taken for dead|unreachable|disconnected"
+                    pattern = rf"worker \S*/id{victim_id} ({died})"
                     hit = first_event(s.log(), pattern, signalled)
                     detected = hit[0] if hit else None
                 back = first_seen_new is not None and (sig == "sigkill" or resumed is not None)
@@ -202,12 +203,12 @@ def worker_fault(ctx: zmq.Context[Any], workdir: Path, sig: str, stop_s: float) 
         joined = worker_ids_by_pid(log)
         if sig == "sigkill":
             new_pids = [p for p in joined if p not in before_pids]
-            respawn_log = first_event(log, rf"worker joined: .*pid {new_pids[0]}, id") if new_pids else None
+            respawn_log = first_event(log, rf"worker joined: \S*/pid{new_pids[0]}/id") if new_pids else None
             out["respawn_ready_in_log_ms"] = ms(respawn_log[0] - signalled) if respawn_log else None
             out["respawn_seen_in_stats_ms"] = ms(first_seen_new - signalled) if first_seen_new else None
             out["new_worker_pid"] = new_pids[0] if new_pids else None
         else:
-            rejoin = first_event(log, rf"worker joined: .*pid {victim}, id (?!{victim_id})", resumed or 0)
+            rejoin = first_event(log, rf"worker joined: \S*/pid{victim}/id(?!{victim_id})", resumed or 0)
             out["stopped_for_ms"] = ms((resumed or signalled) - signalled)
             out["rejoin_after_sigcont_ms"] = ms(rejoin[0] - resumed) if rejoin and resumed else None
             out["rejoin_seen_in_stats_after_sigcont_ms"] = (
