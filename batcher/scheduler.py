@@ -37,6 +37,11 @@ QUEUED, DISPATCHED, REMOVED = 0, 1, 2
 
 #: Time constant of the arrival-rate estimate (seconds).
 RATE_TAU_S = 0.2
+#: adaptive: unbatched work must exceed this many times the workers' capacity before the
+#: policy waits to build bigger batches (below it, a lone closed-loop client never waits).
+HEAVY_LOAD = 1.2
+#: adaptive: under heavy load, batches are sized so that workers are busy this share of time.
+TARGET_BUSY = 0.8
 #: A deadline-bound batch is cut this long before it would have to start, at the latest.
 DEADLINE_MARGIN_S = 0.001
 
@@ -491,11 +496,40 @@ class Scheduler:
         if not idle or s.policy == "window":
             return None
         # adaptive: an idle worker takes the queue now unless waiting should pay
-        gap = self._gap_if_waiting_pays(mq, len(idle), now)
+        gap = self._fill_time_if_load_needs_bigger_batches(mq, now)
+        if gap is None:
+            gap = self._gap_if_waiting_pays(mq, len(idle), now)
         if gap is None:
             return min(idle, key=_least_recently_used)
         mq.recheck_at = now + gap  # no arrival by then: the rate estimate has dropped
         return None
+
+    def _fill_time_if_load_needs_bigger_batches(self, mq: ModelQueue, now: float) -> float | None:
+        """Under heavy load, the time to wait for the batch size the load needs, else None.
+
+        With W workers, arrival rate r and cost t(n) = a + b*n, batches of n keep the
+        workers busy a share r*t(n)/(W*n) of the time. When even unbatched work would
+        overload them (r*t(1) > W, with a margin), dispatching whatever is queued the
+        moment a worker idles makes batches just big enough to keep up, and queues grow
+        at that edge. Waiting instead for n = r*a / (W*RHO - r*b), the size that leaves
+        the workers RHO busy, keeps headroom; the wait is still bounded by max_wait_ms.
+        """
+        if not mq.cost.known:
+            return None
+        rate = mq.rate.per_second(now)
+        a, b = mq.cost.coefficients()
+        workers = len(mq.workers)
+        if rate <= 0 or workers == 0 or rate * (a + b) <= workers * HEAVY_LOAD:
+            return None
+        headroom = workers * TARGET_BUSY - rate * b
+        target = (
+            mq.settings.max_batch_size
+            if headroom <= 0
+            else min(mq.settings.max_batch_size, rate * a / headroom)
+        )
+        if mq.size >= target:
+            return None
+        return (target - mq.size) / rate
 
     def _gap_if_waiting_pays(self, mq: ModelQueue, idle_workers: int, now: float) -> float | None:
         """The expected time to the next arrival if holding the queue for it lowers the
