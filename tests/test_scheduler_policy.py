@@ -1180,3 +1180,57 @@ def test_random_sequences_with_requeue_keep_the_window_rule(policy: str, start: 
     for op in start_ops(start) + ops:
         run.apply(op)
     run.finish()
+
+
+# --- adaptive under heavy load: batches big enough to leave headroom ----------------------------
+
+
+def _sim_cost(s: Scheduler, now: float) -> float:
+    """Teach the sim cost t(n) = 20 ms + 2.5 ms * n."""
+    return teach(s, [(1, 0.0225), (4, 0.030), (8, 0.040), (16, 0.060), (2, 0.025)], now)
+
+
+def test_adaptive_under_heavy_load_holds_for_a_batch_that_keeps_up() -> None:
+    """At 960 requests/s on 4 idle workers with t(n) = 20 + 2.5 n ms, unbatched work would
+    need 5.4 workers: the queue is held for about r*a / (4*0.8 - r*b) = 24 requests (or
+    until the oldest has waited max_wait_ms) instead of idling workers grabbing tiny
+    batches that leave no headroom."""
+    s = make(size=32, wait_ms=20.0, workers=4, policy="adaptive")
+    now = _sim_cost(s, 0.0)
+    gap = 1 / 960
+    sent: list[Batch] = []
+    first = now
+    for i in range(1500):  # 1.56 s of arrivals: the rate estimate (200 ms decay) settles
+        now = first + i * gap
+        put(s, "m", rq(now))
+        for batch in s.due_batches(now):
+            sent.append(batch)
+            s.complete(batch.worker, batch.batch_id, infer_s=0.020 + 0.0025 * len(batch.requests))
+    late = [len(b.requests) for b in sent if b.dispatched_at > first + 1.0]
+    assert late and min(late) >= 16, late  # work-conserving dispatch would send 1s and 2s here
+    assert max(late) <= 32
+
+
+def test_adaptive_under_light_load_never_holds_a_lone_request() -> None:
+    """At 40 requests/s on 4 workers the same rule does not apply: no waiting at all."""
+    s = make(size=32, wait_ms=20.0, workers=4, policy="adaptive")
+    now = _sim_cost(s, 0.0)
+    for i in range(40):
+        now += 0.025
+        put(s, "m", rq(now))
+        (batch,) = s.due_batches(now)  # dispatched the moment it arrives
+        assert len(batch.requests) == 1
+        s.complete(batch.worker, batch.batch_id, infer_s=0.0225)
+
+
+def test_adaptive_one_worker_closed_loop_client_is_not_held() -> None:
+    """One worker and one client sending its next request when the last is answered: about
+    44 requests/s, under the heavy-load threshold, so each request goes at once."""
+    s = make(size=32, wait_ms=20.0, workers=1, policy="adaptive")
+    now = _sim_cost(s, 0.0)
+    for _ in range(40):
+        put(s, "m", rq(now))
+        (batch,) = s.due_batches(now)
+        assert len(batch.requests) == 1
+        now += 0.0226
+        s.complete(batch.worker, batch.batch_id, infer_s=0.0225)
