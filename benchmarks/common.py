@@ -380,6 +380,11 @@ def fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def command_line() -> str:
+    """The command that ran this benchmark, as a user would type it from the repo root."""
+    return " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+
+
 def write_results(name: str, title: str, body_md: str, data: Mapping[str, Any], quick: bool) -> Path:
     """Write benchmarks/results/<name>.md (a `## title` section) and <name>.json."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
@@ -389,7 +394,7 @@ def write_results(name: str, title: str, body_md: str, data: Mapping[str, Any], 
         f"## {title}\n\n"
         f"_{env['date']}, commit {env['commit'] or '?'}, {env['cpus']} CPUs, Python {env['python']}, "
         f"load average {env['loadavg_1m']} at the end; {mode}; "
-        f"`python benchmarks/{name}.py{' --quick' if quick else ''}`._\n\n"
+        f"`{command_line()}`._\n\n"
     )
     md_path = RESULTS_DIR / f"{name}.md"
     md_path.write_text(header + body_md.strip() + "\n")

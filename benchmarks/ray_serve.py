@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     write_results(
         args.name,
-        TITLE,
+        TITLE if args.name == NAME else f"{TITLE}: {args.name}",
         body,
         {
             "skipped": False,
