@@ -1215,7 +1215,7 @@ def test_adaptive_under_light_load_never_holds_a_lone_request() -> None:
     """At 40 requests/s on 4 workers the same rule does not apply: no waiting at all."""
     s = make(size=32, wait_ms=20.0, workers=4, policy="adaptive")
     now = _sim_cost(s, 0.0)
-    for i in range(40):
+    for _ in range(40):
         now += 0.025
         put(s, "m", rq(now))
         (batch,) = s.due_batches(now)  # dispatched the moment it arrives
