@@ -25,8 +25,14 @@ import zmq
 import zmq.asyncio
 
 from batcher import protocol
-from batcher.client import BatcherError, ClientTimeout, error_from_reply
-from batcher.security import secure_client
+from batcher.client import (
+    BatcherError,
+    ClientTimeout,
+    error_from_reply,
+    open_dealer,
+    reply_wait_s,
+    request_body,
+)
 
 log = logging.getLogger("batcher.aio")
 
@@ -64,13 +70,7 @@ class AsyncClient:
         self.timeout_s = timeout_s
         self.retries = retries
         self._ctx = context or zmq.asyncio.Context.instance()
-        self._sock: zmq.asyncio.Socket = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        if curve_server_key:  # the broker's public key file; ours from curve_secret_key
-            secure_client(self._sock, curve_server_key, curve_secret_key)
-        self._sock.connect(address)
+        self._sock: zmq.asyncio.Socket = open_dealer(self._ctx, address, curve_server_key, curve_secret_key)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -140,13 +140,6 @@ class AsyncClient:
 
     # --- requests ---------------------------------------------------------------------------
 
-    def _wait_s(self, timeout_ms: float | None) -> float | None:
-        wait_s = self.timeout_s
-        if timeout_ms:  # the broker answers by then; allow for the trip back
-            limit = timeout_ms / 1000.0 + 1.0
-            wait_s = limit if wait_s is None else min(wait_s, limit)
-        return wait_s
-
     async def _call(self, fields: dict[str, Any], wait_s: float | None) -> dict[str, Any]:
         """Send one request and return its whole reply map (an error reply included)."""
         if self._closed:
@@ -193,14 +186,8 @@ class AsyncClient:
     ) -> dict[str, Any]:
         """Send one request and return the whole reply map (output or error, with
         metadata such as batch_size and worker); raises only ClientTimeout."""
-        body: dict[str, Any] = {"input": input}
-        if model is not None:
-            body["model"] = model
-        if timeout_ms is not None:
-            body["timeout_ms"] = timeout_ms
-        if priority is not None:
-            body["priority"] = priority
-        return await self._call(body, self._wait_s(timeout_ms))
+        body = request_body(input, model, timeout_ms, priority)
+        return await self._call(body, reply_wait_s(self.timeout_s, timeout_ms))
 
     async def request(
         self,

@@ -105,6 +105,41 @@ def error_from_reply(reply: dict[str, Any]) -> BatcherError:
     return cls(str(err.get("message", "")), code=code, reply=reply)
 
 
+def request_body(
+    input: Any, model: str | None, timeout_ms: float | None, priority: float | None
+) -> dict[str, Any]:
+    """A request map with only the fields that were given (protocol.md, 4.2)."""
+    body: dict[str, Any] = {"input": input}
+    if model is not None:
+        body["model"] = model
+    if timeout_ms is not None:
+        body["timeout_ms"] = timeout_ms
+    if priority is not None:
+        body["priority"] = priority
+    return body
+
+
+def reply_wait_s(timeout_s: float | None, timeout_ms: float | None) -> float | None:
+    """How long a client waits for a reply: its own timeout, but no longer than a
+    request's deadline plus a second for the trip back (the broker answers by then)."""
+    if not timeout_ms:
+        return timeout_s
+    limit = timeout_ms / 1000.0 + 1.0
+    return limit if timeout_s is None else min(timeout_s, limit)
+
+
+def open_dealer(ctx: Any, address: str, curve_server_key: str | None, curve_secret_key: str | None) -> Any:
+    """The client's DEALER: linger 0, quick reconnects, CurveZMQ when a server key is given."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+    if curve_server_key:  # the broker's public key file; ours from curve_secret_key
+        secure_client(sock, curve_server_key, curve_secret_key)
+    sock.connect(address)
+    return sock
+
+
 class PendingReply:
     """A request in flight; `result()` waits for it while serving the others too."""
 
@@ -166,13 +201,7 @@ class Client:
         self.timeout_s = timeout_s
         self.retries = retries
         self._ctx: zmq.Context[Any] = context or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        if curve_server_key:  # the broker's public key file; ours from curve_secret_key
-            secure_client(self._sock, curve_server_key, curve_secret_key)
-        self._sock.connect(address)
+        self._sock: zmq.Socket[Any] = open_dealer(self._ctx, address, curve_server_key, curve_secret_key)
         self._ids = itertools.count(1)
         self._pending: dict[int, PendingReply] = {}
         self.duplicates_dropped = 0
@@ -196,18 +225,8 @@ class Client:
         priority: float | None = None,
     ) -> PendingReply:
         """Send a request without waiting; many can be in flight over the one socket."""
-        body: dict[str, Any] = {"input": input}
-        if model is not None:
-            body["model"] = model
-        if timeout_ms is not None:
-            body["timeout_ms"] = timeout_ms
-        if priority is not None:
-            body["priority"] = priority
-        wait_s = self.timeout_s
-        if timeout_ms:  # the broker answers by then; allow for the trip back
-            limit = timeout_ms / 1000.0 + 1.0
-            wait_s = limit if wait_s is None else min(wait_s, limit)
-        return self._start(body, wait_s)
+        body = request_body(input, model, timeout_ms, priority)
+        return self._start(body, reply_wait_s(self.timeout_s, timeout_ms))
 
     def request(
         self,
@@ -468,16 +487,9 @@ class MultiClient:
         priority: float | None = None,
     ) -> MultiPending:
         """Send a request to the next frontend that is up, without waiting."""
-        body: dict[str, Any] = {"input": input}
-        if model is not None:
-            body["model"] = model
-        if timeout_ms is not None:
-            body["timeout_ms"] = timeout_ms
-        if priority is not None:
-            body["priority"] = priority
-        wait_s = self.timeout_s
-        if timeout_ms:  # the broker answers by then; allow for the trip back
-            wait_s = min(wait_s, timeout_ms / 1000.0 + 1.0)
+        body = request_body(input, model, timeout_ms, priority)
+        wait_s = reply_wait_s(self.timeout_s, timeout_ms)
+        assert wait_s is not None  # a MultiClient always has a timeout: it is how it finds a dead broker
         pending = MultiPending(self, body, wait_s)
         self._send(pending, time.monotonic())
         return pending
