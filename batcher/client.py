@@ -140,17 +140,10 @@ def open_dealer(ctx: Any, address: str, curve_server_key: str | None, curve_secr
     return sock
 
 
-class PendingReply:
-    """A request in flight; `result()` waits for it while serving the others too."""
+class _Awaited:
+    """What every in-flight request offers: its reply once it came, as output or error."""
 
-    def __init__(self, client: Client, request_id: int, body: bytes, wait_s: float | None) -> None:
-        self._client = client
-        self.request_id = request_id
-        self.body = body
-        self.wait_s = wait_s
-        self.attempts = 1
-        self.deadline = None if wait_s is None else time.monotonic() + wait_s
-        self.reply: dict[str, Any] | None = None
+    reply: dict[str, Any] | None
 
     def done(self) -> bool:
         return self.reply is not None
@@ -165,9 +158,28 @@ class PendingReply:
     def wait(self) -> dict[str, Any]:
         """The whole reply map (with metadata such as batch_size), error or not."""
         if self.reply is None:
-            self._client._wait_for(self)
+            self._wait()
         assert self.reply is not None
         return self.reply
+
+    def _wait(self) -> None:
+        raise NotImplementedError
+
+
+class PendingReply(_Awaited):
+    """A request in flight; `result()` waits for it while serving the others too."""
+
+    def __init__(self, client: Client, request_id: int, body: bytes, wait_s: float | None) -> None:
+        self._client = client
+        self.request_id = request_id
+        self.body = body
+        self.wait_s = wait_s
+        self.attempts = 1
+        self.deadline = None if wait_s is None else time.monotonic() + wait_s
+        self.reply: dict[str, Any] | None = None
+
+    def _wait(self) -> None:
+        self._client._wait_for(self)
 
     def cancel(self) -> None:
         """Ask the broker to drop this request if it is still queued; it is then answered
@@ -346,7 +358,7 @@ class _Frontend:
         self.backoff_s = self.first_down_s
 
 
-class MultiPending:
+class MultiPending(_Awaited):
     """A MultiClient request in flight; `result()` waits for it while serving the others."""
 
     def __init__(self, multi: MultiClient, fields: dict[str, Any], wait_s: float | None) -> None:
@@ -366,22 +378,8 @@ class MultiPending:
         """The frontend of the latest attempt."""
         return self.tried[-1] if self.tried else None
 
-    def done(self) -> bool:
-        return self.reply is not None
-
-    def result(self) -> Any:
-        """The output; raises the typed error for an error reply, ClientTimeout for none."""
-        reply = self.wait()
-        if reply.get("ok"):
-            return reply.get("output")
-        raise error_from_reply(reply)
-
-    def wait(self) -> dict[str, Any]:
-        """The whole reply map (with metadata such as batch_size), error or not."""
-        if self.reply is None:
-            self._multi._wait_for(self)
-        assert self.reply is not None
-        return self.reply
+    def _wait(self) -> None:
+        self._multi._wait_for(self)
 
     def cancel(self) -> None:
         """Ask the broker holding it to drop this request if it is still queued."""

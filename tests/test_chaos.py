@@ -19,7 +19,8 @@ import pytest
 from batcher.client import BatcherError, Client
 from batcher.launcher import free_tcp_address
 from tests.reliability_models import DealerLoad
-from tests.test_reliability import HEARTBEAT, model_stats, wait_until
+from tests.test_reliability import HEARTBEAT, model_stats
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from tests.reliability_models import (
     pack,
     rare_frontend,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -48,17 +49,6 @@ RSS_GROWTH_LIMIT = 50 * 1024 * 1024
 
 def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
-
-
-def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s}s")
-        time.sleep(0.02)  # between probes of the condition
 
 
 @pytest.fixture

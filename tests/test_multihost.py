@@ -19,9 +19,11 @@ import msgpack
 import pytest
 import zmq
 
-from batcher.client import BatcherError, Client, ClientTimeout, MultiClient
+from batcher.client import ClientTimeout, MultiClient
 from batcher.launcher import free_tcp_address
 from tests.fake_broker import Answer, FakeBroker, echo, fake_brokers, silent
+from tests.waiting import broker_stats as stats
+from tests.waiting import wait_until
 
 FAST_SIM = ("--sim-base-ms", "5", "--sim-per-item-ms", "0.5")
 HEARTBEAT = ("--heartbeat-ms", "100")
@@ -31,27 +33,6 @@ HEARTBEAT = ("--heartbeat-ms", "100")
 def fake_broker() -> Iterator[Callable[[Answer], FakeBroker]]:
     with fake_brokers() as make:
         yield make
-
-
-def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    """Poll `predicate` until it returns something truthy (returned), or fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s}s"
-        time.sleep(0.02)  # between probes of the condition
-
-
-def stats(address: str, ctx: zmq.Context[Any]) -> dict[str, Any]:
-    """The broker's `stats`, or {} when it does not answer within 0.5 s."""
-    with Client(address, timeout_s=0.5, context=ctx) as c:
-        try:
-            result: dict[str, Any] = c.control("stats")
-            return result
-        except BatcherError:
-            return {}
 
 
 def sim_workers(address: str, ctx: zmq.Context[Any]) -> int | None:

@@ -10,17 +10,14 @@ import json
 import logging
 import os
 import signal
-import time
 import tomllib
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import psutil
 import pytest
-import zmq
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -28,6 +25,7 @@ import batcher.cli
 from batcher.broker import BrokerSettings
 from batcher.client import BatcherError, Cancelled, Client
 from batcher.launcher import free_tcp_address
+from tests.waiting import broker_stats, wait_until
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "batcher.example.toml"
 
@@ -54,27 +52,6 @@ def sample(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: 
     key = (name, tuple(sorted(labels.items())))
     assert key in samples, f"no sample {name}{labels}; have {sorted(k for k in samples if k[0] == name)}"
     return samples[key]
-
-
-def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    """Poll `predicate` until it returns something truthy (returned), or fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s}s"
-        time.sleep(0.02)  # between probes of the condition
-
-
-def broker_stats(address: str, ctx: zmq.Context[Any]) -> dict[str, Any]:
-    """`stats` from the broker at `address`, or {} when it does not answer within 0.5 s."""
-    with Client(address, timeout_s=0.5, context=ctx) as c:
-        try:
-            result: dict[str, Any] = c.control("stats")
-            return result
-        except BatcherError:
-            return {}
 
 
 # --- metrics ------------------------------------------------------------------------------------

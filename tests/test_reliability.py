@@ -31,6 +31,7 @@ from batcher.client import (
 )
 from batcher.launcher import free_tcp_address
 from tests.reliability_models import MARKS_ENV, DealerLoad, LoggedServe, read_marks
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -46,26 +47,6 @@ def pack(obj: object) -> bytes:
 
 def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
-
-
-def wait_until(
-    predicate: Callable[[], Any],
-    timeout_s: float,
-    what: str,
-    interval_s: float = 0.02,
-    error: type[Exception] = AssertionError,
-) -> Any:
-    """Poll `predicate` until it returns something truthy (returned), or raise `error` after
-    `timeout_s` (RuntimeError for the set-up steps of xfail tests, so that a broken set-up
-    is reported as a failure, never taken for the expected one)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise error(f"{what}: not within {timeout_s}s")
-        time.sleep(interval_s)  # between probes of the condition
 
 
 def stats_of(address: str, ctx: zmq.Context[Any], timeout_s: float = 1.0) -> dict[str, Any] | None:

@@ -1,0 +1,40 @@
+"""Waiting on a condition with a deadline (never sleeping to let things settle), and
+asking a broker for its stats: shared by the integration test modules."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from batcher.client import BatcherError, Client
+
+
+def wait_until(
+    predicate: Callable[[], Any],
+    timeout_s: float,
+    what: str,
+    interval_s: float = 0.02,
+    error: type[Exception] = AssertionError,
+) -> Any:
+    """Poll `predicate` until it returns something truthy (returned), or raise `error` after
+    `timeout_s` (RuntimeError for set-up steps, so a broken set-up reads as such)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise error(f"{what}: not within {timeout_s}s")
+        time.sleep(interval_s)  # between probes of the condition
+
+
+def broker_stats(address: str, ctx: zmq.Context[Any], timeout_s: float = 0.5) -> dict[str, Any]:
+    """The broker's `stats`, or {} when it does not answer within `timeout_s`."""
+    with Client(address, timeout_s=timeout_s, context=ctx) as c:
+        try:
+            return dict(c.control("stats"))
+        except BatcherError:
+            return {}
