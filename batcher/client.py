@@ -140,6 +140,19 @@ def open_dealer(ctx: Any, address: str, curve_server_key: str | None, curve_secr
     return sock
 
 
+def collect(pendings: Iterable[_Awaited], return_exceptions: bool) -> list[Any]:
+    """The outputs of requests in flight, in order; errors raise, or take their place."""
+    out: list[Any] = []
+    for p in pendings:
+        try:
+            out.append(p.result())
+        except BatcherError as exc:
+            if not return_exceptions:
+                raise
+            out.append(exc)
+    return out
+
+
 class _Awaited:
     """What every in-flight request offers: its reply once it came, as output or error."""
 
@@ -259,16 +272,7 @@ class Client:
     ) -> list[Any]:
         """Send all inputs at once (so the broker can batch them) and return the outputs
         in order. With return_exceptions, errors come back in place instead of raising."""
-        pendings = [self.submit(x, model, timeout_ms) for x in inputs]
-        out: list[Any] = []
-        for p in pendings:
-            try:
-                out.append(p.result())
-            except BatcherError as exc:
-                if not return_exceptions:
-                    raise
-                out.append(exc)
-        return out
+        return collect([self.submit(x, model, timeout_ms) for x in inputs], return_exceptions)
 
     def control(self, op: str) -> Any:
         """Send a control request (`stats`) and return its output."""
@@ -511,16 +515,7 @@ class MultiClient:
     ) -> list[Any]:
         """Send all inputs at once, spread over the frontends, and return the outputs in
         order. With return_exceptions, errors come back in place instead of raising."""
-        pendings = [self.submit(x, model, timeout_ms) for x in inputs]
-        out: list[Any] = []
-        for p in pendings:
-            try:
-                out.append(p.result())
-            except BatcherError as exc:
-                if not return_exceptions:
-                    raise
-                out.append(exc)
-        return out
+        return collect([self.submit(x, model, timeout_ms) for x in inputs], return_exceptions)
 
     def control(self, op: str, address: str | None = None) -> Any:
         """Send a control request (`stats`) to the next frontend that is up, or to
