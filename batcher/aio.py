@@ -30,6 +30,7 @@ from batcher.client import (
     ClientTimeout,
     error_from_reply,
     open_dealer,
+    reply_key,
     reply_wait_s,
     request_body,
 )
@@ -125,7 +126,7 @@ class AsyncClient:
                 frames = await self._sock.recv_multipart()
                 try:
                     reply = protocol.unpack(frames[-1])
-                    fut = self._pending.pop(reply["id"], None)
+                    fut = self._pending.pop(reply_key(reply, self._pending), None)
                 except Exception:
                     continue  # not a reply of ours; nothing to match it to
                 if fut is None or fut.done():

@@ -25,7 +25,7 @@ import zmq
 
 from batcher import protocol
 from batcher.metrics import NoMetrics, PrometheusMetrics, Recent, percentile
-from batcher.protocol import ErrorCode, Heartbeat, ProtocolError
+from batcher.protocol import ErrorCode, Heartbeat, ProtocolError, WorkerProtocolError
 from batcher.scheduler import (
     Batch,
     BatchSettings,
@@ -36,12 +36,17 @@ from batcher.scheduler import (
 )
 from batcher.security import CurveServerKeys, secure_server
 from batcher.stopping import StopSignals
-from batcher.zmqio import recv_frames, send_frames, send_reply
+from batcher.zmqio import recv_bounded, recv_frames, send_frames, send_reply
 
 log = logging.getLogger("batcher.broker")
 
-#: Messages taken from one socket before the loop looks at the other one and the timers.
+#: Messages taken from one socket before the loop looks at the other one and the timers...
 DRAIN_LIMIT = 2000
+#: ...or this much time, whichever comes first: a burst of costly messages (huge bodies,
+#: floods of cancels) can never hold heartbeats, liveness checks and deadlines back.
+DRAIN_BUDGET_S = 0.005
+#: Frames one client message may have: the routing id, proxy hops, a delimiter, the body.
+MAX_FRAMES = 32
 #: Replies queued for one client (or batches for one worker) before sends fail.
 REPLY_HWM = 100_000
 
@@ -129,6 +134,10 @@ class Broker:
         self.workers_lost = 0
         self.batches_retried = 0
         self._heard_from: dict[bytes, float] = {}  # worker -> when it last said anything
+        # When the backend was last read to the end: every worker message that arrived
+        # before then has been seen, so silence is judged up to here (not up to now,
+        # which a busy loop could reach with heartbeats still unread in the socket).
+        self._backend_read_at = time.monotonic()
         self._worker_names: dict[bytes, str] = {}  # worker -> "model/gpuN/pidP/idHEX", for logs
         self._timers: list[tuple[float, int, Callable[[float], None]]] = []
         self._timer_seq = itertools.count()
@@ -137,18 +146,24 @@ class Broker:
         self._auth = None
         try:
             if settings.curve is not None:
-                self._auth = secure_server(self.ctx, [self.frontend, self.backend], settings.curve)
+                self._auth = secure_server(self.ctx, settings.curve, self.frontend, self.backend)
             self._bind(self.frontend, settings.frontend)
             self._bind(self.backend, settings.backend)
+            if settings.metrics_port is not None:
+                self.metrics = self._serve_metrics(settings.metrics_port)
         except BaseException:
             self.close()
             raise
         self.call_every(settings.heartbeat.interval_s, self._heartbeat)
-        if settings.metrics_port is not None:
-            prom = PrometheusMetrics(self._gauges)
-            prom.serve(settings.metrics_port)
-            self.metrics = prom
-            log.info("metrics at http://127.0.0.1:%d/metrics", settings.metrics_port)
+
+    def _serve_metrics(self, port: int) -> PrometheusMetrics:
+        prom = PrometheusMetrics(self._gauges)
+        try:
+            prom.serve(port)
+        except OSError as exc:
+            raise BindError(f"cannot serve metrics on 127.0.0.1:{port}: {exc.strerror or exc}") from None
+        log.info("metrics at http://127.0.0.1:%d/metrics", port)
+        return prom
 
     def _gauges(self) -> dict[str, dict[str, float]]:
         """Queue depth, workers and batches in flight per model (read at scrape time)."""
@@ -286,18 +301,40 @@ class Broker:
 
     def _drain_frontend(self) -> None:
         sock, accept = self.frontend, self._accept
+        max_bytes = self.settings.max_message_bytes
         now = time.monotonic()
+        budget_end = now + DRAIN_BUDGET_S
         for _ in range(DRAIN_LIMIT):
             try:
-                frames = recv_frames(sock)
+                frames, fits = recv_bounded(sock, MAX_FRAMES, max_bytes)
             except zmq.Again:
                 return
             try:
-                accept(frames, now)
+                if fits:
+                    accept(frames, now)
+                else:
+                    self._refuse_oversized(frames)
             except Exception:  # a bug of ours: the sender still hears back
                 log.exception("unexpected error handling a request (the broker goes on)")
                 envelope = frames[:2] if len(frames) > 2 and not frames[1] else frames[:1]
                 self._refuse(envelope, None, ErrorCode.INTERNAL, "the broker failed to handle this request")
+            if time.monotonic() >= budget_end:
+                return
+
+    def _refuse_oversized(self, frames: list[bytes]) -> None:
+        """A message over MAX_FRAMES frames or --max-message-bytes in all: answered on its
+        envelope as far as it was kept, never parsed."""
+        try:
+            end = frames.index(b"", 1) + 1
+        except ValueError:
+            end = 1
+        max_bytes = self.settings.max_message_bytes
+        limit = (
+            f"more than {MAX_FRAMES} frames"
+            if len(frames) >= MAX_FRAMES
+            else f"more than {max_bytes} bytes in all (the broker's --max-message-bytes)"
+        )
+        self._refuse(frames[:end], None, ErrorCode.BAD_REQUEST, f"message too large: {limit}")
 
     def _accept(self, frames: list[bytes], now: float) -> None:
         if len(frames) == 3 and not frames[1]:
@@ -370,9 +407,7 @@ class Broker:
             self._send_to_client(envelope, protocol.ok_reply(req_id, self.snapshot()))
         elif op == "cancel":
             # Only the sender's own requests: ids are per client, so match the identity too.
-            identity = envelope[0]
-            cancelled = self.scheduler.cancel(lambda r: r.id == req_id and r.envelope[0] == identity)
-            for name, req in cancelled:
+            for name, req in self.scheduler.cancel_id(envelope[0], req_id):
                 self._reply_error(req, name, ErrorCode.CANCELLED, "cancelled by the client")
         else:
             self._send_to_client(
@@ -456,20 +491,28 @@ class Broker:
 
     def _drain_backend(self) -> None:
         sock = self.backend
+        start = time.monotonic()
+        budget_end = start + DRAIN_BUDGET_S
         for _ in range(DRAIN_LIMIT):
             try:
                 frames = recv_frames(sock)
             except zmq.Again:
+                self._backend_read_at = start
                 return
             try:
                 self._on_worker_message(frames)
-            except Exception as exc:  # a peer that is not a worker, or a broken one
+            except WorkerProtocolError as exc:  # a peer that is not a worker, or a broken one
                 self.dropped_backend += 1
                 log.warning("dropped a malformed backend message (%d frames): %s", len(frames), exc)
+            except Exception:  # a bug of ours, not the worker's
+                self.dropped_backend += 1
+                log.exception("unexpected error handling a backend message (the broker goes on)")
+            if time.monotonic() >= budget_end:
+                return
 
     def _on_worker_message(self, frames: list[bytes]) -> None:
         if len(frames) < 3 or frames[1] != protocol.WORKER_PROTOCOL:
-            raise ValueError("not a batcher worker message")
+            raise WorkerProtocolError("not a batcher worker message")
         worker_id, command = frames[0], frames[2]
         if command == protocol.CMD_READY and len(frames) == 4:
             self._on_ready(worker_id, frames[3])
@@ -482,19 +525,28 @@ class Broker:
                 self._send_to_worker(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
             return
         self._heard_from[worker_id] = time.monotonic()
-        if command == protocol.CMD_REPLY and len(frames) == 5:
+        if command == protocol.CMD_REPLY:
+            if len(frames) != 5:
+                exc = WorkerProtocolError(f"REPLY must have 5 frames, got {len(frames)}")
+                self._bad_reply(worker_id, exc)
+                raise exc
             self._on_reply(worker_id, frames[3], frames[4])
         elif command == protocol.CMD_DISCONNECT:
             log.info("worker %s left", self._name(worker_id))
             self._worker_lost(worker_id, "worker left", failed=False)
         elif command != protocol.CMD_HEARTBEAT:
-            raise ValueError(f"unknown command {command!r} with {len(frames)} frames")
+            raise WorkerProtocolError(f"unknown command {command!r} with {len(frames)} frames")
 
     def _on_ready(self, worker_id: bytes, info_frame: bytes) -> None:
-        info = protocol.unpack(info_frame)
+        try:
+            info = protocol.unpack(info_frame)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise WorkerProtocolError(f"READY info is not valid msgpack: {exc!r}") from None
+        if not isinstance(info, dict):
+            raise WorkerProtocolError(f"READY info must be a map, got {info!r}")
         model, slots = info.get("model"), info.get("slots")
         if not isinstance(model, str) or not model or not (slots is None or type(slots) is int):
-            raise ValueError(f"bad READY info {info!r}")
+            raise WorkerProtocolError(f"bad READY info {info!r}")
         if worker_id in self._heard_from:  # announced again: whatever it held is lost
             self._worker_lost(worker_id, "worker restarted during the batch")
         self.scheduler.add_worker(worker_id, model, slots)
@@ -507,20 +559,13 @@ class Broker:
         log.info("worker joined: %s", self._name(worker_id))
 
     def _on_reply(self, worker_id: bytes, header_frame: bytes, blob: bytes) -> None:
-        header = protocol.unpack(header_frame)
-        if not isinstance(header, list) or len(header) < 3:
-            # Unusable reply: if it names a batch of this worker, fail that batch now
-            # rather than leave its clients waiting while the worker keeps heartbeating.
-            batch_id = header[0] if isinstance(header, list) and header else None
-            if isinstance(batch_id, int):
-                batch = self.scheduler.complete(worker_id, batch_id)
-                if batch is not None:
-                    self._fail_batch(batch, ErrorCode.WORKER_FAILED, "the worker sent a malformed reply")
-            raise ValueError(f"REPLY header must be [batch_id, infer_ms, lengths, errors], got {header!r}")
-        batch_id, infer_ms, lengths = header[:3]
-        model_errors = header[3] if len(header) > 3 and isinstance(header[3], int) else 0
-        infer_s = infer_ms / 1000.0 if isinstance(infer_ms, int | float) else None
-        batch = self.scheduler.complete(worker_id, batch_id, infer_s)
+        try:
+            header = protocol.parse_reply_header(header_frame)
+        except WorkerProtocolError as exc:
+            self._bad_reply(worker_id, exc)
+            raise
+        batch_id, infer_ms, lengths, model_errors = header
+        batch = self.scheduler.complete(worker_id, batch_id, infer_ms / 1000.0)
         if batch is None:
             self.dropped_backend += 1
             log.warning("dropped a reply for unknown batch %r from %s", batch_id, self._name(worker_id))
@@ -528,20 +573,18 @@ class Broker:
         st = self._model_stats(batch.model)
         st.batches += 1
         st.requests += len(batch.requests)
-        if infer_s is not None:
-            st.recent.infer_ms.append(infer_ms)
-            self.metrics.batch_done(batch.model, len(batch.requests), infer_s)
+        st.recent.infer_ms.append(infer_ms)
+        self.metrics.batch_done(batch.model, len(batch.requests), infer_ms / 1000.0)
         try:
             if len(lengths) != len(batch.requests):
                 raise ValueError(f"{len(lengths)} replies for {len(batch.requests)} requests")
             replies = protocol.split_replies(lengths, blob)
-        except (TypeError, ValueError) as exc:
+        except ValueError as exc:
             log.warning("malformed reply from worker %s: %s", self._name(worker_id), exc)
             self._fail_batch(batch, ErrorCode.WORKER_FAILED, f"the worker sent a malformed reply: {exc}")
             return
-        n_errors = min(model_errors, len(replies))
-        self._count(batch.model, "ok", len(replies) - n_errors)
-        self._count(batch.model, ErrorCode.MODEL_ERROR, n_errors)
+        self._count(batch.model, "ok", len(replies) - model_errors)
+        self._count(batch.model, ErrorCode.MODEL_ERROR, model_errors)
         frontend = self.frontend
         for req, reply in zip(batch.requests, replies, strict=True):
             try:
@@ -549,18 +592,36 @@ class Broker:
             except zmq.ZMQError:
                 self.undeliverable += 1
 
+    def _bad_reply(self, worker_id: bytes, exc: WorkerProtocolError) -> None:
+        """A REPLY that breaks the protocol fails the batch it names, if that is one of this
+        worker's. One that names none can be matched to nothing: if the worker holds
+        batches, it is taken for broken and they go elsewhere (their clients are never left
+        waiting); a worker holding none has nothing to lose, and only the message is dropped."""
+        batch = None if exc.batch_id is None else self.scheduler.complete(worker_id, exc.batch_id)
+        if batch is not None:
+            self._fail_batch(batch, ErrorCode.WORKER_FAILED, f"the worker sent a malformed reply: {exc}")
+            return
+        state = self.scheduler.workers.get(worker_id)
+        if exc.batch_id is None and state is not None and state.in_flight:
+            log.warning("worker %s sent a reply naming no batch: taken for broken", self._name(worker_id))
+            self._worker_lost(worker_id, f"the worker sent a malformed reply: {exc}")
+
     def _name(self, worker_id: bytes) -> str:
         return self._worker_names.get(worker_id, f"id{worker_id.hex()}")
 
     def _heartbeat(self, now: float) -> None:
-        """Tell every worker we live; take those silent past their liveness for dead."""
+        """Tell every worker we live; take those silent past their liveness for dead.
+
+        Silence counts up to when the backend was last read to its end, after reading it
+        now: a worker whose heartbeat arrived while the loop was busy is not silent."""
+        self._drain_backend()
         expiry = self.settings.heartbeat.expiry_s
+        read_at = self._backend_read_at
         for worker_id, heard_at in list(self._heard_from.items()):
-            if now - heard_at > expiry:
-                log.warning(
-                    "worker %s silent for %.1fs: taken for dead", self._name(worker_id), now - heard_at
-                )
-                self._worker_lost(worker_id, f"worker silent for {now - heard_at:.1f}s")
+            silent_s = read_at - heard_at
+            if silent_s > expiry:
+                log.warning("worker %s silent for %.1fs: taken for dead", self._name(worker_id), silent_s)
+                self._worker_lost(worker_id, f"worker silent for {silent_s:.1f}s")
             elif not self._send_to_worker(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT]):
                 # ROUTER_MANDATORY: the connection is gone, so the process is (a crash)
                 log.warning("worker %s disconnected: taken for dead", self._name(worker_id))
@@ -574,8 +635,12 @@ class Broker:
             return False
 
     def _worker_lost(self, worker_id: bytes, why: str, failed: bool = True) -> None:
-        """Forget a worker. Its batches go back to the queue, unless a failed worker was
-        their `max_retries`-th: those requests are answered with worker_failed."""
+        """Forget a worker. Its batches go back to the queue, except requests that have
+        used up their `max_retries` attempts: those are answered with worker_failed.
+
+        A failed worker costs each of its requests an attempt. A worker that leaves on
+        its own (DISCONNECT) hands its batches back for free the first time only, so a
+        peer that keeps taking batches and leaving cannot bounce a request forever."""
         self._heard_from.pop(worker_id, None)
         self._worker_names.pop(worker_id, None)
         state = self.scheduler.workers.get(worker_id)
@@ -583,14 +648,20 @@ class Broker:
             self.metrics.worker_event(state.model, "died" if failed else "left")
         if failed:
             self.workers_lost += 1
+        max_retries = self.settings.max_retries
         for batch in self.scheduler.remove_worker(worker_id):
-            retry = [r for r in batch.requests if not failed or r.attempts < self.settings.max_retries]
+            retry: list[QueuedRequest] = []
+            for req in batch.requests:
+                costs_attempt = failed or req.handbacks > 0
+                req.handbacks += not failed
+                if costs_attempt and req.attempts >= max_retries:
+                    self._reply_error(req, batch.model, ErrorCode.WORKER_FAILED, why)
+                    continue
+                req.attempts += costs_attempt
+                retry.append(req)
             if retry:
                 self.batches_retried += 1
-                self.scheduler.requeue(batch.model, retry, count_attempt=failed)
-            for req in batch.requests:
-                if req not in retry:
-                    self._reply_error(req, batch.model, ErrorCode.WORKER_FAILED, why)
+                self.scheduler.requeue(batch.model, retry, count_attempt=False)
 
     def _fail_batch(self, batch: Batch, code: ErrorCode, message: str) -> None:
         for req in batch.requests:

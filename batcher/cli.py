@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 import click
 
 from batcher.broker import BindError, Broker, BrokerSettings, run_broker
+from batcher.config import Config, ConfigError, Kind, load_config, type_problem
 from batcher.logs import FORMATS, setup_logging
 from batcher.protocol import Heartbeat
 from batcher.scheduler import POLICIES, BatchSettings
@@ -28,6 +30,47 @@ DEFAULT_BACKEND = "tcp://127.0.0.1:5556"
 DEFAULT_WORKER_PREFETCH = 2
 #: How often `serve` looks for dead workers to respawn.
 SUPERVISE_INTERVAL_S = 0.2
+
+# Upper bounds of the numeric options, shown by --help. Each is finite, far above any
+# useful setting, and small enough for where the value ends up: poll timeouts in whole
+# milliseconds, libzmq's int64 options, msgpack's 32-bit lengths, one process per worker.
+MAX_MS = 60_000.0  # heartbeat interval, batch window, simulated batch costs: one minute
+MAX_TIMEOUT_MS = 86_400_000.0  # request deadlines: one day
+MAX_BATCH_SIZE = 4096
+MAX_QUEUE = 10_000_000  # requests per model
+MAX_WORKERS = 256  # worker processes per model
+MAX_GPU = 65_535  # serve numbers its workers' GPUs across models: up to MAX_WORKERS each
+MAX_PREFETCH = 64
+MAX_RETRIES = 100
+MAX_LIVENESS = 100
+MAX_MESSAGE_BYTES = 1 << 30  # 1 GiB: bigger inputs belong in shared storage, not a message
+MAX_BENCH_S = 86_400.0
+MAX_RATE = 1_000_000.0
+MAX_CONCURRENCY = 100_000
+MAX_REQUESTS = 1_000_000_000
+MAX_PROCESSES = 256
+MAX_STATS_S = 3600.0
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that refuses NaN too: NaN compares false with both bounds, so a
+    range alone lets it through (and `inf` only fails because every range has a max)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if isinstance(rv, float) and math.isnan(rv):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        return rv
+
+
+def int_range(lo: int, hi: int) -> click.IntRange:
+    """The type of an int option: both bounds given, so --help shows them."""
+    return click.IntRange(min=lo, max=hi)
+
+
+def float_range(lo: float, hi: float, *, min_open: bool = False) -> FiniteFloatRange:
+    """The type of a float option: finite, within both bounds (shown by --help)."""
+    return FiniteFloatRange(min=lo, max=hi, min_open=min_open)
 
 
 def option(*decls: str, **kwargs: Any) -> Callable[[F], F]:
@@ -58,30 +101,86 @@ def logging_options(f: F) -> F:
 
 def _load_config(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
     """--config: the file's top-level keys become option defaults (so a flag, then its
-    environment variable, then the file, then the built-in default decide)."""
+    environment variable, then the file, then the built-in default decide). Every value
+    is checked here, type and range, so an error names the file, the table and the key."""
     if path is None:
         return None
-    from batcher.config import ConfigError, load_config
-
     try:
         config = load_config(path)
+        _check_config(ctx, config)
     except ConfigError as exc:
         raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
-    known = {p.name for command in main.commands.values() for p in command.params if p.name is not None}
-    unknown = sorted(set(config.options) - known)
-    if unknown:
-        raise click.BadParameter(f"{path}: unknown settings {unknown}", ctx=ctx, param=param)
     ctx.default_map = {**(ctx.default_map or {}), **config.options}
     return path
+
+
+def _param_kind(p: click.Parameter) -> Kind:
+    """The TOML type a config file must give for the option `p`."""
+    if p.name == "batch_sizes":
+        return Kind.INT_LIST
+    if p.multiple:
+        return Kind.STR_OR_LIST
+    if isinstance(p.type, click.types.BoolParamType):
+        return Kind.BOOL
+    if isinstance(p.type, click.types.IntParamType):
+        return Kind.INT
+    if isinstance(p.type, click.types.FloatParamType):
+        return Kind.NUMBER
+    return Kind.STR
+
+
+def _check_config(ctx: click.Context, config: Config) -> None:
+    """Check a config.Config against the options: every top-level key must be some
+    command's option and have its type; this command's options, and the [models.NAME]
+    tables' keys, must also pass the flag's own range check."""
+    params: dict[str, list[click.Parameter]] = {}
+    for command in main.commands.values():
+        for p in command.params:
+            if p.name is not None:
+                params.setdefault(p.name, []).append(p)
+    unknown = sorted(set(config.options) - set(params))
+    if unknown:
+        raise ConfigError(f"{config.path}: unknown settings {unknown}")
+    for key, value in config.raw.items():
+        kinds = dict.fromkeys(_param_kind(p) for p in params["models" if key == "model" else key])
+        problem = type_problem(value, kinds)
+        if problem:
+            raise config.error(key, None, problem)
+    own = {p.name: p for p in ctx.command.params if p.name is not None}
+    tables: list[tuple[str | None, dict[str, Any]]] = [(None, config.options), *config.models.items()]
+    for model, table in tables:
+        for name, value in table.items():
+            key = "model" if name == "models" and model is None else name
+            try:
+                if name == "batch_sizes":
+                    _parse_batch_sizes(value if isinstance(value, str) else ",".join(map(str, value)))
+                elif name in own and name != "config":
+                    own[name].type_cast_value(ctx, value)
+            except click.BadParameter as exc:
+                raise config.error(key, model, exc.message) from None
+            except ValueError as exc:
+                raise config.error(key, model, str(exc)) from None
+
+
+def _parse_batch_sizes(value: str) -> tuple[int, ...]:
+    """`1,2,4,8` as a tuple of sizes, each within 1..MAX_BATCH_SIZE (ValueError if not)."""
+    try:
+        sizes = tuple(int(v) for v in value.replace(" ", "").split(","))
+    except ValueError:
+        raise ValueError(f"expected sizes like 1,2,4,8, got {value!r}") from None
+    for size in sizes:
+        if not 1 <= size <= MAX_BATCH_SIZE:
+            raise ValueError(f"batch sizes must be within 1..{MAX_BATCH_SIZE}, got {size}")
+    return sizes
 
 
 def _batch_sizes(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
     if not value:
         return None
     try:
-        return tuple(int(v) for v in value.replace(" ", "").split(","))
-    except ValueError:
-        raise click.BadParameter(f"expected sizes like 1,2,4,8, got {value!r}") from None
+        return _parse_batch_sizes(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 config_option = option(
@@ -121,13 +220,13 @@ def with_curve_client(f: F) -> F:
 heartbeat_options = [
     option(
         "--heartbeat-ms",
-        type=click.FloatRange(min=1),
+        type=float_range(1, MAX_MS),
         default=500.0,
         help="Interval of heartbeats between broker and workers.",
     ),
     option(
         "--heartbeat-liveness",
-        type=click.IntRange(min=1),
+        type=int_range(1, MAX_LIVENESS),
         default=3,
         help="Heartbeat intervals of silence after which a peer is taken for dead.",
     ),
@@ -138,11 +237,14 @@ def scheduling_options(f: F) -> F:
     """The broker's queueing and batching options, shared by serve, broker and bench."""
     decorators = [
         option(
-            "--max-batch-size", type=click.IntRange(min=1), default=8, help="Largest batch sent to a worker."
+            "--max-batch-size",
+            type=int_range(1, MAX_BATCH_SIZE),
+            default=8,
+            help="Largest batch sent to a worker.",
         ),
         option(
             "--max-wait-ms",
-            type=click.FloatRange(min=0),
+            type=float_range(0, MAX_MS),
             default=5.0,
             help="Longest a request waits for its batch to fill.",
         ),
@@ -157,33 +259,36 @@ def scheduling_options(f: F) -> F:
             "--batch-sizes",
             callback=_batch_sizes,
             default=None,
-            help="Allowed batch sizes, e.g. 1,2,4,8 (must start at 1); a batch is cut to the "
-            "largest the queue fills.",
+            help=f"Allowed batch sizes, e.g. 1,2,4,8 (must start at 1; each 1..{MAX_BATCH_SIZE}); "
+            "a batch is cut to the largest the queue fills.",
         ),
-        option("--max-queue", type=click.IntRange(min=1), default=10_000, help="Queued requests per model."),
+        option(
+            "--max-queue", type=int_range(1, MAX_QUEUE), default=10_000, help="Queued requests per model."
+        ),
         option(
             "--default-timeout-ms",
-            type=click.FloatRange(min=0),
+            type=float_range(0, MAX_TIMEOUT_MS),
             default=0.0,
             help="Deadline for requests that carry no timeout_ms (0: none).",
         ),
         option(
             "--worker-prefetch",
-            type=click.IntRange(min=1),
+            type=int_range(1, MAX_PREFETCH),
             default=DEFAULT_WORKER_PREFETCH,
             help="Batches a worker may hold at once (the next one waits on the worker).",
         ),
         option(
             "--max-retries",
-            type=click.IntRange(min=0),
+            type=int_range(0, MAX_RETRIES),
             default=1,
             help="Re-dispatches of a batch whose worker died, before its requests get worker_failed.",
         ),
         option(
             "--max-message-bytes",
-            type=click.IntRange(min=1024),
+            type=int_range(1024, MAX_MESSAGE_BYTES),
             default=16 * 1024 * 1024,
-            help="Largest request accepted; a bigger one disconnects its sender.",
+            help="Largest request accepted: a bigger frame disconnects its sender (libzmq), a "
+            "bigger message of several frames is answered bad_request.",
         ),
         *heartbeat_options,
         option(
@@ -196,11 +301,20 @@ def scheduling_options(f: F) -> F:
             "--curve-clients",
             type=click.Path(exists=True, file_okay=False),
             default=None,
-            help="Directory of the public keys (.key) of the clients and workers allowed in.",
+            help="Directory of the public keys (.key) of the clients allowed on the frontend "
+            "(without it: any key, encrypted only).",
+        ),
+        option(
+            "--curve-workers",
+            type=click.Path(exists=True, file_okay=False),
+            default=None,
+            help="Directory of the public keys (.key) of the workers allowed on the backend "
+            "(besides the broker's own key, which serve's workers use). Without it the backend "
+            "admits any key, or only the broker's own if --curve-clients is given.",
         ),
         option(
             "--metrics-port",
-            type=click.IntRange(min=1, max=65535),
+            type=int_range(1, 65535),
             default=None,
             help="Serve Prometheus metrics at http://127.0.0.1:PORT/metrics.",
         ),
@@ -215,13 +329,13 @@ def sim_options(f: F) -> F:
     """The simulated GPU's cost, shared by serve, worker and bench."""
     f = option(
         "--sim-base-ms",
-        type=click.FloatRange(min=0),
+        type=float_range(0, MAX_MS),
         default=20.0,
         help="sim model: fixed cost of one batch.",
     )(f)
     f = option(
         "--sim-per-item-ms",
-        type=click.FloatRange(min=0),
+        type=float_range(0, MAX_MS),
         default=2.5,
         help="sim model: added cost per request in a batch.",
     )(f)
@@ -233,8 +347,6 @@ def broker_settings(
 ) -> BrokerSettings:
     """BrokerSettings from CLI values: the flags are every model's defaults, and the
     config file's [models.NAME] tables override them per model."""
-    from batcher.config import ConfigError, load_config
-
     # `serve` takes model specs (NAME=pkg.mod:attr); the broker only needs their names.
     names = tuple(m.partition("=")[0].strip() for m in models) if models else ("sim",)
     try:
@@ -257,19 +369,20 @@ def broker_settings(
             heartbeat=Heartbeat(sched["heartbeat_ms"], sched["heartbeat_liveness"]),
             max_retries=sched["max_retries"],
             max_message_bytes=sched["max_message_bytes"],
-            curve=_curve_keys(sched["curve_secret_key"], sched["curve_clients"]),
+            curve=_curve_keys(sched["curve_secret_key"], sched["curve_clients"], sched["curve_workers"]),
             metrics_port=sched["metrics_port"],
         )
     except (ValueError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
 
 
-def _curve_keys(secret_key: str | None, clients: str | None) -> CurveServerKeys | None:
+def _curve_keys(secret_key: str | None, clients: str | None, workers: str | None) -> CurveServerKeys | None:
     if secret_key is None:
-        if clients is not None:
-            raise click.UsageError("--curve-clients needs --curve-secret-key (the broker's key pair)")
+        for flag, value in (("--curve-clients", clients), ("--curve-workers", workers)):
+            if value is not None:
+                raise click.UsageError(f"{flag} needs --curve-secret-key (the broker's key pair)")
         return None
-    return CurveServerKeys(secret_key, clients)
+    return CurveServerKeys(secret_key, clients, workers)
 
 
 SCHEDULING_KEYS = (
@@ -286,6 +399,7 @@ SCHEDULING_KEYS = (
     "heartbeat_liveness",
     "curve_secret_key",
     "curve_clients",
+    "curve_workers",
     "metrics_port",
     "config",
 )
@@ -314,7 +428,7 @@ def main() -> None:
 @main.command()
 @option("--frontend", default=DEFAULT_FRONTEND, help="Address clients connect to (ROUTER).")
 @option("--backend", default=DEFAULT_BACKEND, help="Address workers connect to (ROUTER).")
-@option("--workers", type=click.IntRange(min=0), default=2, help="Worker processes per model.")
+@option("--workers", type=int_range(0, MAX_WORKERS), default=2, help="Worker processes per model.")
 @option(
     "--model",
     "models",
@@ -414,8 +528,8 @@ def broker(
 @main.command()
 @option("--connect", default=DEFAULT_BACKEND, help="The broker's backend address.")
 @option("--model", default="sim", help="sim, echo, pkg.module:attr or NAME=SPEC.")
-@option("--gpu", type=click.IntRange(min=0), default=None, help="GPU id (sets CUDA_VISIBLE_DEVICES).")
-@option("--parent-pid", type=int, default=None, hidden=True)
+@option("--gpu", type=int_range(0, MAX_GPU), default=None, help="GPU id (sets CUDA_VISIBLE_DEVICES).")
+@option("--parent-pid", type=int_range(1, 2**31 - 1), default=None, hidden=True)
 @heartbeat_options[0]
 @heartbeat_options[1]
 @with_curve_client
@@ -460,16 +574,85 @@ def worker(
         sys.exit(EXIT_MODEL_LOAD_FAILED)
 
 
-def _json_default(value: object) -> object:
+def _json_key(key: object) -> str:
+    if isinstance(key, str):
+        return key
+    if isinstance(key, bytes):
+        return key.hex()
+    if key is None or isinstance(key, bool | int) or (isinstance(key, float) and math.isfinite(key)):
+        return json.dumps(key)
+    return repr(key)
+
+
+def jsonable(value: Any) -> Any:
+    """`value` (a decoded msgpack reply) made printable as strict JSON: NaN and infinities
+    become null (JSON has neither), bytes hex, other keys and types strings."""
+    if value is None or isinstance(value, str | bool | int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
     if isinstance(value, bytes):
         return value.hex()
+    if isinstance(value, dict):
+        return {_json_key(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
     return repr(value)
+
+
+def strict_json(value: Any, indent: int | None = None) -> str:
+    """JSON that any parser takes: no NaN or Infinity tokens, whatever `value` holds."""
+    return json.dumps(jsonable(value), indent=indent, allow_nan=False)
+
+
+class _NotStrictJSON(ValueError):
+    """NaN, Infinity or a number too big for a float: accepted by Python's json, not JSON."""
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotStrictJSON(f"{text} is too large for a 64-bit float")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise _NotStrictJSON(f"{name} is not JSON (JSON has no NaN or Infinity)")
+
+
+def parse_input(text: str) -> Any:
+    """One `batcher send` input: strict JSON (no NaN or Infinity, so what is sent is what
+    any other JSON tool would read) that msgpack can encode; click.BadParameter if not."""
+    import msgpack
+
+    try:
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except _NotStrictJSON as exc:
+        raise click.BadParameter(f"{text!r}: {exc}", param_hint="INPUTS") from None
+    except json.JSONDecodeError as exc:
+        hint = ""
+        if text.strip()[:1] not in ('"', "{", "["):
+            hint = f"; to send it as a string, quote it: '{json.dumps(text)}'"
+        raise click.BadParameter(f"not JSON: {text!r} ({exc.msg}){hint}", param_hint="INPUTS") from None
+    try:
+        msgpack.packb(value, use_bin_type=True)
+    except OverflowError:
+        raise click.BadParameter(
+            f"{text!r}: an integer outside msgpack's range -2**63 .. 2**64-1", param_hint="INPUTS"
+        ) from None
+    except UnicodeEncodeError:
+        raise click.BadParameter(
+            f"{text!r}: a string that is not valid Unicode (a lone surrogate)", param_hint="INPUTS"
+        ) from None
+    except (ValueError, TypeError) as exc:
+        raise click.BadParameter(f"{text!r} cannot be sent as msgpack: {exc}", param_hint="INPUTS") from None
+    return value
 
 
 @main.command()
 @option("--connect", default=DEFAULT_FRONTEND, help="The broker's frontend address.")
 @option("--model", default=None, help="Model to ask (the broker's default when absent).")
-@option("--timeout-ms", type=click.FloatRange(min=0), default=None, help="Deadline per request.")
+@option("--timeout-ms", type=float_range(0, MAX_TIMEOUT_MS), default=None, help="Deadline per request.")
 @with_curve_client
 @logging_options
 @click.argument("inputs", nargs=-1)
@@ -485,29 +668,34 @@ def send(
 ) -> None:
     """Send JSON INPUTS (or one JSON value per stdin line) and print each reply as JSON.
 
-    All inputs are sent at once, so they can share a batch. Exits 1 if any reply is
-    an error.
+    All inputs are sent at once, so they can share a batch. A string is JSON in quotes:
+    '"hello"'. NaN and Infinity are refused (they are not JSON); in a reply they print
+    as null, so every line is strict JSON. Exits 1 if any reply is an error.
     """
     from batcher.client import Client
 
     setup_logging(log_level, log_format)
-    texts = list(inputs) or [line for line in sys.stdin.read().splitlines() if line.strip()]
-    try:
-        values = [json.loads(t) for t in texts]
-    except json.JSONDecodeError as exc:
-        raise click.BadParameter(f"not JSON: {exc}", param_hint="INPUTS") from None
+    if inputs:
+        texts = list(inputs)
+    else:
+        try:
+            stdin = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise click.BadParameter(f"stdin is not UTF-8 text: {exc}", param_hint="INPUTS") from None
+        texts = [line for line in stdin.splitlines() if line.strip()]
+    values = [parse_input(t) for t in texts]
     failed = False
     with Client(connect, curve_server_key=curve_server_key, curve_secret_key=curve_secret_key) as client:
         pendings = [client.submit(v, model=model, timeout_ms=timeout_ms) for v in values]
         for p in pendings:
             reply = p.wait()
             failed |= not reply.get("ok")
-            click.echo(json.dumps(reply, default=_json_default))
+            click.echo(strict_json(reply))
     sys.exit(1 if failed else 0)
 
 
 @main.command()
-@option("--workers", type=click.IntRange(min=1), default=2, help="sim workers to start.")
+@option("--workers", type=int_range(1, MAX_WORKERS), default=2, help="sim workers to start.")
 @option(
     "--policy",
     type=click.Choice(POLICIES),
@@ -530,25 +718,35 @@ def demo(workers: int, policy: str, log_level: str, log_format: str) -> None:
 @main.command()
 @option("--connect", default=None, help="Frontend of a running broker to load.")
 @option("--spawn", is_flag=True, default=False, help="Start a broker and workers (serve options below).")
-@option("--concurrency", type=click.IntRange(min=1), default=None, help="Closed loop: requests in flight.")
+@option(
+    "--concurrency",
+    type=int_range(1, MAX_CONCURRENCY),
+    default=None,
+    help="Closed loop: requests in flight.",
+)
 @option(
     "--rate",
-    type=click.FloatRange(min=0, min_open=True),
+    type=float_range(0, MAX_RATE, min_open=True),
     default=None,
     help="Open loop: Poisson arrivals per second.",
 )
 @option(
     "--duration",
     "duration_s",
-    type=click.FloatRange(min=0, min_open=True),
+    type=float_range(0, MAX_BENCH_S, min_open=True),
     default=None,
     help="Seconds of load after warm-up (default 10 unless --requests).",
 )
-@option("--requests", type=click.IntRange(min=1), default=None, help="Requests to send in all.")
-@option("--warmup-s", type=click.FloatRange(min=0), default=0.0, help="Seconds of load not measured.")
-@option("--payload-bytes", type=click.IntRange(min=0), default=16, help="Size of each request's input.")
+@option("--requests", type=int_range(1, MAX_REQUESTS), default=None, help="Requests to send in all.")
+@option("--warmup-s", type=float_range(0, MAX_BENCH_S), default=0.0, help="Seconds of load not measured.")
+@option(
+    "--payload-bytes",
+    type=int_range(0, MAX_MESSAGE_BYTES),
+    default=16,
+    help="Size of each request's input.",
+)
 @option("--model", default=None, help="Model to ask; with --spawn, the model served (default sim).")
-@option("--processes", type=click.IntRange(min=1), default=1, help="Load generator processes.")
+@option("--processes", type=int_range(1, MAX_PROCESSES), default=1, help="Load generator processes.")
 @option(
     "--json",
     "json_path",
@@ -556,7 +754,7 @@ def demo(workers: int, policy: str, log_level: str, log_format: str) -> None:
     default=None,
     help="Write the full result as JSON to this file.",
 )
-@option("--workers", type=click.IntRange(min=1), default=2, help="--spawn: worker processes.")
+@option("--workers", type=int_range(1, MAX_WORKERS), default=2, help="--spawn: worker processes.")
 @scheduling_options
 @sim_options
 @logging_options
@@ -652,9 +850,11 @@ def _run_with_progress(settings: Any) -> Any:
 @main.command()
 @option("--connect", default=DEFAULT_FRONTEND, help="The broker's frontend address.")
 @click.option("--watch", is_flag=True, help="Refresh in place until Ctrl-C.")
-@click.option("--interval-s", type=click.FloatRange(min=0.1), default=1.0, show_default=True)
+@click.option("--interval-s", type=float_range(0.1, MAX_STATS_S), default=1.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the raw stats as JSON.")
-@option("--timeout-s", type=click.FloatRange(min=0.1), default=5.0, help="How long to wait for the broker.")
+@option(
+    "--timeout-s", type=float_range(0.1, MAX_STATS_S), default=5.0, help="How long to wait for the broker."
+)
 @with_curve_client
 @logging_options
 def stats(
@@ -683,7 +883,7 @@ def stats(
                 snapshot = c.control("stats")
             except BatcherError as exc:
                 raise click.ClickException(f"no stats from {connect}: {exc}") from None
-            text = json.dumps(snapshot, indent=2) if as_json else format_stats(snapshot)
+            text = strict_json(snapshot, indent=2) if as_json else format_stats(snapshot)
             if not watch:
                 click.echo(text)
                 return

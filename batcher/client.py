@@ -105,6 +105,15 @@ def error_from_reply(reply: dict[str, Any]) -> BatcherError:
     return cls(str(err.get("message", "")), code=code, reply=reply)
 
 
+def reply_key(reply: dict[str, Any], pending: dict[Any, Any]) -> Any:
+    """The id a reply answers. An error with `id: nil` (the broker could not read the id
+    of a request it refused) answers the one request in flight, when there is just one."""
+    req_id = reply["id"]
+    if req_id is None and reply.get("ok") is False and len(pending) == 1:
+        return next(iter(pending))
+    return req_id
+
+
 def request_body(
     input: Any, model: str | None, timeout_ms: float | None, priority: float | None
 ) -> dict[str, Any]:
@@ -327,7 +336,7 @@ class Client:
                 return
             try:
                 reply = protocol.unpack(frames[-1])
-                pending = self._pending.pop(reply["id"], None)
+                pending = self._pending.pop(reply_key(reply, self._pending), None)
             except Exception:
                 continue  # not a reply of ours; nothing to match it to
             if pending is None:

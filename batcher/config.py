@@ -3,13 +3,20 @@
 Top-level keys are option defaults, named like the flags with underscores
 (`max_wait_ms = 5`); `[models.NAME]` tables hold one model's batching settings,
 which override the flags for that model only. See docs/batcher.example.toml.
+
+Values are type-checked as strictly as flags are parsed: TOML has booleans, floats and
+strings that Python would quietly turn into ints (`true` into 1, `2.0` into 2), and one
+such value reaching the broker fails every batch of its size, not the start-up.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from batcher.scheduler import BatchSettings
@@ -19,7 +26,88 @@ MODEL_KEYS = tuple(f.name for f in dataclasses.fields(BatchSettings))
 
 
 class ConfigError(ValueError):
-    """The file is unreadable, not TOML, or names an unknown setting."""
+    """The file is unreadable, not TOML, names an unknown setting or has a value of the
+    wrong type."""
+
+
+class Kind(Enum):
+    """The TOML type a setting takes (its value is what error messages call it)."""
+
+    INT = "an integer"
+    NUMBER = "a number"
+    STR = "a string"
+    BOOL = "a boolean"
+    INT_LIST = "a list of integers like [1, 2, 4, 8]"
+    STR_OR_LIST = "a string or a list of strings"
+
+
+#: The type of each [models.NAME] key (a key missing here is left to BatchSettings).
+MODEL_KINDS = {
+    "max_batch_size": Kind.INT,
+    "max_wait_ms": Kind.NUMBER,
+    "batch_sizes": Kind.INT_LIST,
+    "max_queue": Kind.INT,
+    "policy": Kind.STR,
+}
+
+
+def toml_repr(value: Any) -> str:
+    """`value` written as in the TOML file, for error messages."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_repr(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {toml_repr(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _toml_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    for python, name in ((int, "an integer"), (float, "a float"), (str, "a string"), (list, "an array")):
+        if isinstance(value, python):
+            return name
+    return "a table" if isinstance(value, dict) else "a date or time"
+
+
+def _is(value: Any, kind: Kind) -> bool:
+    if kind is Kind.BOOL:
+        return isinstance(value, bool)
+    if isinstance(value, bool):  # a bool is an int to Python, never to us
+        return False
+    if kind is Kind.INT:
+        return isinstance(value, int)
+    if kind is Kind.NUMBER:
+        return isinstance(value, int | float)
+    if kind is Kind.STR:
+        return isinstance(value, str)
+    if kind is Kind.INT_LIST:
+        return isinstance(value, list) and all(_is(v, Kind.INT) for v in value)
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+
+
+def type_problem(value: Any, kinds: Iterable[Kind]) -> str | None:
+    """Why `value` is none of `kinds`, or None when it is one of them."""
+    kinds = list(kinds)
+    if not kinds or any(_is(value, k) for k in kinds):
+        return None
+    expected = " or ".join(k.value for k in kinds)
+    list_kinds = [k for k in kinds if k in (Kind.INT_LIST, Kind.STR_OR_LIST)]
+    if isinstance(value, list) and list_kinds:  # name the element that is wrong
+        wrong = next((v for v in value if not any(_is([v], k) for k in list_kinds)), None)
+        if wrong is not None:
+            return f"expected {expected}, got {toml_repr(wrong)} ({_toml_type(wrong)}) in {toml_repr(value)}"
+    return f"expected {expected}, got {toml_repr(value)} ({_toml_type(value)})"
+
+
+def where(key: str, model: str | None = None) -> str:
+    """How error messages name a key: `[models.NAME] key`, or `key (top level)`."""
+    return f"[models.{model}] {key}" if model is not None else f"{key} (top level)"
 
 
 @dataclass(frozen=True)
@@ -29,6 +117,12 @@ class Config:
     path: str
     options: dict[str, Any]
     models: dict[str, dict[str, Any]]
+    #: The file's top-level keys as written (before `model` became `models`).
+    raw: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def error(self, key: str, model: str | None, problem: str) -> ConfigError:
+        """A ConfigError naming this file, the table and the key."""
+        return ConfigError(f"{self.path}: {where(key, model)}: {problem}")
 
     def model_settings(self, default: BatchSettings) -> dict[str, BatchSettings]:
         """Per-model BatchSettings: `default` with each model's table applied on top."""
@@ -37,6 +131,8 @@ class Config:
             values = dict(table)
             if "batch_sizes" in values and values["batch_sizes"] is not None:
                 values["batch_sizes"] = tuple(values["batch_sizes"])
+            if isinstance(values.get("max_wait_ms"), int):
+                values["max_wait_ms"] = float(values["max_wait_ms"])
             try:
                 out[name] = dataclasses.replace(default, **values)
             except (TypeError, ValueError) as exc:
@@ -45,7 +141,8 @@ class Config:
 
 
 def load_config(path: str) -> Config:
-    """Read and check a configuration file."""
+    """Read a configuration file and check its structure and its tables' types (the
+    top-level keys are checked against the commands' options, by the CLI)."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -53,6 +150,8 @@ def load_config(path: str) -> Config:
         raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not valid TOML: not UTF-8 text") from None
     models = data.pop("models", {})
     if not isinstance(models, dict) or not all(isinstance(t, dict) for t in models.values()):
         raise ConfigError(f"{path}: 'models' must hold tables like [models.sim]")
@@ -62,10 +161,15 @@ def load_config(path: str) -> Config:
             raise ConfigError(
                 f"{path}: [models.{name}] has unknown keys {unknown}; allowed: {', '.join(MODEL_KEYS)}"
             )
-    options = {k.replace("-", "_"): v for k, v in data.items()}
+        for key, value in table.items():
+            problem = type_problem(value, [MODEL_KINDS[key]] if key in MODEL_KINDS else [])
+            if problem:
+                raise ConfigError(f"{path}: {where(key, name)}: {problem}")
+    raw = {k.replace("-", "_"): v for k, v in data.items()}
+    options = dict(raw)
     if "model" in options:  # the --model option's parameter is named `models` (repeatable)
         value = options.pop("model")
-        options["models"] = [value] if isinstance(value, str) else list(value)
+        options["models"] = [value] if isinstance(value, str) else value
     if "batch_sizes" in options and isinstance(options["batch_sizes"], list):
         options["batch_sizes"] = ",".join(str(v) for v in options["batch_sizes"])
-    return Config(path, options, models)
+    return Config(path, options, models, raw)

@@ -7,6 +7,7 @@ version of this module.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from enum import StrEnum
@@ -102,7 +103,17 @@ def split_envelope(frames: list[bytes]) -> tuple[list[bytes], bytes]:
     try:
         end = frames.index(b"", 1) + 1
     except ValueError:
-        end = 1
+        # No delimiter and more than one frame after the identity: either several bodies
+        # or a DEALER without delimiter behind a proxy. Refused either way; answered on
+        # every frame but the last, which a proxy routes back to its client (and a direct
+        # DEALER gets as a reply whose last frame is the error).
+        envelope = frames[:-1] if n > 2 else frames[:1]
+        raise EnvelopeError(
+            envelope,
+            f"expected exactly one body frame after the envelope, got {n - 1} "
+            "(without an empty delimiter the envelope is the identity alone; "
+            "behind a proxy, send the empty delimiter frame before the body)",
+        ) from None
     envelope = frames[:end]
     rest = n - end
     if rest == 1:  # a multi-hop envelope (the request came through proxies)
@@ -122,14 +133,46 @@ def _type_name(value: object) -> str:
     return type(value).__name__
 
 
+def _describe(exc: Exception) -> str:
+    """An exception as a message that never ends in an empty colon."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _id_of_undecodable(body: bytes) -> int | str | None:
+    """The `id` of a body the broker refuses, read as far as the body allows: key by key,
+    with maps decoded as lists of pairs (so no key needs to be hashable), stopping at the
+    first fault. A body broken only after its id still has the id echoed."""
+    unpacker = msgpack.Unpacker(raw=False, object_pairs_hook=list, max_buffer_size=max(len(body), 1))
+    unpacker.feed(body)
+    try:
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() != "id":
+                unpacker.skip()
+                continue
+            value = unpacker.unpack()
+            return value if isinstance(value, ID_TYPES) and not isinstance(value, bool) else None
+    except Exception:  # msgpack raises several unrelated types
+        return None
+    return None
+
+
 def parse_request(body: bytes) -> tuple[RequestHeader, dict[str, Any]]:
     """Decode a request body once and check the fields the broker relies on."""
     try:
         # Decoded inside a one-element array, as the worker will see it (one level
         # deeper): a body that fits msgpack's nesting limit here fits it there too.
         msg = msgpack.unpackb(b"\x91" + body, raw=False, strict_map_key=False)[0]
+    except TypeError as exc:  # valid msgpack, but a map key that is an array or a map
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"body has a map key that is an array or a map, which is not supported ({exc})",
+            _id_of_undecodable(body),
+        ) from None
     except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"body is not valid msgpack: {exc}") from None
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"body is not valid msgpack: {_describe(exc)}", _id_of_undecodable(body)
+        ) from None
     if not isinstance(msg, dict):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"body must be a msgpack map, got {_type_name(msg)}")
     req_id = msg.get("id")
@@ -222,6 +265,60 @@ def reply_frames(batch_id: int, infer_ms: float, replies: list[bytes], errors: i
     errors, for the broker's counters), then the replies joined."""
     header = _packer_pack([batch_id, infer_ms, [len(r) for r in replies], errors])
     return [WORKER_PROTOCOL, CMD_REPLY, header, b"".join(replies)]
+
+
+class WorkerProtocolError(ValueError):
+    """A backend message that breaks the protocol; `batch_id` is the batch it names, when
+    that much could be read, so only that batch fails."""
+
+    def __init__(self, message: str, batch_id: int | None = None) -> None:
+        super().__init__(message)
+        self.batch_id = batch_id
+
+
+class ReplyHeader(NamedTuple):
+    """A REPLY's header, every number checked: the broker changes no state before this."""
+
+    batch_id: int
+    infer_ms: float
+    lengths: list[int]
+    errors: int
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_reply_header(frame: bytes) -> ReplyHeader:
+    """Decode and check `[batch_id, infer_ms, lengths, errors]` (errors may be absent).
+
+    Raises WorkerProtocolError for anything else: a batch id that is not an int in
+    [0, 2**63), an infer_ms that is not a finite number >= 0, a length that is not an
+    int >= 0, or an errors count outside [0, len(lengths)].
+    """
+    try:
+        header = unpack(frame)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise WorkerProtocolError(f"REPLY header is not valid msgpack: {_describe(exc)}") from None
+    if not isinstance(header, list) or len(header) not in (3, 4):
+        raise WorkerProtocolError(
+            f"REPLY header must be [batch_id, infer_ms, lengths, errors], got {header!r}"
+        )
+    batch_id, infer_ms, lengths = header[:3]
+    if not _is_int(batch_id) or not 0 <= batch_id < 2**63:
+        raise WorkerProtocolError(f"REPLY batch id must be an int in [0, 2**63), got {batch_id!r}")
+
+    def bad(message: str) -> WorkerProtocolError:
+        return WorkerProtocolError(message, batch_id)
+
+    if not isinstance(infer_ms, int | float) or isinstance(infer_ms, bool) or not 0 <= infer_ms < math.inf:
+        raise bad(f"REPLY infer_ms must be a finite number >= 0, got {infer_ms!r}")
+    if not isinstance(lengths, list) or not all(_is_int(n) and n >= 0 for n in lengths):
+        raise bad(f"REPLY lengths must be a list of ints >= 0, got {lengths!r}")
+    errors = header[3] if len(header) == 4 else 0
+    if not _is_int(errors) or not 0 <= errors <= len(lengths):
+        raise bad(f"REPLY errors must be an int in [0, {len(lengths)}], got {errors!r}")
+    return ReplyHeader(batch_id, float(infer_ms), lengths, errors)
 
 
 def split_replies(lengths: list[int], blob: bytes) -> list[bytes]:

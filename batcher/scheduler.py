@@ -63,14 +63,17 @@ class BatchSettings:
                 raise ValueError(f"{name} must be an int, got {value!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size!r}")
-        if not self.max_wait_ms >= 0:
-            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms!r}")
+        wait = self.max_wait_ms
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait < math.inf:
+            raise ValueError(f"max_wait_ms must be a finite number >= 0, got {wait!r}")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.batch_sizes is not None:
             sizes = self.batch_sizes
+            if not all(type(n) is int for n in sizes):
+                raise ValueError(f"batch_sizes must be ints, got {list(sizes)}")
             if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] != 1:
                 raise ValueError(
                     "batch_sizes must be increasing, without repeats, and start at 1 "
@@ -111,6 +114,7 @@ class QueuedRequest:
     state: int = QUEUED
     seq: int = 0
     attempts: int = 0  # batches it was sent in whose worker failed
+    handbacks: int = 0  # batches it was sent in whose worker left and handed it back
 
 
 @dataclass(slots=True, eq=False)
@@ -203,7 +207,13 @@ class ArrivalRate:
 
 @dataclass(slots=True, eq=False)
 class ModelQueue:
-    """A model's waiting requests, its workers, and what it has learned of its load."""
+    """A model's waiting requests, its workers, and what it has learned of its load.
+
+    Requests leave the lanes lazily (a dispatched or cancelled one is skipped when it
+    reaches a head), so every structure is compacted once more than half of it is such
+    leftovers: the queue's memory follows the number of requests waiting, not the number
+    ever accepted, whatever mix of priorities and deadlines arrives.
+    """
 
     settings: BatchSettings
     # Scheduling order lives in two lanes: requests of priority 0 without a deadline (the
@@ -211,8 +221,11 @@ class ModelQueue:
     # lesser head, so the order is as if all were in one heap, at a deque's cost.
     fifo: deque[QueuedRequest] = field(default_factory=deque)
     heap: list[tuple[float, float, int, QueuedRequest]] = field(default_factory=list)
-    arrivals: deque[QueuedRequest] = field(default_factory=deque)  # arrival order, lazily cleaned
+    heap_arrivals: deque[QueuedRequest] = field(default_factory=deque)  # the heap lane's, by seq
     deadlines: list[tuple[float, int, QueuedRequest]] = field(default_factory=list)
+    # (client routing id, request id) -> the request(s) queued under it, so a cancel is a
+    # look-up and not a scan (a client may reuse an id: then a list).
+    by_client: dict[bytes, dict[object, QueuedRequest | list[QueuedRequest]]] = field(default_factory=dict)
     size: int = 0
     workers: dict[bytes, None] = field(default_factory=dict)  # an ordered set
     cost: CostModel = field(default_factory=CostModel)
@@ -220,11 +233,17 @@ class ModelQueue:
     recheck_at: float = math.inf  # adaptive: when a decision to wait is reconsidered
 
     def oldest(self) -> QueuedRequest | None:
-        """The earliest-arrived request still queued."""
-        arrivals = self.arrivals
+        """The earliest-arrived request still queued: the older of the two lanes' oldest."""
+        fifo, arrivals = self.fifo, self.heap_arrivals
+        while fifo and fifo[0].state != QUEUED:
+            fifo.popleft()
         while arrivals and arrivals[0].state != QUEUED:
             arrivals.popleft()
-        return arrivals[0] if arrivals else None
+        if not arrivals:
+            return fifo[0] if fifo else None
+        if not fifo:
+            return arrivals[0]
+        return fifo[0] if fifo[0].seq < arrivals[0].seq else arrivals[0]
 
     def earliest_deadline(self) -> float | None:
         dl = self.deadlines
@@ -244,6 +263,7 @@ class ModelQueue:
         else:
             req = fifo.popleft()
         self.size -= 1
+        self.unindex(req)
         return req
 
     def queued(self) -> Iterator[QueuedRequest]:
@@ -255,11 +275,58 @@ class ModelQueue:
         """Take a queued request out (expired or cancelled); its entries go lazily."""
         req.state = REMOVED
         self.size -= 1
-        if len(self.heap) > 64 and len(self.heap) > 2 * self.size:
+        self.unindex(req)
+        self.compact()
+
+    def compact(self) -> None:
+        """Rebuild each structure that holds more leftovers than queued requests (amortized
+        O(1) a request: a rebuild follows at least as many removals as it keeps)."""
+        limit = 2 * self.size + 64
+        if len(self.heap) > limit:
             self.heap = [e for e in self.heap if e[3].state == QUEUED]
             heapq.heapify(self.heap)
-        if len(self.fifo) > 64 and len(self.fifo) > 2 * self.size:
+        if len(self.fifo) > limit:
             self.fifo = deque(r for r in self.fifo if r.state == QUEUED)
+        if len(self.heap_arrivals) > limit:
+            self.heap_arrivals = deque(r for r in self.heap_arrivals if r.state == QUEUED)
+        if len(self.deadlines) > limit:
+            self.deadlines = [e for e in self.deadlines if e[2].state == QUEUED]
+            heapq.heapify(self.deadlines)
+
+    def index(self, req: QueuedRequest) -> None:
+        """File a queued request under its client and id, for cancel()."""
+        client = req.envelope[0]
+        ids = self.by_client.get(client)
+        if ids is None:
+            ids = self.by_client[client] = {}
+        held = ids.get(req.id)
+        if held is None:
+            ids[req.id] = req
+        elif isinstance(held, list):
+            held.append(req)
+        else:
+            ids[req.id] = [held, req]
+
+    def unindex(self, req: QueuedRequest) -> None:
+        client = req.envelope[0]
+        ids = self.by_client[client]
+        held = ids[req.id]
+        if held is req:
+            del ids[req.id]
+            if not ids:
+                del self.by_client[client]
+        else:
+            assert isinstance(held, list)
+            held.remove(req)
+            if len(held) == 1:
+                ids[req.id] = held[0]
+
+    def find(self, client: bytes, req_id: object) -> list[QueuedRequest]:
+        """The queued requests that `client` sent with this id."""
+        held = self.by_client.get(client, {}).get(req_id)
+        if held is None:
+            return []
+        return list(held) if isinstance(held, list) else [held]
 
 
 def _heap_first(entry: tuple[float, float, int, QueuedRequest], fifo_seq: int) -> bool:
@@ -346,7 +413,8 @@ class Scheduler:
             mq.size += 1
         else:
             self._push(mq, request)
-        mq.arrivals.append(request)
+            mq.heap_arrivals.append(request)
+        mq.index(request)
         mq.rate.arrive(request.arrived_at)
 
     def requeue(self, model: str, requests: list[QueuedRequest], count_attempt: bool = True) -> None:
@@ -358,10 +426,11 @@ class Scheduler:
             req.state = QUEUED
             req.attempts += count_attempt
             self._push(mq, req)
-        # Rebuild the arrival order (rare: only after a worker failure), since requests
-        # older than the requeued ones may still be queued.
-        queued = {id(r): r for r in [*requests, *mq.arrivals] if r.state == QUEUED}
-        mq.arrivals = deque(sorted(queued.values(), key=lambda r: r.seq))
+            mq.index(req)
+        # Rebuild the heap lane's arrival order (rare: only after a worker failure), since
+        # requests older than the requeued ones may still be queued there.
+        queued = {id(r): r for r in [*requests, *mq.heap_arrivals] if r.state == QUEUED}
+        mq.heap_arrivals = deque(sorted(queued.values(), key=lambda r: r.seq))
 
     @staticmethod
     def _push(mq: ModelQueue, req: QueuedRequest) -> None:
@@ -385,13 +454,22 @@ class Scheduler:
                 out.append((name, req))
         return out
 
+    def cancel_id(self, client: bytes, req_id: object) -> list[tuple[str, QueuedRequest]]:
+        """Remove the queued requests that `client` (the first envelope frame) sent with
+        `req_id`; a look-up, whatever the queue's length. Requests in a batch stay."""
+        out = []
+        for name, mq in self._models.items():
+            for req in mq.find(client, req_id):
+                mq.discard(req)
+                out.append((name, req))
+        return out
+
     def expire(self, now: float) -> list[tuple[str, QueuedRequest]]:
         """Remove and return the queued requests whose deadline is at or before `now`."""
         out = []
         for name, mq in self._models.items():
-            dl = mq.deadlines
-            while dl and (dl[0][2].state != QUEUED or dl[0][0] <= now):
-                _, _, req = heapq.heappop(dl)
+            while mq.deadlines and (mq.deadlines[0][2].state != QUEUED or mq.deadlines[0][0] <= now):
+                _, _, req = heapq.heappop(mq.deadlines)  # (discard may rebuild the list)
                 if req.state == QUEUED:
                     mq.discard(req)
                     out.append((name, req))
@@ -499,7 +577,7 @@ class Scheduler:
         gap = self._fill_time_if_load_needs_bigger_batches(mq, now)
         if gap is None:
             gap = self._gap_if_waiting_pays(mq, len(idle), now)
-        if gap is None:
+        if gap is None or now + gap <= now:  # a wait too short to tell from now is none
             return min(idle, key=_least_recently_used)
         mq.recheck_at = now + gap  # no arrival by then: the rate estimate has dropped
         return None
@@ -522,14 +600,14 @@ class Scheduler:
         if rate <= 0 or workers == 0 or rate * (a + b) <= workers * HEAVY_LOAD:
             return None
         headroom = workers * TARGET_BUSY - rate * b
-        target = (
-            mq.settings.max_batch_size
-            if headroom <= 0
-            else min(mq.settings.max_batch_size, rate * a / headroom)
-        )
-        if mq.size >= target:
+        size = mq.settings.max_batch_size
+        if headroom > 0:
+            # A whole number of requests: waiting for a fraction of one would recheck ever
+            # sooner as the rate estimate decays toward the target, and never dispatch.
+            size = min(size, math.ceil(rate * a / headroom))
+        if mq.size >= size:
             return None
-        return (target - mq.size) / rate
+        return (size - mq.size) / rate
 
     def _gap_if_waiting_pays(self, mq: ModelQueue, idle_workers: int, now: float) -> float | None:
         """The expected time to the next arrival if holding the queue for it lowers the
@@ -561,6 +639,7 @@ class Scheduler:
         requests = [mq.pop() for _ in range(n)]
         for r in requests:
             r.state = DISPATCHED
+        mq.compact()
         start = max(now, worker.busy_until())
         batch = Batch(self._next_batch_id, name, worker.worker_id, requests, now)
         batch.expected_done_at = start + mq.cost.predict(n)

@@ -1,13 +1,16 @@
-"""CurveZMQ encryption and client authentication, with pyzmq's own tools.
+"""CurveZMQ encryption and peer authentication, with pyzmq's own tools.
 
 Keys are zmq.auth certificate files (`batcher keygen DIR` writes NAME.key and
-NAME.key_secret). A broker given its secret key file encrypts both of its sockets;
-given a directory of public keys, it admits only those peers (clients and workers),
-through zmq.auth's ZAP authenticator, and logs each refusal.
+NAME.key_secret). A broker given its secret key file encrypts both of its sockets.
+Authentication has two roles, because a worker sees every request it is sent and
+answers for the model: `--curve-clients DIR` lists who may use the frontend,
+`--curve-workers DIR` who may serve on the backend. Each socket has a ZAP domain of
+its own, checked by zmq.auth's ThreadAuthenticator, and each refusal is logged.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 from dataclasses import dataclass
@@ -18,6 +21,13 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 log = logging.getLogger("batcher.security")
+
+#: ZAP domains of the broker's two sockets: the authenticator tells them apart by these.
+FRONTEND_DOMAIN = "frontend"
+BACKEND_DOMAIN = "backend"
+#: Refused keys remembered (to log each once); past this, refusals of new keys go to DEBUG,
+#: so a peer making up keys can grow neither the log nor the broker's memory.
+MAX_REMEMBERED_REFUSALS = 1024
 
 
 class KeyFileError(ValueError):
@@ -54,55 +64,126 @@ def load_public_key(path: str) -> bytes:
 
 @dataclass(frozen=True)
 class CurveServerKeys:
-    """The broker's side: its key pair and, optionally, the allow-list directory."""
+    """The broker's side: its key pair and the allow-list directories of the two roles.
+
+    Without either directory CURVE only encrypts. With `clients_dir` alone the backend
+    admits only the broker's own key (`serve`'s workers): authenticated clients behind
+    a backend anyone may serve from would gain nothing. With `workers_dir` alone the
+    frontend stays open to any key (encrypted, not authenticated)."""
 
     secret_key_file: str
     clients_dir: str | None = None
+    workers_dir: str | None = None
 
 
-class _AllowList:
-    """zmq.auth credentials provider: admits the listed keys, logs every refusal."""
+def load_allow_list(directory: str, option: str) -> set[bytes]:
+    """The public keys (*.key) of an allow-list directory. Secret keys found there are
+    reported: an allow-list is copied to the broker's host, a secret key must not be."""
+    if not os.path.isdir(directory):
+        raise KeyFileError(f"{option} {directory} is not a directory")
+    try:
+        keys = set(zmq.auth.load_certificates(directory))
+    except (OSError, ValueError) as exc:
+        raise KeyFileError(f"cannot load the keys of {option} {directory}: {exc}") from None
+    pattern = os.path.join(glob.escape(directory), "*.key_secret")
+    secrets = sorted(os.path.basename(p) for p in glob.glob(pattern))
+    if secrets:
+        log.warning(
+            "%s %s holds secret key files (%s): an allow-list needs public keys (.key) only; "
+            "keep each secret key on its own host",
+            option,
+            directory,
+            ", ".join(secrets),
+        )
+    return keys
 
-    def __init__(self, allowed: set[bytes]) -> None:
-        self.allowed = allowed
+
+class _RoleCheck:
+    """zmq.auth credentials provider for one socket: admits its own role's keys and the
+    broker's, and logs each refused key once at WARNING (then at DEBUG), naming the other
+    role when the key belongs to it, since that is a mistake worth spelling out."""
+
+    def __init__(
+        self,
+        side: str,
+        allowed: set[bytes] | None,
+        own_option: str,
+        other: set[bytes],
+        other_role: str,
+    ) -> None:
+        self.side = side
+        self.allowed = allowed  # None: any key (encryption only)
+        self.own_option = own_option
+        self.other = other
+        self.other_role = other_role
         self.refused: set[bytes] = set()
 
     def callback(self, domain: str, key: bytes) -> bool:
-        if key in self.allowed:
+        if self.allowed is None or key in self.allowed:
             return True
         # A refused peer retries its handshake on every reconnect: one warning per key.
         level = logging.DEBUG if key in self.refused else logging.WARNING
-        self.refused.add(key)
-        log.log(level, "refused a connection: public key %s is not in the allow-list", key.decode())
+        if len(self.refused) < MAX_REMEMBERED_REFUSALS:
+            self.refused.add(key)
+        elif key not in self.refused:
+            level = logging.DEBUG
+        if key in self.other:
+            why = f"key {key.decode()} is a {self.other_role} key, not in {self.own_option}"
+        else:
+            why = f"public key {key.decode()} is not in {self.own_option}"
+        log.log(level, "refused a connection on the %s: %s", self.side, why)
         return False
 
 
 def secure_server(
-    ctx: zmq.Context[Any], sockets: list[zmq.Socket[Any]], keys: CurveServerKeys
+    ctx: zmq.Context[Any], keys: CurveServerKeys, frontend: zmq.Socket[Any], backend: zmq.Socket[Any]
 ) -> ThreadAuthenticator | None:
-    """Make `sockets` CURVE servers (before they bind). With an allow-list, start the
-    authenticator; the broker's own public key is allowed too, for `serve`'s workers."""
+    """Make both sockets CURVE servers with ZAP domains of their own (before they bind).
+    With an allow-list, start the authenticator, which checks each socket against its
+    role's list; the broker's own public key is admitted on both (`serve`'s workers,
+    `bench --spawn`)."""
     public, secret = load_keypair(keys.secret_key_file)
-    for sock in sockets:
+    for sock, domain in ((frontend, FRONTEND_DOMAIN), (backend, BACKEND_DOMAIN)):
         sock.curve_secretkey = secret
         sock.curve_publickey = public
         sock.curve_server = True
-    if keys.clients_dir is None:
+        sock.zap_domain = domain.encode()
+    if keys.clients_dir is None and keys.workers_dir is None:
         return None
-    if not os.path.isdir(keys.clients_dir):
-        raise KeyFileError(f"--curve-clients {keys.clients_dir} is not a directory")
-    allowed = set(zmq.auth.load_certificates(keys.clients_dir)) | {public}
+    clients = load_allow_list(keys.clients_dir, "--curve-clients") if keys.clients_dir else set()
+    workers = load_allow_list(keys.workers_dir, "--curve-workers") if keys.workers_dir else set()
+    both = sorted(k.decode() for k in clients & workers)
+    if both:
+        log.warning(
+            "%d keys are in both --curve-clients and --curve-workers, so admitted as either: %s",
+            len(both),
+            ", ".join(both[:5]) + (", ..." if len(both) > 5 else ""),
+        )
+    if keys.clients_dir:
+        front_allowed: set[bytes] | None = clients | {public}
+        front_says = f"{len(clients)} client keys from {keys.clients_dir}"
+    else:
+        front_allowed, front_says = None, "any key (no --curve-clients)"
+    # Without --curve-workers but with --curve-clients, only the broker's own key may serve.
+    back_says = (
+        f"{len(workers)} worker keys from {keys.workers_dir}"
+        if keys.workers_dir
+        else "only the broker's own key (no --curve-workers)"
+    )
+    front = _RoleCheck("frontend", front_allowed, "--curve-clients", workers - clients, "worker")
+    back = _RoleCheck("backend", workers | {public}, "--curve-workers", clients - workers, "client")
     auth = ThreadAuthenticator(ctx, log=logging.getLogger("batcher.zap"))
     auth.start()
-    auth.configure_curve_callback(domain="*", credentials_provider=_AllowList(allowed))
-    log.info("CURVE on; %d public keys allowed from %s", len(allowed) - 1, keys.clients_dir)
+    auth.configure_curve_callback(domain=FRONTEND_DOMAIN, credentials_provider=front)
+    auth.configure_curve_callback(domain=BACKEND_DOMAIN, credentials_provider=back)
+    log.info("CURVE on; frontend admits %s; backend admits %s", front_says, back_says)
     return auth
 
 
 def secure_client(sock: zmq.Socket[Any], server_key_file: str, secret_key_file: str | None) -> None:
     """Make `sock` a CURVE client of the server whose public key is in `server_key_file`
     (before it connects). Without a key pair of its own it uses a throwaway one, which
-    only a broker without an allow-list admits."""
+    only a broker without an allow-list for that socket admits."""
     sock.curve_serverkey = load_public_key(server_key_file)
     if secret_key_file:
         public, secret = load_keypair(secret_key_file)

@@ -11,9 +11,34 @@ import contextlib
 import logging
 import signal
 import socket
+from collections.abc import Iterator
 from types import FrameType
 
 log = logging.getLogger("batcher")
+
+#: The signals that ask a batcher process to stop (drain first, then exit).
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Block SIGINT/SIGTERM in this thread for the duration (none is lost: a pending one is
+    delivered on leaving). A child started meanwhile inherits the block through exec, so
+    a signal sent to the whole process group while it starts waits for it to decide what
+    to do with it instead of killing it (see `workers.worker.run_worker`)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def ignore_stop_signals() -> None:
+    """SIGINT and SIGTERM ignored, then unblocked (a pending one is discarded): for a
+    process whose parent decides when it stops."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 class StopSignals:
@@ -31,9 +56,11 @@ class StopSignals:
         return self._r.fileno()
 
     def install(self) -> StopSignals:
-        """Route SIGINT and SIGTERM to this object (main thread only)."""
+        """Route SIGINT and SIGTERM to this object (main thread only), and unblock them in
+        case they were inherited blocked (see `stop_signals_blocked`)."""
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         return self
 
     def trigger(self) -> None:

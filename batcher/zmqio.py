@@ -45,3 +45,25 @@ def recv_frames(sock: zmq.Socket[Any]) -> list[bytes]:
     while _get(sock, _RCVMORE):
         parts.append(_recv(sock, _LAST))
     return parts
+
+
+def recv_bounded(sock: zmq.Socket[Any], max_frames: int, max_bytes: int) -> tuple[list[bytes], bool]:
+    """Receive one whole message, keeping at most `max_frames` frames and stopping to
+    copy once the frames after the first (the routing id a ROUTER adds) pass `max_bytes`
+    in all; returns (frames kept, whether the message was within both limits). The rest
+    of an oversized message is received without a copy and dropped at once.
+
+    libzmq's MAXMSGSIZE limits each frame only, and libzmq assembles a multipart message
+    whole before it is delivered, so this is where a message's total is bounded.
+    """
+    parts: list[bytes] = [_recv(sock, _LAST)]
+    total = 0
+    while _get(sock, _RCVMORE):
+        if len(parts) >= max_frames or total > max_bytes:
+            while _get(sock, _RCVMORE):
+                _recv(sock, _LAST, False)  # a zmq.Frame, freed right away: no copy made
+            return parts, False
+        part = _recv(sock, _LAST)
+        parts.append(part)
+        total += len(part)
+    return parts, total <= max_bytes

@@ -22,10 +22,20 @@ from typing import Any
 import psutil
 import pytest
 import zmq
+from hypothesis import settings
 
 from batcher.client import Client
 from batcher.launcher import ServeProcess
 from workers.supervisor import child_environment
+
+# Hypothesis profiles. "dev" (the default) draws fresh examples on every run, so local runs
+# keep searching; "ci" is derandomized, so a CI run can never go red on a new draw (it is
+# chosen when CI is set); "search" is benchmarks/property_search.py's, with many more
+# examples per seed. Tests do not set max_examples themselves, so a profile decides.
+settings.register_profile("dev", max_examples=150, deadline=None)
+settings.register_profile("ci", max_examples=150, deadline=None, derandomize=True, database=None)
+settings.register_profile("search", max_examples=1500, deadline=None, database=None)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")  # --hypothesis-profile overrides
 
 #: Process groups started by the fixtures of the current test; checked after each test.
 _GROUPS: set[int] = set()

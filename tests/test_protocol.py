@@ -7,7 +7,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from batcher import protocol
@@ -231,7 +231,10 @@ def test_envelope_multi_hop() -> None:
         pytest.param([b"client", b""], [b"client", b""], 0, id="no-body-after-delimiter"),
         pytest.param([b"client", b"", BODY, BODY], [b"client", b""], 2, id="two-bodies-after-delimiter"),
         pytest.param([b"client"], [b"client"], 0, id="only-identity"),
-        pytest.param([b"client", BODY, BODY], [b"client"], 2, id="dealer-two-bodies"),
+        # Without a delimiter, the reply goes on every frame but the last: a proxy routes
+        # that back to its client (a DEALER without delimiter behind zmq.proxy).
+        pytest.param([b"client", BODY, BODY], [b"client", BODY], 2, id="dealer-two-bodies"),
+        pytest.param([b"proxy", b"client", BODY], [b"proxy", b"client"], 2, id="behind-proxy-no-delimiter"),
         pytest.param([b"id1", b"id2", b"", BODY, BODY], [b"id1", b"id2", b""], 2, id="multi-hop-two-bodies"),
         pytest.param([b"id1", b"id2", b""], [b"id1", b"id2", b""], 0, id="multi-hop-no-body"),
     ],
@@ -243,7 +246,7 @@ def test_envelope_wrong_frame_count(frames: list[bytes], envelope: list[bytes], 
     assert isinstance(err, ProtocolError)
     assert err.code == ErrorCode.BAD_REQUEST
     assert err.envelope == envelope
-    assert err.message == f"expected exactly one body frame after the envelope, got {bodies}"
+    assert err.message.startswith(f"expected exactly one body frame after the envelope, got {bodies}")
 
 
 # --- replies -----------------------------------------------------------------------------------
@@ -301,7 +304,6 @@ def test_ok_reply_unencodable_output_raises_and_next_reply_is_intact() -> None:
         max_leaves=10,
     )
 )
-@settings(max_examples=100, deadline=None)
 def test_pack_unpack_round_trip(value: Any) -> None:
     assert protocol.unpack(protocol.pack(value)) == value
 
@@ -349,7 +351,6 @@ def test_reply_frames_split_replies_round_trip() -> None:
 
 
 @given(st.lists(st.binary(max_size=40), max_size=20))
-@settings(max_examples=100, deadline=None)
 def test_split_replies_inverts_reply_frames(replies: list[bytes]) -> None:
     frames = protocol.reply_frames(1, 0.0, replies)
     _, _, lengths, _ = protocol.unpack(frames[2])

@@ -458,9 +458,14 @@ def test_default_settings() -> None:
     [
         ({"max_batch_size": 0}, "max_batch_size must be >= 1, got 0"),
         ({"max_batch_size": -3}, "max_batch_size must be >= 1, got -3"),
-        ({"max_wait_ms": -1}, "max_wait_ms must be >= 0, got -1"),
-        ({"max_wait_ms": -0.5}, "max_wait_ms must be >= 0, got -0.5"),
-        ({"max_wait_ms": math.nan}, "max_wait_ms must be >= 0, got nan"),
+        ({"max_wait_ms": -1}, "max_wait_ms must be a finite number >= 0, got -1"),
+        ({"max_wait_ms": -0.5}, "max_wait_ms must be a finite number >= 0, got -0.5"),
+        ({"max_wait_ms": math.nan}, "max_wait_ms must be a finite number >= 0, got nan"),
+        ({"max_wait_ms": math.inf}, "max_wait_ms must be a finite number >= 0, got inf"),
+        ({"max_wait_ms": True}, "max_wait_ms must be a finite number >= 0, got True"),
+        # Hardening #7: a float size passed validation, then every batch of it raised.
+        ({"batch_sizes": (1, 2.0, 4)}, "batch_sizes must be ints, got [1, 2.0, 4]"),
+        ({"batch_sizes": (1, True, 4)}, "batch_sizes must be ints, got [1, True, 4]"),
     ],
 )
 def test_batch_settings_rejects_bad_values(kwargs: dict[str, object], message: str) -> None:
@@ -619,5 +624,97 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert all(b.worker == wid for b in w.in_flight.values())
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+SchedulerMachine.TestCase.settings = settings(stateful_step_count=40)
 test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+# --- bounded state: nothing outlives its stay in the queue ---------------------------------------
+
+
+@pytest.mark.parametrize("mix", ["plain", "priorities", "deadlines"])
+def test_queue_structures_stay_bounded_while_a_full_batch_always_waits(mix: str) -> None:
+    """Regression (hardening #1): under saturation (a full batch always waiting, every slot
+    busy) the arrival list was only trimmed when the oldest request was looked up, which
+    never happened, so every body ever accepted stayed referenced. Each structure now holds
+    at most twice the queue's length (plus a constant) whatever the mix of requests."""
+    s = sched(size=8, workers=1, slots=1)
+    mq = s.models["m"]
+    rid = itertools.count()
+    t = 0.0
+    for _ in range(2000):
+        for _ in range(8):
+            r = req(t, next(rid))
+            if mix == "priorities":
+                r.priority = r.id % 3  # type: ignore[operator]
+            elif mix == "deadlines":
+                r.deadline_at = t + 3600.0  # never expires here
+            s.enqueue("m", r)
+        if mq.size < 100:  # keep a backlog of about 100: the worker is the bottleneck
+            continue
+        (batch,) = s.due_batches(t)
+        assert s.complete(batch.worker, batch.batch_id, 0.001) is batch
+        s.expire(t)
+        t += 0.001
+    limit = 2 * mq.size + 64
+    assert mq.size >= 90  # a backlog throughout
+    for name in ("fifo", "heap", "heap_arrivals", "deadlines"):
+        assert len(getattr(mq, name)) <= limit, name
+    assert sum(len(ids) for ids in mq.by_client.values()) == mq.size
+
+
+def test_a_drained_queue_keeps_no_request() -> None:
+    s = sched(size=4, workers=1, slots=1)
+    mq = s.models["m"]
+    reqs = [req(0.0) for _ in range(200)]
+    for i, r in enumerate(reqs):
+        r.priority = i % 2
+        r.deadline_at = 50.0 if i % 3 == 0 else None
+        s.enqueue("m", r)
+    s.cancel(lambda r: r.id in {reqs[5].id, reqs[6].id})
+    t = 0.0
+    while mq.size:
+        for batch in s.due_batches(t):
+            s.complete(batch.worker, batch.batch_id, 0.001)
+        t += 0.001
+    assert mq.oldest() is None and mq.earliest_deadline() is None
+    assert not mq.by_client
+    held = [*mq.fifo, *(e[3] for e in mq.heap), *mq.heap_arrivals, *(e[2] for e in mq.deadlines)]
+    assert len(held) <= 64  # what is left is below the compaction threshold, and none queued
+    assert all(r.state != 0 for r in held)
+
+
+# --- cancel by (client, id): a look-up, scoped to its sender -------------------------------------
+
+
+def test_cancel_id_removes_only_that_clients_requests_with_that_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = Scheduler(per_model={"m": BatchSettings(max_batch_size=4), "n": BatchSettings(max_batch_size=4)})
+
+    def mk(client: bytes, req_id: object) -> QueuedRequest:
+        return QueuedRequest(envelope=[client, b""], body=b"\x80", id=req_id, arrived_at=0.0)
+
+    a1, a1_again, a2, b1 = mk(b"a", 1), mk(b"a", 1), mk(b"a", 2), mk(b"b", 1)
+    other_model = mk(b"a", 1)
+    for r in (a1, a1_again, a2, b1):
+        s.enqueue("m", r)
+    s.enqueue("n", other_model)
+
+    def no_scan(self: object) -> None:
+        raise AssertionError("cancel_id scanned the queue")
+
+    monkeypatch.setattr(type(s.models["m"]), "queued", no_scan)
+    got = s.cancel_id(b"a", 1)
+    assert sorted((m, id(r)) for m, r in got) == sorted(
+        [("m", id(a1)), ("m", id(a1_again)), ("n", id(other_model))]
+    )
+    assert s.queued("m") == 2 and s.queued("n") == 0
+    assert s.cancel_id(b"a", 1) == [] and s.cancel_id(b"c", 2) == []
+    assert [r for _, r in s.cancel_id(b"b", 1)] == [b1]
+
+
+def test_cancel_id_leaves_a_dispatched_request_alone() -> None:
+    s = sched(size=1, workers=1, slots=1)
+    r = req(0.0, 7)
+    s.enqueue("m", r)
+    (batch,) = s.due_batches(0.0)
+    assert batch.requests == [r]
+    assert s.cancel_id(r.envelope[0], 7) == []

@@ -2,15 +2,18 @@
 
 Workers are fresh interpreters (subprocesses running `python -m batcher worker`),
 never forks of a process that holds a zmq context. Each gets its GPU id and
-CUDA_VISIBLE_DEVICES before its model loads, and watches its parent so that no
-worker outlives the `serve` that started it.
+CUDA_VISIBLE_DEVICES before its model loads, and a pipe on its stdin whose only
+writer is `serve`: closing it is how `serve` stops a worker (the workers ignore
+SIGINT/SIGTERM, which reach them too when the whole process group is signalled), and
+the kernel closes it when `serve` dies, so no worker outlives the `serve` that
+started it. At most `max_starting` workers start at once, so a large pool does not
+start hundreds of interpreters together.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batcher.protocol import Heartbeat
+from batcher.stopping import stop_signals_blocked
 from workers.models import ModelSpec, SimSettings
 
 log = logging.getLogger("batcher.supervisor")
@@ -35,10 +39,18 @@ class PoolSettings:
     log_level: str = "INFO"
     log_format: str = "text"
     curve_secret_key: str | None = None  # the broker's: its local workers use its key pair
+    max_starting: int | None = None  # worker processes starting at once; None: default_max_starting()
 
     def __post_init__(self) -> None:
         if self.workers_per_model < 0:
             raise ValueError(f"workers must be >= 0, got {self.workers_per_model}")
+        if self.max_starting is not None and self.max_starting < 1:
+            raise ValueError(f"max_starting must be >= 1, got {self.max_starting}")
+
+
+def default_max_starting() -> int:
+    """One starting interpreter per CPU (at least 2, so the default pool starts at once)."""
+    return max(2, os.cpu_count() or 1)
 
 
 #: Exit code of a worker whose model cannot be imported or built.
@@ -49,6 +61,8 @@ EARLY_DEATH_S = 10.0
 MAX_EARLY_DEATHS = 5
 RESPAWN_MIN_S = 0.5
 RESPAWN_MAX_S = 10.0
+#: A worker counts as starting (interpreter, imports) for this long after its process starts.
+STARTING_S = 1.0
 
 
 @dataclass
@@ -57,17 +71,25 @@ class WorkerProcess:
 
     model: str  # the --model spec, NAME=pkg.mod:attr or a plain name
     gpu: int
-    process: subprocess.Popen[bytes] | None
+    process: subprocess.Popen[bytes] | None  # None until first started
     started_at: float = 0.0
     early_deaths: int = 0
     restarts: int = 0
-    respawn_at: float | None = None
+    respawn_at: float | None = None  # when to (re)start it; it waits longer for a free start slot
     given_up: bool = False
 
     @property
     def name(self) -> str:
         """The model name the worker announces (the broker knows models by it)."""
         return ModelSpec.parse(self.model).name
+
+
+def connect_address(bind_address: str) -> str:
+    """The address a local worker connects to for the broker's bind address: a wildcard
+    host (`tcp://*:5556`, every interface) cannot be connected to; loopback can."""
+    if bind_address.startswith("tcp://*:"):
+        return "tcp://127.0.0.1:" + bind_address[len("tcp://*:") :]
+    return bind_address
 
 
 def child_environment(**extra: str) -> dict[str, str]:
@@ -95,7 +117,7 @@ class Supervisor:
             "batcher",
             "worker",
             "--connect",
-            s.backend,
+            connect_address(s.backend),
             "--model",
             model,
             "--gpu",
@@ -120,22 +142,53 @@ class Supervisor:
             else []
         )
 
-    def start(self) -> None:
-        """Start every worker; worker i gets GPU id i."""
+    @property
+    def max_starting(self) -> int:
+        return self.settings.max_starting or default_max_starting()
+
+    def start(self, now: float | None = None) -> None:
+        """Start the workers (worker i gets GPU id i): `max_starting` now, the others from
+        `check` as those have been up for STARTING_S."""
+        now = time.monotonic() if now is None else now
         gpu = 0
         for model in self.settings.models:
             for _ in range(self.settings.workers_per_model):
-                w = WorkerProcess(model, gpu, None)
-                self._spawn(w)
-                self.workers.append(w)
+                self.workers.append(WorkerProcess(model, gpu, None, respawn_at=now))
                 gpu += 1
+        self._start_due(now)
 
-    def _spawn(self, w: WorkerProcess) -> None:
+    def starting(self, now: float) -> int:
+        """Worker processes started less than STARTING_S ago and still running."""
+        return sum(
+            1
+            for w in self.workers
+            if w.process is not None and now - w.started_at < STARTING_S and w.process.poll() is None
+        )
+
+    def _start_due(self, now: float) -> None:
+        """Start the workers whose time has come, oldest due first, while start slots are free."""
+        due = sorted(
+            (w for w in self.workers if not w.given_up and w.respawn_at is not None and w.respawn_at <= now),
+            key=lambda w: (w.respawn_at, w.gpu),
+        )
+        free = self.max_starting - self.starting(now)
+        for w in due[: max(0, free)]:
+            restart = w.process is not None
+            self._spawn(w, now)
+            if restart:
+                w.restarts += 1
+                self.on_event(w.name, "respawned")
+
+    def _spawn(self, w: WorkerProcess, now: float) -> None:
+        if w.process is not None and w.process.stdin is not None:
+            w.process.stdin.close()  # the dead predecessor's pipe
         env = child_environment(CUDA_VISIBLE_DEVICES=str(w.gpu))
-        # Same process group as `serve` (so killing the group leaves nothing behind); the
-        # worker ignores SIGINT, so a terminal's Ctrl-C lets `serve` drain first.
-        w.process = subprocess.Popen(self.command(w.model, w.gpu), env=env)
-        w.started_at = time.monotonic()
+        # Same process group as `serve` (so SIGKILL to the group leaves nothing behind).
+        # The worker ignores SIGINT/SIGTERM; it starts with them blocked, so one sent to
+        # the group before it could ignore them waits instead of killing it.
+        with stop_signals_blocked():
+            w.process = subprocess.Popen(self.command(w.model, w.gpu), env=env, stdin=subprocess.PIPE)
+        w.started_at = now
         w.respawn_at = None
         log.info("started worker for model %s on gpu %d (pid %d)", w.model, w.gpu, w.process.pid)
 
@@ -145,18 +198,11 @@ class Supervisor:
         return bool(mine) and all(w.given_up for w in mine)
 
     def check(self, now: float) -> None:
-        """Respawn dead workers with back-off; give up on one that keeps dying at start-up.
-        Called from the broker's loop (its timer heap), so it never blocks."""
+        """Respawn dead workers with back-off; give up on one that keeps dying at start-up;
+        start the workers waiting for a start slot. Called from the broker's loop (its
+        timer heap, also while it drains), so it never blocks."""
         for w in self.workers:
-            if w.given_up:
-                continue
-            if w.respawn_at is not None:
-                if now >= w.respawn_at:
-                    w.restarts += 1
-                    self._spawn(w)
-                    self.on_event(w.name, "respawned")
-                continue
-            if w.process is None or w.process.poll() is None:
+            if w.given_up or w.respawn_at is not None or w.process is None or w.process.poll() is None:
                 continue
             code = w.process.returncode
             lived_s = now - w.started_at
@@ -191,14 +237,15 @@ class Supervisor:
                 lived_s,
                 delay,
             )
+        self._start_due(now)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """SIGTERM every worker (each finishes its batch), SIGKILL those still up after
-        `timeout_s`, and reap them all."""
+        """Close every worker's pipe (each finishes its batch and exits), SIGKILL those
+        still up after `timeout_s`, and reap them all."""
         procs = [w.process for w in self.workers if w.process is not None]
         for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+            if p.stdin is not None:
+                p.stdin.close()
         deadline = time.monotonic() + timeout_s
         for p in procs:
             try:

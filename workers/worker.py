@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import socket
+import stat
 import threading
 import time
 from collections import deque
@@ -23,7 +24,7 @@ import zmq
 from batcher import protocol
 from batcher.protocol import ErrorCode, Heartbeat
 from batcher.security import secure_client
-from batcher.stopping import StopSignals
+from batcher.stopping import StopSignals, ignore_stop_signals
 from batcher.zmqio import recv_frames, send_frames
 from workers.models import ModelFn, ModelSpec, SimSettings, load_model
 
@@ -32,6 +33,8 @@ log = logging.getLogger("batcher.worker")
 #: Back-off between attempts to reach a broker that stopped answering (seconds).
 RECONNECT_MIN_S = 0.25
 RECONNECT_MAX_S = 8.0
+#: Exit code of a worker given an address it cannot connect to (sysexits.h EX_USAGE).
+EXIT_BAD_ADDRESS = 64
 
 
 @dataclass(frozen=True)
@@ -53,15 +56,63 @@ class WorkerSettings:
             raise ValueError(f"gpu must be >= 0, got {self.gpu}")
 
 
+class MalformedBatch(ValueError):
+    """A BATCH message the worker cannot run. `batch_id` is None when even the header is
+    unreadable: then there is nobody to answer, and the batch is dropped."""
+
+    def __init__(self, message: str, batch_id: int | None) -> None:
+        super().__init__(message)
+        self.batch_id = batch_id
+
+
+def _decode_header(header_frame: bytes) -> tuple[int, list[Any] | None]:
+    """(batch id, queue_ms list or None when unusable) from a BATCH header; MalformedBatch
+    without an id when no integer batch id can be read."""
+    try:
+        header = protocol.unpack(header_frame)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise MalformedBatch(f"header is not msgpack: {type(exc).__name__}: {exc}", None) from None
+    if not isinstance(header, list) or not header or type(header[0]) is not int:
+        raise MalformedBatch(f"header must be [batch_id, queue_ms], got {_clip(header)}", None)
+    queue_ms = header[1] if len(header) > 1 and isinstance(header[1], list) else None
+    return header[0], queue_ms
+
+
+def _decode_requests(batch_id: int, batch_frame: bytes) -> list[dict[str, Any]]:
+    try:
+        requests = protocol.unpack(batch_frame)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise MalformedBatch(f"body is not msgpack: {type(exc).__name__}: {exc}", batch_id) from None
+    if not isinstance(requests, list) or not all(isinstance(r, dict) for r in requests):
+        raise MalformedBatch(f"body must be an array of request maps, got {_clip(requests)}", batch_id)
+    return requests
+
+
+def _clip(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _request_id(request: dict[str, Any]) -> int | str | None:
+    """The id to answer with: the broker only forwards int and str ids."""
+    req_id = request.get("id")
+    return req_id if isinstance(req_id, protocol.ID_TYPES) and not isinstance(req_id, bool) else None
+
+
 def run_batch(model: ModelFn, header_frame: bytes, batch_frame: bytes, worker_name: str) -> list[bytes]:
     """Run one BATCH message through the model; returns the REPLY frames.
 
     Whatever the model does, every request of the batch gets a reply: its output, or
     `model_error` for all of them when the model raises or returns the wrong count.
+    Raises MalformedBatch for a message that cannot be run (see `_run_safely`).
     """
-    batch_id, queue_ms = protocol.unpack(header_frame)
-    requests: list[dict[str, Any]] = protocol.unpack(batch_frame)
+    batch_id, queue_ms = _decode_header(header_frame)
+    requests = _decode_requests(batch_id, batch_frame)
     n = len(requests)
+    if queue_ms is None or len(queue_ms) != n:
+        # Only metadata: the requests themselves are fine, so they are answered.
+        log.warning("batch %d: queue_ms does not match its %d requests; replying without it", batch_id, n)
+        queue_ms = [None] * n
     t0 = time.perf_counter()
     try:
         outputs = model([r.get("input") for r in requests])
@@ -72,19 +123,22 @@ def run_batch(model: ModelFn, header_frame: bytes, batch_frame: bytes, worker_na
         infer_ms = (time.perf_counter() - t0) * 1000.0
         message = f"{type(exc).__name__}: {exc}"
         log.warning("model raised on a batch of %d: %s", n, message)
-        replies = [protocol.error_reply(r.get("id"), ErrorCode.MODEL_ERROR, message) for r in requests]
+        replies = [protocol.error_reply(_request_id(r), ErrorCode.MODEL_ERROR, message) for r in requests]
         return protocol.reply_frames(batch_id, infer_ms, replies, errors=n)
     infer_ms = round((time.perf_counter() - t0) * 1000.0, 3)
     replies = []
     errors = 0
     for r, out, q in zip(requests, outputs, queue_ms, strict=True):
+        if not isinstance(q, int | float) or isinstance(q, bool):
+            q = None  # forwarded to the client: only a number from the broker
         meta = {"batch_size": n, "worker": worker_name, "queue_ms": q, "infer_ms": infer_ms}
+        req_id = _request_id(r)
         try:
-            replies.append(protocol.ok_reply(r.get("id"), out, meta))
+            replies.append(protocol.ok_reply(req_id, out, meta))
         except (TypeError, ValueError, OverflowError) as exc:
             errors += 1
             replies.append(
-                protocol.error_reply(r.get("id"), ErrorCode.MODEL_ERROR, f"output cannot be encoded: {exc}")
+                protocol.error_reply(req_id, ErrorCode.MODEL_ERROR, f"output cannot be encoded: {exc}")
             )
     return protocol.reply_frames(batch_id, infer_ms, replies, errors)
 
@@ -96,10 +150,23 @@ class Worker:
     another thread on the hot path). The socket belongs to whichever thread holds
     `_socket_lock`: the main thread, except while the model runs, when a small thread
     may take it to send heartbeats, so a worker in a long batch is not taken for dead.
+
+    Told to stop by SIGINT/SIGTERM (`signals`), or, for a worker of `serve`, by end of
+    file on `control_fd`: the read end of a pipe whose only writer is `serve`, which
+    closes it to stop the worker, and which the kernel closes when `serve` dies.
     """
 
-    def __init__(self, settings: WorkerSettings, context: zmq.Context[Any] | None = None) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        context: zmq.Context[Any] | None = None,
+        control_fd: int | None = None,
+    ) -> None:
         self.settings = settings
+        self.control_fd = control_fd
+        self._released = False  # end of file on control_fd
+        if control_fd is not None:
+            os.set_blocking(control_fd, False)
         self.spec = ModelSpec.parse(settings.model)
         gpu = settings.gpu
         self.name = f"{socket.gethostname()}/gpu{gpu if gpu is not None else '-'}/{os.getpid()}"
@@ -123,8 +190,27 @@ class Worker:
         self.model = load_model(self.spec, self.settings.gpu, self.settings.sim)
         log.info("model %s loaded (%s) on gpu %s", self.spec.name, self.spec.target, self.settings.gpu)
 
+    def check_address(self) -> None:
+        """Raise ValueError, with a one-line reason, if the broker's address (or the CURVE
+        key files) cannot be used: checked before the model loads, on a throwaway socket,
+        so a typo fails at once rather than after a long load."""
+        sock: zmq.Socket[Any] = self.ctx.socket(zmq.DEALER)
+        try:
+            if self.settings.curve_server_key:
+                secure_client(sock, self.settings.curve_server_key, self.settings.curve_secret_key)
+            sock.connect(self.settings.connect)
+        except zmq.ZMQError as exc:
+            why = zmq.strerror(exc.errno) if exc.errno else str(exc)  # str(exc) repeats the address
+            raise ValueError(f"cannot connect to {self.settings.connect!r}: {why}") from None
+        finally:
+            sock.close(linger=0)
+
+    def stop_requested(self) -> bool:
+        """Whether a signal, serve (closing our pipe) or our parent's death says stop."""
+        return bool(self.signals.count) or self._read_control() or not self._parent_alive()
+
     def run(self) -> None:
-        """Serve until SIGINT/SIGTERM (after finishing the batch at hand) or the parent dies."""
+        """Serve until told to stop (see the class), finishing the batch at hand first."""
         if self.model is None:
             self.load()
         beat = threading.Thread(target=self._beat_while_in_model, name="heartbeat", daemon=True)
@@ -143,11 +229,16 @@ class Worker:
     def _serve(self) -> None:
         hb = self.settings.heartbeat
         self._poller.register(self.signals.fd, zmq.POLLIN)
+        if self.control_fd is not None:
+            self._poller.register(self.control_fd, zmq.POLLIN)
+        if self.stop_requested():  # e.g. serve stopped while the model was loading
+            log.info("worker %s stopping before it connected", self.name)
+            return
         self._connect()
         now = time.monotonic()
         next_beat, heard_at = now + hb.interval_s, now
         backoff_s, reconnect_at = RECONNECT_MIN_S, None
-        while self._parent_alive() and not self.signals.count:
+        while not self.stop_requested():
             wake = next_beat if reconnect_at is None else min(next_beat, reconnect_at)
             events = dict(self._poller.poll(max(0, math.ceil((wake - time.monotonic()) * 1000))))
             now = time.monotonic()
@@ -155,6 +246,8 @@ class Worker:
                 heard_at, backoff_s = now, RECONNECT_MIN_S
             if self.signals.fd in events:
                 self.signals.clear()
+            if self.control_fd is not None and self.control_fd in events and self._read_control():
+                break
             if self._pending:
                 self._run_pending()
                 continue  # poll again first: what the broker sent meanwhile is news of it
@@ -170,15 +263,19 @@ class Worker:
                 next_beat = now + hb.interval_s
         if self.signals.count:
             log.info("worker %s stopping", self.name)
+        elif self._released:
+            log.info("worker %s stopping: serve closed its pipe (it stopped, or died)", self.name)
+        elif not self._parent_alive():
+            log.info("worker %s stopping: its parent is gone", self.name)
         if self._sock is not None:
             # Batches received but not run go back to the broker's queue when it reads this.
             send_frames(self._sock, [protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
 
     def _run_pending(self) -> None:
         """Run the batches received so far, in order, answering each on its connection;
-        a stop signal lets the batch at hand finish and leaves the rest to the broker."""
+        a stop lets the batch at hand finish and leaves the rest to the broker."""
         assert self.model is not None
-        while self._pending and not self.signals.count and self._sock is not None:
+        while self._pending and self._sock is not None and not self.stop_requested():
             frames = self._pending.popleft()
             self._in_model = True
             self._socket_lock.release()  # the heartbeat thread may use the socket meanwhile
@@ -187,8 +284,23 @@ class Worker:
             finally:
                 self._socket_lock.acquire()
                 self._in_model = False
-            self.batches += 1
-            send_frames(self._sock, reply)
+            if reply is not None:
+                self.batches += 1
+                send_frames(self._sock, reply)
+
+    def _read_control(self) -> bool:
+        """Read what is in serve's pipe (nothing is expected); returns whether it reached
+        end of file, i.e. serve closed it or died: time to stop."""
+        fd = self.control_fd
+        while fd is not None and not self._released:
+            try:
+                if not os.read(fd, 4096):
+                    self._released = True
+            except BlockingIOError:
+                break
+            except OSError:  # not readable any more: as good as closed
+                self._released = True
+        return self._released
 
     def _beat_while_in_model(self) -> None:
         """Heartbeat while the main thread is inside the model and cannot."""
@@ -203,11 +315,15 @@ class Worker:
     def _connect(self) -> None:
         """A fresh DEALER (and so a fresh identity at the broker), announced with READY."""
         sock: zmq.Socket[Any] = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.settings.curve_server_key:
-            secure_client(sock, self.settings.curve_server_key, self.settings.curve_secret_key)
-        sock.connect(self.settings.connect)
-        send_frames(sock, protocol.ready_frames(self.spec.name, self.settings.gpu, os.getpid()))
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            if self.settings.curve_server_key:
+                secure_client(sock, self.settings.curve_server_key, self.settings.curve_secret_key)
+            sock.connect(self.settings.connect)
+            send_frames(sock, protocol.ready_frames(self.spec.name, self.settings.gpu, os.getpid()))
+        except BaseException:
+            sock.close(linger=0)  # an open socket would block ctx.term() for ever
+            raise
         self._poller.register(sock, zmq.POLLIN)
         self._sock = sock
         self._told_to_reconnect = False
@@ -247,36 +363,75 @@ class Worker:
                 log.warning("ignored broker command %r", frames[1])
 
     def _parent_alive(self) -> bool:
+        """Without a control pipe, a worker given --parent-pid polls for its parent instead."""
         parent = self.settings.parent_pid
-        return parent is None or os.getppid() == parent
+        return parent is None or self.control_fd is not None or os.getppid() == parent
 
 
-def _run_safely(model: ModelFn, header_frame: bytes, batch_frame: bytes, name: str) -> list[bytes]:
+def _run_safely(model: ModelFn, header_frame: bytes, batch_frame: bytes, name: str) -> list[bytes] | None:
+    """run_batch that never raises: a batch whose body cannot be read gets an empty REPLY
+    (the broker fails all its requests); one without a readable batch id is dropped
+    (None: nothing to answer; its broker re-dispatches it when it loses this worker)."""
     try:
         return run_batch(model, header_frame, batch_frame, name)
-    except Exception:
-        # Undecodable batch: an empty REPLY makes the broker fail all its requests.
-        log.exception("could not decode a batch")
-        return protocol.reply_frames(protocol.unpack(header_frame)[0], 0.0, [])
+    except MalformedBatch as exc:
+        if exc.batch_id is None:
+            log.warning("dropped a batch whose header cannot be read: %s", exc)
+            return None
+        log.warning("batch %d cannot be read (%s); failing its requests", exc.batch_id, exc)
+        return protocol.reply_frames(exc.batch_id, 0.0, [])
+    except Exception:  # a bug of ours; the worker goes on, and answers if it can
+        log.exception("could not run a batch")
+        try:
+            return protocol.reply_frames(_decode_header(header_frame)[0], 0.0, [])
+        except MalformedBatch:
+            return None
 
 
 class ModelLoadError(RuntimeError):
     """The model could not be imported or built; the worker cannot start."""
 
 
+def control_pipe(settings: WorkerSettings) -> int | None:
+    """stdin, when this is a worker of `serve` (--parent-pid) and stdin is a pipe: `serve`
+    keeps its write end and closes it to stop us."""
+    if settings.parent_pid is None:
+        return None
+    try:
+        return 0 if stat.S_ISFIFO(os.fstat(0).st_mode) else None
+    except OSError:  # no stdin at all
+        return None
+
+
 def run_worker(settings: WorkerSettings) -> None:
-    """The `batcher worker` body: load, serve, stop cleanly on SIGINT/SIGTERM."""
-    worker = Worker(settings)
+    """The `batcher worker` body: check the address, load, serve, stop cleanly.
+
+    A lone worker stops on SIGINT/SIGTERM. A worker of `serve` ignores both, from before
+    its model loads (they reach it too when the whole process group is signalled, as
+    systemd and a terminal's Ctrl-C do), and stops when `serve`, having drained the
+    broker, closes its pipe, or when `serve` dies. Exits with EXIT_BAD_ADDRESS, after a
+    one-line error, when it cannot connect to the given address at all.
+    """
+    control_fd = control_pipe(settings)
+    if control_fd is not None:
+        ignore_stop_signals()
+    worker = Worker(settings, control_fd=control_fd)
     try:
-        worker.load()
-    except Exception as exc:
-        raise ModelLoadError(f"cannot load model {settings.model!r}: {type(exc).__name__}: {exc}") from exc
-    worker.signals.install()
-    if settings.parent_pid is not None:
-        # Started by `serve`: a terminal's Ctrl-C is for `serve`, which drains the broker
-        # first and then sends us SIGTERM.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
+        try:
+            worker.check_address()
+        except ValueError as exc:
+            log.error("%s", exc)
+            raise SystemExit(EXIT_BAD_ADDRESS) from None
+        try:
+            worker.load()
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            raise ModelLoadError(f"cannot load model {settings.model!r}: {why}") from exc
+        if control_fd is None:
+            worker.signals.install()
+            if settings.parent_pid is not None:
+                # Given --parent-pid without a pipe: a terminal's Ctrl-C is for the parent.
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
         worker.run()
     finally:
         worker.ctx.term()

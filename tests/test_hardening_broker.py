@@ -1,0 +1,360 @@
+"""Regression tests for the broker defects of the hardening issue, through real processes.
+
+Each test is named after the defect it pins: numbers from peers are validated before any
+state changes, a message's total size is bounded, a costly burst cannot starve the timers,
+a worker that keeps leaving cannot bounce a request forever, a DEALER without delimiter
+behind a proxy is answered, and a client learns of a request the broker could not read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import psutil
+import pytest
+import zmq
+
+from batcher import protocol
+from batcher.client import BadRequest, Client, reply_key
+from batcher.launcher import free_tcp_address
+from tests.waiting import broker_stats, wait_until
+
+pytestmark = pytest.mark.integration
+
+W1 = protocol.WORKER_PROTOCOL
+
+
+def pack(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def recv_replies(sock: zmq.Socket[Any], n: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """n decoded replies (the last frame of each message), or fail after timeout_s."""
+    out = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < n:
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        assert left_ms > 0 and sock.poll(left_ms), f"{len(out)} of {n} replies within {timeout_s}s"
+        out.append(unpack(sock.recv_multipart()[-1]))
+    return out
+
+
+def broker(spawn: Callable[..., Any], zctx: zmq.Context[Any], *args: str) -> tuple[str, str]:
+    """`batcher broker` for model m with no worker of its own; returns (frontend, backend)."""
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    spawn("broker", "--frontend", frontend, "--backend", backend, "--model", "m", *args)
+    wait_until(lambda: broker_stats(frontend, zctx), 20, "the broker answers", error=RuntimeError)
+    return frontend, backend
+
+
+class FakeWorker:
+    """A raw DEALER on the backend that announces model m and lets the test answer."""
+
+    def __init__(self, zctx: zmq.Context[Any], backend: str, frontend: str) -> None:
+        self.sock: zmq.Socket[Any] = zctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(backend)
+        self.announce()
+        wait_until(
+            lambda: broker_stats(frontend, zctx).get("models", {}).get("m", {}).get("workers"), 10, "join"
+        )
+
+    def announce(self) -> None:
+        self.sock.send_multipart([W1, protocol.CMD_READY, pack({"model": "m", "gpu": None, "pid": 0})])
+
+    def next_batch(self, timeout_s: float = 10.0) -> tuple[int, list[dict[str, Any]]]:
+        """The next BATCH's id and requests (heartbeats are skipped)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            assert left_ms > 0 and self.sock.poll(left_ms), "no batch"
+            frames = self.sock.recv_multipart()
+            if frames[1] == protocol.CMD_BATCH:
+                return unpack(frames[2])[0], unpack(frames[3])
+
+    def reply(self, header: list[Any], blob: bytes = b"") -> None:
+        self.sock.send_multipart([W1, protocol.CMD_REPLY, pack(header), blob])
+
+
+@pytest.fixture
+def frontend_dealer(zctx: zmq.Context[Any]) -> Callable[[str], zmq.Socket[Any]]:
+    def make(address: str) -> zmq.Socket[Any]:
+        sock: zmq.Socket[Any] = zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        return sock
+
+    return make
+
+
+# --- #5 and #13: a worker's numbers are checked before any state changes -----------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "header"),
+    [
+        ("negative errors", lambda bid, lens: [bid, 1.0, lens, -1]),
+        ("errors above the batch", lambda bid, lens: [bid, 1.0, lens, len(lens) + 1]),
+        ("NaN infer_ms", lambda bid, lens: [bid, math.nan, lens, 0]),
+        ("infinite infer_ms", lambda bid, lens: [bid, math.inf, lens, 0]),
+        ("negative infer_ms", lambda bid, lens: [bid, -5.0, lens, 0]),
+        ("errors not an int", lambda bid, lens: [bid, 1.0, lens, "1"]),
+    ],
+)
+@pytest.mark.parametrize("metrics", [False, True], ids=["no-metrics", "metrics"])
+def test_bad_reply_numbers_fail_only_their_batch_and_every_client_hears(
+    spawn, zctx, frontend_dealer, name, header, metrics
+):
+    args = ["--max-batch-size", "2", "--max-wait-ms", "50", "--policy", "window"]
+    if metrics:
+        args += ["--metrics-port", free_tcp_address().rsplit(":", 1)[1]]
+    frontend, backend = broker(spawn, zctx, *args)
+    worker = FakeWorker(zctx, backend, frontend)
+    client = frontend_dealer(frontend)
+    for i in (1, 2):
+        client.send_multipart([b"", pack({"id": i, "input": i, "model": "m"})])
+    batch_id, requests = worker.next_batch()
+    assert [r["id"] for r in requests] == [1, 2]
+    replies = [protocol.ok_reply(r["id"], r["input"]) for r in requests]
+    worker.reply(header(batch_id, [len(r) for r in replies]), b"".join(replies))
+    got = recv_replies(client, 2)
+    assert sorted(r["id"] for r in got) == [1, 2]
+    assert all(r["error"]["code"] == "worker_failed" for r in got), got
+    st = broker_stats(frontend, zctx)["models"]["m"]
+    assert st["outcomes"] == {"worker_failed": 2}
+    assert st["batches_in_flight"] == 0 and st["workers"] == 1
+    assert all(v is None or math.isfinite(v) for v in (st["infer_ms_p50"], st["infer_ms_p99"]))
+    # The worker serves on: a good reply is delivered.
+    client.send_multipart([b"", pack({"id": 3, "input": 3, "model": "m"})])
+    batch_id, requests = worker.next_batch()
+    reply = protocol.ok_reply(3, 3)
+    worker.reply([batch_id, 1.0, [len(reply)], 0], reply)
+    assert recv_replies(client, 1)[0] == {"id": 3, "ok": True, "output": 3}
+
+
+def test_reply_naming_an_unusable_batch_id_fails_over_instead_of_hanging(spawn, zctx, frontend_dealer):
+    frontend, backend = broker(spawn, zctx, "--max-retries", "1")
+    broken = FakeWorker(zctx, backend, frontend)
+    client = frontend_dealer(frontend)
+    client.send_multipart([b"", pack({"id": "q", "input": 1, "model": "m"})])
+    batch_id, _ = broken.next_batch()
+    broken.reply([[batch_id], 1.0, [1], 0], b"x")  # a list where the batch id goes: unhashable
+    wait_until(
+        lambda: broker_stats(frontend, zctx)["workers_lost"] == 1, 10, "the worker is taken for broken"
+    )
+    good = FakeWorker(zctx, backend, frontend)
+    batch_id, requests = good.next_batch()
+    assert [r["id"] for r in requests] == ["q"]
+    reply = protocol.ok_reply("q", "done")
+    good.reply([batch_id, 1.0, [len(reply)], 0], reply)
+    assert recv_replies(client, 1)[0]["output"] == "done"
+
+
+# --- smaller observation: a worker that keeps leaving --------------------------------------------
+
+
+def test_worker_that_keeps_taking_batches_and_leaving_cannot_bounce_a_request_forever(
+    spawn, zctx, frontend_dealer
+):
+    frontend, backend = broker(spawn, zctx, "--max-retries", "1")
+    worker = FakeWorker(zctx, backend, frontend)
+    client = frontend_dealer(frontend)
+    client.send_multipart([b"", pack({"id": "r", "input": 1, "model": "m"})])
+    poller = zmq.Poller()
+    poller.register(client, zmq.POLLIN)
+    poller.register(worker.sock, zmq.POLLIN)
+    dispatches = 0
+    while True:  # each turn: a batch arrives (or, at last, the client's reply)
+        events = dict(poller.poll(10_000))
+        assert events, "neither a batch nor a reply"
+        if client in events:
+            break
+        worker.next_batch()
+        dispatches += 1
+        assert dispatches <= 3, "dispatched again and again"
+        worker.sock.send_multipart([W1, protocol.CMD_DISCONNECT])
+        worker.announce()
+    (reply,) = recv_replies(client, 1)
+    assert reply["error"]["code"] == "worker_failed"
+    # The first hand-back is free (a graceful stop), the next costs the one retry, the third fails.
+    assert dispatches == 3
+
+
+# --- #2: the limit is on the whole message ------------------------------------------------------
+
+
+def test_message_of_many_frames_under_the_frame_limit_is_refused_as_a_whole(spawn, zctx, frontend_dealer):
+    frontend, _ = broker(spawn, zctx, "--max-message-bytes", str(2**20))
+    sock = frontend_dealer(frontend)
+    sock.send_multipart([b"", *[b"\0" * (600 * 1024)] * 3])  # 1.8 MiB, each frame under 1 MiB
+    (reply,) = recv_replies(sock, 1)
+    assert reply["error"]["code"] == "bad_request"
+    assert "message too large" in reply["error"]["message"] and str(2**20) in reply["error"]["message"]
+    sock.send_multipart([b"", *[b"x"] * 40])  # small, but more frames than any envelope needs
+    (reply,) = recv_replies(sock, 1)
+    assert reply["error"]["message"] == "message too large: more than 32 frames"
+    sock.send_multipart([b"", pack({"id": "after", "op": "stats"})])
+    assert recv_replies(sock, 1)[0]["ok"]
+    assert broker_stats(frontend, zctx)["refused_without_model"] == {"bad_request": 2}
+
+
+# --- #3: a costly burst cannot make live workers look dead ---------------------------------------
+
+
+def test_burst_of_costly_requests_does_not_take_a_live_worker_for_dead(serve, zctx, frontend_dealer):
+    """200 legal requests whose input is a 1 MiB msgpack array of small ints took v1 about
+    2 s to read in one drain, past the workers' 0.6 s liveness here. (Batches of one keep
+    the worker's own decoding, which holds the GIL, well inside that liveness.)"""
+    args = ["--model", "echo", "--workers", "1", "--max-batch-size", "1"]
+    s = serve(*args, "--heartbeat-ms", "200", "--heartbeat-liveness", "3", workers=1)
+    sock = frontend_dealer(s.frontend)
+    ints = list(bytes(range(100))) * 10_000  # 1,000,000 positive fixints: 1 MiB of msgpack
+    for i in range(200):
+        sock.send_multipart([b"", pack({"id": i, "input": ints})])
+    got = recv_replies(sock, 200, timeout_s=120)
+    assert sorted(r["id"] for r in got) == list(range(200))
+    assert all(r["ok"] for r in got), [r["error"] for r in got if not r["ok"]][:3]
+    st = broker_stats(s.frontend, zctx, timeout_s=5)
+    assert st["workers_lost"] == 0 and st["batches_retried"] == 0
+
+
+# --- #9: a DEALER without delimiter behind zmq.proxy --------------------------------------------
+
+
+@pytest.fixture
+def proxy(zctx: zmq.Context[Any]) -> Iterator[Callable[[str], str]]:
+    """A standard zmq.proxy (ROUTER in front, DEALER to the broker) in a thread; its
+    address is returned. Stopped through a capture-less steerable proxy at teardown."""
+    threads: list[tuple[threading.Thread, zmq.Socket[Any]]] = []
+
+    def start(upstream: str) -> str:
+        front: zmq.Socket[Any] = zctx.socket(zmq.ROUTER)
+        back: zmq.Socket[Any] = zctx.socket(zmq.DEALER)
+        control_addr = f"inproc://proxy-control-{len(threads)}"
+        control: zmq.Socket[Any] = zctx.socket(zmq.PAIR)
+        control.bind(control_addr)
+        for sock in (front, back):
+            sock.setsockopt(zmq.LINGER, 0)
+        front.bind("tcp://127.0.0.1:*")
+        back.connect(upstream)
+        address: str = front.getsockopt_string(zmq.LAST_ENDPOINT)
+
+        def run() -> None:
+            peer: zmq.Socket[Any] = zctx.socket(zmq.PAIR)
+            peer.connect(control_addr)
+            try:
+                zmq.proxy_steerable(front, back, None, peer)
+            finally:
+                for sock in (front, back, peer):
+                    sock.close(0)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        threads.append((thread, control))
+        return address
+
+    yield start
+    for thread, control in threads:
+        control.send(b"TERMINATE")
+        thread.join(5)
+        control.close(0)
+
+
+def test_dealer_without_delimiter_behind_a_proxy_gets_a_bad_request_reply(
+    serve, zctx, proxy, frontend_dealer
+):
+    s = serve("--model", "echo", "--workers", "1", workers=1)
+    via = proxy(s.frontend)
+    with_delimiter = frontend_dealer(via)
+    with_delimiter.send_multipart([b"", pack({"id": "d", "input": 1})])
+    assert recv_replies(with_delimiter, 1)[0]["output"] == 1
+    without = frontend_dealer(via)
+    without.send(pack({"id": "n", "input": 1}))
+    (reply,) = recv_replies(without, 1)
+    assert reply["error"]["code"] == "bad_request"
+    assert "send the empty delimiter" in reply["error"]["message"]
+
+
+# --- #11: the id is echoed whenever it can be read, and a nil id still finds its request --------
+
+
+def test_map_with_an_array_key_is_refused_with_its_id_and_the_client_raises_bad_request(serve, zctx):
+    s = serve("--model", "echo", "--workers", "1", workers=1)
+    with Client(s.frontend, timeout_s=20, context=zctx) as c:
+        started = time.monotonic()
+        with pytest.raises(BadRequest) as err:
+            c.request({(1, 2): "x"})
+        assert time.monotonic() - started < 10, "waited for the client timeout"
+        assert "map key that is an array or a map" in err.value.message
+        assert err.value.reply["id"] is not None
+        assert c.request("still fine") == "still fine"
+
+
+def test_bad_request_with_nil_id_answers_the_one_request_in_flight() -> None:
+    nil = {"id": None, "ok": False, "error": {"code": "bad_request", "message": "x"}}
+    assert reply_key(nil, {41: object()}) == 41
+    assert reply_key(nil, {41: object(), 42: object()}) is None  # ambiguous: matched to none
+    assert reply_key({"id": None, "ok": True, "output": 1}, {41: object()}) is None
+    assert reply_key({"id": 42, "ok": False}, {41: object(), 42: object()}) == 42
+
+
+# --- #14 (the broker's part): a busy metrics port is a clean start-up error ----------------------
+
+
+def test_broker_on_a_busy_metrics_port_exits_with_one_line_and_no_traceback(cli):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = [
+            "--frontend",
+            free_tcp_address(),
+            "--backend",
+            free_tcp_address(),
+            "--metrics-port",
+            str(port),
+        ]
+        done = cli("broker", *args)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in done.stderr
+
+
+# --- Done when: memory stays flat over saturation -----------------------------------------------
+
+
+def test_broker_rss_stays_flat_under_saturation_with_and_without_priorities_and_deadlines(tmp_path):
+    """The benchmark of the issue's target, shortened: v1 grew about 17 MB/s here."""
+    out = tmp_path / "saturation.json"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "saturation_memory.py"
+    cmd = [sys.executable, str(script), "--duration-s", "8", "--warmup-s", "3", "--json", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=120)
+    finally:  # on a timeout, the serve it started (a session of its own) goes too
+        for child in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
+            child.kill()
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, output
+    results = json.loads(out.read_text())["results"]
+    assert [r["mix"] for r in results] == ["plain", "mixed"]
+    for r in results:
+        assert r["requests"] > 20_000, r["requests"]  # it really was saturated
+        assert r["growth_mb"] < 10, r
+        assert r["unanswered_after_drain"] == 0
+    assert results[1]["outcomes"].get("deadline_exceeded", 0) > 0  # deadlines did pass in the queue

@@ -1,0 +1,262 @@
+"""CurveZMQ roles (hardening v1): --curve-clients admits on the frontend only,
+--curve-workers on the backend only, so a client's key cannot be used to register as a
+worker and read (and answer) other clients' requests.
+
+Everything runs as real processes: `batcher keygen`, `batcher serve`, `batcher worker`.
+Keys are laid out as docs/deployment.md says: each secret key in a directory of its
+own, the allow-lists holding copies of public keys only.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+import zmq.auth
+
+from batcher.client import BatcherError, Client, ClientTimeout
+from batcher.launcher import free_tcp_address
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+class Keys:
+    """Key pairs made with `batcher keygen`, and allow-list directories of public keys."""
+
+    def __init__(self, root: Path, cli: Callable[..., Any]) -> None:
+        self.root = root
+        self.cli = cli
+
+    def make(self, name: str) -> Path:
+        """A key pair in secrets/NAME/; returns the secret key file."""
+        result = self.cli("keygen", str(self.root / "secrets" / name), "--name", name)
+        assert result.returncode == 0, result.stderr
+        return self.root / "secrets" / name / f"{name}.key_secret"
+
+    def allow(self, listing: str, *names: str) -> Path:
+        """A directory holding copies of the public keys of `names`."""
+        directory = self.root / listing
+        directory.mkdir()
+        for name in names:
+            shutil.copy(self.public_file(name), directory)
+        return directory
+
+    def public_file(self, name: str) -> Path:
+        return self.root / "secrets" / name / f"{name}.key"
+
+    def secret_file(self, name: str) -> Path:
+        return self.root / "secrets" / name / f"{name}.key_secret"
+
+    def z85(self, name: str) -> str:
+        public, _ = zmq.auth.load_certificate(str(self.public_file(name)))
+        return public.decode()
+
+
+@pytest.fixture
+def keys(tmp_path: Path, cli: Callable[..., Any]) -> Keys:
+    k = Keys(tmp_path, cli)
+    for name in ("broker", "alice", "gpuhost", "stranger"):
+        k.make(name)
+    return k
+
+
+def stats_as(
+    frontend: str, keys: Keys, who: str, ctx: zmq.Context[Any], timeout_s: float = 1.0
+) -> dict[str, Any]:
+    """The broker's stats asked over CURVE with `who`'s key pair, or {} if no answer."""
+    with Client(
+        frontend,
+        timeout_s=timeout_s,
+        context=ctx,
+        curve_server_key=str(keys.public_file("broker")),
+        curve_secret_key=str(keys.secret_file(who)),
+    ) as c:
+        try:
+            return dict(c.control("stats"))
+        except BatcherError:
+            return {}
+
+
+def start_serve(spawn: Callable[..., Any], keys: Keys, *allow: str) -> tuple[Any, str, str]:
+    """`batcher serve` with one echo worker, CURVE on and the allow-list options `allow`."""
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    proc = spawn(
+        "serve", "--frontend", frontend, "--backend", backend, "--workers", "1", "--model", "echo",
+        "--heartbeat-ms", "200", "--curve-secret-key", str(keys.secret_file("broker")), *allow,
+    )  # fmt: skip
+    return proc, frontend, backend
+
+
+def start_worker(spawn: Callable[..., Any], keys: Keys, backend: str, who: str) -> Any:
+    """`batcher worker` for echo, connecting to the backend with `who`'s key pair."""
+    return spawn(
+        "worker", "--connect", backend, "--model", "echo", "--gpu", "7", "--heartbeat-ms", "200",
+        "--curve-server-key", str(keys.public_file("broker")),
+        "--curve-secret-key", str(keys.secret_file(who)),
+    )  # fmt: skip
+
+
+def log_lines(proc: Any, text: str) -> list[str]:
+    return [line for line in proc.stderr_path.read_text(errors="replace").splitlines() if text in line]
+
+
+def worker_names(snapshot: dict[str, Any]) -> list[str]:
+    return [w["worker"] for w in snapshot.get("models", {}).get("echo", {}).get("worker_list", [])]
+
+
+def test_curve_client_key_is_refused_as_a_worker_on_the_backend(spawn, keys, zctx):
+    """The defect: a key allowed as a client registered on the backend as an echo worker."""
+    clients = keys.allow("allowed-clients", "alice")
+    workers = keys.allow("allowed-workers", "gpuhost")
+    serve, frontend, backend = start_serve(
+        spawn, keys, "--curve-clients", str(clients), "--curve-workers", str(workers)
+    )
+    wait_until(lambda: stats_as(frontend, keys, "alice", zctx).get("models"), 20, "serve answering alice")
+    impostor = start_worker(spawn, keys, backend, "alice")
+    listed = start_worker(spawn, keys, backend, "gpuhost")
+
+    refusal = (
+        f"refused a connection on the backend: key {keys.z85('alice')} is a client key, "
+        "not in --curve-workers"
+    )
+    wait_until(lambda: log_lines(serve, refusal), 15, "the broker logging the client key refused")
+    # The listed worker key does join (next to serve's own worker, on the broker's key)...
+    snapshot = wait_until(
+        lambda: (
+            (s := stats_as(frontend, keys, "alice", zctx))
+            and any(f"pid{listed.pid}/" in n for n in worker_names(s))
+            and s
+        ),
+        15,
+        "the listed worker joining",
+    )
+    # ...and the impostor never did.
+    assert snapshot["models"]["echo"]["workers"] == 2, worker_names(snapshot)
+    assert not any(f"pid{impostor.pid}/" in n for n in worker_names(snapshot)), worker_names(snapshot)
+    assert len(log_lines(serve, refusal)) == 1, "one warning per refused key, however often it retries"
+
+    # A client key on the frontend works, and its requests are served by admitted workers only.
+    with Client(
+        frontend,
+        timeout_s=10,
+        context=zctx,
+        curve_server_key=str(keys.public_file("broker")),
+        curve_secret_key=str(keys.secret_file("alice")),
+    ) as alice:
+        replies = [p.wait() for p in [alice.submit(i, model="echo") for i in range(20)]]
+    assert [r["output"] for r in replies] == list(range(20)), replies
+    assert not any(r["worker"].endswith(f"/{impostor.pid}") for r in replies), replies
+
+    # A worker key on the frontend is refused, and the log says why.
+    with (
+        Client(
+            frontend,
+            timeout_s=1.0,
+            context=zctx,
+            curve_server_key=str(keys.public_file("broker")),
+            curve_secret_key=str(keys.secret_file("gpuhost")),
+        ) as as_client,
+        pytest.raises(ClientTimeout),
+    ):
+        as_client.request("let me in", model="echo")
+    wrong_side = (
+        f"refused a connection on the frontend: key {keys.z85('gpuhost')} is a worker key, "
+        "not in --curve-clients"
+    )
+    wait_until(lambda: log_lines(serve, wrong_side), 5, "the broker logging the worker key refused")
+
+
+def test_curve_clients_only_admits_no_remote_worker(spawn, keys, zctx):
+    """Only --curve-clients: the backend admits the broker's own key (serve's workers) and
+    nothing else, so authenticated clients never meet an unauthenticated worker."""
+    clients = keys.allow("allowed-clients", "alice")
+    serve, frontend, backend = start_serve(spawn, keys, "--curve-clients", str(clients))
+    # serve's own worker joined through the authenticated backend: it has the broker's key.
+    wait_until(
+        lambda: stats_as(frontend, keys, "alice", zctx).get("models", {}).get("echo", {}).get("workers") == 1,
+        20,
+        "serve's own worker joining",
+    )
+    start_worker(spawn, keys, backend, "alice")
+    start_worker(spawn, keys, backend, "stranger")
+    wait_until(
+        lambda: log_lines(serve, f"backend: key {keys.z85('alice')} is a client key, not in --curve-workers"),
+        15,
+        "the client key refused on the backend",
+    )
+    wait_until(
+        lambda: log_lines(serve, f"backend: public key {keys.z85('stranger')} is not in --curve-workers"),
+        15,
+        "the unlisted key refused on the backend",
+    )
+    assert stats_as(frontend, keys, "alice", zctx, timeout_s=10)["models"]["echo"]["workers"] == 1
+    assert log_lines(serve, "backend admits only the broker's own key (no --curve-workers)")
+
+
+def test_curve_workers_only_leaves_the_frontend_encrypted_but_open(spawn, keys, zctx):
+    """Only --curve-workers: any client with the broker's public key may send requests
+    (encrypted, not authenticated), only listed workers may serve them."""
+    workers = keys.allow("allowed-workers", "gpuhost")
+    serve, frontend, backend = start_serve(spawn, keys, "--curve-workers", str(workers))
+    wait_until(lambda: stats_as(frontend, keys, "stranger", zctx).get("models"), 20, "serve answering")
+    listed = start_worker(spawn, keys, backend, "gpuhost")
+    start_worker(spawn, keys, backend, "alice")
+    wait_until(
+        lambda: any(
+            f"pid{listed.pid}/" in n for n in worker_names(stats_as(frontend, keys, "stranger", zctx))
+        ),
+        15,
+        "the listed worker joining",
+    )
+    wait_until(
+        lambda: log_lines(serve, f"backend: public key {keys.z85('alice')} is not in --curve-workers"),
+        15,
+        "the unlisted key refused on the backend",
+    )
+    # A throwaway key pair (no --curve-secret-key) is admitted on the frontend.
+    with Client(frontend, timeout_s=10, context=zctx, curve_server_key=str(keys.public_file("broker"))) as c:
+        assert c.request_many(range(5), model="echo") == list(range(5))
+    assert stats_as(frontend, keys, "stranger", zctx, timeout_s=10)["models"]["echo"]["workers"] == 2
+    assert not log_lines(serve, "on the frontend")
+
+
+def test_curve_secret_key_in_an_allow_list_is_warned_about(keys, caplog):
+    """README's layout rule: an allow-list holds public keys only; a secret found there
+    is named at start (the keys still load: the .key files are what counts)."""
+    from batcher.security import load_allow_list
+
+    sloppy = keys.allow("sloppy", "alice")
+    shutil.copy(keys.secret_file("alice"), sloppy)
+    with caplog.at_level(logging.WARNING, logger="batcher.security"):
+        allowed = load_allow_list(str(sloppy), "--curve-clients")
+    assert allowed == {keys.z85("alice").encode()}
+    assert any("holds secret key files (alice.key_secret)" in r.getMessage() for r in caplog.records)
+
+
+def test_curve_refusals_are_logged_at_a_bounded_rate(caplog):
+    """One WARNING per refused key, however often it retries, and none past
+    MAX_REMEMBERED_REFUSALS distinct keys, so made-up keys cannot flood the log."""
+    from batcher import security
+
+    check = security._RoleCheck("backend", {b"w" * 40}, "--curve-workers", {b"c" * 40}, "client")
+    made_up = [f"{i:040d}".encode() for i in range(security.MAX_REMEMBERED_REFUSALS + 50)]
+    with caplog.at_level(logging.DEBUG, logger="batcher.security"):
+        assert check.callback("backend", b"w" * 40)
+        for _ in range(3):
+            assert not check.callback("backend", b"c" * 40)
+        for key in made_up:
+            assert not check.callback("backend", key)
+            assert not check.callback("backend", key)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert (
+        warnings[0]
+        == f"refused a connection on the backend: key {'c' * 40} is a client key, not in --curve-workers"
+    )
+    assert len(warnings) == security.MAX_REMEMBERED_REFUSALS
+    assert len(check.refused) == security.MAX_REMEMBERED_REFUSALS

@@ -1,0 +1,403 @@
+"""Regression tests for issue "Hardening v1": the worker's and the supervisor's defects
+found by black-box testing, each through real processes and sockets.
+
+1. SIGTERM/SIGINT to serve's whole process group (systemd's KillMode=control-group, a
+   terminal's Ctrl-C) must act like a signal to `serve` alone: the workers keep
+   serving until the broker drained, even when a respawned worker could not load its
+   model within the drain's grace period.
+2. `batcher worker --connect <unusable address>` must fail at once, not hang.
+3. The supervisor starts at most `max_starting` worker processes at a time.
+4. A malformed BATCH message never crashes the worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import psutil
+import pytest
+import zmq
+
+from batcher import protocol
+from batcher.launcher import ServeProcess, free_tcp_address
+from tests.waiting import broker_stats, wait_until
+from workers.supervisor import STARTING_S, PoolSettings, Supervisor
+from workers.worker import EXIT_BAD_ADDRESS
+
+pytestmark = pytest.mark.integration
+
+MARK_ENV = "BATCHER_TEST_LOADED_MARK"
+SLOW = "slow=tests.test_hardening_worker:SlowLoad"
+FIRST_LOAD_S = 1.0
+#: Far past the broker's 10 s drain grace: a worker replaced during the drain is too late.
+RELOAD_S = 60.0
+
+
+class SlowLoad:
+    """A model whose first load (per test: MARK_ENV names a file) takes FIRST_LOAD_S and
+    every later one RELOAD_S, as a big model's would; a batch sleeps its longest
+    input's `sleep` and returns each input with the pid that ran it."""
+
+    def __init__(self, gpu: int | None) -> None:
+        mark = Path(os.environ[MARK_ENV])
+        if mark.exists():
+            time.sleep(RELOAD_S)  # a respawn: the test fails if anything waits for it
+        else:
+            mark.touch()
+            time.sleep(FIRST_LOAD_S)
+
+    def __call__(self, inputs: list[Any]) -> list[Any]:
+        time.sleep(max(float(x.get("sleep", 0.0)) for x in inputs))
+        return [{"i": x["i"], "pid": os.getpid()} for x in inputs]
+
+
+def pack(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def recv(sock: zmq.Socket[Any], timeout_s: float) -> dict[str, Any]:
+    """The next reply body on `sock`, or fail after `timeout_s`."""
+    assert sock.poll(int(timeout_s * 1000), zmq.POLLIN), f"no reply within {timeout_s}s"
+    return dict(unpack(sock.recv_multipart()[-1]))
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Pids of the process group still running (zombies are not)."""
+    out = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+    return out
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def worker_pids(sp: ServeProcess) -> list[int]:
+    assert sp.process is not None
+    return [p.pid for p in psutil.Process(sp.process.pid).children()]
+
+
+def model_stats(sp: ServeProcess, ctx: zmq.Context[Any], model: str) -> dict[str, Any]:
+    return dict(broker_stats(sp.frontend, ctx).get("models", {}).get(model, {}))
+
+
+def serve_log(sp: ServeProcess) -> str:
+    return Path(sp.stderr.name).read_text(errors="replace")
+
+
+@pytest.fixture
+def slow_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SlowLoad's mark file for this test (inherited by serve and its workers)."""
+    monkeypatch.setenv(MARK_ENV, str(tmp_path / "loaded"))
+
+
+def start_slow_serve(serve: Callable[..., ServeProcess]) -> ServeProcess:
+    """One SlowLoad worker; batches of 4 leave only when full, so what is queued stays queued."""
+    return serve(
+        "--workers", "1", "--model", SLOW, "--max-batch-size", "4", "--policy", "window",
+        "--max-wait-ms", "10000",
+        workers=1, timeout_s=30,
+    )  # fmt: skip
+
+
+# --- 1. group SIGTERM/SIGINT with a slow-loading model ------------------------------------------------
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_group_sigterm_slow_model_every_queued_request_answered_ok_and_serve_exits_0(
+    serve: Callable[..., ServeProcess],
+    connect: Callable[[int, str], zmq.Socket[Any]],
+    zctx: zmq.Context[Any],
+    slow_model: None,
+    signum: int,
+) -> None:
+    sp = start_slow_serve(serve)
+    assert sp.process is not None
+    (worker,) = worker_pids(sp)
+    sock = connect(zmq.DEALER, sp.frontend)
+    late = connect(zmq.DEALER, sp.frontend)
+    n = 24  # 6 batches of 0.15 s: two held by the worker, the rest queued
+    for i in range(n):
+        sock.send_multipart([b"", pack({"id": i, "input": {"i": i, "sleep": 0.15}})])
+    wait_until(
+        lambda: (
+            (m := model_stats(sp, zctx, "slow")).get("batches_in_flight")
+            and m["queued"] + 4 * m["batches_in_flight"] == n
+            and m["queued"] > 0
+        ),
+        10,
+        "every request with the broker, some still queued",
+        error=RuntimeError,
+    )
+    signalled = time.monotonic()
+    os.killpg(sp.process.pid, signum)  # serve and its worker alike, as systemd does
+    wait_until(lambda: broker_stats(sp.frontend, zctx).get("stopping"), 5, "serve draining")
+    late.send_multipart([b"", pack({"id": "late", "input": {"i": -1}})])
+    refused = recv(late, 5)
+    assert refused["error"]["code"] == "shutting_down", refused
+
+    # A worker that left on the group's signal could only be replaced by one loading for
+    # RELOAD_S, past the 10 s grace: the queue would be answered shutting_down.
+    replies = {}
+    for _ in range(n):
+        reply = recv(sock, 15)
+        assert reply["id"] not in replies, f"second reply: {reply}"
+        replies[reply["id"]] = reply
+    for i in range(n):
+        assert replies[i]["ok"], replies[i]
+        assert replies[i]["output"] == {"i": i, "pid": worker}, "not answered by the original worker"
+    assert sp.process.wait(timeout=10) == 0
+    assert time.monotonic() - signalled < 8
+    assert not group_alive(sp.process.pid), "processes left after serve exited"
+    assert "respawning" not in serve_log(sp)
+
+
+def test_second_group_sigterm_kills_the_busy_worker_and_serve_exits_at_once(
+    serve: Callable[..., ServeProcess],
+    connect: Callable[[int, str], zmq.Socket[Any]],
+    zctx: zmq.Context[Any],
+    slow_model: None,
+) -> None:
+    sp = start_slow_serve(serve)
+    assert sp.process is not None
+    sock = connect(zmq.DEALER, sp.frontend)
+    for i in range(4):  # one batch that would run 30 s
+        sock.send_multipart([b"", pack({"id": i, "input": {"i": i, "sleep": 30}})])
+    wait_until(
+        lambda: model_stats(sp, zctx, "slow").get("batches_in_flight"),
+        10,
+        "batch running",
+        error=RuntimeError,
+    )
+    os.killpg(sp.process.pid, signal.SIGTERM)
+    wait_until(
+        lambda: broker_stats(sp.frontend, zctx).get("stopping"), 5, "serve draining", error=RuntimeError
+    )
+    signalled = time.monotonic()
+    os.killpg(sp.process.pid, signal.SIGTERM)
+    codes = sorted(recv(sock, 5)["error"]["code"] for _ in range(4))
+    assert codes == ["shutting_down"] * 4, codes
+    sp.process.wait(timeout=5)
+    assert time.monotonic() - signalled < 3, "serve waited for the busy worker"
+    assert not group_alive(sp.process.pid), "processes left after serve exited"
+
+
+def test_workers_exit_at_once_when_serve_is_sigkilled(serve: Callable[..., ServeProcess]) -> None:
+    # A 20 s heartbeat: a worker that only looked for its parent between heartbeats
+    # would outlive serve by up to 20 s; the closed pipe tells it at once.
+    sp = serve("--workers", "2", "--heartbeat-ms", "20000", "--sim-base-ms", "1", workers=2)
+    assert sp.process is not None
+    workers = worker_pids(sp)
+    assert len(workers) == 2
+    sp.process.kill()
+    sp.process.wait(5)
+    wait_until(lambda: not any(running(p) for p in workers), 3, "serve's workers exited after it died")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_lone_worker_stops_cleanly_on_sigterm_and_sigint(
+    spawn: Any, zctx: zmq.Context[Any], signum: int
+) -> None:
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    spawn("broker", "--frontend", frontend, "--backend", backend, "--model", "echo")
+    worker = spawn("worker", "--connect", backend, "--model", "echo")
+
+    def workers() -> int | None:
+        models = broker_stats(frontend, zctx).get("models")
+        return models["echo"]["workers"] if models else None
+
+    wait_until(lambda: workers() == 1, 20, "the worker joined", error=RuntimeError)
+    worker.process.send_signal(signum)
+    assert worker.process.wait(10) == 0
+    assert "stopped after 0 batches" in worker.stderr_path.read_text()
+    wait_until(lambda: workers() == 0, 5, "the broker saw the worker leave")
+
+
+# --- 2. bad --connect -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("address", ["garbage://x", "tcp://127.0.0.1", "tcp://127.0.0.1:*"])
+def test_worker_bad_connect_fails_at_once_with_one_line(cli: Any, address: str) -> None:
+    started = time.monotonic()
+    result = cli("worker", "--connect", address, "--model", "echo", timeout_s=15)
+    assert result.returncode == EXIT_BAD_ADDRESS, result
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert f"cannot connect to {address!r}" in lines[0], lines[0]
+    assert "loaded" not in result.stderr  # checked before the model loads
+    assert time.monotonic() - started < 10
+
+
+def test_worker_bad_curve_key_fails_at_once_with_one_line(cli: Any, tmp_path: Path) -> None:
+    key = tmp_path / "broker.key"
+    key.write_text("not a key\n")
+    result = cli("worker", "--connect", free_tcp_address(), "--curve-server-key", str(key), timeout_s=15)
+    assert result.returncode == EXIT_BAD_ADDRESS, result
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "cannot load key file" in lines[0], result.stderr
+
+
+# --- 3. bounded start-up ------------------------------------------------------------------------------
+
+
+class CatSupervisor(Supervisor):
+    """Runs `cat` as each worker: it lives until its stdin, serve's pipe, is closed."""
+
+    def command(self, model: str, gpu: int) -> list[str]:
+        cat = shutil.which("cat")
+        assert cat is not None
+        return [cat]
+
+
+@pytest.fixture
+def supervisors() -> Iterator[Callable[..., CatSupervisor]]:
+    made: list[CatSupervisor] = []
+
+    def make(workers: int, **kwargs: Any) -> CatSupervisor:
+        sup = CatSupervisor(PoolSettings("tcp://127.0.0.1:1", ("sim",), workers, **kwargs))
+        made.append(sup)
+        return sup
+
+    yield make
+    for sup in made:
+        sup.stop(timeout_s=5)
+
+
+def started_gpus(sup: Supervisor) -> list[int]:
+    return [w.gpu for w in sup.workers if w.process is not None]
+
+
+def test_supervisor_starts_at_most_max_starting_workers_at_once(supervisors: Any) -> None:
+    events: list[tuple[str, str]] = []
+    sup = supervisors(5, max_starting=2)
+    sup.on_event = lambda model, event: events.append((model, event))
+    sup.start(now=100.0)
+    assert started_gpus(sup) == [0, 1]
+    sup.check(100.0 + STARTING_S / 2)
+    assert started_gpus(sup) == [0, 1], "started while two were still starting"
+    sup.check(100.0 + STARTING_S)
+    assert started_gpus(sup) == [0, 1, 2, 3]
+    sup.check(100.0 + 2 * STARTING_S)
+    assert started_gpus(sup) == [0, 1, 2, 3, 4]
+    assert all(w.restarts == 0 for w in sup.workers) and not events, "a first start counted as a respawn"
+    procs = [w.process for w in sup.workers if w.process is not None]
+    sup.stop(timeout_s=5)
+    assert [p.returncode for p in procs] == [0] * 5, "stop() did not end them by closing their pipe"
+
+
+def test_supervisor_default_pool_of_two_starts_at_once(supervisors: Any) -> None:
+    sup = supervisors(2)
+    sup.start()
+    assert started_gpus(sup) == [0, 1]
+
+
+def test_supervisor_workers_connect_to_loopback_for_a_wildcard_backend() -> None:
+    command = Supervisor(PoolSettings("tcp://*:5556", ("sim",), 1)).command("sim", 0)
+    assert command[command.index("--connect") + 1] == "tcp://127.0.0.1:5556"
+
+
+# --- 4. malformed BATCH messages ----------------------------------------------------------------------
+
+
+class FakeBackend:
+    """A broker's backend (ROUTER) driven by the test: sends BATCH messages, reads REPLYs."""
+
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
+        self.sock: zmq.Socket[Any] = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind("tcp://127.0.0.1:*")
+        self.address: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def next(self, command: bytes, timeout_s: float) -> list[bytes]:
+        """The next message with `command` (heartbeats skipped): [identity, *rest]."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0 and self.sock.poll(int(left * 1000)), f"no {command!r} within {timeout_s}s"
+            frames = self.sock.recv_multipart()
+            if frames[2] == command:
+                return frames
+            assert frames[2] == protocol.CMD_HEARTBEAT, frames
+
+    def send_batch(self, worker: bytes, header: bytes, body: bytes) -> None:
+        self.sock.send_multipart([worker, protocol.WORKER_PROTOCOL, protocol.CMD_BATCH, header, body])
+
+
+def batch_body(*items: bytes) -> bytes:
+    return protocol.array_header(len(items)) + b"".join(items)
+
+
+def test_malformed_batches_are_answered_or_dropped_and_the_worker_serves_on(
+    spawn: Any, zctx: zmq.Context[Any]
+) -> None:
+    fb = FakeBackend(zctx)
+    worker = spawn("worker", "--connect", fb.address, "--model", "echo", "--heartbeat-ms", "10000")
+    ident = fb.next(protocol.CMD_READY, 20)[0]
+    one = batch_body(pack({"id": "a", "input": 1}))
+    three = batch_body(*(pack({"id": i, "input": i}) for i in range(3)))
+    cases = [
+        # No batch id can be read: nobody to answer, dropped.
+        (b"\xc1", one),
+        (b"\x91" * 100_000, one),
+        (pack("header"), one),
+        (pack([]), one),
+        (pack(["7", [0.0]]), one),
+        (pack([True, [0.0]]), one),
+        # A batch id but no readable requests: an empty REPLY (the broker fails them all).
+        (pack([101, [0.0]]), b"\xc1"),
+        (pack([102, [0.0]]), pack({"id": 1, "input": 1})),
+        (pack([103, [0.0, 0.0]]), batch_body(pack({"id": 1, "input": 1}), pack(5))),
+        # Requests fine, metadata not: answered, without queue_ms.
+        (pack([104, [1.5]]), three),
+        (pack([105]), one),
+        (pack([106, "x"]), one),
+        (pack([107, [[[1]]]]), one),
+        (pack([108, [0.5]]), batch_body(pack({"id": [1, 2], "input": 2}))),
+        # And a good one.
+        (pack([109, [2.5]]), one),
+    ]
+    for header, body in cases:
+        fb.send_batch(ident, header, body)
+    got: dict[int, list[dict[str, Any]]] = {}
+    while 109 not in got:
+        frames = fb.next(protocol.CMD_REPLY, 10)
+        batch_id, _, lengths, _ = unpack(frames[3])
+        got[batch_id] = [unpack(r) for r in protocol.split_replies(lengths, frames[4])]
+    assert sorted(got) == list(range(101, 110)), "a dropped batch was answered, or a readable one was not"
+    assert got[101] == got[102] == got[103] == []
+    assert [(r["id"], r["output"], r["queue_ms"]) for r in got[104]] == [
+        (0, 0, None),
+        (1, 1, None),
+        (2, 2, None),
+    ]
+    for batch_id in (105, 106, 107):
+        assert [(r["id"], r["output"], r["queue_ms"]) for r in got[batch_id]] == [("a", 1, None)]
+    assert [(r["id"], r["output"]) for r in got[108]] == [(None, 2)]
+    assert [(r["id"], r["ok"], r["queue_ms"]) for r in got[109]] == [("a", True, 2.5)]
+    assert worker.process.poll() is None, "the worker died"
+    log = worker.stderr_path.read_text()
+    assert "Traceback" not in log, log
+    assert log.count("dropped a batch whose header cannot be read") == 6, log
+    worker.process.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        worker.process.wait(10)
+    assert worker.process.returncode == 0
