@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Generator, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -71,7 +71,8 @@ class AsyncClient:
         self.timeout_s = timeout_s
         self.retries = retries
         self._ctx = context or zmq.asyncio.Context.instance()
-        self._sock: zmq.asyncio.Socket = open_dealer(self._ctx, address, curve_server_key, curve_secret_key)
+        self._sock: zmq.asyncio.Socket
+        self._sock, self.watch = open_dealer(self._ctx, address, curve_server_key, curve_secret_key)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -104,6 +105,7 @@ class AsyncClient:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
+        self.watch.close()
         self._sock.close(0)
         self._fail_pending(ClientClosed(f"the client of {self.address} was closed"))
 
@@ -141,12 +143,21 @@ class AsyncClient:
 
     # --- requests ---------------------------------------------------------------------------
 
-    async def _call(self, fields: dict[str, Any], wait_s: float | None) -> dict[str, Any]:
-        """Send one request and return its whole reply map (an error reply included)."""
+    async def _call(
+        self,
+        fields: dict[str, Any],
+        wait_s: float | None,
+        request_id: int | None = None,
+        on_sent: Callable[[], None] | None = None,
+    ) -> dict[str, Any]:
+        """Send one request and return its whole reply map (an error reply included);
+        `on_sent` is called after each send of it."""
         if self._closed:
             raise ClientClosed(f"the client of {self.address} is closed")
         self._ensure_reader()
-        request_id = next(self._ids)
+        self.watch.poll()  # keeps the monitor's queue short, so no event is dropped
+        if request_id is None:
+            request_id = next(self._ids)
         body = protocol.pack({"id": request_id, **fields})
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = fut
@@ -154,14 +165,19 @@ class AsyncClient:
         try:
             while True:
                 attempts += 1
-                await self._sock.send_multipart([b"", body])
                 try:
-                    # shield: a timed-out wait must leave the future for a retry's reply
-                    return await asyncio.wait_for(asyncio.shield(fut), wait_s)
+                    # The send counts against the timeout too: it waits for ever on a
+                    # socket whose handshake was refused (libzmq gives such a one up).
+                    async with asyncio.timeout(wait_s):
+                        await self._sock.send_multipart([b"", body])
+                        if on_sent is not None:
+                            on_sent()
+                        # shield: a timed-out wait must leave the future for a retry's reply
+                        return await asyncio.shield(fut)
                 except TimeoutError:
                     if attempts > self.retries:
                         raise ClientTimeout(
-                            f"no reply from {self.address} after {attempts} attempt(s)",
+                            f"no reply from {self.address} after {attempts} attempt(s): {self.watch.hint()}",
                             reply={"id": request_id},
                         ) from None
         except asyncio.CancelledError:
@@ -177,6 +193,20 @@ class AsyncClient:
                 del self._pending[request_id]
             if not fut.done():
                 fut.cancel()
+
+    def submit(
+        self,
+        input: Any,
+        model: str | None = None,
+        timeout_ms: float | None = None,
+        priority: float | None = None,
+    ) -> AsyncPendingReply:
+        """Send a request without waiting for it (call from the client's event loop);
+        returns its AsyncPendingReply, to await (its output) when the answer is wanted."""
+        if self._closed:
+            raise ClientClosed(f"the client of {self.address} is closed")
+        body = request_body(input, model, timeout_ms, priority)
+        return AsyncPendingReply(self, body, reply_wait_s(self.timeout_s, timeout_ms))
 
     async def request_reply(
         self,
@@ -221,12 +251,79 @@ class AsyncClient:
                 raise r
         return list(results)
 
-    async def control(self, op: str) -> Any:
-        """Send a control request (`stats`) and return its output."""
-        reply = await self._call({"op": op}, self.timeout_s)
+    async def control(self, op: str, **fields: Any) -> Any:
+        """Send a control request (`stats`; `reload` with model=NAME) and return its output."""
+        reply = await self._call({"op": op, **fields}, self.timeout_s)
         if reply.get("ok"):
             return reply.get("output")
         raise error_from_reply(reply)
+
+
+class AsyncPendingReply:
+    """A request sent by `AsyncClient.submit`: `await pending` (or `await pending.result()`)
+    for its output or typed error, `await pending.wait()` for the whole reply map,
+    `cancel()` to ask the broker to drop it. The request is sent, and waited for, by a
+    task of its own, so it goes out whether or not anyone awaits it."""
+
+    def __init__(self, client: AsyncClient, fields: dict[str, Any], wait_s: float | None) -> None:
+        self._client = client
+        self.request_id = next(client._ids)
+        self._sent = False
+        self._cancel_wanted = False
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(fields, wait_s), name=f"batcher-request {client.address} {self.request_id}"
+        )
+        self._task.add_done_callback(_ignore_result)  # an error nobody awaited is no warning
+
+    async def _run(self, fields: dict[str, Any], wait_s: float | None) -> dict[str, Any]:
+        try:
+            return await self._client._call(fields, wait_s, self.request_id, self._on_sent)
+        except ClientTimeout as exc:  # a reply map, as the blocking client's wait() gives
+            return {"id": self.request_id, "ok": False, "error": {"code": exc.code, "message": exc.message}}
+
+    def done(self) -> bool:
+        """Whether the reply (or the timeout) is in."""
+        return self._task.done()
+
+    async def wait(self) -> dict[str, Any]:
+        """The whole reply map (with metadata such as batch_size), error or not; a
+        timeout is an error reply with code `timeout`. Raises ClientClosed if the client
+        is closed first."""
+        return await asyncio.shield(self._task)
+
+    async def result(self) -> Any:
+        """The output; raises the typed error for an error reply, ClientTimeout for none."""
+        reply = await self.wait()
+        if reply.get("ok"):
+            return reply.get("output")
+        raise error_from_reply(reply)
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self.result().__await__()
+
+    def cancel(self) -> None:
+        """Ask the broker to drop this request if it is still queued; it is then answered
+        with `cancelled` (a request already running is answered normally). Called before
+        the request went out, the cancel follows it."""
+        if self._sent:
+            self._send_cancel()
+        else:
+            self._cancel_wanted = True
+
+    def _on_sent(self) -> None:
+        self._sent = True
+        if self._cancel_wanted:
+            self._cancel_wanted = False
+            self._send_cancel()
+
+    def _send_cancel(self) -> None:
+        client = self._client
+        if self._task.done() or client._closed:
+            return
+        cancel = protocol.pack({"id": self.request_id, "op": "cancel"})
+        with contextlib.suppress(zmq.ZMQError):
+            sent = asyncio.ensure_future(client._sock.send_multipart([b"", cancel]))
+            sent.add_done_callback(_ignore_result)
 
 
 def _ignore_result(fut: asyncio.Future[Any]) -> None:

@@ -34,7 +34,7 @@ from batcher.scheduler import (
     Scheduler,
     UnknownModel,
 )
-from batcher.security import CurveServerKeys, secure_server
+from batcher.security import CurveServerKeys, HandshakeWatch, secure_server
 from batcher.stopping import StopSignals
 from batcher.zmqio import recv_bounded, recv_frames, send_frames, send_reply
 
@@ -68,6 +68,9 @@ class BrokerSettings:
     curve: CurveServerKeys | None = None
     metrics_port: int | None = None
     shutdown_grace_s: float = 10.0
+    #: A request for a model that has had no worker this long is answered `unavailable`
+    #: (and so is every later one, until a worker joins); 0 waits forever.
+    no_worker_timeout_ms: float = 10_000.0
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -85,6 +88,10 @@ class BrokerSettings:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if not 0 <= self.no_worker_timeout_ms < math.inf:
+            raise ValueError(
+                f"no_worker_timeout_ms must be a finite number >= 0, got {self.no_worker_timeout_ms}"
+            )
 
     @property
     def default_model(self) -> str:
@@ -121,7 +128,9 @@ class Broker:
             # Batch ids differ across broker restarts, so a reply meant for a previous
             # broker can never be taken for one of ours.
             first_batch_id=random.getrandbits(62),
+            no_worker_timeout_s=settings.no_worker_timeout_ms / 1000.0,
         )
+        self._configured = frozenset([*settings.models, *settings.per_model])
         self._default_timeout_s = settings.default_timeout_ms / 1000.0
         self.stats: dict[str, ModelStats] = {}
         self._failed_models: dict[str, str] = {}  # model -> why no worker can serve it
@@ -131,6 +140,9 @@ class Broker:
         self.dropped_backend = 0
         self._stopping_since: float | None = None
         self.signals = StopSignals()
+        #: Set by `serve`: starts a rolling reload of a model and answers through `reply`
+        #: when it ends (a plain broker has no workers of its own to replace).
+        self.on_reload: Callable[[str, Callable[[bool, Any], None]], None] | None = None
         self.workers_lost = 0
         self.batches_retried = 0
         self._heard_from: dict[bytes, float] = {}  # worker -> when it last said anything
@@ -139,14 +151,18 @@ class Broker:
         # which a busy loop could reach with heartbeats still unread in the socket).
         self._backend_read_at = time.monotonic()
         self._worker_names: dict[bytes, str] = {}  # worker -> "model/gpuN/pidP/idHEX", for logs
+        self._worker_gpus: dict[bytes, object] = {}  # worker -> the GPU id its READY named
+        self._worker_pids: dict[bytes, object] = {}  # worker -> the pid its READY named
         self._timers: list[tuple[float, int, Callable[[float], None]]] = []
         self._timer_seq = itertools.count()
         self.frontend = self._router(settings.max_message_bytes)
         self.backend = self._router(-1)
         self._auth = None
+        self._handshakes: HandshakeWatch | None = None
         try:
             if settings.curve is not None:
                 self._auth = secure_server(self.ctx, settings.curve, self.frontend, self.backend)
+                self._handshakes = HandshakeWatch({"frontend": self.frontend, "backend": self.backend})
             self._bind(self.frontend, settings.frontend)
             self._bind(self.backend, settings.backend)
             if settings.metrics_port is not None:
@@ -224,6 +240,8 @@ class Broker:
         """Close the sockets (and the context, when the broker made it)."""
         if self._auth is not None:
             self._auth.stop()
+        if self._handshakes is not None:
+            self._handshakes.close()
         self.frontend.close(0)
         self.backend.close(0)
         self.signals.close()
@@ -236,6 +254,9 @@ class Broker:
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)
         poller.register(self.signals.fd, zmq.POLLIN)
+        watch = self._handshakes
+        for monitor in watch.monitors if watch is not None else ():
+            poller.register(monitor, zmq.POLLIN)
         log.info(
             "broker listening: frontend %s, backend %s, models %s (pid %d)",
             self.settings.frontend,
@@ -254,9 +275,13 @@ class Broker:
                 self._guard(self._drain_frontend)
             if self.signals.fd in events:
                 self.signals.clear()
-                if self._stopping_since is None:
+                if self.signals.count and self._stopping_since is None:
                     self._stopping_since = time.monotonic()
                     log.info("draining: new requests are refused, queued ones finished")
+            if watch is not None and len(events) > 0:
+                for monitor in watch.monitors:
+                    if monitor in events:
+                        self._guard(functools.partial(watch.handle, monitor, now))
             self._run_timers()
             self._guard(self._dispatch)
         log.info("broker stopped")
@@ -351,7 +376,7 @@ class Broker:
             self._refuse(envelope, exc.req_id, exc.code, exc.message)
             return
         if header.op != "infer":
-            self._control(envelope, header.id, header.op)
+            self._control(envelope, header.id, header.op, header.model)
             return
         model = header.model or self.settings.default_model
         if self._stopping_since is not None:
@@ -360,6 +385,12 @@ class Broker:
         if model in self._failed_models and not self.scheduler.models[model].workers:
             self._refuse(envelope, header.id, ErrorCode.WORKER_FAILED, self._failed_models[model], model)
             return
+        without_s = self.scheduler.without_worker_s(model, now)
+        if without_s is not None:
+            self._refuse(
+                envelope, header.id, ErrorCode.UNAVAILABLE, self._unavailable(model, without_s), model
+            )
+            return
         timeout_s = header.timeout_ms / 1000.0 if header.timeout_ms else self._default_timeout_s
         request = QueuedRequest(
             envelope, body, header.id, now, header.priority, now + timeout_s if timeout_s else None
@@ -367,7 +398,9 @@ class Broker:
         try:
             self.scheduler.enqueue(model, request)
         except UnknownModel:
-            self._refuse(envelope, header.id, ErrorCode.UNKNOWN_MODEL, f"no worker serves model {model!r}")
+            served = ", ".join(sorted(self.scheduler.models)) or "none"
+            message = f"no worker serves model {model!r} (models: {served})"
+            self._refuse(envelope, header.id, ErrorCode.UNKNOWN_MODEL, message)
         except Overloaded:
             self._refuse(
                 envelope,
@@ -376,6 +409,10 @@ class Broker:
                 f"model {model!r} has {self.scheduler.queued(model)} requests queued, its limit",
                 model,
             )
+
+    def _unavailable(self, model: str, without_s: float) -> str:
+        limit_ms = self.settings.no_worker_timeout_ms
+        return f"model {model!r} has had no worker for {without_s:.1f}s (--no-worker-timeout-ms {limit_ms:g})"
 
     def model_failed(self, model: str, why: str) -> None:
         """No worker of `model` can start: answer its queued requests and refuse new ones
@@ -402,21 +439,59 @@ class Broker:
         self._model_stats(model).outcomes[outcome] += n
         self.metrics.request_done(model, outcome, n)
 
-    def _control(self, envelope: list[bytes], req_id: object, op: str) -> None:
+    def _control(self, envelope: list[bytes], req_id: object, op: str, model: str | None) -> None:
         if op == "stats":
             self._send_to_client(envelope, protocol.ok_reply(req_id, self.snapshot()))
         elif op == "cancel":
             # Only the sender's own requests: ids are per client, so match the identity too.
             for name, req in self.scheduler.cancel_id(envelope[0], req_id):
                 self._reply_error(req, name, ErrorCode.CANCELLED, "cancelled by the client")
+        elif op == "reload":
+            self._reload(envelope, req_id, model)
         else:
             self._send_to_client(
                 envelope,
                 protocol.error_reply(req_id, ErrorCode.BAD_REQUEST, f"unknown op {op!r}"),
             )
 
+    def _reload(self, envelope: list[bytes], req_id: object, model: str | None) -> None:
+        def reply(ok: bool, result: Any) -> None:
+            body = protocol.ok_reply(req_id, result) if ok else protocol.error_reply(req_id, *result)
+            self._send_to_client(envelope, body)
+
+        if model is None:
+            reply(False, (ErrorCode.BAD_REQUEST, "reload needs a 'model'"))
+        elif not self.scheduler.knows_model(model):
+            served = ", ".join(sorted(self.scheduler.models))
+            reply(False, (ErrorCode.UNKNOWN_MODEL, f"no model {model!r} to reload (models: {served})"))
+        elif self.on_reload is None:
+            message = "reload needs `batcher serve`: this broker starts no workers (restart them by hand)"
+            reply(False, (ErrorCode.BAD_REQUEST, message))
+        else:
+            self.on_reload(model, reply)
+
+    def apply_model_settings(self, per_model: dict[str, BatchSettings]) -> None:
+        """Batching settings re-read from the config file (SIGHUP to serve)."""
+        for model, settings in per_model.items():
+            self.scheduler.set_settings(model, settings)
+            log.info("model %s: batching settings now %s", model, settings)
+
+    def workers_of(self, model: str) -> list[tuple[bytes, object, int]]:
+        """(worker id, pid from its READY, batches it holds) of each live worker of `model`."""
+        mq = self.scheduler.models.get(model)
+        if mq is None:
+            return []
+        workers = self.scheduler.workers
+        return [(w, self._worker_pids.get(w), len(workers[w].in_flight)) for w in mq.workers]
+
+    def drain_worker(self, worker_id: bytes) -> int:
+        """Dispatch nothing more to a worker (it is being replaced); returns the batches it
+        still holds."""
+        return self.scheduler.drain_worker(worker_id)
+
     def snapshot(self) -> dict[str, Any]:
         """The broker's state for the `stats` control request."""
+        now = time.monotonic()
         models: dict[str, Any] = {}
         for name, mq in self.scheduler.models.items():
             st = self.stats.get(name, ModelStats())
@@ -424,12 +499,20 @@ class Broker:
             cost = self.scheduler.cost(name)
             recent = st.recent
             models[name] = {
+                "configured": name in self._configured,
+                "ready": bool(workers),
+                "no_worker_s": None if mq.no_worker_since is None else round(now - mq.no_worker_since, 3),
                 "queued": mq.size,
                 "workers": len(workers),
                 "busy_workers": sum(1 for w in workers if w.in_flight),
                 "batches_in_flight": sum(len(w.in_flight) for w in workers),
                 "worker_list": [
-                    {"worker": self._name(w.worker_id), "batches_held": len(w.in_flight)} for w in workers
+                    {
+                        "worker": self._name(w.worker_id),
+                        "gpu": self._worker_gpus.get(w.worker_id),
+                        "batches_held": len(w.in_flight),
+                    }
+                    for w in workers
                 ],
                 "batches": st.batches,
                 "requests": st.requests,
@@ -437,6 +520,8 @@ class Broker:
                 "outcomes": dict(st.outcomes),
                 "queue_ms_p50": percentile(recent.queue_ms, 50),
                 "queue_ms_p99": percentile(recent.queue_ms, 99),
+                "worker_wait_ms_p50": percentile(recent.worker_wait_ms, 50),
+                "worker_wait_ms_p99": percentile(recent.worker_wait_ms, 99),
                 "infer_ms_p50": percentile(recent.infer_ms, 50),
                 "infer_ms_p99": percentile(recent.infer_ms, 99),
                 "max_batch_size": mq.settings.max_batch_size,
@@ -452,6 +537,7 @@ class Broker:
             "batches_retried": self.batches_retried,
             "dropped_backend_messages": self.dropped_backend,
             "undeliverable": self.undeliverable,
+            "handshakes_refused": dict(self._handshakes.refused) if self._handshakes else {},
             "stopping": self._stopping_since is not None,
         }
 
@@ -478,9 +564,10 @@ class Broker:
         now = time.monotonic()
         for name, req in self.scheduler.expire(now):
             self._reply_error(req, name, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
+        for name, req, without_s in self.scheduler.unavailable(now):
+            self._reply_error(req, name, ErrorCode.UNAVAILABLE, self._unavailable(name, without_s))
         for batch in self.scheduler.due_batches(now):
             queue_ms = [round((now - r.arrived_at) * 1000.0, 3) for r in batch.requests]
-            self._model_stats(batch.model).recent.queue_ms.extend(queue_ms)
             self.metrics.queue_waits_ms(batch.model, queue_ms)
             frames = protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests])
             if not self._send_to_worker(batch.worker, frames):
@@ -551,10 +638,13 @@ class Broker:
             self._worker_lost(worker_id, "worker restarted during the batch")
         self.scheduler.add_worker(worker_id, model, slots)
         self._heard_from[worker_id] = time.monotonic()
+        self._worker_gpus[worker_id] = info.get("gpu")
+        self._worker_pids[worker_id] = info.get("pid")
         self._failed_models.pop(model, None)
         self.metrics.worker_event(model, "joined")
+        gpu = info.get("gpu")
         self._worker_names[worker_id] = (
-            f"{model}/gpu{info.get('gpu')}/pid{info.get('pid')}/id{worker_id.hex()}"
+            f"{model}/gpu{'-' if gpu is None else gpu}/pid{info.get('pid')}/id{worker_id.hex()}"
         )
         log.info("worker joined: %s", self._name(worker_id))
 
@@ -564,7 +654,7 @@ class Broker:
         except WorkerProtocolError as exc:
             self._bad_reply(worker_id, exc)
             raise
-        batch_id, infer_ms, lengths, model_errors = header
+        batch_id, infer_ms, lengths, model_errors, wait_ms = header
         batch = self.scheduler.complete(worker_id, batch_id, infer_ms / 1000.0)
         if batch is None:
             self.dropped_backend += 1
@@ -574,6 +664,16 @@ class Broker:
         st.batches += 1
         st.requests += len(batch.requests)
         st.recent.infer_ms.append(infer_ms)
+        # Queue time as the client lives it: in the broker's queue, then in the worker's
+        # prefetch until the model began (the worker's wait also kept on its own).
+        in_worker_ms = wait_ms or 0.0
+        if wait_ms is not None:
+            st.recent.worker_wait_ms.append(wait_ms)
+            self.metrics.worker_wait(batch.model, wait_ms / 1000.0)
+        sent_at = batch.dispatched_at
+        st.recent.queue_ms.extend(
+            round((sent_at - r.arrived_at) * 1000.0 + in_worker_ms, 3) for r in batch.requests
+        )
         self.metrics.batch_done(batch.model, len(batch.requests), infer_ms / 1000.0)
         try:
             if len(lengths) != len(batch.requests):
@@ -643,6 +743,8 @@ class Broker:
         peer that keeps taking batches and leaving cannot bounce a request forever."""
         self._heard_from.pop(worker_id, None)
         self._worker_names.pop(worker_id, None)
+        self._worker_gpus.pop(worker_id, None)
+        self._worker_pids.pop(worker_id, None)
         state = self.scheduler.workers.get(worker_id)
         if state is not None:
             self.metrics.worker_event(state.model, "died" if failed else "left")

@@ -7,6 +7,7 @@ timed out is recognised and dropped.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -16,9 +17,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from batcher import protocol
-from batcher.security import secure_client
+from batcher.security import load_public_key, secure_client
+from batcher.zmqio import recv_frames
 
 log = logging.getLogger("batcher.client")
 
@@ -68,6 +71,12 @@ class ShuttingDown(BatcherError):
     code = "shutting_down"
 
 
+class Unavailable(BatcherError):
+    """The model has had no live worker for the broker's --no-worker-timeout-ms."""
+
+    code = "unavailable"
+
+
 class InternalError(BatcherError):
     """The broker hit a bug of its own handling this request (and logged it)."""
 
@@ -91,6 +100,7 @@ _ERRORS: dict[str, type[BatcherError]] = {
         Cancelled,
         WorkerFailed,
         ShuttingDown,
+        Unavailable,
         InternalError,
         ClientTimeout,
     )
@@ -137,16 +147,174 @@ def reply_wait_s(timeout_s: float | None, timeout_ms: float | None) -> float | N
     return limit if timeout_s is None else min(timeout_s, limit)
 
 
-def open_dealer(ctx: Any, address: str, curve_server_key: str | None, curve_secret_key: str | None) -> Any:
-    """The client's DEALER: linger 0, quick reconnects, CurveZMQ when a server key is given."""
+def open_dealer(
+    ctx: Any, address: str, curve_server_key: str | None, curve_secret_key: str | None
+) -> tuple[Any, ConnectionWatch]:
+    """The client's DEALER (linger 0, quick reconnects, CurveZMQ when a server key is
+    given) and its ConnectionWatch, which watches from before the connect."""
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RECONNECT_IVL, 100)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-    if curve_server_key:  # the broker's public key file; ours from curve_secret_key
-        secure_client(sock, curve_server_key, curve_secret_key)
-    sock.connect(address)
-    return sock
+    watch = None
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        if curve_server_key:  # the broker's public key file; ours from curve_secret_key
+            secure_client(sock, curve_server_key, curve_secret_key)
+        watch = ConnectionWatch(sock, address, "--curve-clients", curve_secret_key)
+        sock.connect(address)
+    except BaseException:
+        if watch is not None:
+            watch.close()
+        sock.close(0)
+        raise
+    return sock, watch
+
+
+#: The socket monitor events that tell why a broker does not answer (ConnectionWatch).
+WATCHED_EVENTS = (
+    zmq.EVENT_CONNECTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+)
+#: Handshake failures after which libzmq drops the connection for good (no reconnect):
+#: the socket can then never send again, so it must be replaced.
+FATAL_HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+
+
+class ConnectionWatch:
+    """What a socket monitor says about one connecting socket: whether it ever reached
+    the broker, and how its last handshake ended. A refused CURVE key, or plaintext
+    against CURVE, otherwise looks just like a broker that is down.
+
+    Events are read only when asked (`poll`): when a timeout's message is written, or
+    when a worker's poller says some are waiting, so this costs nothing per request.
+    `allow_list` is the broker option that would admit our key (--curve-clients for a
+    client, --curve-workers for a worker); `secret_key_file` is our key pair, if any.
+    """
+
+    def __init__(
+        self, sock: zmq.Socket[Any], address: str, allow_list: str, secret_key_file: str | None = None
+    ) -> None:
+        self.address = address
+        self.allow_list = allow_list
+        self.curve = sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
+        # libzmq does not give a socket's public key back: it is read from our key file.
+        self.public_key = load_public_key(secret_key_file).decode() if secret_key_file else None
+        self._sock = sock
+        self.monitor: zmq.Socket[Any] = sock.get_monitor_socket(WATCHED_EVENTS)
+        self.monitor.setsockopt(zmq.LINGER, 0)
+        self.connected_ever = False
+        self.connected = False  # a TCP connection is up now
+        self.handshake_ok = False  # ...and its handshake succeeded
+        self.failure: tuple[int, int] | None = None  # (event, value) of the last failed handshake
+
+    def poll(self) -> list[tuple[int, int]]:
+        """Read the events waiting, without blocking; returns them as (event, value)."""
+        events: list[tuple[int, int]] = []
+        while True:
+            try:
+                frames = recv_frames(self.monitor)
+            except zmq.Again:
+                return events
+            except zmq.ZMQError:  # closed under us: nothing more to learn
+                return events
+            try:
+                message = parse_monitor_message(frames)
+            except Exception:  # not a monitor message: nothing to learn from it
+                continue
+            event, value = int(message["event"]), int(message["value"])
+            events.append((event, value))
+            if event == zmq.EVENT_CONNECTED:
+                self.connected_ever = self.connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connected = self.handshake_ok = False
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.handshake_ok, self.failure = True, None
+            elif event in HANDSHAKE_FAILED:
+                self.handshake_ok, self.failure = False, (event, value)
+
+    @property
+    def dead(self) -> bool:
+        """Whether libzmq gave up on the connection (refused key, mechanism mismatch)."""
+        return self.failure is not None and self.failure[0] in FATAL_HANDSHAKE_FAILURES
+
+    def refusal(self) -> str | None:
+        """Why the last handshake failed, with what to check; None if it did not."""
+        if self.failure is None:
+            return None
+        event, value = self.failure
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            if self.public_key is None:
+                return (
+                    f"the broker refused our throwaway CURVE key (ZAP status {value}): it has a "
+                    f"{self.allow_list} list, so give a key pair of ours (--curve-secret-key) listed there"
+                )
+            return (
+                f"the broker refused our CURVE key {self.public_key} (ZAP status {value}): is our "
+                f"public key in its {self.allow_list} directory? (it reads that only at start)"
+            )
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                if self.curve:
+                    return (
+                        "CURVE vs plaintext mismatch: we use CURVE (--curve-server-key) but the "
+                        "broker does not (it needs --curve-secret-key)"
+                    )
+                return "plaintext vs CURVE mismatch: does the broker use CURVE (--curve-server-key)?"
+            name = _protocol_error_name(value)
+            return f"handshake protocol error {name}: is {self.address} a batcher broker?"
+        # No detail: the broker dropped the connection mid-handshake. A plaintext broker
+        # takes any plaintext peer, so for us that means CURVE on one side only, or a
+        # CURVE server key that is not the broker's.
+        if self.curve:
+            return (
+                f"the CURVE handshake failed ({_strerror(value)}): is --curve-server-key the "
+                "broker's public key, and does the broker use CURVE?"
+            )
+        return (
+            f"the handshake failed ({_strerror(value)}): plaintext vs CURVE mismatch? "
+            "does the broker use CURVE (--curve-server-key)?"
+        )
+
+    def hint(self) -> str:
+        """Why a request may have got no reply, judged from the events read so far."""
+        self.poll()
+        why = self.refusal()
+        if why is not None:
+            return why
+        if not self.connected_ever:
+            return f"no connection was ever made: is a broker running at {self.address}?"
+        if not self.connected:
+            return f"the connection was lost: is the broker at {self.address} still running?"
+        return "connected, but no reply came in time: the broker or its workers may be busy, slow or gone"
+
+    def close(self) -> None:
+        """Stop monitoring; call before closing the socket."""
+        with contextlib.suppress(zmq.ZMQError):  # the socket is already closed
+            self._sock.disable_monitor()
+        self.monitor.close(linger=0)
+
+
+def _protocol_error_name(value: int) -> str:
+    for name in dir(zmq):
+        if name.startswith("PROTOCOL_ERROR_") and getattr(zmq, name) == value:
+            return name.removeprefix("PROTOCOL_ERROR_")
+    return hex(value)
+
+
+def _strerror(value: int) -> str:
+    try:
+        return zmq.strerror(value)
+    except Exception:  # not an errno
+        return str(value)
 
 
 def collect(pendings: Iterable[_Awaited], return_exceptions: bool) -> list[Any]:
@@ -217,7 +385,9 @@ class Client:
     a request that got no reply in time is sent again, up to that many times: only for
     idempotent models, since the first attempt may still run; whichever reply comes
     first is the answer and a duplicate is dropped. ZeroMQ reconnects to a restarted
-    broker by itself; requests lost with the old one time out (and are retried).
+    broker by itself; requests lost with the old one time out (and are retried). A
+    refused handshake (our CURVE key not listed, plaintext against CURVE) is for good
+    on this socket: requests time out, and the ClientTimeout says why (`watch`).
     """
 
     def __init__(
@@ -235,7 +405,8 @@ class Client:
         self.timeout_s = timeout_s
         self.retries = retries
         self._ctx: zmq.Context[Any] = context or zmq.Context.instance()
-        self._sock: zmq.Socket[Any] = open_dealer(self._ctx, address, curve_server_key, curve_secret_key)
+        self._sock: zmq.Socket[Any]
+        self._sock, self.watch = open_dealer(self._ctx, address, curve_server_key, curve_secret_key)
         self._ids = itertools.count(1)
         self._pending: dict[int, PendingReply] = {}
         self.duplicates_dropped = 0
@@ -248,7 +419,9 @@ class Client:
 
     def close(self) -> None:
         """Close the socket; replies still in flight are abandoned."""
-        self._sock.close(0)
+        if not self._sock.closed:
+            self.watch.close()
+            self._sock.close(0)
         self._pending.clear()
 
     def submit(
@@ -283,23 +456,48 @@ class Client:
         in order. With return_exceptions, errors come back in place instead of raising."""
         return collect([self.submit(x, model, timeout_ms) for x in inputs], return_exceptions)
 
-    def control(self, op: str) -> Any:
-        """Send a control request (`stats`) and return its output."""
-        return self._start({"op": op}, self.timeout_s).result()
+    def control(self, op: str, **fields: Any) -> Any:
+        """Send a control request (`stats`; `reload` with model=NAME) and return its output."""
+        return self._start({"op": op, **fields}, self.timeout_s).result()
 
     def _start(self, fields: dict[str, Any], wait_s: float | None) -> PendingReply:
         request_id = next(self._ids)
-        body = self._send({"id": request_id, **fields})
+        body = protocol.pack({"id": request_id, **fields})
         pending = PendingReply(self, request_id, body, wait_s)
         self._pending[request_id] = pending
+        self._send_body(body, pending.deadline)
         return pending
 
     def _send(self, fields: dict[str, Any]) -> bytes:
         body = protocol.pack(fields)
-        self._sock.send_multipart([b"", body])
+        self._send_body(body, time.monotonic())
         return body
 
+    def _send_body(self, body: bytes, deadline: float | None) -> bool:
+        """Send without ever blocking past `deadline` (None: as long as it takes); returns
+        whether it went. A message that cannot go (the broker's queue for us is full, or
+        libzmq gave up on the connection after a refused handshake) is not sent: its
+        request times out, with the reason in the message."""
+        frames = [b"", body]
+        while True:
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                pass
+            self.watch.poll()
+            if self.watch.dead:
+                return False
+            wait_ms = 100  # then the monitor is read again: after a refusal, waiting is pointless
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                wait_ms = min(wait_ms, max(1, math.ceil(remaining * 1000)))
+            self._sock.poll(wait_ms, zmq.POLLOUT)
+
     def _wait_for(self, target: PendingReply) -> None:
+        self.watch.poll()  # keeps the monitor's queue short, so no event is dropped
         while target.reply is None:
             timeout_ms = -1
             if target.deadline is not None:
@@ -316,7 +514,7 @@ class Client:
         if pending.attempts <= self.retries and pending.wait_s is not None:
             pending.attempts += 1
             pending.deadline = time.monotonic() + pending.wait_s
-            self._sock.send_multipart([b"", pending.body])
+            self._send_body(pending.body, pending.deadline)
             return
         self._pending.pop(pending.request_id, None)
         pending.reply = {
@@ -324,7 +522,8 @@ class Client:
             "ok": False,
             "error": {
                 "code": "timeout",
-                "message": f"no reply from {self.address} after {pending.attempts} attempt(s)",
+                "message": f"no reply from {self.address} after {pending.attempts} attempt(s): "
+                + self.watch.hint(),
             },
         }
 

@@ -1,8 +1,10 @@
 """The TOML configuration file given with --config.
 
 Top-level keys are option defaults, named like the flags with underscores
-(`max_wait_ms = 5`); `[models.NAME]` tables hold one model's batching settings,
-which override the flags for that model only. See docs/batcher.example.toml.
+(`max_wait_ms = 5`); `[models.NAME]` tables hold one model's batching settings and
+placement (`gpus`, `workers`), which override the file's top level for that model. A
+value given on the command line or in the environment beats the whole file, tables
+included. See docs/batcher.example.toml.
 
 Values are type-checked as strictly as flags are parsed: TOML has booleans, floats and
 strings that Python would quietly turn into ints (`true` into 1, `2.0` into 2), and one
@@ -14,15 +16,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 from batcher.scheduler import BatchSettings
 
-#: Keys a [models.NAME] table may hold: the fields of BatchSettings.
-MODEL_KEYS = tuple(f.name for f in dataclasses.fields(BatchSettings))
+#: Keys of a [models.NAME] table that place the model's workers (`serve` only): the
+#: devices it is pinned to and how many workers it gets. Not batching settings.
+PLACEMENT_KEYS = ("gpus", "workers")
+#: Keys a [models.NAME] table may hold: the fields of BatchSettings, then placement.
+MODEL_KEYS = (*(f.name for f in dataclasses.fields(BatchSettings)), *PLACEMENT_KEYS)
 
 
 class ConfigError(ValueError):
@@ -41,6 +46,9 @@ class Kind(Enum):
     STR_OR_LIST = "a string or a list of strings"
 
 
+#: Options whose flag takes a comma-separated list and whose file value is a TOML list.
+COMMA_LIST_OPTIONS = ("batch_sizes", "gpus")
+
 #: The type of each [models.NAME] key (a key missing here is left to BatchSettings).
 MODEL_KINDS = {
     "max_batch_size": Kind.INT,
@@ -48,6 +56,8 @@ MODEL_KINDS = {
     "batch_sizes": Kind.INT_LIST,
     "max_queue": Kind.INT,
     "policy": Kind.STR,
+    "gpus": Kind.INT_LIST,
+    "workers": Kind.INT,
 }
 
 
@@ -124,11 +134,13 @@ class Config:
         """A ConfigError naming this file, the table and the key."""
         return ConfigError(f"{self.path}: {where(key, model)}: {problem}")
 
-    def model_settings(self, default: BatchSettings) -> dict[str, BatchSettings]:
-        """Per-model BatchSettings: `default` with each model's table applied on top."""
+    def model_settings(self, default: BatchSettings, fixed: Collection[str] = ()) -> dict[str, BatchSettings]:
+        """Per-model BatchSettings: `default` with each model's table applied on top,
+        except the keys in `fixed` (set on the command line or in the environment, which
+        beat the file everywhere) and the placement keys (see model_gpus, model_workers)."""
         out = {}
         for name, table in self.models.items():
-            values = dict(table)
+            values = {k: v for k, v in table.items() if k not in fixed and k not in PLACEMENT_KEYS}
             if "batch_sizes" in values and values["batch_sizes"] is not None:
                 values["batch_sizes"] = tuple(values["batch_sizes"])
             if isinstance(values.get("max_wait_ms"), int):
@@ -138,6 +150,14 @@ class Config:
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"{self.path}: [models.{name}]: {exc}") from None
         return out
+
+    def model_gpus(self) -> dict[str, tuple[int, ...]]:
+        """The devices each model is pinned to (`gpus = [0]` in its table)."""
+        return {name: tuple(t["gpus"]) for name, t in self.models.items() if "gpus" in t}
+
+    def model_workers(self) -> dict[str, int]:
+        """The workers of each model whose table says (`workers = N`)."""
+        return {name: t["workers"] for name, t in self.models.items() if "workers" in t}
 
 
 def load_config(path: str) -> Config:
@@ -170,6 +190,7 @@ def load_config(path: str) -> Config:
     if "model" in options:  # the --model option's parameter is named `models` (repeatable)
         value = options.pop("model")
         options["models"] = [value] if isinstance(value, str) else value
-    if "batch_sizes" in options and isinstance(options["batch_sizes"], list):
-        options["batch_sizes"] = ",".join(str(v) for v in options["batch_sizes"])
+    for key in COMMA_LIST_OPTIONS:  # options given on the command line as `1,2,4`
+        if key in options and isinstance(options[key], list):
+            options[key] = ",".join(str(v) for v in options[key])
     return Config(path, options, models, raw)

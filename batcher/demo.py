@@ -102,8 +102,9 @@ def run_demo(workers: int = 2, policy: str = "window") -> bool:
     args = [
         "--policy",
         policy,
-        "--workers",
-        str(workers),
+        # One sim worker on each of simulated GPUs 0..workers-1, whatever this host has.
+        "--gpus",
+        ",".join(str(gpu) for gpu in range(workers)),
         "--model",
         "sim",
         "--max-batch-size",

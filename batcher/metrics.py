@@ -24,7 +24,8 @@ SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 class Recent:
     """The last RECENT queue waits and inference times of one model, in milliseconds."""
 
-    queue_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    queue_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))  # broker + worker
+    worker_wait_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))  # per batch
     infer_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
 
 
@@ -46,6 +47,9 @@ class NoMetrics:
         pass
 
     def queue_waits_ms(self, model: str, waits_ms: list[float]) -> None:
+        pass
+
+    def worker_wait(self, model: str, wait_s: float) -> None:
         pass
 
     def worker_event(self, model: str, event: str) -> None:
@@ -78,6 +82,13 @@ class PrometheusMetrics(NoMetrics):
         self.queue_wait = Histogram(
             "batcher_queue_wait_seconds",
             "Time from arrival at the broker to dispatch",
+            ["model"],
+            buckets=SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self.worker_wait_hist = Histogram(
+            "batcher_worker_wait_seconds",
+            "Time a batch waited in its worker (prefetch) before the model began",
             ["model"],
             buckets=SECONDS_BUCKETS,
             registry=self.registry,
@@ -129,6 +140,9 @@ class PrometheusMetrics(NoMetrics):
         observe = self.queue_wait.labels(model).observe
         for w in waits_ms:
             observe(w / 1000.0)
+
+    def worker_wait(self, model: str, wait_s: float) -> None:
+        self.worker_wait_hist.labels(model).observe(wait_s)
 
     def worker_event(self, model: str, event: str) -> None:
         self.worker_events.labels(model, event).inc()

@@ -7,7 +7,6 @@ version of this module.
 
 from __future__ import annotations
 
-import math
 import struct
 from dataclasses import dataclass
 from enum import StrEnum
@@ -64,6 +63,7 @@ class ErrorCode(StrEnum):
     CANCELLED = "cancelled"
     WORKER_FAILED = "worker_failed"
     SHUTTING_DOWN = "shutting_down"
+    UNAVAILABLE = "unavailable"
     INTERNAL = "internal_error"
 
 
@@ -283,6 +283,7 @@ class ReplyHeader(NamedTuple):
     infer_ms: float
     lengths: list[int]
     errors: int
+    wait_ms: float | None  # how long the batch waited in the worker before its model ran
 
 
 def _is_int(value: object) -> bool:
@@ -290,17 +291,18 @@ def _is_int(value: object) -> bool:
 
 
 def parse_reply_header(frame: bytes) -> ReplyHeader:
-    """Decode and check `[batch_id, infer_ms, lengths, errors]` (errors may be absent).
+    """Decode and check `[batch_id, infer_ms, lengths, errors, wait_ms]` (errors and
+    wait_ms may be absent).
 
     Raises WorkerProtocolError for anything else: a batch id that is not an int in
-    [0, 2**63), an infer_ms that is not a finite number >= 0, a length that is not an
+    [0, 2**63), an infer_ms or wait_ms that is not a number in [0, one day], a length that is not an
     int >= 0, or an errors count outside [0, len(lengths)].
     """
     try:
         header = unpack(frame)
     except Exception as exc:  # msgpack raises several unrelated types
         raise WorkerProtocolError(f"REPLY header is not valid msgpack: {_describe(exc)}") from None
-    if not isinstance(header, list) or len(header) not in (3, 4):
+    if not isinstance(header, list) or len(header) not in (3, 4, 5):
         raise WorkerProtocolError(
             f"REPLY header must be [batch_id, infer_ms, lengths, errors], got {header!r}"
         )
@@ -311,14 +313,28 @@ def parse_reply_header(frame: bytes) -> ReplyHeader:
     def bad(message: str) -> WorkerProtocolError:
         return WorkerProtocolError(message, batch_id)
 
-    if not isinstance(infer_ms, int | float) or isinstance(infer_ms, bool) or not 0 <= infer_ms < math.inf:
-        raise bad(f"REPLY infer_ms must be a finite number >= 0, got {infer_ms!r}")
+    if not _is_finite_ms(infer_ms):
+        raise bad(f"REPLY infer_ms must be a number in [0, {MAX_REPORTED_MS:.0f}], got {infer_ms!r}")
     if not isinstance(lengths, list) or not all(_is_int(n) and n >= 0 for n in lengths):
         raise bad(f"REPLY lengths must be a list of ints >= 0, got {lengths!r}")
-    errors = header[3] if len(header) == 4 else 0
+    errors = header[3] if len(header) >= 4 else 0
     if not _is_int(errors) or not 0 <= errors <= len(lengths):
         raise bad(f"REPLY errors must be an int in [0, {len(lengths)}], got {errors!r}")
-    return ReplyHeader(batch_id, float(infer_ms), lengths, errors)
+    if len(header) < 5:
+        return ReplyHeader(batch_id, float(infer_ms), lengths, errors, None)
+    wait_ms = header[4]
+    if not _is_finite_ms(wait_ms):
+        raise bad(f"REPLY wait_ms must be a number in [0, {MAX_REPORTED_MS:.0f}], got {wait_ms!r}")
+    return ReplyHeader(batch_id, float(infer_ms), lengths, errors, float(wait_ms))
+
+
+#: The longest time a worker may report (one day): past it, a number is a lie that would
+#: skew the learned batch cost for thousands of batches.
+MAX_REPORTED_MS = 86_400_000.0
+
+
+def _is_finite_ms(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= MAX_REPORTED_MS
 
 
 def split_replies(lengths: list[int], blob: bytes) -> list[bytes]:

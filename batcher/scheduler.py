@@ -231,6 +231,9 @@ class ModelQueue:
     cost: CostModel = field(default_factory=CostModel)
     rate: ArrivalRate = field(default_factory=ArrivalRate)
     recheck_at: float = math.inf  # adaptive: when a decision to wait is reconsidered
+    # Since when the model has had no worker (stamped at the first turn that finds it so,
+    # cleared when one joins); None while it has one.
+    no_worker_since: float | None = None
 
     def oldest(self) -> QueuedRequest | None:
         """The earliest-arrived request still queued: the older of the two lanes' oldest."""
@@ -355,9 +358,13 @@ class Scheduler:
         models: list[str] | None = None,
         worker_prefetch: int = 1,
         first_batch_id: int = 1,
+        no_worker_timeout_s: float = 0.0,
     ) -> None:
         if worker_prefetch < 1:
             raise ValueError(f"worker_prefetch must be >= 1, got {worker_prefetch}")
+        if not 0 <= no_worker_timeout_s < math.inf:
+            raise ValueError(f"no_worker_timeout_s must be a finite number >= 0, got {no_worker_timeout_s}")
+        self.no_worker_timeout_s = no_worker_timeout_s  # 0: a model without worker waits forever
         self.default_settings = default or BatchSettings()
         self.worker_prefetch = worker_prefetch
         self._per_model = dict(per_model or {})
@@ -475,6 +482,38 @@ class Scheduler:
                     out.append((name, req))
         return out
 
+    def set_settings(self, model: str, settings: BatchSettings) -> None:
+        """New batching settings for a model (a reloaded config); queued requests stay."""
+        self._per_model[model] = settings
+        self._model(model).settings = settings
+
+    def unavailable(self, now: float) -> list[tuple[str, QueuedRequest, float]]:
+        """Remove and return, with how long their model has had no worker, the queued
+        requests of every model that has had none for `no_worker_timeout_s` (0: never).
+        Also where "no worker since" is stamped, so call it every turn."""
+        out: list[tuple[str, QueuedRequest, float]] = []
+        for name, mq in self._models.items():
+            if mq.workers:
+                mq.no_worker_since = None
+                continue
+            if mq.no_worker_since is None:
+                mq.no_worker_since = now
+            without_s = now - mq.no_worker_since
+            if mq.size and self.no_worker_timeout_s and without_s >= self.no_worker_timeout_s:
+                for req in list(mq.queued()):
+                    mq.discard(req)
+                    out.append((name, req, without_s))
+        return out
+
+    def without_worker_s(self, model: str, now: float) -> float | None:
+        """How long `model` has had no worker, if past `no_worker_timeout_s` (a request for
+        it is then refused at once); None otherwise."""
+        mq = self._models.get(model)
+        if mq is None or mq.workers or mq.no_worker_since is None or not self.no_worker_timeout_s:
+            return None
+        without_s = now - mq.no_worker_since
+        return without_s if without_s >= self.no_worker_timeout_s else None
+
     def add_worker(self, worker_id: bytes, model: str, slots: int | None = None) -> list[Batch]:
         """A worker announced itself (READY). It may hold `worker_prefetch` batches at once
         (fewer if it asks for fewer `slots`). A worker announcing itself again is a fresh
@@ -485,6 +524,15 @@ class Scheduler:
         self._workers[worker_id] = WorkerState(worker_id, model, limit)
         mq.workers[worker_id] = None
         return lost
+
+    def drain_worker(self, worker_id: bytes) -> int:
+        """Send a worker no more batches (it is being replaced); returns how many it still
+        holds. It stays a worker of its model, so its replies are taken as usual."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return 0
+        w.slots = 0
+        return len(w.in_flight)
 
     def remove_worker(self, worker_id: bytes) -> list[Batch]:
         """A worker left or died; returns the batches it held so they can be answered."""
@@ -528,7 +576,9 @@ class Scheduler:
                 dl = mq.earliest_deadline()
                 if dl is not None:
                     best = min(best, dl)
-            if not mq.size or not any(self._workers[w].free_slots for w in mq.workers):
+            if mq.size and not mq.workers and mq.no_worker_since is not None and self.no_worker_timeout_s:
+                best = min(best, mq.no_worker_since + self.no_worker_timeout_s)
+            if not mq.size or not any(self._workers[w].free_slots > 0 for w in mq.workers):
                 continue
             best = min(best, self._wait_until(mq), mq.recheck_at)
         return None if best == math.inf else best
@@ -558,9 +608,11 @@ class Scheduler:
         prefetching: list[WorkerState] = []
         for wid in mq.workers:
             w = self._workers[wid]
+            if w.free_slots <= 0:
+                continue
             if not w.in_flight:
                 idle.append(w)
-            elif w.free_slots > 0:
+            else:
                 prefetching.append(w)
         if not idle and not prefetching:
             return None

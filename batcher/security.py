@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +35,25 @@ class KeyFileError(ValueError):
     """A key file that cannot be used."""
 
 
-def generate_keys(directory: str, name: str) -> tuple[str, str]:
-    """Write NAME.key (public) and NAME.key_secret (secret) in `directory`."""
+class KeyExistsError(KeyFileError):
+    """A key pair of that name is already there: replacing it would lock out every peer
+    that holds its public key, so it takes `force`."""
+
+
+def generate_keys(directory: str, name: str, force: bool = False) -> tuple[str, str]:
+    """Write NAME.key (public) and NAME.key_secret (secret) in `directory`; refuse to
+    replace either file unless `force` (KeyExistsError), and a NAME that is not a plain
+    file name (ValueError)."""
+    if not name or name in (".", "..") or os.sep in name or (os.altsep and os.altsep in name):
+        raise ValueError(f"the name must be a plain file name, got {name!r}")
+    paths = [os.path.join(directory, name + ext) for ext in (".key", ".key_secret")]
+    existing = [p for p in paths if os.path.lexists(p)]
+    if existing and not force:
+        raise KeyExistsError(
+            f"{' and '.join(existing)} already exist{'s' if len(existing) == 1 else ''}: "
+            "give --force to replace the key pair (every peer holding its public key must then "
+            "be given the new one)"
+        )
     os.makedirs(directory, exist_ok=True)
     public, secret = zmq.auth.create_certificates(directory, name)
     os.chmod(secret, 0o600)
@@ -191,3 +209,66 @@ def secure_client(sock: zmq.Socket[Any], server_key_file: str, secret_key_file: 
         public, secret = zmq.curve_keypair()
     sock.curve_publickey = public
     sock.curve_secretkey = secret
+
+
+#: Handshake failures a broker socket reports through its monitor.
+HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+#: At most one warning per socket and kind of failure in this many seconds (then a count).
+HANDSHAKE_LOG_INTERVAL_S = 60.0
+
+
+class HandshakeWatch:
+    """Counts and logs, at a bounded rate, the CURVE handshakes a broker socket refused:
+    a peer speaking plaintext or with the wrong server key fails before any allow-list is
+    asked (and would otherwise go unnoticed); a key an allow-list refused is logged by
+    the allow-list, and only counted here."""
+
+    def __init__(self, sockets: dict[str, zmq.Socket[Any]]) -> None:
+        self._sockets = list(sockets.values())
+        self.monitors: dict[zmq.Socket[Any], str] = {
+            sock.get_monitor_socket(HANDSHAKE_FAILURES): name for name, sock in sockets.items()
+        }
+        self.refused: dict[str, int] = dict.fromkeys(sockets, 0)
+        self._last_log: dict[tuple[str, int], tuple[float, int]] = {}  # -> (when, count then)
+
+    def handle(self, monitor: zmq.Socket[Any], now: float) -> None:
+        """Read every event waiting on `monitor` (registered in the broker's poller)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        name = self.monitors[monitor]
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.refused[name] += 1
+            kind = int(event["event"])
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                continue  # the allow-list logged it, with the key
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                # Mostly a peer that went away mid-handshake (a worker checking the address
+                # before it loads its model does): counted, not worth a warning.
+                log.debug("a handshake on the %s ended early (error %s)", name, event.get("value"))
+                continue
+            last_at, count_then = self._last_log.get((name, kind), (-math.inf, 0))
+            if now - last_at < HANDSHAKE_LOG_INTERVAL_S:
+                continue
+            since = self.refused[name] - count_then - 1
+            log.warning(
+                "refused a handshake on the %s (protocol error %s): a plaintext peer on a CURVE socket, "
+                "or a peer with the wrong server key?%s",
+                name,
+                event.get("value"),
+                f" ({since} more refused since the last such line)" if since > 0 else "",
+            )
+            self._last_log[(name, kind)] = (now, self.refused[name])
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.disable_monitor()
+        for monitor in self.monitors:
+            monitor.close(0)

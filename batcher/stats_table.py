@@ -2,12 +2,18 @@
 
 The table is built from whatever the broker sends: a missing field, a NaN or an
 infinity (a worker may report one) prints as `-` rather than failing the command or
-printing `nan` as if it were a measurement.
+printing `nan` as if it were a measurement. Columns are as wide as their widest cell,
+so long model names and large counts keep the table aligned.
+
+`stats --watch` also shows rates, computed here from two snapshots: the broker keeps
+totals only, and a rate over the refresh interval is what a person watching wants.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -30,6 +36,10 @@ def _ms(value: Any) -> str:
     return "-" if n is None else f"{n:.2f}"
 
 
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def _total(values: Any) -> str:
     if not isinstance(values, dict):
         return "-"
@@ -37,27 +47,119 @@ def _total(values: Any) -> str:
     return str(sum(n for n in numbers if n is not None))
 
 
-def format_stats(snapshot: dict[str, Any]) -> str:
-    """A table with one row per model, then the broker-wide counters."""
-    header = (
-        f"{'model':<14}{'queued':>8}{'workers':>9}{'busy':>6}{'batches':>10}{'requests':>11}"
-        f"{'mean bs':>9}{'queue p50/p99 ms':>19}{'infer p50/p99 ms':>19}  outcomes"
-    )
-    lines = [header, "-" * len(header)]
+def _models(snapshot: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The snapshot's models, each a dict (an odd entry becomes an empty one)."""
     models = snapshot.get("models")
-    for name, m in sorted((models if isinstance(models, dict) else {}).items()):
-        if not isinstance(m, dict):
-            m = {}
+    if not isinstance(models, dict):
+        return {}
+    return {str(name): (m if isinstance(m, dict) else {}) for name, m in models.items()}
+
+
+@dataclass(frozen=True)
+class Rates:
+    """One model's rates per second between two snapshots. None where they cannot be
+    told: a field missing or odd, or a counter that went down (the broker restarted)."""
+
+    requests_s: float | None  # requests answered, whatever the outcome: ok_s + errors_s
+    ok_s: float | None
+    errors_s: float | None
+    batches_s: float | None
+
+
+def _answered(model: Mapping[str, Any]) -> tuple[float | None, float | None]:
+    """(requests answered, of which ok) from a model's `outcomes`."""
+    outcomes = model.get("outcomes", {})
+    if not isinstance(outcomes, dict):
+        return None, None
+    numbers = [_number(v) for v in outcomes.values()]
+    if any(n is None for n in numbers):
+        return None, None
+    ok = _number(outcomes.get("ok", 0))
+    return float(sum(n for n in numbers if n is not None)), None if ok is None else float(ok)
+
+
+def _errors(total: float | None, ok: float | None) -> float | None:
+    return None if total is None or ok is None else total - ok
+
+
+def _per_second(now: float | None, before: float | None, elapsed_s: float) -> float | None:
+    if now is None or before is None or now < before:
+        return None
+    return (now - before) / elapsed_s
+
+
+def compute_rates(
+    previous: Mapping[str, Any], current: Mapping[str, Any], elapsed_s: float
+) -> dict[str, Rates]:
+    """Each model's rates between two `stats` snapshots taken `elapsed_s` apart. A model
+    absent from `previous` is new since: its counters started from 0."""
+    if not elapsed_s > 0 or not math.isfinite(elapsed_s):
+        raise ValueError(f"elapsed_s must be a finite number > 0, got {elapsed_s}")
+    before_models = _models(previous)
+    out = {}
+    for name, now in _models(current).items():
+        before = before_models.get(name, {"batches": 0, "outcomes": {}})
+        total_now, ok_now = _answered(now)
+        total_before, ok_before = _answered(before)
+        requests_s = _per_second(total_now, total_before, elapsed_s)
+        ok_s = _per_second(ok_now, ok_before, elapsed_s)
+        errors_s = None  # only where both others are known: a restart can leave errors at 0
+        if requests_s is not None and ok_s is not None:
+            errors_s = _per_second(_errors(total_now, ok_now), _errors(total_before, ok_before), elapsed_s)
+        batches_s = _per_second(_number(now.get("batches")), _number(before.get("batches")), elapsed_s)
+        out[name] = Rates(requests_s, ok_s, errors_s, batches_s)
+    return out
+
+
+#: The table's columns: header and alignment (`<` left, `>` right). Outcomes come last.
+_COLUMNS = (
+    ("model", "<"),
+    ("queued", ">"),
+    ("workers", ">"),
+    ("busy", ">"),
+    ("batches", ">"),
+    ("requests", ">"),
+    ("mean bs", ">"),
+    ("queue p50/p99 ms", ">"),
+    ("infer p50/p99 ms", ">"),
+)
+_RATE_COLUMNS = (("req/s", ">"), ("ok/s", ">"), ("err/s", ">"), ("batch/s", ">"))
+_GAP = "  "
+
+
+def format_stats(snapshot: Mapping[str, Any], rates: Mapping[str, Rates] | None = None) -> str:
+    """A table with one row per model, then the broker-wide counters. With `rates` (even
+    empty: `--watch` before its second snapshot), rate columns too."""
+    columns = _COLUMNS + (_RATE_COLUMNS if rates is not None else ())
+    rows: list[tuple[list[str], str]] = []
+    for name, m in sorted(_models(snapshot).items()):
         outcomes = m.get("outcomes")
         outcomes = outcomes if isinstance(outcomes, dict) else {}
         outcome_text = ", ".join(f"{k}: {_count(v)}" for k, v in sorted(outcomes.items())) or "-"
-        lines.append(
-            f"{name!s:<14}{_count(m.get('queued')):>8}{_count(m.get('workers')):>9}"
-            f"{_count(m.get('busy_workers')):>6}{_count(m.get('batches')):>10}"
-            f"{_count(m.get('requests')):>11}{_ms(m.get('mean_batch_size')):>9}"
-            f"{_ms(m.get('queue_ms_p50')) + ' / ' + _ms(m.get('queue_ms_p99')):>19}"
-            f"{_ms(m.get('infer_ms_p50')) + ' / ' + _ms(m.get('infer_ms_p99')):>19}  {outcome_text}"
-        )
+        cells = [
+            name,
+            _count(m.get("queued")),
+            _count(m.get("workers")),
+            _count(m.get("busy_workers")),
+            _count(m.get("batches")),
+            _count(m.get("requests")),
+            _ms(m.get("mean_batch_size")),
+            _ms(m.get("queue_ms_p50")) + " / " + _ms(m.get("queue_ms_p99")),
+            _ms(m.get("infer_ms_p50")) + " / " + _ms(m.get("infer_ms_p99")),
+        ]
+        if rates is not None:
+            r = rates.get(name)
+            values = (r.requests_s, r.ok_s, r.errors_s, r.batches_s) if r else (None,) * 4
+            cells += [_rate(v) for v in values]
+        rows.append((cells, outcome_text))
+    widths = [max([len(h)] + [len(cells[i]) for cells, _ in rows]) for i, (h, _) in enumerate(columns)]
+
+    def line(cells: list[str], last: str) -> str:
+        padded = [f"{c:{align}{w}}" for c, (_, align), w in zip(cells, columns, widths, strict=True)]
+        return _GAP.join([*padded, last])
+
+    header = line([h for h, _ in columns], "outcomes")
+    lines = [header, "-" * len(header), *(line(cells, last) for cells, last in rows)]
     extras = {
         "workers lost": _count(snapshot.get("workers_lost", 0)),
         "batches retried": _count(snapshot.get("batches_retried", 0)),

@@ -42,10 +42,12 @@ def ignore_stop_signals() -> None:
 
 
 class StopSignals:
-    """Counts SIGINT/SIGTERM received; `fd` becomes readable on each one."""
+    """Counts SIGINT/SIGTERM received (and SIGHUP, apart, once `install_hangup` is
+    called); `fd` becomes readable on each one."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.hangups = 0  # SIGHUPs: "reload", never "stop"
         self._r, self._w = socket.socketpair()
         self._r.setblocking(False)
         self._w.setblocking(False)
@@ -62,6 +64,17 @@ class StopSignals:
         signal.signal(signal.SIGTERM, self._handle)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         return self
+
+    def install_hangup(self) -> StopSignals:
+        """Count SIGHUP in `hangups` (main thread only): `serve` reloads on it."""
+        signal.signal(signal.SIGHUP, self._hangup)
+        return self
+
+    def _hangup(self, signum: int, frame: FrameType | None) -> None:
+        log.info("received SIGHUP")
+        self.hangups += 1
+        with contextlib.suppress(OSError):
+            self._w.send(b"\0")
 
     def trigger(self) -> None:
         """Act as if a signal arrived: used by the handler and by tests."""

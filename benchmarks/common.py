@@ -77,10 +77,20 @@ def median_of(runs: Sequence[Any]) -> Any:
 
 
 def summarize(result: LoadResult) -> dict[str, Any]:
-    """The numbers of one load run that the tables use, flat, in milliseconds and req/s."""
+    """The numbers of one load run that the tables use, flat, in milliseconds and req/s.
+
+    throughput_rps counts the ok replies that arrived inside the measured window only;
+    the percentiles cover the requests sent in it, late replies included (batcher.bench)."""
     lat = result.latency_ms
     return {
         "throughput_rps": result.throughput_rps,
+        "window_s": result.window_s,
+        "offered_rate": result.offered_rate,
+        "achieved_rate": result.achieved_rate,
+        "fell_behind": result.fell_behind,
+        "broker_notes": list(result.broker_notes),
+        "in_flight_at_end": result.in_flight_at_end,
+        "late": result.late,
         "p50_ms": lat["p50"],
         "p90_ms": lat["p90"],
         "p99_ms": lat["p99"],
@@ -104,6 +114,9 @@ def median_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     out["errors"] = sum(int(r["errors"]) for r in runs)
     out["lost"] = sum(int(r["lost"]) for r in runs)
     out["client_notes"] = sorted({n for r in runs for n in r.get("client_notes", [])})
+    behind = [r.get("fell_behind") for r in runs]
+    out["fell_behind"] = None if all(b is None for b in behind) else any(bool(b) for b in behind)
+    out["broker_notes"] = sorted({n for r in runs for n in r.get("broker_notes", [])})
     return out
 
 
@@ -120,7 +133,8 @@ def closed_loop(
     processes: int = 1,
     payload_bytes: int = 16,
 ) -> LoadResult:
-    """Keep `concurrency` requests in flight for warmup_s + duration_s (batcher.bench)."""
+    """Keep `concurrency` requests in flight for warmup_s + duration_s (batcher.bench);
+    BenchFailed when nothing answered, rather than a table row of zeros."""
     return run_load(
         LoadSettings(
             connect=address,
@@ -131,7 +145,7 @@ def closed_loop(
             processes=processes,
             payload_bytes=payload_bytes,
         )
-    )
+    ).check()
 
 
 def open_loop(
@@ -145,7 +159,8 @@ def open_loop(
     payload_bytes: int = 16,
     seed: int | None = None,
 ) -> LoadResult:
-    """Poisson arrivals at `rate` per second for warmup_s + duration_s (batcher.bench)."""
+    """Poisson arrivals at `rate` per second for warmup_s + duration_s (batcher.bench);
+    BenchFailed when nothing answered."""
     return run_load(
         LoadSettings(
             connect=address,
@@ -157,7 +172,7 @@ def open_loop(
             payload_bytes=payload_bytes,
             seed=seed,
         )
-    )
+    ).check()
 
 
 # --- servers -----------------------------------------------------------------------------------
@@ -409,3 +424,12 @@ def client_note(summary: Mapping[str, Any]) -> str:
     if summary.get("client_kept_up", True):
         return ""
     return "; ".join(summary.get("client_notes", [])) or "load generator did not keep up"
+
+
+def load_note(summary: Mapping[str, Any]) -> str:
+    """An open-loop row's verdict: whether the broker fell behind the offered load (then the
+    row describes overload, not a steady state), and the client's own notes."""
+    notes = ["broker fell behind"] if summary.get("fell_behind") else []
+    if client := client_note(summary):
+        notes.append(client)
+    return "; ".join(notes) or "kept up"

@@ -22,9 +22,9 @@ from typing import Any
 
 from common import (
     RESULTS_DIR,
-    client_note,
     closed_loop,
     handle_sigterm,
+    load_note,
     md_table,
     median_summary,
     open_loop,
@@ -186,12 +186,12 @@ def main(argv: list[str] | None = None) -> None:
                 [
                     res["label"], f"{res['max_wait_ms']:g}", f"{lv['level']:.0%}", lv["rate"],
                     m["throughput_rps"], m["p50_ms"], m["p99_ms"], m["mean_batch_size"],
-                    m["errors"] + m["lost"], client_note(m) or "kept up",
+                    m["errors"] + m["lost"], load_note(m),
                 ]
             )  # fmt: skip
     table = md_table(
         ["policy", "max-wait-ms", "load", "offered req/s", "answered req/s", "p50 ms", "p99 ms", "mean batch",
-         "errors", "client"],
+         "errors", "load"],
         rows,
     )  # fmt: skip
     lone_table = md_table(
@@ -215,7 +215,9 @@ def main(argv: list[str] | None = None) -> None:
         f"capacity {args.workers} * {args.max_batch_size} / t({args.max_batch_size}) = {capacity:.0f} req/s. "
         f"Open loop (Poisson arrivals, latency from each request's due time) from {args.processes} load "
         f"process(es); median of {args.runs} run(s) of {args.duration:g} s after {args.warmup:g} s warm-up "
-        f"per level.\n\n{table}\n\n"
+        f"per level. Answered req/s: ok replies that arrived inside the window; load: whether the "
+        f"broker fell behind the offered load (its backlog grew: latency then depends on the run's "
+        f"length) and whether the load generator kept up.\n\n{table}\n\n"
         f"Lone client: closed loop, 1 request in flight, against t(1) = {t1:g} ms.\n\n{lone_table}\n"
     )
     if notes:

@@ -206,7 +206,7 @@ def test_error_replies_are_printed_and_exit_1(example: list[str], broker: ServeP
     assert sorted(r["id"] for r in replies) == ["1", "2"]
     for r in replies:
         assert r["ok"] == "false"
-        assert r["rest"] == "error=unknown_model message=\"no worker serves model 'nope'\""
+        assert r["rest"] == "error=unknown_model message=\"no worker serves model 'nope' (models: echo)\""
 
 
 def test_curve_with_an_allowed_key(

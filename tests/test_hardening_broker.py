@@ -112,6 +112,8 @@ def frontend_dealer(zctx: zmq.Context[Any]) -> Callable[[str], zmq.Socket[Any]]:
         ("NaN infer_ms", lambda bid, lens: [bid, math.nan, lens, 0]),
         ("infinite infer_ms", lambda bid, lens: [bid, math.inf, lens, 0]),
         ("negative infer_ms", lambda bid, lens: [bid, -5.0, lens, 0]),
+        ("infer_ms over a day", lambda bid, lens: [bid, 1e308, lens, 0]),
+        ("wait_ms NaN", lambda bid, lens: [bid, 1.0, lens, 0, math.nan]),
         ("errors not an int", lambda bid, lens: [bid, 1.0, lens, "1"]),
     ],
 )

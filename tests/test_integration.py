@@ -308,7 +308,18 @@ def test_garbage_gets_bad_request_and_the_broker_keeps_serving(serve, connect, k
 
 def test_two_models_on_one_broker(serve, client):
     sp = serve(
-        "--model", "sim", "--model", "echo", "--workers", "1", *FAST_SIM, "--max-wait-ms", "1", workers=2
+        "--model",
+        "sim",
+        "--model",
+        "echo",
+        "--gpus",
+        "0,1",
+        "--workers",
+        "1",
+        *FAST_SIM,
+        "--max-wait-ms",
+        "1",
+        workers=2,
     )
     c = client(sp.frontend)
     echo = c.submit({"k": [1, 2]}, model="echo").wait()
@@ -470,7 +481,7 @@ def test_worker_gpu_overrides_inherited_cuda_visible_devices(spawn, client, zctx
 
 
 def test_serve_gives_each_worker_its_gpu(serve, client):
-    sp = serve("--workers", "2", "--model", CUDA, "--max-batch-size", "1", "--max-wait-ms", "0", workers=2)
+    sp = serve("--gpus", "0,1", "--model", CUDA, "--max-batch-size", "1", "--max-wait-ms", "0", workers=2)
     c = client(sp.frontend)
     seen: dict[str, str] = {}
     deadline = time.monotonic() + 10

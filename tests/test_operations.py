@@ -308,7 +308,7 @@ def test_flag_beats_environment_beats_file_beats_default(spawn, tmp_path, zctx):
     assert sim["max_batch_size"] == 6  # environment, over file
     assert sim["max_wait_ms"] == 3.0  # file, over default
     assert sim["policy"] == "adaptive"  # default
-    assert models["other"]["max_batch_size"] == 2  # its table, over everything
+    assert models["other"]["max_batch_size"] == 6  # the environment, over its table
     assert models["other"]["max_queue"] == 33  # the rest as for every model
 
 

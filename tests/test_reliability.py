@@ -204,7 +204,7 @@ def test_sigstop_worker_past_liveness_batch_redispatched_then_it_rejoins_without
 
 
 def test_worker_dying_at_startup_is_given_up_after_5_attempts_and_serve_serves_on(served, zctx):
-    s = served("--workers", "1", "--model", "sim", "--model", BROKEN, *FAST_SIM, workers=1)
+    s = served("--gpus", "0,1", "--workers", "1", "--model", "sim", "--model", BROKEN, *FAST_SIM, workers=1)
     with Client(s.frontend, timeout_s=10, context=zctx) as c:
         served_meanwhile = 0
         deadline = time.monotonic() + 40

@@ -1,18 +1,25 @@
 """Models a worker can serve: the built-in `sim` and `echo`, or any user callable.
 
 A model is a callable that takes the list of a batch's inputs and returns a list of
-outputs of the same length. A user model is named `package.module:attr` (optionally
+outputs of the same length; an output may be an exception instance, which fails that
+input alone. A user model is named `package.module:attr` (optionally
 `name=package.module:attr` to announce it under a shorter name); when `attr` is a
-class it is instantiated once per worker with the worker's GPU id.
+class it is instantiated once per worker with the worker's GPU id. Its module is
+looked for in the current directory first, as `python -m` would.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import site
+import sys
+import sysconfig
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 ModelFn = Callable[[list[Any]], list[Any]]
@@ -89,7 +96,7 @@ def load_model(spec: ModelSpec, gpu: int | None, sim: SimSettings | None = None)
     if spec.target == "echo":
         return echo
     module_name, _, attr = spec.target.partition(":")
-    module = importlib.import_module(module_name)
+    module = import_user_module(module_name)
     obj = module
     for part in attr.split("."):
         obj = getattr(obj, part)
@@ -98,3 +105,44 @@ def load_model(spec: ModelSpec, gpu: int | None, sim: SimSettings | None = None)
     if not callable(obj):
         raise TypeError(f"{spec.target} is not callable")
     return obj
+
+
+def import_user_module(name: str) -> ModuleType:
+    """Import a user model's module with the current directory first on the import path,
+    as `python -m` has it: `serve`'s workers (`python -m batcher worker`) find a
+    mymodels.py next to them, and the `batcher` console script, whose path starts with
+    its own bin directory, must find it too. A module that is not found says where it
+    was looked for and how to fix that."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if not missing or not (name == missing or name.startswith(missing + ".")):
+            raise  # the module was found: something it imports was not, and says so itself
+        top = missing.split(".")[0]
+        others = [d for d in _searched_dirs() if d != cwd]
+        where = f"the current directory {cwd}" + (f", {', '.join(others)}" if others else "")
+        raise ModuleNotFoundError(
+            f"no module named {missing!r} in {where} or the installed packages: run the worker "
+            f"from the directory that holds {top}.py (or the {top}/ package), or add that "
+            "directory to PYTHONPATH",
+            name=missing,
+        ) from None
+
+
+def _searched_dirs() -> list[str]:
+    """sys.path without the standard library and site-packages: the entries a user's
+    module can be expected in (the current directory, PYTHONPATH, a script's directory)."""
+    installed = {sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    installed.update(site.getsitepackages())
+    installed.add(site.getusersitepackages())
+    out: list[str] = []
+    for entry in sys.path:
+        path = os.path.abspath(entry or ".")
+        is_installed = any(path == d or path.startswith(d + os.sep) for d in installed if d)
+        if not is_installed and not path.endswith(".zip") and path not in out:
+            out.append(path)
+    return out

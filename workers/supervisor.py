@@ -17,35 +17,62 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from batcher.protocol import Heartbeat
 from batcher.stopping import stop_signals_blocked
 from workers.models import ModelSpec, SimSettings
+from workers.placement import place_workers, visible_gpus
 
 log = logging.getLogger("batcher.supervisor")
 
 
 @dataclass(frozen=True)
 class PoolSettings:
-    """Which workers `serve` runs: `workers_per_model` of each model, GPU ids 0, 1, ..."""
+    """Which workers `serve` runs and where (workers/placement.py): `workers_per_model` of
+    each model (None: one per device, or 2 without devices) on `gpus` (None: the visible
+    ones), at most `workers_per_gpu` of a model on one device."""
 
     backend: str
     models: tuple[str, ...]
-    workers_per_model: int
+    workers_per_model: int | None = None
     sim: SimSettings = field(default_factory=SimSettings)
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     log_level: str = "INFO"
     log_format: str = "text"
     curve_secret_key: str | None = None  # the broker's: its local workers use its key pair
     max_starting: int | None = None  # worker processes starting at once; None: default_max_starting()
+    gpus: tuple[int, ...] | None = None
+    workers_per_gpu: int = 1
+    model_gpus: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # pinned models, by name
+    model_workers: Mapping[str, int] = field(default_factory=dict)  # worker counts, by model name
 
     def __post_init__(self) -> None:
-        if self.workers_per_model < 0:
+        if self.workers_per_model is not None and self.workers_per_model < 0:
             raise ValueError(f"workers must be >= 0, got {self.workers_per_model}")
         if self.max_starting is not None and self.max_starting < 1:
             raise ValueError(f"max_starting must be >= 1, got {self.max_starting}")
+        if self.workers_per_gpu < 1:
+            raise ValueError(f"workers_per_gpu must be >= 1, got {self.workers_per_gpu}")
+        for name, count in self.model_workers.items():
+            if count < 0:
+                raise ValueError(f"workers of model {name!r} must be >= 0, got {count}")
+        self.placement()  # raises, naming the model, when the workers do not fit
+
+    def placement(self) -> list[tuple[str, int | None]]:
+        """(model spec, GPU id or None) of every worker, in start order."""
+        specs = {ModelSpec.parse(m).name: m for m in self.models}
+        devices = visible_gpus() if self.gpus is None else self.gpus
+        plan = place_workers(
+            list(specs),
+            devices,
+            self.workers_per_model,
+            self.workers_per_gpu,
+            self.model_gpus,
+            self.model_workers,
+        )
+        return [(specs[name], gpu) for name, gpu in plan]
 
 
 def default_max_starting() -> int:
@@ -67,16 +94,18 @@ STARTING_S = 1.0
 
 @dataclass
 class WorkerProcess:
-    """One GPU's worker: what it runs, its current process and its restart history."""
+    """One worker slot: what it runs, on which GPU, its current process and its restart
+    history."""
 
     model: str  # the --model spec, NAME=pkg.mod:attr or a plain name
-    gpu: int
+    gpu: int | None  # None: no GPU
     process: subprocess.Popen[bytes] | None  # None until first started
     started_at: float = 0.0
     early_deaths: int = 0
     restarts: int = 0
     respawn_at: float | None = None  # when to (re)start it; it waits longer for a free start slot
     given_up: bool = False
+    retired: bool = False  # replaced by a reload: told to stop, never respawned
 
     @property
     def name(self) -> str:
@@ -108,7 +137,7 @@ class Supervisor:
         self.workers: list[WorkerProcess] = []
         self.on_event = on_event or (lambda model, event: None)  # (model, "respawned"|"given_up")
 
-    def command(self, model: str, gpu: int) -> list[str]:
+    def command(self, model: str, gpu: int | None) -> list[str]:
         """The command line of one worker process."""
         s = self.settings
         return [
@@ -120,8 +149,7 @@ class Supervisor:
             connect_address(s.backend),
             "--model",
             model,
-            "--gpu",
-            str(gpu),
+            *(["--gpu", str(gpu)] if gpu is not None else []),
             "--sim-base-ms",
             repr(s.sim.base_ms),
             "--sim-per-item-ms",
@@ -147,14 +175,11 @@ class Supervisor:
         return self.settings.max_starting or default_max_starting()
 
     def start(self, now: float | None = None) -> None:
-        """Start the workers (worker i gets GPU id i): `max_starting` now, the others from
+        """Start the workers where placement puts them: `max_starting` now, the others from
         `check` as those have been up for STARTING_S."""
         now = time.monotonic() if now is None else now
-        gpu = 0
-        for model in self.settings.models:
-            for _ in range(self.settings.workers_per_model):
-                self.workers.append(WorkerProcess(model, gpu, None, respawn_at=now))
-                gpu += 1
+        for model, gpu in self.settings.placement():
+            self.workers.append(WorkerProcess(model, gpu, None, respawn_at=now))
         self._start_due(now)
 
     def starting(self, now: float) -> int:
@@ -169,7 +194,7 @@ class Supervisor:
         """Start the workers whose time has come, oldest due first, while start slots are free."""
         due = sorted(
             (w for w in self.workers if not w.given_up and w.respawn_at is not None and w.respawn_at <= now),
-            key=lambda w: (w.respawn_at, w.gpu),
+            key=lambda w: (w.respawn_at, -1 if w.gpu is None else w.gpu),
         )
         free = self.max_starting - self.starting(now)
         for w in due[: max(0, free)]:
@@ -182,7 +207,8 @@ class Supervisor:
     def _spawn(self, w: WorkerProcess, now: float) -> None:
         if w.process is not None and w.process.stdin is not None:
             w.process.stdin.close()  # the dead predecessor's pipe
-        env = child_environment(CUDA_VISIBLE_DEVICES=str(w.gpu))
+        # A worker without a GPU keeps the environment it inherits (there is none to hide).
+        env = child_environment() if w.gpu is None else child_environment(CUDA_VISIBLE_DEVICES=str(w.gpu))
         # Same process group as `serve` (so SIGKILL to the group leaves nothing behind).
         # The worker ignores SIGINT/SIGTERM; it starts with them blocked, so one sent to
         # the group before it could ignore them waits instead of killing it.
@@ -190,19 +216,45 @@ class Supervisor:
             w.process = subprocess.Popen(self.command(w.model, w.gpu), env=env, stdin=subprocess.PIPE)
         w.started_at = now
         w.respawn_at = None
-        log.info("started worker for model %s on gpu %d (pid %d)", w.model, w.gpu, w.process.pid)
+        log.info("started worker for model %s on gpu %s (pid %d)", w.model, w.gpu, w.process.pid)
 
     def all_given_up(self, model: str) -> bool:
         """Whether every worker of `model` kept dying at start-up and was given up."""
-        mine = [w for w in self.workers if w.name == model]
+        mine = [w for w in self.workers if w.name == model and not w.retired]
         return bool(mine) and all(w.given_up for w in mine)
+
+    def current(self, model: str) -> list[WorkerProcess]:
+        """The workers of `model` (by name) that are not being replaced."""
+        return [w for w in self.workers if w.name == model and not w.retired and not w.given_up]
+
+    def start_generation(self, model: str, now: float) -> list[WorkerProcess]:
+        """New workers for every current worker of `model`, on the same GPUs, started now
+        (within the start limit); the old ones serve on until `retire`d."""
+        fresh = [WorkerProcess(w.model, w.gpu, None, respawn_at=now) for w in self.current(model)]
+        self.workers.extend(fresh)
+        self._start_due(now)
+        return fresh
+
+    def retire(self, workers: list[WorkerProcess]) -> None:
+        """Stop these workers for good: each finishes its batch and exits; none respawns."""
+        for w in workers:
+            w.retired = True
+            w.respawn_at = None
+            if w.process is not None and w.process.stdin is not None:
+                w.process.stdin.close()
+
+    def running(self, w: WorkerProcess) -> bool:
+        return w.process is not None and w.process.poll() is None
 
     def check(self, now: float) -> None:
         """Respawn dead workers with back-off; give up on one that keeps dying at start-up;
         start the workers waiting for a start slot. Called from the broker's loop (its
         timer heap, also while it drains), so it never blocks."""
+        self.workers = [w for w in self.workers if not (w.retired and not self.running(w))]
         for w in self.workers:
-            if w.given_up or w.respawn_at is not None or w.process is None or w.process.poll() is None:
+            if w.retired or w.given_up or w.respawn_at is not None or w.process is None:
+                continue
+            if w.process.poll() is None:
                 continue
             code = w.process.returncode
             lived_s = now - w.started_at
@@ -217,7 +269,7 @@ class Supervisor:
                 w.given_up = True
                 self.on_event(w.name, "given_up")
                 log.error(
-                    "worker for model %s on gpu %d died %d times in a row within %.0fs of starting "
+                    "worker for model %s on gpu %s died %d times in a row within %.0fs of starting "
                     "(last exit code %s); giving up on it",
                     w.model,
                     w.gpu,
@@ -229,7 +281,7 @@ class Supervisor:
             delay = min(RESPAWN_MAX_S, RESPAWN_MIN_S * 2 ** max(0, w.early_deaths - 1))
             w.respawn_at = now + delay
             log.warning(
-                "worker for model %s on gpu %d (pid %d) exited with code %s after %.1fs; respawning in %.1fs",
+                "worker for model %s on gpu %s (pid %d) exited with code %s after %.1fs; respawning in %.1fs",
                 w.model,
                 w.gpu,
                 w.process.pid,

@@ -2,7 +2,9 @@
 
 It announces itself with READY, then runs every BATCH it receives through the model
 and answers with one REPLY holding a finished reply body per request, so the broker
-forwards them to clients without touching them.
+forwards them to clients without touching them. A socket monitor tells it when the
+broker refuses its handshake (a CURVE key not listed, plaintext against CURVE): it
+then says why, and tries again with back-off.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import zmq
 
 from batcher import protocol
+from batcher.client import HANDSHAKE_FAILED, ConnectionWatch
 from batcher.protocol import ErrorCode, Heartbeat
 from batcher.security import secure_client
 from batcher.stopping import StopSignals, ignore_stop_signals
@@ -33,6 +36,8 @@ log = logging.getLogger("batcher.worker")
 #: Back-off between attempts to reach a broker that stopped answering (seconds).
 RECONNECT_MIN_S = 0.25
 RECONNECT_MAX_S = 8.0
+#: A refused handshake is logged at WARNING once, then again at most this often (DEBUG between).
+REFUSAL_LOG_EVERY_S = 60.0
 #: Exit code of a worker given an address it cannot connect to (sysexits.h EX_USAGE).
 EXIT_BAD_ADDRESS = 64
 
@@ -99,12 +104,23 @@ def _request_id(request: dict[str, Any]) -> int | str | None:
     return req_id if isinstance(req_id, protocol.ID_TYPES) and not isinstance(req_id, bool) else None
 
 
-def run_batch(model: ModelFn, header_frame: bytes, batch_frame: bytes, worker_name: str) -> list[bytes]:
+def run_batch(
+    model: ModelFn,
+    header_frame: bytes,
+    batch_frame: bytes,
+    worker_name: str,
+    arrived_at: float | None = None,
+) -> list[bytes]:
     """Run one BATCH message through the model; returns the REPLY frames.
 
     Whatever the model does, every request of the batch gets a reply: its output, or
-    `model_error` for all of them when the model raises or returns the wrong count.
-    Raises MalformedBatch for a message that cannot be run (see `_run_safely`).
+    `model_error` for all of them when the model raises or returns the wrong count,
+    or for one alone when its output is an exception instance or cannot be encoded.
+    `arrived_at` (time.monotonic()) is when the BATCH reached the worker: the wait from
+    then until the model ran (behind other batches) is part of each request's queue
+    time, so it is added to `queue_ms`, given as `worker_wait_ms` and sent to the broker
+    as the REPLY header's 5th element. Raises MalformedBatch for a message that cannot
+    be run (see `_run_safely`).
     """
     batch_id, queue_ms = _decode_header(header_frame)
     requests = _decode_requests(batch_id, batch_frame)
@@ -113,6 +129,7 @@ def run_batch(model: ModelFn, header_frame: bytes, batch_frame: bytes, worker_na
         # Only metadata: the requests themselves are fine, so they are answered.
         log.warning("batch %d: queue_ms does not match its %d requests; replying without it", batch_id, n)
         queue_ms = [None] * n
+    wait_ms = None if arrived_at is None else round(max(0.0, (time.monotonic() - arrived_at) * 1000.0), 3)
     t0 = time.perf_counter()
     try:
         outputs = model([r.get("input") for r in requests])
@@ -123,16 +140,29 @@ def run_batch(model: ModelFn, header_frame: bytes, batch_frame: bytes, worker_na
         infer_ms = (time.perf_counter() - t0) * 1000.0
         message = f"{type(exc).__name__}: {exc}"
         log.warning("model raised on a batch of %d: %s", n, message)
+        log.debug("batch %d: the model's traceback", batch_id, exc_info=True)
         replies = [protocol.error_reply(_request_id(r), ErrorCode.MODEL_ERROR, message) for r in requests]
-        return protocol.reply_frames(batch_id, infer_ms, replies, errors=n)
+        return _reply_frames(batch_id, infer_ms, replies, n, wait_ms)
     infer_ms = round((time.perf_counter() - t0) * 1000.0, 3)
     replies = []
     errors = 0
-    for r, out, q in zip(requests, outputs, queue_ms, strict=True):
+    for i, (r, out, q) in enumerate(zip(requests, outputs, queue_ms, strict=True)):
+        req_id = _request_id(r)
+        if isinstance(out, BaseException):  # the model failed this input alone
+            errors += 1
+            message = f"{type(out).__name__}: {out}"
+            trace = out if out.__traceback__ is not None else None
+            log.debug("batch %d: the model failed item %d: %s", batch_id, i, message, exc_info=trace)
+            replies.append(protocol.error_reply(req_id, ErrorCode.MODEL_ERROR, message))
+            continue
         if not isinstance(q, int | float) or isinstance(q, bool):
             q = None  # forwarded to the client: only a number from the broker
-        meta = {"batch_size": n, "worker": worker_name, "queue_ms": q, "infer_ms": infer_ms}
-        req_id = _request_id(r)
+        elif wait_ms is not None:
+            q = round(q + wait_ms, 3)
+        meta: dict[str, Any] = {"batch_size": n, "worker": worker_name, "queue_ms": q}
+        if wait_ms is not None:
+            meta["worker_wait_ms"] = wait_ms
+        meta["infer_ms"] = infer_ms
         try:
             replies.append(protocol.ok_reply(req_id, out, meta))
         except (TypeError, ValueError, OverflowError) as exc:
@@ -140,7 +170,18 @@ def run_batch(model: ModelFn, header_frame: bytes, batch_frame: bytes, worker_na
             replies.append(
                 protocol.error_reply(req_id, ErrorCode.MODEL_ERROR, f"output cannot be encoded: {exc}")
             )
-    return protocol.reply_frames(batch_id, infer_ms, replies, errors)
+    return _reply_frames(batch_id, infer_ms, replies, errors, wait_ms)
+
+
+def _reply_frames(
+    batch_id: int, infer_ms: float, replies: list[bytes], errors: int, wait_ms: float | None
+) -> list[bytes]:
+    """protocol.reply_frames, with the batch's wait in the worker as the header's 5th
+    element when it is known (the broker counts it in its queue-time stats)."""
+    frames = protocol.reply_frames(batch_id, infer_ms, replies, errors)
+    if wait_ms is not None:
+        frames[2] = protocol.pack([batch_id, infer_ms, [len(r) for r in replies], errors, wait_ms])
+    return frames
 
 
 class Worker:
@@ -154,6 +195,10 @@ class Worker:
     Told to stop by SIGINT/SIGTERM (`signals`), or, for a worker of `serve`, by end of
     file on `control_fd`: the read end of a pipe whose only writer is `serve`, which
     closes it to stop the worker, and which the kernel closes when `serve` dies.
+
+    No send ever blocks or raises out of the loop: a message the socket cannot take
+    (not connected yet, or given up by libzmq after a refused handshake) is dropped,
+    except READY, which is sent again once a handshake succeeds.
     """
 
     def __init__(
@@ -176,9 +221,14 @@ class Worker:
         self.batches = 0
         self.reconnects = 0
         self._sock: zmq.Socket[Any] | None = None
-        self._pending: deque[list[bytes]] = deque()  # BATCH frames not run yet
+        self._watch: ConnectionWatch | None = None  # the socket's monitor
+        self._pending: deque[tuple[float, list[bytes]]] = deque()  # (arrived at, BATCH frames) not run yet
         self._poller = zmq.Poller()
         self._told_to_reconnect = False
+        self._ready_sent = False
+        self._refused: str | None = None  # why the current connection's handshake failed
+        self._refusals = 0  # handshakes failed in a row
+        self._refusal_logged: tuple[str, float] | None = None  # (why, when) of the last warning
         self._socket_lock = threading.Lock()  # a full memory barrier when the socket changes thread
         self._in_model = False
         self._stopped = threading.Event()
@@ -242,7 +292,9 @@ class Worker:
             wake = next_beat if reconnect_at is None else min(next_beat, reconnect_at)
             events = dict(self._poller.poll(max(0, math.ceil((wake - time.monotonic()) * 1000))))
             now = time.monotonic()
-            if self._sock is not None and self._sock in events and self._drain():
+            if self._watch is not None and self._watch.monitor in events:
+                self._read_monitor()
+            if self._sock is not None and self._sock in events and self._drain(now):
                 heard_at, backoff_s = now, RECONNECT_MIN_S
             if self.signals.fd in events:
                 self.signals.clear()
@@ -251,7 +303,11 @@ class Worker:
             if self._pending:
                 self._run_pending()
                 continue  # poll again first: what the broker sent meanwhile is news of it
-            if self._sock is not None and (self._told_to_reconnect or now - heard_at > hb.expiry_s):
+            if self._sock is not None and self._refused is not None:
+                self._log_refusal(self._refused, now, backoff_s)
+                self._disconnect()  # libzmq may never reconnect it: a fresh socket will
+                reconnect_at, backoff_s = now + backoff_s, min(RECONNECT_MAX_S, backoff_s * 2)
+            elif self._sock is not None and (self._told_to_reconnect or now - heard_at > hb.expiry_s):
                 log.warning("worker %s: lost the broker; reconnecting in %.1fs", self.name, backoff_s)
                 self._disconnect()
                 reconnect_at, backoff_s = now + backoff_s, min(RECONNECT_MAX_S, backoff_s * 2)
@@ -259,7 +315,7 @@ class Worker:
                 self._connect()
                 heard_at, reconnect_at = now, None
             if self._sock is not None and now >= next_beat:
-                send_frames(self._sock, [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
+                self._send([protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
                 next_beat = now + hb.interval_s
         if self.signals.count:
             log.info("worker %s stopping", self.name)
@@ -267,26 +323,30 @@ class Worker:
             log.info("worker %s stopping: serve closed its pipe (it stopped, or died)", self.name)
         elif not self._parent_alive():
             log.info("worker %s stopping: its parent is gone", self.name)
-        if self._sock is not None:
-            # Batches received but not run go back to the broker's queue when it reads this.
-            send_frames(self._sock, [protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
+        # Batches received but not run go back to the broker's queue when it reads this.
+        self._send([protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
 
     def _run_pending(self) -> None:
         """Run the batches received so far, in order, answering each on its connection;
         a stop lets the batch at hand finish and leaves the rest to the broker."""
         assert self.model is not None
         while self._pending and self._sock is not None and not self.stop_requested():
-            frames = self._pending.popleft()
+            arrived_at, frames = self._pending.popleft()
             self._in_model = True
             self._socket_lock.release()  # the heartbeat thread may use the socket meanwhile
             try:
-                reply = _run_safely(self.model, frames[2], frames[3], self.name)
+                reply = _run_safely(self.model, frames[2], frames[3], self.name, arrived_at)
             finally:
                 self._socket_lock.acquire()
                 self._in_model = False
             if reply is not None:
                 self.batches += 1
-                send_frames(self._sock, reply)
+                if not self._send(reply):
+                    log.warning(
+                        "worker %s: the reply to a batch could not be sent (no connection to the "
+                        "broker, which re-dispatches that batch)",
+                        self.name,
+                    )
 
     def _read_control(self) -> bool:
         """Read what is in serve's pipe (nothing is expected); returns whether it reached
@@ -309,39 +369,105 @@ class Worker:
             if not self._in_model:
                 continue
             with self._socket_lock:
-                if self._in_model and self._sock is not None:
-                    send_frames(self._sock, [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
+                if self._in_model:
+                    self._send([protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
 
     def _connect(self) -> None:
-        """A fresh DEALER (and so a fresh identity at the broker), announced with READY."""
+        """A fresh DEALER (and so a fresh identity at the broker), announced with READY,
+        and a monitor on it, which tells a refused handshake from a silent broker."""
         sock: zmq.Socket[Any] = self.ctx.socket(zmq.DEALER)
+        watch = None
         try:
             sock.setsockopt(zmq.LINGER, 0)
             if self.settings.curve_server_key:
                 secure_client(sock, self.settings.curve_server_key, self.settings.curve_secret_key)
+            watch = ConnectionWatch(
+                sock, self.settings.connect, "--curve-workers", self.settings.curve_secret_key
+            )
             sock.connect(self.settings.connect)
-            send_frames(sock, protocol.ready_frames(self.spec.name, self.settings.gpu, os.getpid()))
         except BaseException:
+            if watch is not None:
+                watch.close()
             sock.close(linger=0)  # an open socket would block ctx.term() for ever
             raise
         self._poller.register(sock, zmq.POLLIN)
-        self._sock = sock
+        self._poller.register(watch.monitor, zmq.POLLIN)
+        self._sock, self._watch = sock, watch
         self._told_to_reconnect = False
-        log.info("worker %s ready for model %s at %s", self.name, self.spec.name, self.settings.connect)
+        self._refused = None
+        self._ready_sent = self._send(protocol.ready_frames(self.spec.name, self.settings.gpu, os.getpid()))
+        level = logging.DEBUG if self._refusals else logging.INFO  # retries after a refusal: quiet
+        log.log(level, "worker %s ready for model %s at %s", self.name, self.spec.name, self.settings.connect)
 
     def _disconnect(self, linger_ms: int = 0) -> None:
         """Drop the socket. Batches not run yet go too: a broker that lost us re-dispatches
         them, and a reply can only ever go back on the connection its batch came on."""
         if self._sock is None:
             return
+        if self._watch is not None:
+            self._poller.unregister(self._watch.monitor)
+            self._watch.close()
+            self._watch = None
         self._poller.unregister(self._sock)
         self._sock.close(linger=linger_ms)
         self._sock = None
         self._pending.clear()
         self.reconnects += 1
 
-    def _drain(self) -> bool:
-        """Take every message from the broker; returns whether any came."""
+    def _send(self, frames: list[bytes]) -> bool:
+        """Send on the current connection without blocking; False when there is none or
+        it cannot take the message (not connected yet, or given up after a refusal)."""
+        if self._sock is None:
+            return False
+        try:
+            send_frames(self._sock, frames)
+        except zmq.Again:
+            return False
+        return True
+
+    def _read_monitor(self) -> None:
+        """Note a failed handshake (handled by the loop), and after a successful one send
+        READY if it could not go before, and say so if the broker had refused us."""
+        assert self._watch is not None
+        for event, _ in self._watch.poll():
+            if event in HANDSHAKE_FAILED:
+                self._refused = self._watch.refusal()
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if self._refusals:
+                    log.info(
+                        "worker %s: the broker at %s accepted us after %d failed handshakes",
+                        self.name,
+                        self.settings.connect,
+                        self._refusals,
+                    )
+                self._refusals, self._refusal_logged = 0, None
+                if not self._ready_sent:
+                    self._ready_sent = self._send(
+                        protocol.ready_frames(self.spec.name, self.settings.gpu, os.getpid())
+                    )
+
+    def _log_refusal(self, why: str, now: float, retry_s: float) -> None:
+        """A failed handshake: WARNING the first time, then at most every REFUSAL_LOG_EVERY_S
+        (DEBUG in between), so a worker left refused for days does not flood its log."""
+        self._refusals += 1
+        last = self._refusal_logged
+        again = last is not None and last[0] == why and now - last[1] < REFUSAL_LOG_EVERY_S
+        level = logging.DEBUG if again else logging.WARNING
+        if not again:
+            self._refusal_logged = (why, now)
+        log.log(
+            level,
+            "worker %s cannot join the broker at %s: %s; retrying in %.2gs (failed handshakes: %d)",
+            self.name,
+            self.settings.connect,
+            why,
+            retry_s,
+            self._refusals,
+        )
+
+    def _drain(self, now: float) -> bool:
+        """Take every message from the broker (a BATCH noted with `now`, its arrival);
+        returns whether any came."""
         assert self._sock is not None
         heard = False
         while True:
@@ -353,7 +479,7 @@ class Worker:
             if len(frames) < 2 or frames[0] != protocol.WORKER_PROTOCOL:
                 log.warning("ignored a broker message of %d frames", len(frames))
             elif frames[1] == protocol.CMD_BATCH and len(frames) == 4:
-                self._pending.append(frames)
+                self._pending.append((now, frames))
             elif frames[1] == protocol.CMD_DISCONNECT:
                 log.info("worker %s: the broker does not know us; announcing again", self.name)
                 self._told_to_reconnect = True
@@ -368,12 +494,14 @@ class Worker:
         return parent is None or self.control_fd is not None or os.getppid() == parent
 
 
-def _run_safely(model: ModelFn, header_frame: bytes, batch_frame: bytes, name: str) -> list[bytes] | None:
+def _run_safely(
+    model: ModelFn, header_frame: bytes, batch_frame: bytes, name: str, arrived_at: float | None = None
+) -> list[bytes] | None:
     """run_batch that never raises: a batch whose body cannot be read gets an empty REPLY
     (the broker fails all its requests); one without a readable batch id is dropped
     (None: nothing to answer; its broker re-dispatches it when it loses this worker)."""
     try:
-        return run_batch(model, header_frame, batch_frame, name)
+        return run_batch(model, header_frame, batch_frame, name, arrived_at)
     except MalformedBatch as exc:
         if exc.batch_id is None:
             log.warning("dropped a batch whose header cannot be read: %s", exc)

@@ -1,0 +1,191 @@
+"""The broker's side of operating it for real, through real processes: readiness per
+model, `unavailable` for a model without workers, unknown models named, queue time that
+includes the wait in a worker's prefetch, refused handshakes logged, rolling reloads."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from batcher import protocol
+from batcher.client import Client
+from batcher.launcher import free_tcp_address
+from tests.reliability_models import DealerLoad
+from tests.waiting import broker_stats, wait_until
+
+pytestmark = pytest.mark.integration
+
+FAST_SIM = ("--sim-base-ms", "5", "--sim-per-item-ms", "0")
+
+
+def pack(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def replies(sock: zmq.Socket[Any], n: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    out = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < n:
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        assert left_ms > 0 and sock.poll(left_ms), f"{len(out)} of {n} replies within {timeout_s}s"
+        out.append(unpack(sock.recv_multipart()[-1]))
+    return out
+
+
+def broker(spawn: Callable[..., Any], zctx: zmq.Context[Any], *args: str) -> tuple[str, str]:
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    spawn("broker", "--frontend", frontend, "--backend", backend, *args)
+    wait_until(lambda: broker_stats(frontend, zctx), 20, "the broker answers", error=RuntimeError)
+    return frontend, backend
+
+
+def dealer(zctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
+    sock: zmq.Socket[Any] = zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+# --- readiness, and models without workers -------------------------------------------------------
+
+
+def test_model_without_worker_is_answered_unavailable_then_served_once_a_worker_joins(spawn, zctx):
+    frontend, backend = broker(spawn, zctx, "--model", "double", "--no-worker-timeout-ms", "300")
+    st = broker_stats(frontend, zctx)["models"]["double"]
+    assert st["configured"] is True and st["ready"] is False and st["workers"] == 0
+    client = dealer(zctx, frontend)
+    started = time.monotonic()
+    client.send_multipart([b"", pack({"id": 1, "input": 2, "model": "double"})])
+    (reply,) = replies(client, 1)
+    waited = time.monotonic() - started
+    assert reply["id"] == 1 and reply["error"]["code"] == "unavailable", reply
+    assert "model 'double' has had no worker for" in reply["error"]["message"]
+    assert 0.2 < waited < 5.0, waited  # after the timeout, not at once and not never
+    # Past the timeout, a new request is answered at once.
+    client.send_multipart([b"", pack({"id": 2, "input": 2, "model": "double"})])
+    assert replies(client, 1, timeout_s=2)[0]["error"]["code"] == "unavailable"
+    # A worker joins: requests are queued for it again, and it serves them.
+    worker = dealer(zctx, backend)
+    worker.send_multipart([protocol.WORKER_PROTOCOL, protocol.CMD_READY, pack({"model": "double", "pid": 7})])
+    wait_until(lambda: broker_stats(frontend, zctx)["models"]["double"]["ready"], 10, "ready once it joins")
+    client.send_multipart([b"", pack({"id": 3, "input": 2, "model": "double"})])
+    deadline = time.monotonic() + 10
+    while True:
+        assert worker.poll(int((deadline - time.monotonic()) * 1000)), "no batch"
+        frames = worker.recv_multipart()
+        if frames[1] == protocol.CMD_BATCH:
+            break
+    batch_id = unpack(frames[2])[0]
+    body = protocol.ok_reply(3, 4)
+    worker.send_multipart(
+        [protocol.WORKER_PROTOCOL, protocol.CMD_REPLY, pack([batch_id, 1.0, [len(body)], 0]), body]
+    )
+    assert replies(client, 1)[0] == {"id": 3, "ok": True, "output": 4}
+
+
+def test_no_worker_timeout_0_waits_for_a_worker(spawn, zctx):
+    frontend, _ = broker(spawn, zctx, "--model", "double", "--no-worker-timeout-ms", "0")
+    client = dealer(zctx, frontend)
+    client.send_multipart([b"", pack({"id": 1, "input": 2, "model": "double"})])
+    wait_until(lambda: broker_stats(frontend, zctx)["models"]["double"]["queued"] == 1, 10, "queued")
+    assert not client.poll(1000), "answered although 0 means wait forever"
+    assert broker_stats(frontend, zctx)["models"]["double"]["queued"] == 1
+
+
+def test_unknown_model_lists_the_models_served(spawn, zctx):
+    frontend, _ = broker(spawn, zctx, "--model", "sim", "--model", "echo")
+    with Client(frontend, timeout_s=10, context=zctx) as c:
+        reply = c.submit(1, model="nope").wait()
+    assert reply["error"] == {
+        "code": "unknown_model",
+        "message": "no worker serves model 'nope' (models: echo, sim)",
+    }
+
+
+def test_stats_show_each_workers_gpu_and_readiness(serve, zctx):
+    s = serve("--model", "sim", "--workers", "2", "--gpus", "3,5", *FAST_SIM, workers=2)
+    st = broker_stats(s.frontend, zctx)["models"]["sim"]
+    assert st["ready"] is True and st["configured"] is True and st["no_worker_s"] is None
+    assert sorted(w["gpu"] for w in st["worker_list"]) == [3, 5]
+
+
+# --- queue time includes the wait in the worker's prefetch ---------------------------------------
+
+
+def test_queue_time_includes_the_wait_in_the_workers_prefetch(serve, zctx):
+    args = ["--model", "sim", "--workers", "1", "--max-batch-size", "1", "--worker-prefetch", "2"]
+    s = serve(*args, "--sim-base-ms", "40", "--sim-per-item-ms", "0", workers=1)
+    with Client(s.frontend, timeout_s=20, context=zctx) as c:
+        got = [p.wait() for p in [c.submit(i) for i in range(8)]]
+    assert all(r["ok"] for r in got), got
+    waits = sorted(r["worker_wait_ms"] for r in got)
+    assert waits[-1] >= 30, waits  # a prefetched batch waited about one 40 ms batch
+    for r in got:  # the reply's queue time counts the worker's wait too
+        assert r["queue_ms"] >= r["worker_wait_ms"]
+    st = broker_stats(s.frontend, zctx)["models"]["sim"]
+    assert st["worker_wait_ms_p99"] >= 30, st
+    assert st["queue_ms_p99"] >= st["worker_wait_ms_p99"], st
+
+
+# --- CURVE: refused handshakes are counted and logged ---------------------------------------------
+
+
+def test_plaintext_peer_on_a_curve_socket_is_counted_and_logged(spawn, zctx, cli, tmp_path):
+    assert cli("keygen", str(tmp_path / "keys"), "--name", "broker").returncode == 0
+    secret = str(tmp_path / "keys" / "broker.key_secret")
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    proc = spawn("broker", "--frontend", frontend, "--backend", backend, "--curve-secret-key", secret)
+    plain = dealer(zctx, backend)
+    plain.send_multipart([protocol.WORKER_PROTOCOL, protocol.CMD_READY, pack({"model": "x"})])
+
+    def refused() -> bool:
+        with Client(frontend, timeout_s=1, context=zctx, curve_server_key=secret) as c:
+            try:
+                return bool(c.control("stats")["handshakes_refused"].get("backend"))
+            except Exception:
+                return False
+
+    wait_until(refused, 20, "the plaintext handshake counted")
+    wait_until(lambda: "refused a handshake on the backend" in proc.stderr_path.read_text(), 10, "logged")
+
+
+# --- rolling reload ----------------------------------------------------------------------------
+
+
+def test_reload_replaces_every_worker_under_load_and_loses_nothing(serve, zctx, cli):
+    s = serve("--model", "sim", "--workers", "2", *FAST_SIM, "--max-batch-size", "4", workers=2)
+    before = {w["worker"] for w in broker_stats(s.frontend, zctx)["models"]["sim"]["worker_list"]}
+    load = DealerLoad(zctx, s.frontend, clients=3, depth=4)
+    done: list[Any] = []
+    thread = threading.Thread(target=lambda: done.append(cli("reload", "sim", "--connect", s.frontend)))
+    thread.start()
+    load.run_until(lambda: not thread.is_alive(), 60, "the reload finished")
+    thread.join()
+    load.run_for(0.3)  # a little more load, on the new workers only
+    assert load.drain(20), f"never answered: {sorted(load.outstanding())[:5]}"
+    (result,) = done
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert '"replaced": 2' in result.stdout
+    after = {w["worker"] for w in broker_stats(s.frontend, zctx)["models"]["sim"]["worker_list"]}
+    assert len(after) == 2 and not after & before, (before, after)
+    summary = load.summary()
+    assert summary["sent"] > 100, summary
+    assert summary["ok"] == summary["sent"], summary  # none refused, lost or wrong
+    assert summary["duplicated"] == summary["foreign"] == summary["lost"] == 0, summary
+
+
+def test_reload_under_a_plain_broker_says_it_needs_serve(spawn, zctx, cli):
+    frontend, _ = broker(spawn, zctx, "--model", "sim")
+    result = cli("reload", "sim", "--connect", frontend, "--timeout-s", "10")
+    assert result.returncode == 1
+    assert "reload needs `batcher serve`" in result.stdout + result.stderr

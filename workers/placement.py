@@ -1,0 +1,94 @@
+"""Which GPU each of `serve`'s workers runs on: a pure function of the settings.
+
+The devices are those named by `--gpus`, else the ones visible to `serve` (the ids in
+CUDA_VISIBLE_DEVICES, else the GPUs the NVIDIA driver lists), else none: then every
+worker runs without a GPU. A model may be pinned to some of the devices (`gpus = [0]`
+in its config table). Each device takes at most `workers_per_gpu` workers of each model,
+and a model's workers go to its least loaded devices first, so models share devices
+evenly and no worker is ever given a GPU id that does not exist.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+#: Where the NVIDIA driver lists one folder per GPU.
+NVIDIA_GPUS_DIR = "/proc/driver/nvidia/gpus"
+#: Workers of a model when nothing says how many and it has no device.
+DEFAULT_WORKERS_WITHOUT_GPU = 2
+
+
+def visible_gpus(
+    environ: Mapping[str, str] | None = None, driver_dir: str = NVIDIA_GPUS_DIR
+) -> tuple[int, ...]:
+    """The GPU ids this process may use: CUDA_VISIBLE_DEVICES when it lists ids, else one
+    id per GPU the driver lists, else none."""
+    env = os.environ if environ is None else environ
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        ids = [part.strip() for part in listed.split(",") if part.strip()]
+        if all(part.isdigit() for part in ids):
+            return tuple(dict.fromkeys(int(part) for part in ids))
+        return tuple(range(len(ids)))  # UUIDs or MIG names: the CUDA runtime numbers them 0..n-1
+    try:
+        return tuple(range(len(os.listdir(driver_dir))))
+    except OSError:
+        return ()
+
+
+def place_workers(
+    models: Sequence[str],
+    devices: Sequence[int],
+    workers_per_model: int | None = None,
+    workers_per_gpu: int = 1,
+    model_gpus: Mapping[str, Sequence[int]] | None = None,
+    model_workers: Mapping[str, int] | None = None,
+) -> list[tuple[str, int | None]]:
+    """(model, GPU id or None) for every worker to start, in start order.
+
+    A model's worker count is its own (`model_workers`), else `workers_per_model`, else
+    one per allowed device times `workers_per_gpu` (2 without devices). Raises ValueError,
+    naming the model, for a pinned GPU that is not among the devices or for more workers
+    than its devices take.
+    """
+    pinned = dict(model_gpus or {})
+    counts = dict(model_workers or {})
+    unknown = sorted(set(pinned) - set(models)) + sorted(set(counts) - set(models))
+    if unknown:
+        raise ValueError(f"GPU placement names models that are not served: {', '.join(unknown)}")
+    plan: list[tuple[str, int | None]] = []
+    load: Counter[int] = Counter()  # workers on each device, all models together
+    for model in models:
+        allowed = _allowed(model, devices, pinned.get(model))
+        count = counts.get(model, workers_per_model)
+        if not allowed:
+            plan += [(model, None)] * (DEFAULT_WORKERS_WITHOUT_GPU if count is None else count)
+            continue
+        room = len(allowed) * workers_per_gpu
+        count = room if count is None else count
+        if count > room:
+            raise ValueError(
+                f"model {model!r} needs {count} workers but its GPUs {list(allowed)} take {room} "
+                f"(--workers-per-gpu {workers_per_gpu})"
+            )
+        mine: Counter[int] = Counter()
+        for _ in range(count):
+            gpu = min((g for g in allowed if mine[g] < workers_per_gpu), key=lambda g: (load[g], mine[g], g))
+            mine[gpu] += 1
+            load[gpu] += 1
+            plan.append((model, gpu))
+    return plan
+
+
+def _allowed(model: str, devices: Sequence[int], pins: Sequence[int] | None) -> tuple[int, ...]:
+    if pins is None:
+        return tuple(devices)
+    missing = [g for g in pins if g not in devices]
+    if missing:
+        have = ", ".join(map(str, devices)) or "none"
+        raise ValueError(
+            f"model {model!r} is pinned to GPU {missing[0]}, which is not a device here ({have})"
+        )
+    return tuple(dict.fromkeys(pins))

@@ -1,0 +1,144 @@
+"""Rolling model updates for `batcher serve`: new workers first, old ones drained after.
+
+`batcher reload MODEL` (the `reload` control request) or SIGHUP starts one per model:
+1. start a new worker for each current one, on the same GPU (the code and weights are
+   loaded afresh by the new processes);
+2. once every new worker has announced itself (its pid is among the model's workers at
+   the broker), send the old ones no more batches;
+3. once the old ones hold no batch, tell them to stop (they leave with DISCONNECT,
+   holding nothing), and answer the request when they are gone.
+Queued requests keep flowing to the old workers until the new ones are ready, and to
+the new ones after, so no request is refused or lost during the switch. New workers
+that do not all get ready within READY_TIMEOUT_S are stopped and the old ones serve on.
+
+Driven from the broker's loop by `step(now)` on its timer heap: nothing here blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from workers.supervisor import Supervisor, WorkerProcess
+
+log = logging.getLogger("batcher.rollout")
+
+#: How long new workers may take to load their model and announce themselves.
+READY_TIMEOUT_S = 300.0
+
+Reply = Callable[[bool, Any], None]
+
+
+class BrokerView(Protocol):
+    """What a rollout needs of the broker (batcher.broker.Broker has it)."""
+
+    def workers_of(self, model: str) -> list[tuple[bytes, object, int]]: ...
+
+    def drain_worker(self, worker_id: bytes) -> int: ...
+
+
+@dataclass
+class Rollout:
+    """One model's reload in progress."""
+
+    model: str
+    started_at: float
+    old: list[WorkerProcess]
+    new: list[WorkerProcess]
+    replies: list[Reply] = field(default_factory=list)
+    phase: str = "starting"  # starting -> draining -> stopping -> done (or failed)
+
+
+class Rollouts:
+    """The reloads of one `serve`: starts them, moves them on, answers who asked."""
+
+    def __init__(self, broker: BrokerView, supervisor: Supervisor) -> None:
+        self.broker = broker
+        self.supervisor = supervisor
+        self.active: dict[str, Rollout] = {}
+        self.completed = 0
+
+    def start(self, model: str, reply: Reply | None, now: float) -> None:
+        """Begin replacing `model`'s workers; a reload already under way for it is joined."""
+        if model in self.active:
+            if reply is not None:
+                self.active[model].replies.append(reply)
+            return
+        old = self.supervisor.current(model)
+        if not old:
+            if reply is not None:
+                reply(False, ("unavailable", f"model {model!r} has no worker of this serve to replace"))
+            return
+        new = self.supervisor.start_generation(model, now)
+        log.info("reloading model %s: starting %d new workers", model, len(new))
+        self.active[model] = Rollout(model, now, old, new, [reply] if reply is not None else [])
+
+    def step(self, now: float) -> None:
+        """Move every reload on as far as it can go now."""
+        for model, r in list(self.active.items()):
+            if r.phase == "starting":
+                self._when_ready(r, now)
+            if r.phase == "draining":
+                self._when_drained(r)
+            if r.phase == "stopping" and not any(self.supervisor.running(w) for w in r.old):
+                self._finish(r, True, {"model": model, "replaced": len(r.old), "workers": len(r.new)})
+            if r.phase in ("done", "failed"):
+                del self.active[model]
+
+    def _pids(self, model: str) -> dict[object, tuple[bytes, int]]:
+        return {pid: (wid, held) for wid, pid, held in self.broker.workers_of(model)}
+
+    def _when_ready(self, r: Rollout, now: float) -> None:
+        ready = self._pids(r.model)
+        if all(w.process is not None and w.process.pid in ready for w in r.new):
+            log.info("reloading model %s: new workers ready, draining the old ones", r.model)
+            r.phase = "draining"
+            for w in r.old:
+                if w.process is not None and w.process.pid in ready:
+                    self.broker.drain_worker(ready[w.process.pid][0])
+        elif now - r.started_at > READY_TIMEOUT_S:
+            self.supervisor.retire(r.new)
+            message = f"the new workers of {r.model!r} were not ready within {READY_TIMEOUT_S:.0f}s"
+            log.error("reload failed: %s; the old workers serve on", message)
+            self._finish(r, False, ("worker_failed", message + "; the old workers serve on"))
+
+    def _when_drained(self, r: Rollout) -> None:
+        held = self._pids(r.model)
+        if all(w.process is None or held.get(w.process.pid, (b"", 0))[1] == 0 for w in r.old):
+            self.supervisor.retire(r.old)
+            r.phase = "stopping"
+
+    def _finish(self, r: Rollout, ok: bool, result: Any) -> None:
+        r.phase = "done" if ok else "failed"
+        self.completed += ok
+        if ok:
+            log.info("reloaded model %s: %d workers replaced", r.model, len(r.old))
+        for reply in r.replies:
+            reply(ok, result)
+
+
+class ServeBroker(BrokerView, Protocol):
+    """The broker as `serve` drives it: a rollout's view plus its signals."""
+
+    @property
+    def signals(self) -> Any: ...
+
+
+def serve_tick(
+    broker: ServeBroker, supervisor: Supervisor, rollouts: Rollouts, on_hangup: Callable[[float], None]
+) -> Callable[[float], None]:
+    """`serve`'s periodic step on the broker's timer heap: respawn dead workers, act on a
+    SIGHUP (`on_hangup`, which reloads), move reloads on."""
+    seen = broker.signals.hangups
+
+    def tick(now: float) -> None:
+        nonlocal seen
+        supervisor.check(now)
+        if broker.signals.hangups != seen:
+            seen = broker.signals.hangups
+            on_hangup(now)
+        rollouts.step(now)
+
+    return tick
