@@ -9,13 +9,14 @@ one connection, and the broker can batch them together:
 
 Errors raise the same typed exceptions as the blocking client (batcher.client):
 `ModelError`, `UnknownModel`, ... and `ClientTimeout` when no reply came in time.
+The ids, the matching of replies and the retry rule are the blocking client's too
+(batcher.client.BaseClient); only the waiting is asyncio's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from collections.abc import Callable, Generator, Iterable
 from types import TracebackType
@@ -26,13 +27,15 @@ import zmq.asyncio
 
 from batcher import protocol
 from batcher.client import (
+    BaseClient,
     BatcherError,
     ClientTimeout,
+    cancel_body,
     error_from_reply,
     open_dealer,
-    reply_key,
     reply_wait_s,
     request_body,
+    timeout_reply,
 )
 
 log = logging.getLogger("batcher.aio")
@@ -44,7 +47,7 @@ class ClientClosed(BatcherError):
     code = "closed"
 
 
-class AsyncClient:
+class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
     """Talks to a broker's frontend over one zmq.asyncio DEALER socket.
 
     Use it from one event loop. `timeout_s` bounds the wait for each reply (None: wait
@@ -63,23 +66,14 @@ class AsyncClient:
         curve_server_key: str | None = None,
         curve_secret_key: str | None = None,
     ) -> None:
-        if retries < 0:
-            raise ValueError(f"retries must be >= 0, got {retries}")
+        super().__init__(address, timeout_s, retries)
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
-        self.address = address
-        self.timeout_s = timeout_s
-        self.retries = retries
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket
         self._sock, self.watch = open_dealer(self._ctx, address, curve_server_key, curve_secret_key)
-        self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._closed = False
-        #: Replies that matched no waiting request: a retried request's second reply,
-        #: or a late one to a request that already timed out.
-        self.duplicates_dropped = 0
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -128,10 +122,12 @@ class AsyncClient:
                 frames = await self._sock.recv_multipart()
                 try:
                     reply = protocol.unpack(frames[-1])
-                    fut = self._pending.pop(reply_key(reply, self._pending), None)
+                    fut = self._match(reply)  # None: dropped as a duplicate, and counted
                 except Exception:
                     continue  # not a reply of ours; nothing to match it to
-                if fut is None or fut.done():
+                if fut is None:
+                    continue
+                if fut.done():
                     self.duplicates_dropped += 1
                 else:
                     fut.set_result(reply)
@@ -175,17 +171,15 @@ class AsyncClient:
                         # shield: a timed-out wait must leave the future for a retry's reply
                         return await asyncio.shield(fut)
                 except TimeoutError:
-                    if attempts > self.retries:
+                    if not self._retry_allowed(attempts):
                         raise ClientTimeout(
-                            f"no reply from {self.address} after {attempts} attempt(s): {self.watch.hint()}",
-                            reply={"id": request_id},
+                            self._timeout_message(attempts), reply={"id": request_id}
                         ) from None
         except asyncio.CancelledError:
             if not fut.done() and not self._closed and "op" not in fields:
                 # Best effort, without awaiting: drop it from the broker's queue.
                 with contextlib.suppress(zmq.ZMQError):
-                    cancel = protocol.pack({"id": request_id, "op": "cancel"})
-                    sent = asyncio.ensure_future(self._sock.send_multipart([b"", cancel]))
+                    sent = asyncio.ensure_future(self._sock.send_multipart([b"", cancel_body(request_id)]))
                     sent.add_done_callback(_ignore_result)
             raise
         finally:
@@ -267,7 +261,7 @@ class AsyncPendingReply:
 
     def __init__(self, client: AsyncClient, fields: dict[str, Any], wait_s: float | None) -> None:
         self._client = client
-        self.request_id = next(client._ids)
+        self.request_id = client._next_id()
         self._sent = False
         self._cancel_wanted = False
         self._task = asyncio.get_running_loop().create_task(
@@ -279,7 +273,7 @@ class AsyncPendingReply:
         try:
             return await self._client._call(fields, wait_s, self.request_id, self._on_sent)
         except ClientTimeout as exc:  # a reply map, as the blocking client's wait() gives
-            return {"id": self.request_id, "ok": False, "error": {"code": exc.code, "message": exc.message}}
+            return timeout_reply(self.request_id, exc.message)
 
     def done(self) -> bool:
         """Whether the reply (or the timeout) is in."""
@@ -320,9 +314,8 @@ class AsyncPendingReply:
         client = self._client
         if self._task.done() or client._closed:
             return
-        cancel = protocol.pack({"id": self.request_id, "op": "cancel"})
         with contextlib.suppress(zmq.ZMQError):
-            sent = asyncio.ensure_future(client._sock.send_multipart([b"", cancel]))
+            sent = asyncio.ensure_future(client._sock.send_multipart([b"", cancel_body(self.request_id)]))
             sent.add_done_callback(_ignore_result)
 
 

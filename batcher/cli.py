@@ -1,16 +1,24 @@
 """The `batcher` command line: serve, broker, worker, send, stats, ready, reload, bench,
 keygen, demo.
 
-Every option can also be set by an environment variable, BATCHER_<OPTION> unless the
-name would mean different things on different commands (the worker's backend address
-is BATCHER_WORKER_CONNECT, since BATCHER_CONNECT is a client's frontend address). What
-decides a value, first match wins: the command line, the environment, the config
-file's [models.NAME] table (for that model), the file's top level, the default.
+Every option made with `option` can also be set by an environment variable,
+BATCHER_<OPTION> unless the name would mean different things on different commands
+(the worker's backend address is BATCHER_WORKER_CONNECT, since BATCHER_CONNECT is a
+client's frontend address). The choices of one invocation, made with `local_option`
+(`stats --watch`, `--interval-s`, `--count`, `--json`; `keygen --name`, `--force`),
+read none. What decides a value, first match wins: the command line, the environment,
+the config file's [models.NAME] table (for that model), the file's top level, the
+default. The defaults are read from the settings dataclasses (BatchSettings,
+BrokerSettings, Heartbeat, WorkerSettings, SimSettings), so each is written once.
+
+Options that go together come as one group, a decorator made by `option_group`: the
+command gets the group's values as one typed argument (a BatchSettings, a Heartbeat...).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -18,34 +26,29 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, cast
 
 import click
 from click.core import ParameterSource
 
-from batcher.broker import BindError, Broker, BrokerSettings, run_broker
+from batcher.broker import BindError, BrokerSettings, run_broker
+from batcher.client import BatcherError, Client
 from batcher.config import COMMA_LIST_OPTIONS, Config, ConfigError, Kind, load_config, type_problem
+from batcher.demo import DEMO_POLICY, DEMO_WORKERS, run_demo
 from batcher.logs import FORMATS, setup_logging
 from batcher.protocol import Heartbeat
 from batcher.scheduler import POLICIES, BatchSettings
 from batcher.security import CurveServerKeys, KeyFileError
-
-if TYPE_CHECKING:
-    from workers.models import SimSettings
-    from workers.supervisor import PoolSettings
+from batcher.serving import ModelLoadFailed, run_serve
+from workers.models import ModelSpec, SimSettings
+from workers.supervisor import EXIT_MODEL_LOAD_FAILED, PoolSettings
+from workers.worker import ModelLoadError, WorkerSettings, run_worker
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 log = logging.getLogger("batcher.cli")
 
-DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"
-DEFAULT_BACKEND = "tcp://127.0.0.1:5556"
-#: Chosen by measurement: see docs/benchmarks.md.
-DEFAULT_WORKER_PREFETCH = 2
-#: How often `serve` looks for dead workers to respawn.
-SUPERVISE_INTERVAL_S = 0.2
-#: How long a request for a model without any worker waits before `unavailable`.
-DEFAULT_NO_WORKER_TIMEOUT_MS = 10_000.0
 #: How often `batcher ready` asks the broker again while a model has no worker.
 READY_POLL_S = 0.2
 
@@ -131,7 +134,14 @@ def envvar_name(long_name: str) -> str:
     return "BATCHER_" + long_name[2:].replace("-", "_").upper()
 
 
-def option(*decls: str, old_envvar: str | None = None, **kwargs: Any) -> Callable[[F], F]:
+class Decorator(Protocol):
+    """What click.option returns, and an option group is: a command function, with
+    options added."""
+
+    def __call__(self, f: F, /) -> F: ...
+
+
+def option(*decls: str, old_envvar: str | None = None, **kwargs: Any) -> Decorator:
     """click.option reading an environment variable: BATCHER_<OPTION> unless `envvar`
     names another, and `old_envvar` (deprecated) after it."""
     long_name = next(d for d in decls if d.startswith("--"))
@@ -141,9 +151,78 @@ def option(*decls: str, old_envvar: str | None = None, **kwargs: Any) -> Callabl
     return click.option(*decls, cls=EnvOption, old_envvar=old_envvar, **kwargs)
 
 
-def setup(log_level: str, log_format: str) -> None:
+def local_option(*decls: str, **kwargs: Any) -> Decorator:
+    """click.option for a choice of one invocation (`stats --watch`, `keygen --force`):
+    it reads no environment variable, so none left set in a shell can make a script
+    watch forever or replace a key pair."""
+    kwargs.setdefault("show_default", True)
+    return click.option(*decls, **kwargs)
+
+
+def option_group(into: str, build: Callable[..., Any], *options: Decorator) -> Decorator:
+    """One decorator adding `options` to a command, in this order in --help. The command
+    gets their values as one typed argument named `into`: `build(**values)`, called
+    with the options' parameter names (a dataclass whose fields are named like the
+    options, or a function). A ValueError of `build` is a usage error."""
+
+    def decorate(f: F) -> F:
+        names: list[str] = []
+
+        @functools.wraps(f)  # keeps f's click parameters (its __dict__) too
+        def command(*args: Any, **kwargs: Any) -> Any:
+            values = {name: kwargs.pop(name) for name in names}
+            try:
+                kwargs[into] = build(**values)
+            except ValueError as exc:
+                raise click.UsageError(str(exc)) from None
+            return f(*args, **kwargs)
+
+        before = len(getattr(command, "__click_params__", []))
+        for add in reversed(options):
+            add(command)
+        added: list[click.Parameter] = getattr(command, "__click_params__", [])[before:]
+        names.extend(p.name for p in added if p.name is not None)
+        return cast(F, command)
+
+    return decorate
+
+
+def field_default(cls: Any, name: str) -> Any:
+    """The default of field `name` of dataclass `cls`, for a class that cannot be built
+    without arguments (PoolSettings needs its models)."""
+    (f,) = [f for f in dataclasses.fields(cls) if f.name == name]
+    return f.default
+
+
+@dataclass(frozen=True)
+class LogOptions:
+    """--log-level and --log-format."""
+
+    log_level: str
+    log_format: str
+
+
+logging_options = option_group(
+    "logs",
+    LogOptions,
+    option(
+        "--log-level",
+        type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+        default="INFO",
+        help="Logging threshold (logs go to stderr).",
+    ),
+    option(
+        "--log-format",
+        type=click.Choice(FORMATS),
+        default="text",
+        help="Log lines as text or as JSON objects.",
+    ),
+)
+
+
+def setup(logs: LogOptions) -> None:
     """Every command's start: logging, then a warning for each deprecated variable read."""
-    setup_logging(log_level, log_format)
+    setup_logging(logs.log_level, logs.log_format)
     ctx = click.get_current_context(silent=True)
     read: dict[str, tuple[str, str]] = ctx.meta.get(_DEPRECATED_READ, {}) if ctx else {}
     for old, (new, flag) in read.items():
@@ -167,23 +246,6 @@ def given_outside_file(ctx: click.Context | None, names: Iterable[str]) -> set[s
         return set()
     sources = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
     return {n for n in names if ctx.get_parameter_source(n) in sources}
-
-
-def logging_options(f: F) -> F:
-    """--log-level and --log-format, on every command."""
-    f = option(
-        "--log-format",
-        type=click.Choice(FORMATS),
-        default="text",
-        help="Log lines as text or as JSON objects.",
-    )(f)
-    f = option(
-        "--log-level",
-        type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-        default="INFO",
-        help="Logging threshold (logs go to stderr).",
-    )(f)
-    return f
 
 
 def _load_config(ctx: click.Context, param: click.Parameter, path: str | None) -> str | None:
@@ -313,226 +375,295 @@ config_option = option(
 )
 
 
-def curve_client_options(secret_envvar: str, old_envvar: str | None = None) -> list[Callable[[F], F]]:
-    """--curve-server-key and --curve-secret-key of a connecting side; the secret key's
-    variable names whose key pair it is (a client's or a worker's)."""
-    return [
-        option(
-            "--curve-server-key",
-            type=click.Path(exists=True, dir_okay=False),
-            default=None,
-            help="The broker's public key file: turns CurveZMQ encryption on.",
-        ),
-        option(
-            "--curve-secret-key",
-            envvar=secret_envvar,
-            old_envvar=old_envvar,
-            type=click.Path(exists=True, dir_okay=False),
-            default=None,
-            help="This side's key pair (NAME.key_secret), for a broker with an allow-list.",
-        ),
-    ]
+@dataclass(frozen=True)
+class ClientKeys:
+    """A connecting side's CURVE key files: the broker's public key (None: no CURVE) and
+    this side's key pair."""
+
+    curve_server_key: str | None
+    curve_secret_key: str | None
+
+    def client(self, connect: str, timeout_s: float) -> Client:
+        """A Client of the broker at `connect`, with these keys."""
+        return Client(
+            connect, timeout_s, curve_server_key=self.curve_server_key, curve_secret_key=self.curve_secret_key
+        )
 
 
-def with_curve_client(f: F) -> F:
-    """The client side of CurveZMQ, shared by send, stats, ready, reload and bench."""
-    for d in reversed(curve_client_options("BATCHER_CURVE_SECRET_KEY")):
-        f = d(f)
-    return f
+_CURVE_SERVER_KEY = option(
+    "--curve-server-key",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="The broker's public key file: turns CurveZMQ encryption on.",
+)
 
 
-def with_curve_worker(f: F) -> F:
-    """A worker's side of CurveZMQ: its key pair is not a client's, so its own variable."""
-    for d in reversed(curve_client_options("BATCHER_WORKER_CURVE_SECRET_KEY", "BATCHER_CURVE_SECRET_KEY")):
-        f = d(f)
-    return f
+def _own_key_pair(envvar: str, old_envvar: str | None = None) -> Decorator:
+    """--curve-secret-key of a connecting side; its variable names whose key pair it is."""
+    return option(
+        "--curve-secret-key",
+        envvar=envvar,
+        old_envvar=old_envvar,
+        type=click.Path(exists=True, dir_okay=False),
+        default=None,
+        help="This side's key pair (NAME.key_secret), for a broker with an allow-list.",
+    )
 
 
-heartbeat_options = [
+#: A client's side of CurveZMQ: send, stats, ready, reload and bench.
+curve_client_options = option_group(
+    "curve", ClientKeys, _CURVE_SERVER_KEY, _own_key_pair("BATCHER_CURVE_SECRET_KEY")
+)
+#: A worker's side of CurveZMQ: its key pair is not a client's, so its own variable.
+curve_worker_options = option_group(
+    "curve",
+    ClientKeys,
+    _CURVE_SERVER_KEY,
+    _own_key_pair("BATCHER_WORKER_CURVE_SECRET_KEY", "BATCHER_CURVE_SECRET_KEY"),
+)
+
+#: The allow-lists of a broker's two sockets (bench --spawn passes them on).
+_CURVE_ALLOW_LISTS = (
+    option(
+        "--curve-clients",
+        type=click.Path(exists=True, file_okay=False),
+        default=None,
+        help="Directory of the public keys (.key) of the clients allowed on the frontend "
+        "(without it: any key, encrypted only).",
+    ),
+    option(
+        "--curve-workers",
+        type=click.Path(exists=True, file_okay=False),
+        default=None,
+        help="Directory of the public keys (.key) of the workers allowed on the backend "
+        "(besides the broker's own key, which serve's workers use). Without it the backend "
+        "admits any key, or only the broker's own if --curve-clients is given.",
+    ),
+)
+
+
+def _curve_keys(
+    curve_secret_key: str | None, curve_clients: str | None, curve_workers: str | None
+) -> CurveServerKeys | None:
+    """The broker's CURVE settings; the allow-lists need its key pair."""
+    if curve_secret_key is None:
+        for flag, value in (("--curve-clients", curve_clients), ("--curve-workers", curve_workers)):
+            if value is not None:
+                raise click.UsageError(f"{flag} needs --curve-secret-key (the broker's key pair)")
+        return None
+    return CurveServerKeys(curve_secret_key, curve_clients, curve_workers)
+
+
+#: The broker's side of CurveZMQ: serve and broker.
+curve_server_options = option_group(
+    "curve",
+    _curve_keys,
+    option(
+        "--curve-secret-key",
+        envvar="BATCHER_BROKER_CURVE_SECRET_KEY",
+        old_envvar="BATCHER_CURVE_SECRET_KEY",
+        type=click.Path(exists=True, dir_okay=False),
+        default=None,
+        help="The broker's key pair (NAME.key_secret from `batcher keygen`): encrypts both sockets.",
+    ),
+    *_CURVE_ALLOW_LISTS,
+)
+
+_HEARTBEAT = (
     option(
         "--heartbeat-ms",
         type=float_range(1, MAX_MS),
-        default=500.0,
+        default=Heartbeat().interval_ms,
         help="Interval of heartbeats between broker and workers.",
     ),
     option(
         "--heartbeat-liveness",
         type=int_range(1, MAX_LIVENESS),
-        default=3,
+        default=Heartbeat().liveness,
         help="Heartbeat intervals of silence after which a peer is taken for dead.",
     ),
-]
+)
 
 
-def _scheduling_decorators(broker_key: bool) -> list[Callable[[F], F]]:
-    """The broker's queueing and batching options; with `broker_key`, its key pair too
-    (bench has a client's --curve-secret-key instead, which --spawn gives its broker)."""
-    return [
-        option(
-            "--max-batch-size",
-            type=int_range(1, MAX_BATCH_SIZE),
-            default=8,
-            help="Largest batch sent to a worker.",
-        ),
-        option(
-            "--max-wait-ms",
-            type=float_range(0, MAX_MS),
-            default=5.0,
-            help="Longest a request waits for its batch to fill.",
-        ),
-        option(
-            "--policy",
-            type=click.Choice(POLICIES),
-            default="adaptive",
-            help="window: wait up to --max-wait-ms for a full batch; adaptive: dispatch at once "
-            "unless waiting is expected to lower latency.",
-        ),
-        option(
-            "--batch-sizes",
-            callback=_batch_sizes,
-            default=None,
-            help=f"Allowed batch sizes, e.g. 1,2,4,8 (must start at 1; each 1..{MAX_BATCH_SIZE}); "
-            "a batch is cut to the largest the queue fills.",
-        ),
-        option(
-            "--max-queue", type=int_range(1, MAX_QUEUE), default=10_000, help="Queued requests per model."
-        ),
-        option(
-            "--default-timeout-ms",
-            type=float_range(0, MAX_TIMEOUT_MS),
-            default=0.0,
-            help="Deadline for requests that carry no timeout_ms (0: none).",
-        ),
-        option(
-            "--worker-prefetch",
-            type=int_range(1, MAX_PREFETCH),
-            default=DEFAULT_WORKER_PREFETCH,
-            help="Batches a worker may hold at once (the next one waits on the worker).",
-        ),
-        option(
-            "--max-retries",
-            type=int_range(0, MAX_RETRIES),
-            default=1,
-            help="Re-dispatches of a batch whose worker died, before its requests get worker_failed.",
-        ),
-        option(
-            "--max-message-bytes",
-            type=int_range(1024, MAX_MESSAGE_BYTES),
-            default=16 * 1024 * 1024,
-            help="Largest request accepted: a bigger frame disconnects its sender (libzmq), a "
-            "bigger message of several frames is answered bad_request.",
-        ),
-        option(
-            "--no-worker-timeout-ms",
-            type=float_range(0, MAX_TIMEOUT_MS),
-            default=DEFAULT_NO_WORKER_TIMEOUT_MS,
-            help="A request for a configured model that has had no worker this long is answered "
-            "unavailable (0: wait forever for a worker).",
-        ),
-        *heartbeat_options,
-        *(
-            [
-                option(
-                    "--curve-secret-key",
-                    envvar="BATCHER_BROKER_CURVE_SECRET_KEY",
-                    old_envvar="BATCHER_CURVE_SECRET_KEY",
-                    type=click.Path(exists=True, dir_okay=False),
-                    default=None,
-                    help="The broker's key pair (NAME.key_secret from `batcher keygen`): "
-                    "encrypts both sockets.",
-                )
-            ]
-            if broker_key
-            else []
-        ),
-        option(
-            "--curve-clients",
-            type=click.Path(exists=True, file_okay=False),
-            default=None,
-            help="Directory of the public keys (.key) of the clients allowed on the frontend "
-            "(without it: any key, encrypted only).",
-        ),
-        option(
-            "--curve-workers",
-            type=click.Path(exists=True, file_okay=False),
-            default=None,
-            help="Directory of the public keys (.key) of the workers allowed on the backend "
-            "(besides the broker's own key, which serve's workers use). Without it the backend "
-            "admits any key, or only the broker's own if --curve-clients is given.",
-        ),
-        option(
-            "--metrics-port",
-            type=int_range(1, 65535),
-            default=None,
-            help="Serve Prometheus metrics at http://127.0.0.1:PORT/metrics.",
-        ),
-        config_option,
-    ]
+def _heartbeat(heartbeat_ms: float, heartbeat_liveness: int) -> Heartbeat:
+    return Heartbeat(heartbeat_ms, heartbeat_liveness)
 
 
-def scheduling_options(f: F) -> F:
-    """The broker's options, shared by serve and broker."""
-    for d in reversed(_scheduling_decorators(broker_key=True)):
-        f = d(f)
-    return f
+#: Heartbeats between broker and workers: serve, broker and worker.
+heartbeat_options = option_group("heartbeat", _heartbeat, *_HEARTBEAT)
+
+#: How each model's requests are queued and batched: BatchSettings' fields, by name.
+_BATCHING = (
+    option(
+        "--max-batch-size",
+        type=int_range(1, MAX_BATCH_SIZE),
+        default=BatchSettings().max_batch_size,
+        help="Largest batch sent to a worker.",
+    ),
+    option(
+        "--max-wait-ms",
+        type=float_range(0, MAX_MS),
+        default=BatchSettings().max_wait_ms,
+        help="Longest a request waits for its batch to fill.",
+    ),
+    option(
+        "--policy",
+        type=click.Choice(POLICIES),
+        default=BatchSettings().policy.value,
+        help="window: wait up to --max-wait-ms for a full batch; adaptive: dispatch at once "
+        "unless waiting is expected to lower latency.",
+    ),
+    option(
+        "--batch-sizes",
+        callback=_batch_sizes,
+        default=None,
+        help=f"Allowed batch sizes, e.g. 1,2,4,8 (must start at 1; each 1..{MAX_BATCH_SIZE}); "
+        "a batch is cut to the largest the queue fills.",
+    ),
+    option(
+        "--max-queue",
+        type=int_range(1, MAX_QUEUE),
+        default=BatchSettings().max_queue,
+        help="Queued requests per model.",
+    ),
+)
+
+#: Every model's batching settings (a model's [models.NAME] table may differ): serve, broker.
+batching_options = option_group("batching", BatchSettings, *_BATCHING)
 
 
-def bench_scheduling_options(f: F) -> F:
-    """The broker's options as `bench --spawn` passes them on, without its key pair."""
-    for d in reversed(_scheduling_decorators(broker_key=False)):
-        f = d(f)
-    return f
+@dataclass(frozen=True)
+class BrokerOptions:
+    """The broker's settings besides batching, heartbeats and CURVE: BrokerSettings'
+    fields of the same names."""
+
+    default_timeout_ms: float
+    worker_prefetch: int
+    max_retries: int
+    max_message_bytes: int
+    no_worker_timeout_ms: float
+    metrics_port: int | None
 
 
-def sim_options(f: F) -> F:
-    """The simulated GPU's cost, shared by serve, worker and bench."""
-    f = option(
+_BROKER = (
+    option(
+        "--default-timeout-ms",
+        type=float_range(0, MAX_TIMEOUT_MS),
+        default=BrokerSettings().default_timeout_ms,
+        help="Deadline for requests that carry no timeout_ms (0: none).",
+    ),
+    option(
+        "--worker-prefetch",
+        type=int_range(1, MAX_PREFETCH),
+        default=BrokerSettings().worker_prefetch,
+        help="Batches a worker may hold at once (the next one waits on the worker).",
+    ),
+    option(
+        "--max-retries",
+        type=int_range(0, MAX_RETRIES),
+        default=BrokerSettings().max_retries,
+        help="Re-dispatches of a batch whose worker died, before its requests get worker_failed.",
+    ),
+    option(
+        "--max-message-bytes",
+        type=int_range(1024, MAX_MESSAGE_BYTES),
+        default=BrokerSettings().max_message_bytes,
+        help="Largest request accepted: a bigger frame disconnects its sender (libzmq), a "
+        "bigger message of several frames is answered bad_request.",
+    ),
+    option(
+        "--no-worker-timeout-ms",
+        type=float_range(0, MAX_TIMEOUT_MS),
+        default=BrokerSettings().no_worker_timeout_ms,
+        help="A request for a configured model that has had no worker this long is answered "
+        "unavailable (0: wait forever for a worker).",
+    ),
+    option(
+        "--metrics-port",
+        type=int_range(1, 65535),
+        default=BrokerSettings().metrics_port,
+        help="Serve Prometheus metrics at http://127.0.0.1:PORT/metrics.",
+    ),
+)
+
+#: The broker's other settings: serve and broker.
+broker_options = option_group("broker_opts", BrokerOptions, *_BROKER)
+
+
+def _serve_flags(**values: object) -> list[str]:
+    """Options as `batcher serve` takes them on its command line (None: left out)."""
+    flags: list[str] = []
+    for name, value in values.items():
+        if value is None:
+            continue
+        text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        flags += ["--" + name.replace("_", "-"), text]
+    return flags
+
+
+#: The broker's options as `bench --spawn` passes them on to the `serve` it starts (its
+#: key pair is bench's --curve-secret-key): the command gets them as `serve` flags.
+spawned_broker_options = option_group(
+    "serve_flags", _serve_flags, *_BATCHING, *_BROKER, *_HEARTBEAT, *_CURVE_ALLOW_LISTS, config_option
+)
+
+
+def _sim(sim_base_ms: float, sim_per_item_ms: float) -> SimSettings:
+    return SimSettings(sim_base_ms, sim_per_item_ms)
+
+
+#: The simulated GPU's cost: serve, worker and bench.
+sim_options = option_group(
+    "sim",
+    _sim,
+    option(
         "--sim-base-ms",
         type=float_range(0, MAX_MS),
-        default=20.0,
+        default=SimSettings().base_ms,
         help="sim model: fixed cost of one batch.",
-    )(f)
-    f = option(
+    ),
+    option(
         "--sim-per-item-ms",
         type=float_range(0, MAX_MS),
-        default=2.5,
+        default=SimSettings().per_item_ms,
         help="sim model: added cost per request in a batch.",
-    )(f)
-    return f
+    ),
+)
 
 
 def broker_settings(
-    frontend: str, backend: str, models: tuple[str, ...], sched: dict[str, Any]
+    frontend: str,
+    backend: str,
+    models: tuple[str, ...],
+    *,
+    batching: BatchSettings,
+    broker_opts: BrokerOptions,
+    heartbeat: Heartbeat,
+    curve: CurveServerKeys | None,
+    config: str | None,
 ) -> BrokerSettings:
-    """BrokerSettings from CLI values: the options are every model's defaults, and the
-    config file's [models.NAME] tables override those the file set (a value from the
+    """BrokerSettings from CLI values: `batching` is every model's default, and the
+    config file's [models.NAME] tables override what the file set (a value from the
     command line or the environment wins over the tables too)."""
     # `serve` takes model specs (NAME=pkg.mod:attr); the broker only needs their names.
-    names = tuple(m.partition("=")[0].strip() for m in models) if models else ("sim",)
+    names = tuple(m.partition("=")[0].strip() for m in models) if models else BrokerSettings().models
     fixed = given_outside_file(click.get_current_context(silent=True), BATCH_KEYS)
     try:
-        default = BatchSettings(
-            max_batch_size=sched["max_batch_size"],
-            max_wait_ms=sched["max_wait_ms"],
-            batch_sizes=sched["batch_sizes"],
-            max_queue=sched["max_queue"],
-            policy=sched["policy"],
-        )
-        per_model = load_config(sched["config"]).model_settings(default, fixed) if sched["config"] else {}
+        per_model = load_config(config).model_settings(batching, fixed) if config else {}
         return BrokerSettings(
             frontend=frontend,
             backend=backend,
             models=names,
-            batch=default,
+            batch=batching,
             per_model=per_model,
-            default_timeout_ms=sched["default_timeout_ms"],
-            worker_prefetch=sched["worker_prefetch"],
-            heartbeat=Heartbeat(sched["heartbeat_ms"], sched["heartbeat_liveness"]),
-            max_retries=sched["max_retries"],
-            max_message_bytes=sched["max_message_bytes"],
-            curve=_curve_keys(sched["curve_secret_key"], sched["curve_clients"], sched["curve_workers"]),
-            metrics_port=sched["metrics_port"],
-            no_worker_timeout_ms=sched["no_worker_timeout_ms"],
+            default_timeout_ms=broker_opts.default_timeout_ms,
+            worker_prefetch=broker_opts.worker_prefetch,
+            heartbeat=heartbeat,
+            max_retries=broker_opts.max_retries,
+            max_message_bytes=broker_opts.max_message_bytes,
+            curve=curve,
+            metrics_port=broker_opts.metrics_port,
+            no_worker_timeout_ms=broker_opts.no_worker_timeout_ms,
         )
     except (ValueError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
@@ -548,15 +679,12 @@ def pool_settings(
     gpus: tuple[int, ...] | None,
     workers_per_gpu: int,
     config: str | None,
-    log_level: str,
-    log_format: str,
+    logs: LogOptions,
 ) -> PoolSettings:
     """serve's PoolSettings from CLI values. The config file's [models.NAME] tables pin
     models to GPUs (`gpus`) and set their worker counts (`workers`, unless --workers came
     from the command line or the environment). A placement that the devices cannot
     hold (PoolSettings refuses it) is a usage error."""
-    from workers.supervisor import PoolSettings
-
     model_gpus: dict[str, tuple[int, ...]] = {}
     model_workers: dict[str, int] = {}
     try:
@@ -571,8 +699,8 @@ def pool_settings(
             workers,
             sim,
             heartbeat=broker.heartbeat,
-            log_level=log_level,
-            log_format=log_format,
+            log_level=logs.log_level,
+            log_format=logs.log_format,
             curve_secret_key=broker.curve.secret_key_file if broker.curve else None,
             gpus=gpus,
             workers_per_gpu=workers_per_gpu,
@@ -586,63 +714,29 @@ def pool_settings(
 def _reread_batching(ctx: click.Context, path: str, models: Iterable[str]) -> dict[str, BatchSettings]:
     """Each model's batching settings as the config file now says (SIGHUP to serve): the
     file is checked as at start, and what the command line or the environment set still
-    wins. ConfigError or ValueError if the file is no longer good."""
-    config = load_config(path)
-    _check_config(ctx, config)
-    own = {p.name: p for p in ctx.command.params if p.name is not None}
-    fixed = given_outside_file(ctx, BATCH_KEYS)
-    values: dict[str, Any] = {}
-    for key in BATCH_KEYS:
-        param = own[key]
-        raw = ctx.params[key] if key in fixed else config.options.get(key, param.default)
-        values[key] = raw if key in fixed else param.process_value(ctx, raw)
+    wins. ValueError (ConfigError among them) if the file is no longer good."""
+    try:
+        config = load_config(path)
+        _check_config(ctx, config)
+        own = {p.name: p for p in ctx.command.params if p.name is not None}
+        fixed = given_outside_file(ctx, BATCH_KEYS)
+        values: dict[str, Any] = {}
+        for key in BATCH_KEYS:
+            param = own[key]
+            raw = ctx.params[key] if key in fixed else config.options.get(key, param.default)
+            values[key] = raw if key in fixed else param.process_value(ctx, raw)
+    except click.ClickException as exc:  # a value the option itself refuses
+        raise ValueError(str(exc)) from None
     default = BatchSettings(**values)
     per_model = config.model_settings(default, fixed)
     return {name: per_model.get(name, default) for name in dict.fromkeys([*models, *per_model])}
 
 
-def _curve_keys(secret_key: str | None, clients: str | None, workers: str | None) -> CurveServerKeys | None:
-    if secret_key is None:
-        for flag, value in (("--curve-clients", clients), ("--curve-workers", workers)):
-            if value is not None:
-                raise click.UsageError(f"{flag} needs --curve-secret-key (the broker's key pair)")
-        return None
-    return CurveServerKeys(secret_key, clients, workers)
-
-
 #: The options a [models.NAME] table may set for its model: BatchSettings' fields.
 BATCH_KEYS = tuple(f.name for f in dataclasses.fields(BatchSettings))
 
-SCHEDULING_KEYS = (
-    "max_batch_size",
-    "max_wait_ms",
-    "policy",
-    "batch_sizes",
-    "max_queue",
-    "default_timeout_ms",
-    "worker_prefetch",
-    "max_retries",
-    "max_message_bytes",
-    "heartbeat_ms",
-    "heartbeat_liveness",
-    "no_worker_timeout_ms",
-    "curve_secret_key",
-    "curve_clients",
-    "curve_workers",
-    "metrics_port",
-    "config",
-)
-
-
-def _pop_scheduling(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The scheduling options out of a command's keyword arguments (bench has no broker
-    key pair among them)."""
-    return {k: kwargs.pop(k) for k in SCHEDULING_KEYS if k in kwargs}
-
 
 def _check_models(models: tuple[str, ...]) -> None:
-    from workers.models import ModelSpec
-
     for m in models:
         try:
             ModelSpec.parse(m)
@@ -657,8 +751,8 @@ def main() -> None:
 
 
 @main.command()
-@option("--frontend", default=DEFAULT_FRONTEND, help="Address clients connect to (ROUTER).")
-@option("--backend", default=DEFAULT_BACKEND, help="Address workers connect to (ROUTER).")
+@option("--frontend", default=BrokerSettings().frontend, help="Address clients connect to (ROUTER).")
+@option("--backend", default=BrokerSettings().backend, help="Address workers connect to (ROUTER).")
 @option(
     "--workers",
     type=int_range(0, MAX_WORKERS),
@@ -677,18 +771,22 @@ def main() -> None:
 @option(
     "--workers-per-gpu",
     type=int_range(1, MAX_WORKERS_PER_GPU),
-    default=1,
+    default=field_default(PoolSettings, "workers_per_gpu"),
     help="Most workers of one model on one GPU; without --workers, each model gets this many per GPU.",
 )
 @option(
     "--model",
     "models",
     multiple=True,
-    default=("sim",),
+    default=BrokerSettings().models,
     help="Model to serve: sim, echo, pkg.module:attr or NAME=SPEC; repeat for several. "
     "The first is the default for requests that name none.",
 )
-@scheduling_options
+@batching_options
+@broker_options
+@heartbeat_options
+@curve_server_options
+@config_option
 @sim_options
 @logging_options
 def serve(
@@ -698,11 +796,13 @@ def serve(
     gpus: tuple[int, ...] | None,
     workers_per_gpu: int,
     models: tuple[str, ...],
-    sim_base_ms: float,
-    sim_per_item_ms: float,
-    log_level: str,
-    log_format: str,
-    **kwargs: Any,
+    batching: BatchSettings,
+    broker_opts: BrokerOptions,
+    heartbeat: Heartbeat,
+    curve: CurveServerKeys | None,
+    config: str | None,
+    sim: SimSettings,
+    logs: LogOptions,
 ) -> None:
     """Run a broker and its worker processes: per model, --workers of them, or
     --workers-per-gpu on each GPU it may use.
@@ -710,92 +810,77 @@ def serve(
     `batcher reload MODEL`, or SIGHUP (which re-reads --config's batching settings and
     reloads every model), replaces a model's workers: new ones first, then the old ones
     drained and stopped."""
-    from workers.models import ModelSpec, SimSettings
-    from workers.rollout import Rollouts, serve_tick
-    from workers.supervisor import Supervisor
-
-    setup(log_level, log_format)
+    setup(logs)
     _check_models(models)
-    sched = _pop_scheduling(kwargs)
-    settings = broker_settings(frontend, backend, models, sched)
+    settings = broker_settings(
+        frontend,
+        backend,
+        models,
+        batching=batching,
+        broker_opts=broker_opts,
+        heartbeat=heartbeat,
+        curve=curve,
+        config=config,
+    )
     pool = pool_settings(
         backend,
         models,
-        SimSettings(sim_base_ms, sim_per_item_ms),
+        sim,
         settings,
         workers=workers,
         gpus=gpus,
         workers_per_gpu=workers_per_gpu,
-        config=sched["config"],
-        log_level=log_level,
-        log_format=log_format,
+        config=config,
+        logs=logs,
     )
-    try:
-        broker = Broker(settings)  # bind before the workers start, so a busy port fails fast
-    except (BindError, KeyFileError) as exc:
-        raise click.ClickException(str(exc)) from None
-    supervisor = Supervisor(pool)
-
-    fatal: list[str] = []
-
-    def on_worker_event(model: str, event: str) -> None:
-        broker.metrics.worker_event(model, event)
-        if event == "load_failed":  # a configuration error: stop now, say why, exit non-zero
-            fatal.append(f"model {model!r} could not be loaded (the worker's error is above)")
-            broker.request_stop()
-            broker.request_stop()
-        elif event == "given_up" and supervisor.all_given_up(model):
-            broker.model_failed(model, f"every worker of model {model!r} failed to start (see serve's log)")
-
-    supervisor.on_event = on_worker_event
-    rollouts = Rollouts(broker, supervisor)
-    broker.on_reload = lambda model, reply: rollouts.start(model, reply, time.monotonic())
     ctx = click.get_current_context()
-    names = tuple(dict.fromkeys(ModelSpec.parse(m).name for m in models))
-
-    def on_hangup(now: float) -> None:
-        """SIGHUP: re-read --config's batching settings, then reload every model."""
-        if sched["config"]:
-            try:
-                broker.apply_model_settings(_reread_batching(ctx, sched["config"], settings.models))
-            except (ConfigError, ValueError, click.ClickException) as exc:
-                log.error("SIGHUP: %s; batching settings unchanged", exc)
-        for name in names:
-            rollouts.start(name, None, now)
-
-    broker.signals.install()
-    broker.signals.install_hangup()
-    broker.call_every(SUPERVISE_INTERVAL_S, serve_tick(broker, supervisor, rollouts, on_hangup))
+    reread = None if config is None else functools.partial(_reread_batching, ctx, config, settings.models)
     try:
-        supervisor.start()
-        broker.run()
-    finally:
-        # After a second signal nothing waits: workers still in a batch are killed.
-        supervisor.stop(timeout_s=0.0 if broker.signals.count > 1 else 5.0)
-        broker.close()
-    if fatal:
-        raise click.ClickException(fatal[0])
+        run_serve(settings, pool, reread)
+    except (BindError, KeyFileError, ModelLoadFailed) as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @main.command()
-@option("--frontend", default=DEFAULT_FRONTEND, help="Address clients connect to (ROUTER).")
-@option("--backend", default=DEFAULT_BACKEND, help="Address workers connect to (ROUTER).")
+@option("--frontend", default=BrokerSettings().frontend, help="Address clients connect to (ROUTER).")
+@option("--backend", default=BrokerSettings().backend, help="Address workers connect to (ROUTER).")
 @option(
     "--model",
     "models",
     multiple=True,
-    default=("sim",),
+    default=BrokerSettings().models,
     help="Model name requests may use before any worker has joined (repeat for several); "
     "the first is the default.",
 )
-@scheduling_options
+@batching_options
+@broker_options
+@heartbeat_options
+@curve_server_options
+@config_option
 @logging_options
 def broker(
-    frontend: str, backend: str, models: tuple[str, ...], log_level: str, log_format: str, **kwargs: Any
+    frontend: str,
+    backend: str,
+    models: tuple[str, ...],
+    batching: BatchSettings,
+    broker_opts: BrokerOptions,
+    heartbeat: Heartbeat,
+    curve: CurveServerKeys | None,
+    config: str | None,
+    logs: LogOptions,
 ) -> None:
     """Run a broker alone; start workers with `batcher worker`."""
-    setup(log_level, log_format)
-    settings = broker_settings(frontend, backend, models, _pop_scheduling(kwargs))
+    setup(logs)
+    settings = broker_settings(
+        frontend,
+        backend,
+        models,
+        batching=batching,
+        broker_opts=broker_opts,
+        heartbeat=heartbeat,
+        curve=curve,
+        config=config,
+    )
     try:
         run_broker(settings)
     except (BindError, KeyFileError) as exc:
@@ -807,21 +892,20 @@ def broker(
     "--connect",
     envvar="BATCHER_WORKER_CONNECT",
     old_envvar="BATCHER_CONNECT",
-    default=DEFAULT_BACKEND,
+    default=WorkerSettings().connect,
     help="The broker's backend address.",
 )
 @option(
     "--model",
     envvar="BATCHER_WORKER_MODEL",
     old_envvar="BATCHER_MODEL",
-    default="sim",
+    default=WorkerSettings().model,
     help="The model to load: sim, echo, pkg.module:attr or NAME=SPEC.",
 )
 @option("--gpu", type=int_range(0, MAX_GPU), default=None, help="GPU id (sets CUDA_VISIBLE_DEVICES).")
 @option("--parent-pid", type=int_range(1, 2**31 - 1), default=None, hidden=True)
-@heartbeat_options[0]
-@heartbeat_options[1]
-@with_curve_worker
+@heartbeat_options
+@curve_worker_options
 @sim_options
 @logging_options
 def worker(
@@ -829,21 +913,13 @@ def worker(
     model: str,
     gpu: int | None,
     parent_pid: int | None,
-    heartbeat_ms: float,
-    heartbeat_liveness: int,
-    curve_server_key: str | None,
-    curve_secret_key: str | None,
-    sim_base_ms: float,
-    sim_per_item_ms: float,
-    log_level: str,
-    log_format: str,
+    heartbeat: Heartbeat,
+    curve: ClientKeys,
+    sim: SimSettings,
+    logs: LogOptions,
 ) -> None:
     """Run one model-worker process connected to a broker's backend."""
-    from workers.models import SimSettings
-    from workers.supervisor import EXIT_MODEL_LOAD_FAILED
-    from workers.worker import ModelLoadError, WorkerSettings, run_worker
-
-    setup(log_level, log_format)
+    setup(logs)
     _check_models((model,))
     try:
         run_worker(
@@ -851,11 +927,11 @@ def worker(
                 connect,
                 model,
                 gpu,
-                SimSettings(sim_base_ms, sim_per_item_ms),
+                sim,
                 parent_pid,
-                Heartbeat(heartbeat_ms, heartbeat_liveness),
-                curve_server_key,
-                curve_secret_key,
+                heartbeat,
+                curve.curve_server_key,
+                curve.curve_secret_key,
             )
         )
     except ModelLoadError as exc:
@@ -939,7 +1015,7 @@ def parse_input(text: str) -> Any:
 
 
 @main.command()
-@option("--connect", default=DEFAULT_FRONTEND, help="The broker's frontend address.")
+@option("--connect", default=BrokerSettings().frontend, help="The broker's frontend address.")
 @option(
     "--model",
     envvar="BATCHER_REQUEST_MODEL",
@@ -961,7 +1037,7 @@ def parse_input(text: str) -> Any:
     help="How long to wait for each reply, here: a request unanswered by then is reported "
     "as a timeout (the broker may be down or unreachable).",
 )
-@with_curve_client
+@curve_client_options
 @logging_options
 @click.argument("inputs", nargs=-1)
 def send(
@@ -969,10 +1045,8 @@ def send(
     model: str | None,
     timeout_ms: float | None,
     timeout_s: float,
-    curve_server_key: str | None,
-    curve_secret_key: str | None,
-    log_level: str,
-    log_format: str,
+    curve: ClientKeys,
+    logs: LogOptions,
     inputs: tuple[str, ...],
 ) -> None:
     """Send JSON INPUTS (or one JSON value per stdin line) and print each reply as JSON.
@@ -982,9 +1056,7 @@ def send(
     as null, so every line is strict JSON. Exits 1 if any reply is an error; a request
     with no reply within --timeout-s prints as a `timeout` error, its reason on stderr.
     """
-    from batcher.client import Client
-
-    setup(log_level, log_format)
+    setup(logs)
     if inputs:
         texts = list(inputs)
     else:
@@ -996,9 +1068,7 @@ def send(
     values = [parse_input(t) for t in texts]
     failed = False
     timeouts: dict[str, None] = {}  # the client's messages, each said once, in order
-    with Client(
-        connect, timeout_s, curve_server_key=curve_server_key, curve_secret_key=curve_secret_key
-    ) as client:
+    with curve.client(connect, timeout_s) as client:
         pendings = [client.submit(v, model=model, timeout_ms=timeout_ms) for v in values]
         for p in pendings:
             reply = p.wait()
@@ -1013,23 +1083,21 @@ def send(
 
 
 @main.command()
-@option("--workers", type=int_range(1, MAX_WORKERS), default=2, help="sim workers to start.")
+@option("--workers", type=int_range(1, MAX_WORKERS), default=DEMO_WORKERS, help="sim workers to start.")
 @option(
     "--policy",
     type=click.Choice(POLICIES),
-    default="window",
-    help="Dispatch policy; the reference design's is window.",
+    default=DEMO_POLICY,
+    help=f"Dispatch policy; the reference design's is {DEMO_POLICY}.",
 )
 @logging_options
-def demo(workers: int, policy: str, log_level: str, log_format: str) -> None:
+def demo(workers: int, policy: str, logs: LogOptions) -> None:
     """The reference scenario: 8 clients, 5 ms apart, max batch 4, 50 ms window.
 
     Starts a real broker and workers on free loopback ports, prints each result and
     checks the reference pass criteria; exits 1 if one fails.
     """
-    from batcher.demo import run_demo
-
-    setup(log_level, log_format)
+    setup(logs)
     sys.exit(0 if run_demo(workers, policy) else 1)
 
 
@@ -1079,8 +1147,8 @@ def demo(workers: int, policy: str, log_level: str, log_format: str) -> None:
     help="Write the full result as JSON to this file.",
 )
 @option("--workers", type=int_range(1, MAX_WORKERS), default=2, help="--spawn: worker processes.")
-@bench_scheduling_options
-@with_curve_client
+@spawned_broker_options
+@curve_client_options
 @sim_options
 @logging_options
 def bench(
@@ -1096,13 +1164,10 @@ def bench(
     processes: int,
     json_path: str | None,
     workers: int,
-    curve_server_key: str | None,
-    curve_secret_key: str | None,
-    sim_base_ms: float,
-    sim_per_item_ms: float,
-    log_level: str,
-    log_format: str,
-    **kwargs: Any,
+    serve_flags: list[str],
+    curve: ClientKeys,
+    sim: SimSettings,
+    logs: LogOptions,
 ) -> None:
     """Measure throughput and latency of a broker under closed- or open-loop load.
 
@@ -1111,9 +1176,10 @@ def bench(
     from batcher.bench import LoadSettings, format_report
     from batcher.launcher import ServeProcess
 
-    setup(log_level, log_format)
+    setup(logs)
     if spawn == (connect is not None):
         raise click.UsageError("give exactly one of --connect ADDR or --spawn")
+    curve_server_key, curve_secret_key = curve.curve_server_key, curve.curve_secret_key
     if spawn and curve_server_key is not None:
         raise click.UsageError(
             "--curve-server-key is for --connect; with --spawn, --curve-secret-key is the "
@@ -1126,13 +1192,10 @@ def bench(
     # --workers-per-gpu as high as --workers: the spawned serve spreads its workers over
     # whatever GPUs it sees rather than refusing more workers than GPUs.
     per_gpu = min(workers, MAX_WORKERS_PER_GPU)
-    serve_args = ["--workers", str(workers), "--workers-per-gpu", str(per_gpu), "--model", model or "sim"]
-    serve_args += ["--sim-base-ms", str(sim_base_ms), "--sim-per-item-ms", str(sim_per_item_ms)]
-    scheduling = _pop_scheduling(kwargs)
-    for key, value in [*scheduling.items(), ("curve_secret_key", curve_secret_key)]:
-        if value is not None:
-            text = ",".join(map(str, value)) if key == "batch_sizes" else str(value)
-            serve_args += ["--" + key.replace("_", "-"), text]
+    served = model or BrokerSettings().default_model
+    serve_args = ["--workers", str(workers), "--workers-per-gpu", str(per_gpu), "--model", served]
+    serve_args += ["--sim-base-ms", str(sim.base_ms), "--sim-per-item-ms", str(sim.per_item_ms)]
+    serve_args += [*serve_flags, *_serve_flags(curve_secret_key=curve_secret_key)]
     serve = ServeProcess(serve_args) if spawn else None
     if serve is not None:
         connect, curve_server_key = serve.frontend, curve_secret_key  # a .key_secret holds the public key too
@@ -1175,8 +1238,6 @@ def bench(
 def _wait_spawned(serve: Any, workers: int, curve_key: str | None, timeout_s: float = 30.0) -> None:
     """Wait until bench's spawned `serve` has `workers` workers, asking its stats as the
     load generator will connect (with its CURVE key pair, if any)."""
-    from batcher.client import BatcherError, Client
-
     deadline = time.monotonic() + timeout_s
     with Client(serve.frontend, 1.0, curve_server_key=curve_key, curve_secret_key=curve_key) as client:
         while True:
@@ -1212,16 +1273,21 @@ def _run_with_progress(settings: Any) -> Any:
 
 
 @main.command()
-@option("--connect", default=DEFAULT_FRONTEND, help="The broker's frontend address.")
-@click.option("--watch", is_flag=True, help="Refresh in place until Ctrl-C, with rates per second.")
-@click.option("--interval-s", type=float_range(0.1, MAX_STATS_S), default=1.0, show_default=True)
-@click.option(
+@option("--connect", default=BrokerSettings().frontend, help="The broker's frontend address.")
+@local_option("--watch", is_flag=True, help="Refresh in place until Ctrl-C, with rates per second.")
+@local_option(
+    "--interval-s",
+    type=float_range(0.1, MAX_STATS_S),
+    default=1.0,
+    help="With --watch: seconds between refreshes.",
+)
+@local_option(
     "--count",
     type=int_range(1, MAX_REFRESHES),
     default=None,
     help="With --watch: stop after this many refreshes (default: until Ctrl-C).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the raw stats as JSON.")
+@local_option("--json", "as_json", is_flag=True, help="Print the raw stats as JSON.")
 @option(
     "--timeout-s",
     envvar="BATCHER_STATS_TIMEOUT_S",
@@ -1230,7 +1296,7 @@ def _run_with_progress(settings: Any) -> Any:
     default=5.0,
     help="How long to wait for the broker.",
 )
-@with_curve_client
+@curve_client_options
 @logging_options
 def stats(
     connect: str,
@@ -1239,26 +1305,21 @@ def stats(
     count: int | None,
     as_json: bool,
     timeout_s: float,
-    curve_server_key: str | None,
-    curve_secret_key: str | None,
-    log_level: str,
-    log_format: str,
+    curve: ClientKeys,
+    logs: LogOptions,
 ) -> None:
     """Ask a running broker for its queues, workers, batches and recent latencies.
 
     --watch adds, per model, requests answered, ok and errors per second and batches per
     second, each over the last refresh interval (`-` until the second refresh)."""
-    from batcher.client import BatcherError, Client
     from batcher.stats_table import compute_rates, format_stats
 
-    setup(log_level, log_format)
+    setup(logs)
     if count is not None and not watch:
         raise click.UsageError("--count goes with --watch")
     previous: tuple[float, dict[str, Any]] | None = None
     shown = 0
-    with Client(
-        connect, timeout_s, curve_server_key=curve_server_key, curve_secret_key=curve_secret_key
-    ) as c:
+    with curve.client(connect, timeout_s) as c:
         try:
             while True:
                 try:
@@ -1314,7 +1375,7 @@ def readiness(snapshot: Mapping[str, Any], wanted: Iterable[str]) -> tuple[list[
 
 
 @main.command()
-@option("--connect", default=DEFAULT_FRONTEND, help="The broker's frontend address.")
+@option("--connect", default=BrokerSettings().frontend, help="The broker's frontend address.")
 @option(
     "--model",
     "models",
@@ -1330,30 +1391,24 @@ def readiness(snapshot: Mapping[str, Any], wanted: Iterable[str]) -> tuple[list[
     default=5.0,
     help="How long to wait for every model to have a worker.",
 )
-@with_curve_client
+@curve_client_options
 @logging_options
 def ready(
     connect: str,
     models: tuple[str, ...],
     timeout_s: float,
-    curve_server_key: str | None,
-    curve_secret_key: str | None,
-    log_level: str,
-    log_format: str,
+    curve: ClientKeys,
+    logs: LogOptions,
 ) -> None:
     """Wait until the broker answers and each model has at least one worker: a readiness
     check for a supervisor, a container or a deployment script.
 
     Exits 0 printing `ready: MODEL (N workers)` per model; exits 1 after --timeout-s
     saying what is missing, or that no broker answered."""
-    from batcher.client import BatcherError, Client
-
-    setup(log_level, log_format)
+    setup(logs)
     deadline = time.monotonic() + timeout_s
     problems: list[str] | None = None  # None: the broker has not answered yet
-    with Client(
-        connect, timeout_s, curve_server_key=curve_server_key, curve_secret_key=curve_secret_key
-    ) as client:
+    with curve.client(connect, timeout_s) as client:
         while True:
             client.timeout_s = max(0.01, deadline - time.monotonic())
             try:
@@ -1379,7 +1434,7 @@ def ready(
 
 @main.command("reload")
 @click.argument("model")
-@option("--connect", default=DEFAULT_FRONTEND, help="The broker's frontend address.")
+@option("--connect", default=BrokerSettings().frontend, help="The broker's frontend address.")
 @option(
     "--timeout-s",
     envvar="BATCHER_RELOAD_TIMEOUT_S",
@@ -1387,28 +1442,22 @@ def ready(
     default=120.0,
     help="How long to wait for the reload: new workers loading the model, then the old draining.",
 )
-@with_curve_client
+@curve_client_options
 @logging_options
 def reload_model(
     model: str,
     connect: str,
     timeout_s: float,
-    curve_server_key: str | None,
-    curve_secret_key: str | None,
-    log_level: str,
-    log_format: str,
+    curve: ClientKeys,
+    logs: LogOptions,
 ) -> None:
     """Reload MODEL with no request refused or lost: serve starts new workers of it,
     waits until they are ready, then drains and stops the old ones.
 
     Prints the broker's answer as JSON; exits 1 with its error code and message if the
     reload failed or no answer came within --timeout-s."""
-    from batcher.client import BatcherError, Client
-
-    setup(log_level, log_format)
-    with Client(
-        connect, timeout_s, curve_server_key=curve_server_key, curve_secret_key=curve_secret_key
-    ) as client:
+    setup(logs)
+    with curve.client(connect, timeout_s) as client:
         try:
             output = client.control("reload", model=model)
         except BatcherError as exc:
@@ -1418,16 +1467,16 @@ def reload_model(
 
 @main.command()
 @click.argument("directory", type=click.Path(file_okay=False))
-@click.option("--name", default="batcher", show_default=True, help="Base name of the two files.")
-@click.option("--force", is_flag=True, help="Replace a key pair of that name already in DIRECTORY.")
+@local_option("--name", default="batcher", help="Base name of the two files.")
+@local_option("--force", is_flag=True, help="Replace a key pair of that name already in DIRECTORY.")
 @logging_options
-def keygen(directory: str, name: str, force: bool, log_level: str, log_format: str) -> None:
+def keygen(directory: str, name: str, force: bool, logs: LogOptions) -> None:
     """Write a CurveZMQ key pair to DIRECTORY: NAME.key (public, to share) and
     NAME.key_secret (secret, keep private). An existing pair is kept unless --force:
     every peer holding its public key would have to be given the new one."""
     from batcher.security import KeyExistsError, generate_keys
 
-    setup(log_level, log_format)
+    setup(logs)
     try:
         public, secret = generate_keys(directory, name, force=force)
     except KeyExistsError as exc:

@@ -3,6 +3,12 @@
 The client sets each request's `id` to a counter of its own and matches replies by
 it, so replies can arrive in any order and a late reply to a request that already
 timed out is recognised and dropped.
+
+What every client shares, without any I/O, is `BaseClient` (as httpx's BaseClient is
+for its Client and AsyncClient): the request ids, the table of requests waiting for a
+reply, matching a reply to its request, the timeout and retry rules, and the
+ConnectionWatch hints. `Client` adds a blocking socket, `batcher.aio.AsyncClient` an
+asyncio one, and `MultiClient` combines Clients through their public methods.
 """
 
 from __future__ import annotations
@@ -13,23 +19,43 @@ import itertools
 import logging
 import math
 import time
+import types
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from batcher import protocol
+from batcher.protocol import ErrorCode
 from batcher.security import load_public_key, secure_client
 from batcher.zmqio import recv_frames
 
 log = logging.getLogger("batcher.client")
 
+#: The client's own error code, for a request that got no reply in time (never on the wire).
+TIMEOUT = "timeout"
+
+#: The exception class of each error code a reply can carry (error_from_reply).
+_ERRORS: dict[str, type[BatcherError]] = {}
+
 
 class BatcherError(Exception):
-    """A request answered with an error; `code` is the protocol's error code."""
+    """A request answered with an error; `code` is the protocol's error code.
+
+    `class X(BatcherError, code=...)` makes X the class of every reply with that code.
+    """
 
     code = "error"
+
+    def __init_subclass__(cls, code: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is None:
+            return
+        if code in _ERRORS:
+            raise TypeError(f"error code {code!r} already has its class {_ERRORS[code].__name__}")
+        cls.code = str(code)  # an ErrorCode as the plain str a reply carries
+        _ERRORS[cls.code] = cls
 
     def __init__(self, message: str, code: str | None = None, reply: dict[str, Any] | None = None):
         super().__init__(f"{code or self.code}: {message}")
@@ -39,72 +65,70 @@ class BatcherError(Exception):
         self.reply = reply or {}
 
 
-class BadRequest(BatcherError):
-    code = "bad_request"
+# One class per protocol.ErrorCode, named after it (bad_request: BadRequest); a code
+# without a class here gets one made from its name below, so none is ever forgotten.
 
 
-class UnknownModel(BatcherError):
-    code = "unknown_model"
+class BadRequest(BatcherError, code=ErrorCode.BAD_REQUEST):
+    """The broker refused the request as sent (a field of a wrong type, no input, an unknown op)."""
 
 
-class ModelError(BatcherError):
-    code = "model_error"
+class UnknownModel(BatcherError, code=ErrorCode.UNKNOWN_MODEL):
+    """No model of that name is configured on the broker or was ever served to it."""
 
 
-class DeadlineExceeded(BatcherError):
-    code = "deadline_exceeded"
+class ModelError(BatcherError, code=ErrorCode.MODEL_ERROR):
+    """The model raised, or returned the wrong number of outputs, for the request's batch."""
 
 
-class Overloaded(BatcherError):
-    code = "overloaded"
+class DeadlineExceeded(BatcherError, code=ErrorCode.DEADLINE_EXCEEDED):
+    """The request's deadline (`timeout_ms`) passed while it was still queued."""
 
 
-class Cancelled(BatcherError):
-    code = "cancelled"
+class Overloaded(BatcherError, code=ErrorCode.OVERLOADED):
+    """The model's queue was full when the request came (--max-queue); retry later."""
 
 
-class WorkerFailed(BatcherError):
-    code = "worker_failed"
+class Cancelled(BatcherError, code=ErrorCode.CANCELLED):
+    """The request was cancelled (`cancel`) while it was still queued."""
 
 
-class ShuttingDown(BatcherError):
-    code = "shutting_down"
+class WorkerFailed(BatcherError, code=ErrorCode.WORKER_FAILED):
+    """The workers holding the request failed more often than the broker's --max-retries."""
 
 
-class Unavailable(BatcherError):
+class ShuttingDown(BatcherError, code=ErrorCode.SHUTTING_DOWN):
+    """The broker is draining: it queues nothing new (or ran out of drain time)."""
+
+
+class Unavailable(BatcherError, code=ErrorCode.UNAVAILABLE):
     """The model has had no live worker for the broker's --no-worker-timeout-ms."""
 
-    code = "unavailable"
 
-
-class InternalError(BatcherError):
+class InternalError(BatcherError, code=ErrorCode.INTERNAL):
     """The broker hit a bug of its own handling this request (and logged it)."""
 
-    code = "internal_error"
 
-
-class ClientTimeout(BatcherError):
+class ClientTimeout(BatcherError, code=TIMEOUT):
     """No reply arrived within the client's own timeout (the broker may be down)."""
 
-    code = "timeout"
+
+def error_class_name(code: str) -> str:
+    """The exception class name for an error code: `bad_request` is BadRequest."""
+    return "".join(part.capitalize() for part in code.split("_"))
 
 
-_ERRORS: dict[str, type[BatcherError]] = {
-    cls.code: cls
-    for cls in (
-        BadRequest,
-        UnknownModel,
-        ModelError,
-        DeadlineExceeded,
-        Overloaded,
-        Cancelled,
-        WorkerFailed,
-        ShuttingDown,
-        Unavailable,
-        InternalError,
-        ClientTimeout,
-    )
-}
+def _make_missing_error_classes() -> None:
+    for code in ErrorCode:
+        if code.value not in _ERRORS:
+            name = error_class_name(code.value)
+            cls = types.new_class(name, (BatcherError,), {"code": code})
+            cls.__module__ = __name__
+            cls.__doc__ = f"A reply with error code `{code.value}`."
+            globals()[name] = cls
+
+
+_make_missing_error_classes()
 
 
 def error_from_reply(reply: dict[str, Any]) -> BatcherError:
@@ -145,6 +169,21 @@ def reply_wait_s(timeout_s: float | None, timeout_ms: float | None) -> float | N
         return timeout_s
     limit = timeout_ms / 1000.0 + 1.0
     return limit if timeout_s is None else min(timeout_s, limit)
+
+
+def timeout_reply(request_id: Any, message: str) -> dict[str, Any]:
+    """The reply map a request is answered with when no reply came in time (`timeout`)."""
+    return {"id": request_id, "ok": False, "error": {"code": TIMEOUT, "message": message}}
+
+
+def cancel_body(request_id: Any) -> bytes:
+    """The body asking the broker to drop request `request_id` if it is still queued."""
+    return protocol.pack({"id": request_id, "op": "cancel"})
+
+
+def _check_retries(retries: int) -> None:
+    if retries < 0:
+        raise ValueError(f"retries must be >= 0, got {retries}")
 
 
 def open_dealer(
@@ -375,10 +414,80 @@ class PendingReply(_Awaited):
         """Ask the broker to drop this request if it is still queued; it is then answered
         with `cancelled` (a request already running is answered normally)."""
         if self.reply is None:
-            self._client._send({"op": "cancel", "id": self.request_id})
+            self._client.send_cancel(self.request_id)
 
 
-class Client:
+PendingT = TypeVar("PendingT")
+
+
+class BaseClient(Generic[PendingT]):
+    """What every client of one broker shares, without any I/O (in the manner of httpx's
+    BaseClient): the request ids, the table of requests waiting for a reply, matching a
+    reply to its request, the timeout and retry rules, and the ConnectionWatch hints.
+
+    `PendingT` is what the table holds for a request: a PendingReply for Client, a
+    future for AsyncClient. A subclass opens the socket and sets `watch`; it adds a
+    request to `_pending` under its id (from `_ids`) when it sends it, and gives every
+    reply it receives to `_match`.
+    """
+
+    watch: ConnectionWatch  # the socket's monitor, set by the subclass that opens the socket
+
+    def __init__(self, address: str, timeout_s: float | None, retries: int) -> None:
+        _check_retries(retries)
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self._ids = itertools.count(1)
+        self._pending: dict[Any, PendingT] = {}
+        #: Replies that matched no waiting request: a retried request's second reply,
+        #: or a late one to a request that already timed out.
+        self.duplicates_dropped = 0
+
+    def _next_id(self) -> int:
+        """A request id not used before on this client (1, 2, ...)."""
+        return next(self._ids)
+
+    def forget(self, request_id: Any) -> None:
+        """Stop waiting for request `request_id`: a reply to it that still comes is
+        dropped as a duplicate."""
+        self._pending.pop(request_id, None)
+
+    def _match(self, reply: dict[str, Any]) -> PendingT | None:
+        """Take the request `reply` answers out of the table, by its id (or by the nil-id
+        rule of `reply_key`). None when no request waits for it (a late reply, or a
+        retried request's second), counted in `duplicates_dropped`. Raises (KeyError,
+        TypeError) for what is no reply at all: the caller skips it, uncounted."""
+        key = reply["id"]
+        if key is None:
+            key = reply_key(reply, self._pending)
+        pending = self._pending.pop(key, None)
+        if pending is None:
+            self.duplicates_dropped += 1
+        return pending
+
+    def _retry_allowed(self, attempts: int) -> bool:
+        """Whether a request sent `attempts` times without a reply in time goes again."""
+        return attempts <= self.retries
+
+    def _timeout_message(self, attempts: int) -> str:
+        """Why a request got no reply after `attempts` sends, from the socket's monitor."""
+        return f"no reply from {self.address} after {attempts} attempt(s): {self.watch.hint()}"
+
+    def _expire(self, pending: PendingReply) -> bool:
+        """A blocking request past its deadline: True when it is to be sent again (its
+        attempts and deadline are updated; the caller sends it), else it is answered
+        with a `timeout` reply and forgotten."""
+        if pending.wait_s is not None and self._retry_allowed(pending.attempts):
+            pending.attempts += 1
+            pending.deadline = time.monotonic() + pending.wait_s
+            return True
+        self.forget(pending.request_id)
+        pending.reply = timeout_reply(pending.request_id, self._timeout_message(pending.attempts))
+        return False
+
+
+class Client(BaseClient[PendingReply]):
     """Talks to a broker's frontend over one DEALER socket. Not thread-safe.
 
     `timeout_s` bounds the wait for each reply (None: wait forever). With `retries`,
@@ -388,6 +497,10 @@ class Client:
     broker by itself; requests lost with the old one time out (and are retried). A
     refused handshake (our CURVE key not listed, plaintext against CURVE) is for good
     on this socket: requests time out, and the ClientTimeout says why (`watch`).
+
+    Beyond request, submit and control, `start`, `receive_ready`, `forget`,
+    `send_cancel` and `socket` let a caller wait on several clients at once, as
+    MultiClient does.
     """
 
     def __init__(
@@ -399,17 +512,10 @@ class Client:
         curve_server_key: str | None = None,
         curve_secret_key: str | None = None,
     ) -> None:
-        if retries < 0:
-            raise ValueError(f"retries must be >= 0, got {retries}")
-        self.address = address
-        self.timeout_s = timeout_s
-        self.retries = retries
+        super().__init__(address, timeout_s, retries)
         self._ctx: zmq.Context[Any] = context or zmq.Context.instance()
         self._sock: zmq.Socket[Any]
         self._sock, self.watch = open_dealer(self._ctx, address, curve_server_key, curve_secret_key)
-        self._ids = itertools.count(1)
-        self._pending: dict[int, PendingReply] = {}
-        self.duplicates_dropped = 0
 
     def __enter__(self) -> Client:
         return self
@@ -424,6 +530,12 @@ class Client:
             self._sock.close(0)
         self._pending.clear()
 
+    @property
+    def socket(self) -> zmq.Socket[Any]:
+        """The DEALER socket, to poll for POLLIN together with others (zmq.Poller); when
+        it is readable, call `receive_ready`. Never send or receive on it directly."""
+        return self._sock
+
     def submit(
         self,
         input: Any,
@@ -433,7 +545,7 @@ class Client:
     ) -> PendingReply:
         """Send a request without waiting; many can be in flight over the one socket."""
         body = request_body(input, model, timeout_ms, priority)
-        return self._start(body, reply_wait_s(self.timeout_s, timeout_ms))
+        return self.start(body, reply_wait_s(self.timeout_s, timeout_ms))
 
     def request(
         self,
@@ -458,9 +570,13 @@ class Client:
 
     def control(self, op: str, **fields: Any) -> Any:
         """Send a control request (`stats`; `reload` with model=NAME) and return its output."""
-        return self._start({"op": op, **fields}, self.timeout_s).result()
+        return self.start({"op": op, **fields}, self.timeout_s).result()
 
-    def _start(self, fields: dict[str, Any], wait_s: float | None) -> PendingReply:
+    def start(self, fields: dict[str, Any], wait_s: float | None) -> PendingReply:
+        """Send the request map `fields`, with an `id` of ours added, without waiting;
+        returns its PendingReply, which times out `wait_s` seconds after each send
+        (None: never). Its reply is taken by whoever waits on this client next, or by
+        `receive_ready`; `PendingReply.result()` waits for it and retries as configured."""
         request_id = next(self._ids)
         body = protocol.pack({"id": request_id, **fields})
         pending = PendingReply(self, request_id, body, wait_s)
@@ -468,10 +584,30 @@ class Client:
         self._send_body(body, pending.deadline)
         return pending
 
-    def _send(self, fields: dict[str, Any]) -> bytes:
-        body = protocol.pack(fields)
-        self._send_body(body, time.monotonic())
-        return body
+    def send_cancel(self, request_id: int) -> bool:
+        """Ask the broker to drop request `request_id` if it is still queued (it is then
+        answered `cancelled`; one already running is answered normally). One try, never
+        blocking; returns whether it went."""
+        return self._send_body(cancel_body(request_id), time.monotonic())
+
+    def receive_ready(self) -> list[PendingReply]:
+        """Take every reply waiting on the socket, without blocking. Each answers its
+        request (its `reply` is set); those are returned, in order of arrival. A reply
+        that matches no waiting request is dropped, counted in `duplicates_dropped`."""
+        answered: list[PendingReply] = []
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return answered
+            try:
+                reply = protocol.unpack(frames[-1])
+                pending = self._match(reply)
+            except Exception:
+                continue  # not a reply of ours; nothing to match it to
+            if pending is not None:
+                pending.reply = reply
+                answered.append(pending)
 
     def _send_body(self, body: bytes, deadline: float | None) -> bool:
         """Send without ever blocking past `deadline` (None: as long as it takes); returns
@@ -503,45 +639,12 @@ class Client:
             if target.deadline is not None:
                 remaining = target.deadline - time.monotonic()
                 if remaining <= 0:
-                    self._expire(target)
+                    if self._expire(target):  # sent again, while retries last
+                        self._send_body(target.body, target.deadline)
                     continue
                 timeout_ms = max(1, math.ceil(remaining * 1000))
             if self._sock.poll(timeout_ms, zmq.POLLIN):
-                self._receive_ready()
-
-    def _expire(self, pending: PendingReply) -> None:
-        """No reply in time: send it again while retries last, else give up on it."""
-        if pending.attempts <= self.retries and pending.wait_s is not None:
-            pending.attempts += 1
-            pending.deadline = time.monotonic() + pending.wait_s
-            self._send_body(pending.body, pending.deadline)
-            return
-        self._pending.pop(pending.request_id, None)
-        pending.reply = {
-            "id": pending.request_id,
-            "ok": False,
-            "error": {
-                "code": "timeout",
-                "message": f"no reply from {self.address} after {pending.attempts} attempt(s): "
-                + self.watch.hint(),
-            },
-        }
-
-    def _receive_ready(self) -> None:
-        while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                reply = protocol.unpack(frames[-1])
-                pending = self._pending.pop(reply_key(reply, self._pending), None)
-            except Exception:
-                continue  # not a reply of ours; nothing to match it to
-            if pending is None:
-                self.duplicates_dropped += 1  # a retried request's second reply, or a late one
-            else:
-                pending.reply = reply
+                self.receive_ready()
 
 
 # --- several frontends --------------------------------------------------------------------------
@@ -596,11 +699,12 @@ class MultiPending(_Awaited):
     def cancel(self) -> None:
         """Ask the broker holding it to drop this request if it is still queued."""
         if self.reply is None and self._frontend is not None and self._inner is not None:
-            self._frontend.client._send({"op": "cancel", "id": self._inner.request_id})
+            self._frontend.client.send_cancel(self._inner.request_id)
 
 
 class MultiClient:
-    """Spreads requests round-robin over several broker frontends (one Client each).
+    """Spreads requests round-robin over several broker frontends (one Client each,
+    driven through its public methods: start, receive_ready, forget, send_cancel).
 
     A frontend whose request gets no reply within `timeout_s` is taken for down: new
     requests skip it for `down_s` seconds, after which it is asked for `stats` (a probe,
@@ -631,8 +735,7 @@ class MultiClient:
             raise ValueError(f"duplicate addresses in {addresses}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 (it is how a down frontend is found), got {timeout_s}")
-        if retries < 0:
-            raise ValueError(f"retries must be >= 0, got {retries}")
+        _check_retries(retries)
         if not 0 < down_s <= max_down_s:
             raise ValueError(f"need 0 < down_s <= max_down_s, got {down_s} and {max_down_s}")
         self.timeout_s = timeout_s
@@ -650,15 +753,13 @@ class MultiClient:
         self._poller = zmq.Poller()
         self._by_socket: dict[zmq.Socket[Any], _Frontend] = {}
         for fe in self._frontends:
-            self._poller.register(fe.client._sock, zmq.POLLIN)
-            self._by_socket[fe.client._sock] = fe
+            self._poller.register(fe.client.socket, zmq.POLLIN)
+            self._by_socket[fe.client.socket] = fe
         self._next = 0  # round-robin position
         self._deadlines: list[tuple[float, int, MultiPending, PendingReply]] = []
         self._seq = itertools.count()
         #: Requests sent again on another frontend after a timeout or `shutting_down`.
         self.resent = 0
-        #: Replies that matched no waiting request (late, or a resent request's second).
-        self.duplicates_dropped = 0
 
     # --- lifecycle and state ----------------------------------------------------------------
 
@@ -686,6 +787,11 @@ class MultiClient:
     def sent(self) -> dict[str, int]:
         """Attempts sent to each frontend so far (probes not counted)."""
         return {fe.address: fe.sent for fe in self._frontends}
+
+    @property
+    def duplicates_dropped(self) -> int:
+        """Replies that matched no waiting request (late, or a resent request's second)."""
+        return sum(fe.client.duplicates_dropped for fe in self._frontends)
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -756,7 +862,7 @@ class MultiClient:
         self._send_to(pending, self._pick(now, avoid))
 
     def _send_to(self, pending: MultiPending, fe: _Frontend) -> None:
-        inner = fe.client._start(pending.fields, pending.wait_s)
+        inner = fe.client.start(pending.fields, pending.wait_s)
         fe.owners[inner.request_id] = pending
         fe.sent += 1
         pending._frontend, pending._inner = fe, inner
@@ -786,21 +892,8 @@ class MultiClient:
                 self._receive(self._by_socket[sock])
 
     def _receive(self, fe: _Frontend) -> None:
-        sock, pending_replies = fe.client._sock, fe.client._pending
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                reply = protocol.unpack(frames[-1])
-                inner = pending_replies.pop(reply["id"], None)
-            except Exception:
-                continue  # not a reply of ours; nothing to match it to
-            if inner is None:
-                self.duplicates_dropped += 1
-                continue
-            inner.reply = reply
+        for inner in fe.client.receive_ready():
+            assert inner.reply is not None
             if not fe.up:
                 log.info("frontend %s answers again", fe.address)
             fe.mark_up()  # any answer shows it is up
@@ -809,13 +902,13 @@ class MultiClient:
                 continue
             owner = fe.owners.pop(inner.request_id, None)
             if owner is not None:
-                self._settle(owner, fe, reply)
+                self._settle(owner, fe, inner.reply)
 
     def _settle(self, pending: MultiPending, fe: _Frontend, reply: dict[str, Any]) -> None:
         error = reply.get("error") if not reply.get("ok") else None
         if (
             isinstance(error, dict)
-            and error.get("code") == "shutting_down"
+            and error.get("code") == ErrorCode.SHUTTING_DOWN
             and not pending._pinned
             and len(set(pending.tried)) < len(self._frontends)
         ):
@@ -835,7 +928,7 @@ class MultiClient:
                 continue  # answered, or already sent again
             fe = pending._frontend
             assert fe is not None
-            fe.client._pending.pop(inner.request_id, None)
+            fe.client.forget(inner.request_id)
             fe.owners.pop(inner.request_id, None)
             fe.timeouts += 1
             self._mark_down(fe, now, f"no reply within {pending.wait_s}s")
@@ -845,11 +938,7 @@ class MultiClient:
                 self._send(pending, now, avoid=fe)
                 continue
             message = f"no reply after {pending.attempts} attempt(s): {', '.join(pending.tried)}"
-            pending.reply = {
-                "id": inner.request_id,
-                "ok": False,
-                "error": {"code": "timeout", "message": message},
-            }
+            pending.reply = timeout_reply(inner.request_id, message)
 
     def _probe(self, now: float) -> None:
         """Ask each down frontend whose back-off is over whether it is back; a probe
@@ -857,10 +946,10 @@ class MultiClient:
         for fe in self._frontends:
             if fe.probe is not None:
                 if fe.probe.deadline is not None and now >= fe.probe.deadline:
-                    fe.client._pending.pop(fe.probe.request_id, None)
+                    fe.client.forget(fe.probe.request_id)
                     fe.probe = None
                     fe.backoff_s = min(self.max_down_s, fe.backoff_s * 2)
                     fe.down_until = now + fe.backoff_s
                     log.info("frontend %s still down; next try in %.1fs", fe.address, fe.backoff_s)
             elif fe.down_until is not None and now >= fe.down_until:
-                fe.probe = fe.client._start({"op": "stats"}, self.timeout_s)
+                fe.probe = fe.client.start({"op": "stats"}, self.timeout_s)

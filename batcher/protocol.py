@@ -31,7 +31,9 @@ ID_TYPES = (int, str)
 @dataclass(frozen=True)
 class Heartbeat:
     """How often broker and workers tell each other they are alive, and how many silent
-    intervals make a peer dead: 500 ms x 3 finds a dead worker within 1.5 s."""
+    intervals make a peer dead: with 500 ms x 3, a silent worker is taken for dead after
+    more than 1.5 s of silence, found on the broker's next heartbeat tick, so 1.5 to 2.0 s
+    after it froze (a crashed one sooner: the next send to it fails)."""
 
     interval_ms: float = 500.0
     liveness: int = 3

@@ -9,7 +9,7 @@ imports zmq or reads a clock, so every rule is tested with a fake clock
 Rules, per model:
 - order: higher `priority` first, then earliest deadline, then arrival;
 - a queued request whose deadline passes is expired (never sent to a worker);
-- the queue holds at most `max_queue` requests; one more is Overloaded;
+- the queue holds at most `max_queue` requests; one more is QueueFull;
 - a batch never exceeds `max_batch_size`, and with `batch_sizes` it is cut to the
   largest allowed size the queue can fill;
 - `window` policy: a batch goes to a worker with a free slot as soon as
@@ -29,11 +29,30 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from enum import IntEnum, StrEnum
+from typing import NamedTuple
 
-POLICIES = ("adaptive", "window")
 
-#: Queued, then exactly one of: in a batch, or answered without one (expired, cancelled).
-QUEUED, DISPATCHED, REMOVED = 0, 1, 2
+class Policy(StrEnum):
+    """How a model's queue turns into batches (module docstring)."""
+
+    ADAPTIVE = "adaptive"
+    WINDOW = "window"
+
+
+POLICIES = tuple(p.value for p in Policy)
+
+
+class RequestState(IntEnum):
+    """Queued, then exactly one of: in a batch, or answered without one (expired,
+    cancelled, unavailable)."""
+
+    QUEUED = 0
+    DISPATCHED = 1
+    REMOVED = 2
+
+
+QUEUED, DISPATCHED, REMOVED = RequestState.QUEUED, RequestState.DISPATCHED, RequestState.REMOVED
 
 #: Time constant of the arrival-rate estimate (seconds).
 RATE_TAU_S = 0.2
@@ -54,7 +73,7 @@ class BatchSettings:
     max_wait_ms: float = 5.0
     batch_sizes: tuple[int, ...] | None = None
     max_queue: int = 10_000
-    policy: str = "window"
+    policy: Policy = Policy.ADAPTIVE
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_queue"):
@@ -70,6 +89,7 @@ class BatchSettings:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        object.__setattr__(self, "policy", Policy(self.policy))  # a plain str is accepted
         if self.batch_sizes is not None:
             sizes = self.batch_sizes
             if not all(type(n) is int for n in sizes):
@@ -111,7 +131,7 @@ class QueuedRequest:
     arrived_at: float
     priority: float = 0
     deadline_at: float | None = None
-    state: int = QUEUED
+    state: RequestState = QUEUED
     seq: int = 0
     attempts: int = 0  # batches it was sent in whose worker failed
     handbacks: int = 0  # batches it was sent in whose worker left and handed it back
@@ -340,11 +360,32 @@ def _heap_first(entry: tuple[float, float, int, QueuedRequest], fifo_seq: int) -
     return deadline < math.inf or seq < fifo_seq
 
 
-class UnknownModel(KeyError):
+class WorkerView(NamedTuple):
+    """A worker as the broker may see it: read-only."""
+
+    worker_id: bytes
+    batches_held: int
+
+
+class ModelView(NamedTuple):
+    """A model's queue and workers as the broker may see them (stats, gauges): read-only."""
+
+    queued: int
+    workers: tuple[WorkerView, ...]
+    settings: BatchSettings
+    cost: tuple[float, float] | None  # the learned (a, b) of t(n) = a + b*n in seconds
+    no_worker_since: float | None
+
+    @property
+    def batches_in_flight(self) -> int:
+        return sum(w.batches_held for w in self.workers)
+
+
+class NoSuchModel(KeyError):
     """A request named a model that is neither configured nor served by any worker."""
 
 
-class Overloaded(Exception):
+class QueueFull(Exception):
     """The model's queue is full; the request must be refused now, not dropped later."""
 
 
@@ -389,6 +430,30 @@ class Scheduler:
     def workers(self) -> dict[bytes, WorkerState]:
         return self._workers
 
+    def views(self) -> dict[str, ModelView]:
+        """Every model's queue and workers, as a snapshot the caller cannot change."""
+        return {name: self._view(mq) for name, mq in self._models.items()}
+
+    def _view(self, mq: ModelQueue) -> ModelView:
+        workers = tuple(WorkerView(w, len(self._workers[w].in_flight)) for w in mq.workers)
+        cost = mq.cost.coefficients() if mq.cost.known else None
+        return ModelView(mq.size, workers, mq.settings, cost, mq.no_worker_since)
+
+    def held(self, worker_id: bytes) -> int:
+        """Batches a worker holds (0 for one the scheduler does not know)."""
+        w = self._workers.get(worker_id)
+        return len(w.in_flight) if w else 0
+
+    def has_workers(self, model: str) -> bool:
+        mq = self._models.get(model)
+        return bool(mq and mq.workers)
+
+    def busy(self) -> bool:
+        """Whether any request is queued or in a batch (a draining broker waits for none)."""
+        return any(mq.size for mq in self._models.values()) or any(
+            w.in_flight for w in self._workers.values()
+        )
+
     def queued(self, model: str) -> int:
         """Requests of `model` waiting for a batch."""
         mq = self._models.get(model)
@@ -407,13 +472,13 @@ class Scheduler:
     # --- events -----------------------------------------------------------------------------
 
     def enqueue(self, model: str, request: QueuedRequest) -> None:
-        """Queue an accepted request. Raises UnknownModel for a model nobody serves and
-        Overloaded when the model's queue is full."""
+        """Queue an accepted request. Raises NoSuchModel for a model nobody serves and
+        QueueFull when the model's queue is full."""
         mq = self._models.get(model)
         if mq is None:
-            raise UnknownModel(model)
+            raise NoSuchModel(model)
         if mq.size >= mq.settings.max_queue:
-            raise Overloaded(model)
+            raise QueueFull(model)
         request.seq = next(self._seq)
         if request.priority == 0 and request.deadline_at is None:
             mq.fifo.append(request)  # in seq order, like the heap would keep it
@@ -534,6 +599,10 @@ class Scheduler:
         w.slots = 0
         return len(w.in_flight)
 
+    def remove_all_workers(self) -> list[Batch]:
+        """Forget every worker (the broker is stopping now); returns the batches they held."""
+        return [batch for w in list(self._workers) for batch in self.remove_worker(w)]
+
     def remove_worker(self, worker_id: bytes) -> list[Batch]:
         """A worker left or died; returns the batches it held so they can be answered."""
         w = self._workers.pop(worker_id, None)
@@ -623,7 +692,7 @@ class Scheduler:
             if idle:
                 return min(idle, key=_least_recently_used)
             return min(prefetching, key=WorkerState.busy_until)
-        if not idle or s.policy == "window":
+        if not idle or s.policy is Policy.WINDOW:
             return None
         # adaptive: an idle worker takes the queue now unless waiting should pay
         gap = self._fill_time_if_load_needs_bigger_batches(mq, now)

@@ -34,19 +34,19 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import faults
+import msgpack
+import psutil
+import zmq
+from faults import CRASHING
+
+from batcher.client import BatcherError, Client
+from batcher.launcher import free_tcp_address
+from workers.supervisor import child_environment
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
-sys.path.insert(0, str(REPO_ROOT))  # tests.reliability_models: models, load, malformed messages
-
-import msgpack  # noqa: E402
-import psutil  # noqa: E402
-import zmq  # noqa: E402
-
-from batcher.client import BatcherError, Client  # noqa: E402
-from batcher.launcher import free_tcp_address  # noqa: E402
-from tests import reliability_models as rm  # noqa: E402
-from workers.supervisor import child_environment  # noqa: E402
 
 SCENARIOS = (
     "worker_sigkill",
@@ -57,7 +57,6 @@ SCENARIOS = (
     "second_sigterm",
     "malformed_input",
 )
-CRASHING = "tests.reliability_models:CrashAtStartup"
 LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (\w+) ([\w.]+)\[(\d+)\]: (.*)$")
 
 
@@ -128,8 +127,8 @@ def ms(seconds: float | None) -> float | None:
 
 
 @contextlib.contextmanager
-def serve(args: list[str], workdir: Path, name: str, workers: int) -> Iterator[rm.LoggedServe]:
-    s = rm.LoggedServe(args, workdir / f"{name}.log")
+def serve(args: list[str], workdir: Path, name: str, workers: int) -> Iterator[faults.LoggedServe]:
+    s = faults.LoggedServe(args, workdir / f"{name}.log")
     try:
         yield s.start(workers=workers)
     finally:
@@ -147,7 +146,7 @@ def worker_fault(ctx: zmq.Context[Any], workdir: Path, sig: str, stop_s: float) 
     rejoin_*: SIGCONT -> the stopped worker's new READY; recover_ms: signal -> the last of the
     requests outstanding at the signal answered."""
     with serve(["--workers", "2", "--model", "sim"], workdir, f"worker_{sig}", workers=2) as s:
-        load = rm.DealerLoad(ctx, s.frontend, clients=4, depth=8)
+        load = faults.DealerLoad(ctx, s.frontend, clients=4, depth=8)
         stats = StatsPoller(s.frontend, ctx)
         try:
             load.run_for(2.0)
@@ -226,17 +225,17 @@ def worker_startup_crash(ctx: zmq.Context[Any], workdir: Path) -> dict[str, Any]
     args = ["--workers", "1", "--model", "sim", "--model", CRASHING]
     started = time.time()
     with serve(args, workdir, "worker_startup_crash", workers=1) as s:
-        load = rm.DealerLoad(ctx, s.frontend, clients=2, depth=4)
+        load = faults.DealerLoad(ctx, s.frontend, clients=2, depth=4)
         doomed = ctx.socket(zmq.DEALER)
         doomed.setsockopt(zmq.LINGER, 0)
         doomed.connect(s.frontend)
         try:
             for i in range(5):  # queued for the crashing model before serve gives up on it
-                doomed.send_multipart([b"", rm.pack({"id": f"early-{i}", "input": i, "model": CRASHING})])
+                doomed.send_multipart([b"", faults.pack({"id": f"early-{i}", "input": i, "model": CRASHING})])
             load.run_until(lambda: "giving up" in s.log(), 60, "serve gave up")
             gave_up = time.time()
             for i in range(5):  # sent after it gave up
-                doomed.send_multipart([b"", rm.pack({"id": f"late-{i}", "input": i, "model": CRASHING})])
+                doomed.send_multipart([b"", faults.pack({"id": f"late-{i}", "input": i, "model": CRASHING})])
             load.run_for(1.0)
             drained = load.drain(20)
             codes: Counter[str] = Counter()
@@ -395,8 +394,8 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
 def graceful_shutdown(ctx: zmq.Context[Any], workdir: Path) -> dict[str, Any]:
     """SIGTERM to serve with 400 requests queued or running, then 20 more after the signal."""
     with serve(["--workers", "2", "--model", "sim"], workdir, "graceful_shutdown", workers=2) as s:
-        load = rm.DealerLoad(ctx, s.frontend, clients=4, depth=100)
-        late = rm.DealerLoad(ctx, s.frontend, clients=1, depth=20)
+        load = faults.DealerLoad(ctx, s.frontend, clients=4, depth=100)
+        late = faults.DealerLoad(ctx, s.frontend, clients=1, depth=20)
         late.sending = False
         stats = StatsPoller(s.frontend, ctx, every_s=0.0)
         try:
@@ -445,7 +444,7 @@ def second_sigterm(ctx: zmq.Context[Any], workdir: Path) -> dict[str, Any]:
     """A second SIGTERM while a long batch runs: everything answered, and how soon serve exits."""
     args = ["--workers", "1", "--model", "sim", "--sim-base-ms", "30000", "--max-batch-size", "2"]
     with serve(args, workdir, "second_sigterm", workers=1) as s:
-        load = rm.DealerLoad(ctx, s.frontend, clients=1, depth=6)
+        load = faults.DealerLoad(ctx, s.frontend, clients=1, depth=6)
         stats = StatsPoller(s.frontend, ctx, every_s=0.0)
         try:
             load.burst()
@@ -482,9 +481,9 @@ def malformed_input(ctx: zmq.Context[Any], workdir: Path, count: int) -> dict[st
             c.request_many(range(200))
             rss_before = psutil.Process(s.pid).memory_info().rss
             rng = random.Random(2026)
-            stream = rm.malformed_frontend(rng)
+            stream = faults.malformed_frontend(rng)
             messages = [next(stream) for _ in range(count)] + [
-                m for m in rm.rare_frontend() for _ in range(3)
+                m for m in faults.rare_frontend() for _ in range(3)
             ]
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -511,7 +510,7 @@ def malformed_input(ctx: zmq.Context[Any], workdir: Path, count: int) -> dict[st
                     p.setsockopt(zmq.LINGER, 0)
                     p.setsockopt(zmq.RCVHWM, 0)
                     p.connect(s.sp.backend)
-                unknown = rm.malformed_backend_unknown(rng)
+                unknown = faults.malformed_backend_unknown(rng)
                 for n in range(count):
                     peers[n % 2].send_multipart(next(unknown)[1])
                     backend_sent += 1

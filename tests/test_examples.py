@@ -1,4 +1,5 @@
-"""The example clients of docs/protocol.md (examples/c, examples/node) against a real broker.
+"""The example clients of docs/protocol.md (examples/c, examples/node) against a real broker,
+and docs/protocol.md naming every file under examples/.
 
 Each client is built or loaded first; when its toolchain is missing (a C compiler,
 make and the libzmq and msgpack-c headers; or node with `npm install` done in
@@ -13,7 +14,8 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from fnmatch import fnmatchcase
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -21,11 +23,16 @@ from batcher.client import BatcherError, Client
 from batcher.launcher import ServeProcess, free_tcp_address
 from batcher.security import generate_keys
 
-pytestmark = pytest.mark.integration
+#: The tests that start a broker; the documentation checks need none.
+integration = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parent.parent
-C_DIR = ROOT / "examples" / "c"
-NODE_DIR = ROOT / "examples" / "node"
+EXAMPLES = ROOT / "examples"
+C_DIR = EXAMPLES / "c"
+NODE_DIR = EXAMPLES / "node"
+PROTOCOL_MD = ROOT / "docs" / "protocol.md"
+#: Never examples themselves: installed packages and Python's caches.
+SKIPPED_DIRS = {"node_modules", "__pycache__"}
 
 #: Bounds on every subprocess this module runs (seconds).
 BUILD_TIMEOUT_S = 120
@@ -178,6 +185,7 @@ def _parse(stdout: str) -> tuple[list[dict[str, str]], tuple[int, ...]]:
     return replies, summary
 
 
+@integration
 def test_every_request_answered_with_its_output(example: list[str], broker: ServeProcess) -> None:
     res = _run([*example, "-e", broker.frontend, "-n", "5", "-t", "10000"])
     assert res.returncode == 0, res.stderr
@@ -189,6 +197,7 @@ def test_every_request_answered_with_its_output(example: list[str], broker: Serv
         assert re.fullmatch(rf'output="hello {r["id"]}" batch_size=[1-5]', r["rest"]), r["rest"]
 
 
+@integration
 def test_model_named_explicitly(example: list[str], broker: ServeProcess) -> None:
     res = _run([*example, "-e", broker.frontend, "-n", "1", "-m", "echo"])
     assert res.returncode == 0, res.stderr
@@ -198,6 +207,7 @@ def test_model_named_explicitly(example: list[str], broker: ServeProcess) -> Non
     assert replies[0]["rest"].startswith('output="hello 1"')
 
 
+@integration
 def test_error_replies_are_printed_and_exit_1(example: list[str], broker: ServeProcess) -> None:
     res = _run([*example, "-e", broker.frontend, "-n", "2", "-m", "nope"])
     assert res.returncode == 1, res.stderr
@@ -209,6 +219,7 @@ def test_error_replies_are_printed_and_exit_1(example: list[str], broker: ServeP
         assert r["rest"] == "error=unknown_model message=\"no worker serves model 'nope' (models: echo)\""
 
 
+@integration
 def test_curve_with_an_allowed_key(
     example: list[str], curve_broker: tuple[ServeProcess, dict[str, str]]
 ) -> None:
@@ -233,6 +244,7 @@ def test_curve_with_an_allowed_key(
     ]
 
 
+@integration
 def test_curve_refuses_keys_off_the_allow_list(
     example: list[str], curve_broker: tuple[ServeProcess, dict[str, str]]
 ) -> None:
@@ -245,6 +257,7 @@ def test_curve_refuses_keys_off_the_allow_list(
         assert sent in (0, 1) and (replies, ok, errors) == (0, 0, 0)
 
 
+@integration
 def test_no_broker_is_a_timeout_exit_2(example: list[str]) -> None:
     res = _run([*example, "-e", free_tcp_address(), "-n", "2", "-t", "300"])
     assert res.returncode == 2
@@ -253,7 +266,91 @@ def test_no_broker_is_a_timeout_exit_2(example: list[str]) -> None:
     assert "timeout" in res.stderr
 
 
+@integration
 def test_bad_usage_exits_2(example: list[str]) -> None:
     res = _run([*example, "-n", "0"])
     assert res.returncode == 2
     assert res.stdout == ""
+
+
+# --- docs/protocol.md names every example -----------------------------------------------------------
+
+
+def _ignored_by(gitignore: Path) -> list[tuple[PurePosixPath, str]]:
+    """The patterns of an examples/ .gitignore (build outputs such as examples/c/client,
+    node_modules/, package-lock.json), each with the folder it applies under."""
+    base = PurePosixPath(gitignore.parent.relative_to(ROOT).as_posix())
+    lines = (line.strip() for line in gitignore.read_text().splitlines())
+    return [(base, line) for line in lines if line and not line.startswith(("#", "!"))]
+
+
+def _is_ignored(path: PurePosixPath, patterns: list[tuple[PurePosixPath, str]]) -> bool:
+    """Whether a .gitignore pattern covers `path` or a folder it is in: "/x" only right
+    under the .gitignore's folder, "x/" only a folder, "x" a name at any depth."""
+    for base, pattern in patterns:
+        if not path.is_relative_to(base):
+            continue
+        parts = path.relative_to(base).parts  # folders, then the file's name
+        indices = range(len(parts) - 1 if pattern.endswith("/") else len(parts))
+        if pattern.startswith("/"):
+            indices = indices[:1]
+        if any(fnmatchcase(parts[i], pattern.strip("/")) for i in indices):
+            return True
+    return False
+
+
+def example_files() -> list[str]:
+    """Every file under examples/ that a reader should find in docs/protocol.md, as a path
+    from the repository's root: no dotfiles (.gitignore), nothing under node_modules or
+    __pycache__, nothing an examples/ .gitignore names (build outputs)."""
+    patterns = [p for g in sorted(EXAMPLES.rglob(".gitignore")) for p in _ignored_by(g)]
+    out = []
+    for path in sorted(EXAMPLES.rglob("*")):
+        rel = PurePosixPath(path.relative_to(ROOT).as_posix())
+        if not path.is_file() or any(part.startswith(".") or part in SKIPPED_DIRS for part in rel.parts):
+            continue
+        if not _is_ignored(rel, patterns):
+            out.append(str(rel))
+    return out
+
+
+def test_every_example_file_is_named_in_protocol_md() -> None:
+    """A new example cannot go undocumented: docs/protocol.md (section 10) names each file
+    under examples/ by its path from the repository's root."""
+    files = example_files()
+    assert "examples/c/client.c" in files and "examples/node/client.js" in files
+    text = PROTOCOL_MD.read_text(encoding="utf-8")
+    # A name must end there: "examples/node/client" is not named by "examples/node/client.js".
+    missing = [f for f in files if not re.search(re.escape(f) + r"(?![\w/-]|\.\w)", text)]
+    assert not missing, f"docs/protocol.md does not name {missing}: describe and link them in section 10"
+
+
+def test_example_links_of_protocol_md_lead_to_files() -> None:
+    """Each relative link of docs/protocol.md into examples/ names an existing file, and the
+    link's text is the path it leads to."""
+    links = re.findall(r"\[([^\]]+)\]\((\.\./examples/[^)#\s]+)\)", PROTOCOL_MD.read_text(encoding="utf-8"))
+    assert links, "docs/protocol.md links to no example"
+    for text, target in links:
+        path = (PROTOCOL_MD.parent / target).resolve()
+        assert path.is_file(), f"docs/protocol.md links to {target}, which does not exist"
+        assert text == path.relative_to(ROOT).as_posix(), (text, target)
+
+
+def test_example_file_filter_reads_the_gitignore_patterns() -> None:
+    """Build outputs are left out as the examples' .gitignore files say, and nothing else."""
+    patterns = [
+        (PurePosixPath("examples/c"), "/client"),
+        (PurePosixPath("examples/node"), "node_modules/"),
+        (PurePosixPath("examples/node"), "package-lock.json"),
+    ]
+    ignored = ["examples/c/client", "examples/node/package-lock.json", "examples/node/node_modules/x/y.js"]
+    kept = [
+        "examples/c/client.c",
+        "examples/c/sub/client",
+        "examples/node/client.js",
+        "examples/python/client",
+    ]
+    for path in ignored:
+        assert _is_ignored(PurePosixPath(path), patterns), path
+    for path in kept:
+        assert not _is_ignored(PurePosixPath(path), patterns), path

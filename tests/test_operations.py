@@ -215,8 +215,8 @@ def settings_from_cli(*args: str, env: dict[str, str] | None = None) -> BrokerSe
     captured: list[BrokerSettings] = []
     real = batcher.cli.broker_settings
 
-    def capture(*a: Any) -> BrokerSettings:
-        captured.append(real(*a))
+    def capture(*a: Any, **kw: Any) -> BrokerSettings:
+        captured.append(real(*a, **kw))
         raise SystemExit(0)
 
     root = logging.getLogger()

@@ -20,44 +20,23 @@ from hypothesis.stateful import (
     rule,
 )
 
-from batcher.scheduler import Batch, BatchSettings, QueuedRequest, Scheduler, UnknownModel
-
-_ids = itertools.count()
-
-
-def req(t: float, req_id: int | None = None) -> QueuedRequest:
-    """A request that arrived at fake time `t`; its id is unique unless given."""
-    rid = next(_ids) if req_id is None else req_id
-    return QueuedRequest(envelope=[f"client-{rid}".encode(), b""], body=b"\x80", id=rid, arrived_at=t)
-
-
-def enqueue_many(s: Scheduler, model: str, n: int, t: float) -> list[QueuedRequest]:
-    reqs = [req(t) for _ in range(n)]
-    for r in reqs:
-        s.enqueue(model, r)
-    return reqs
-
-
-def ids(batch: Batch) -> list[object]:
-    return [r.id for r in batch.requests]
-
-
-def sched(size: int = 4, wait_ms: float = 10.0, workers: int = 1, slots: int = 1) -> Scheduler:
-    """A scheduler for model "m" with `workers` workers named w0, w1, ..., each taking up
-    to `slots` batches at once."""
-    s = Scheduler(
-        per_model={"m": BatchSettings(max_batch_size=size, max_wait_ms=wait_ms)}, worker_prefetch=slots
-    )
-    for i in range(workers):
-        s.add_worker(f"w{i}".encode(), "m", slots)
-    return s
-
+from batcher.scheduler import Batch, BatchSettings, NoSuchModel, Policy, QueuedRequest, Scheduler
+from tests.scheduler_builders import (
+    PREFETCH,
+    START_S,
+    check_batch,
+    check_nothing_due,
+    check_wakeup,
+    enqueue_many,
+    make,
+    rq,
+)
 
 # --- size trigger --------------------------------------------------------------------------------
 
 
 def test_size_trigger_dispatches_as_soon_as_a_full_batch_waits() -> None:
-    s = sched(size=4)
+    s = make(size=4)
     first = enqueue_many(s, "m", 3, t=100.0)
     assert s.due_batches(100.0) == []
     last = enqueue_many(s, "m", 1, t=100.0)
@@ -71,7 +50,7 @@ def test_size_trigger_dispatches_as_soon_as_a_full_batch_waits() -> None:
 
 
 def test_size_trigger_needs_a_worker() -> None:
-    s = Scheduler(per_model={"m": BatchSettings(max_batch_size=2, max_wait_ms=10.0)})
+    s = Scheduler(per_model={"m": BatchSettings(max_batch_size=2, max_wait_ms=10.0, policy="window")})
     reqs = enqueue_many(s, "m", 2, t=0.0)
     assert s.due_batches(0.0) == []
     assert s.due_batches(50.0) == []
@@ -86,7 +65,7 @@ def test_size_trigger_needs_a_worker() -> None:
 
 
 def test_wait_trigger_fires_exactly_at_arrival_plus_max_wait() -> None:
-    s = sched(size=4, wait_ms=10.0)
+    s = make(size=4, wait_ms=10.0)
     (r,) = enqueue_many(s, "m", 1, t=100.0)
     deadline = 100.0 + 0.010
     assert s.next_wakeup() == deadline
@@ -100,8 +79,8 @@ def test_wait_trigger_fires_exactly_at_arrival_plus_max_wait() -> None:
 
 
 def test_wait_trigger_is_the_oldest_request_and_takes_every_waiting_one() -> None:
-    s = sched(size=8, wait_ms=10.0)
-    reqs = [req(0.0), req(0.004), req(0.009)]
+    s = make(size=8, wait_ms=10.0)
+    reqs = [rq(0.0), rq(0.004), rq(0.009)]
     for r in reqs:
         s.enqueue("m", r)
     assert s.next_wakeup() == 0.0 + 0.010
@@ -110,8 +89,8 @@ def test_wait_trigger_is_the_oldest_request_and_takes_every_waiting_one() -> Non
 
 
 def test_wait_trigger_next_window_starts_from_the_next_oldest() -> None:
-    s = sched(size=2, wait_ms=10.0, workers=2)
-    a, b, c = req(0.0), req(0.0), req(0.005)
+    s = make(size=2, wait_ms=10.0, workers=2)
+    a, b, c = rq(0.0), rq(0.0), rq(0.005)
     for r in (a, b, c):
         s.enqueue("m", r)
     (first,) = s.due_batches(0.0)  # size trigger for a, b
@@ -123,7 +102,7 @@ def test_wait_trigger_next_window_starts_from_the_next_oldest() -> None:
 
 
 def test_zero_wait_dispatches_on_arrival() -> None:
-    s = sched(size=8, wait_ms=0.0)
+    s = make(size=8, wait_ms=0.0)
     (r,) = enqueue_many(s, "m", 1, t=3.0)
     assert s.next_wakeup() == 3.0
     (batch,) = s.due_batches(3.0)
@@ -133,15 +112,15 @@ def test_zero_wait_dispatches_on_arrival() -> None:
 def test_next_wakeup_is_the_earliest_over_models() -> None:
     s = Scheduler(
         per_model={
-            "slow": BatchSettings(max_batch_size=8, max_wait_ms=50.0),
-            "fast": BatchSettings(max_batch_size=8, max_wait_ms=2.0),
+            "slow": BatchSettings(max_batch_size=8, max_wait_ms=50.0, policy="window"),
+            "fast": BatchSettings(max_batch_size=8, max_wait_ms=2.0, policy="window"),
         }
     )
     s.add_worker(b"ws", "slow", 1)
     s.add_worker(b"wf", "fast", 1)
     assert s.next_wakeup() is None
-    s.enqueue("slow", req(0.0))
-    s.enqueue("fast", req(0.010))
+    s.enqueue("slow", rq(0.0))
+    s.enqueue("fast", rq(0.010))
     assert s.next_wakeup() == 0.010 + 0.002
 
 
@@ -149,7 +128,7 @@ def test_next_wakeup_is_the_earliest_over_models() -> None:
 
 
 def test_no_batch_exceeds_max_batch_size() -> None:
-    s = sched(size=8, wait_ms=10.0, workers=20)
+    s = make(size=8, wait_ms=10.0, workers=20)
     reqs = enqueue_many(s, "m", 100, t=0.0)
     batches = s.due_batches(0.0)
     assert [len(b.requests) for b in batches] == [8] * 12
@@ -162,7 +141,7 @@ def test_no_batch_exceeds_max_batch_size() -> None:
 
 
 def test_single_worker_drains_a_long_queue_in_fifo_batches() -> None:
-    s = sched(size=8, wait_ms=10.0)
+    s = make(size=8, wait_ms=10.0)
     reqs = enqueue_many(s, "m", 100, t=0.0)
     order: list[QueuedRequest] = []
     sizes: list[int] = []
@@ -181,11 +160,12 @@ def test_single_worker_drains_a_long_queue_in_fifo_batches() -> None:
 
 
 def test_fifo_is_per_model() -> None:
-    s = Scheduler(per_model={"a": BatchSettings(2, 10.0), "b": BatchSettings(2, 10.0)}, worker_prefetch=4)
+    window = BatchSettings(2, 10.0, policy="window")
+    s = Scheduler(per_model={"a": window, "b": window}, worker_prefetch=4)
     s.add_worker(b"wa", "a", 4)
     s.add_worker(b"wb", "b", 4)
-    ra = [req(0.0) for _ in range(4)]
-    rb = [req(0.0) for _ in range(4)]
+    ra = [rq(0.0) for _ in range(4)]
+    rb = [rq(0.0) for _ in range(4)]
     for x, y in zip(ra, rb, strict=True):
         s.enqueue("a", x)
         s.enqueue("b", y)
@@ -201,7 +181,7 @@ def test_fifo_is_per_model() -> None:
 
 
 def test_requests_wait_while_every_worker_is_busy() -> None:
-    s = sched(size=2, wait_ms=10.0)
+    s = make(size=2, wait_ms=10.0)
     enqueue_many(s, "m", 2, t=0.0)
     (busy,) = s.due_batches(0.0)
     waiting = enqueue_many(s, "m", 3, t=0.001)
@@ -216,7 +196,7 @@ def test_requests_wait_while_every_worker_is_busy() -> None:
 
 
 def test_full_batch_goes_as_soon_as_a_worker_frees_even_before_the_window() -> None:
-    s = sched(size=4, wait_ms=10.0)
+    s = make(size=4, wait_ms=10.0)
     enqueue_many(s, "m", 4, t=5.0)
     (busy,) = s.due_batches(5.0)
     full = enqueue_many(s, "m", 4, t=5.0)
@@ -227,7 +207,7 @@ def test_full_batch_goes_as_soon_as_a_worker_frees_even_before_the_window() -> N
 
 
 def test_partial_batch_waits_for_its_window_after_a_worker_frees() -> None:
-    s = sched(size=4, wait_ms=10.0)
+    s = make(size=4, wait_ms=10.0)
     enqueue_many(s, "m", 4, t=5.0)
     (busy,) = s.due_batches(5.0)
     (r,) = enqueue_many(s, "m", 1, t=5.002)
@@ -239,7 +219,7 @@ def test_partial_batch_waits_for_its_window_after_a_worker_frees() -> None:
 
 
 def test_several_workers_take_successive_batches() -> None:
-    s = sched(size=4, wait_ms=10.0, workers=3)
+    s = make(size=4, wait_ms=10.0, workers=3)
     reqs = enqueue_many(s, "m", 12, t=0.0)
     batches = s.due_batches(0.0)
     assert [b.requests for b in batches] == [reqs[0:4], reqs[4:8], reqs[8:12]]
@@ -250,7 +230,7 @@ def test_several_workers_take_successive_batches() -> None:
 
 
 def test_freed_worker_goes_to_the_back_of_the_line() -> None:
-    s = sched(size=1, wait_ms=10.0, workers=2)
+    s = make(size=1, wait_ms=10.0, workers=2)
     enqueue_many(s, "m", 1, t=0.0)
     (first,) = s.due_batches(0.0)
     s.complete(first.worker, first.batch_id)
@@ -260,7 +240,7 @@ def test_freed_worker_goes_to_the_back_of_the_line() -> None:
 
 
 def test_worker_with_several_slots_holds_several_batches() -> None:
-    s = sched(size=2, wait_ms=10.0, workers=1, slots=2)
+    s = make(size=2, wait_ms=10.0, workers=1, slots=2)
     enqueue_many(s, "m", 6, t=0.0)
     b1, b2 = s.due_batches(0.0)
     assert b1.worker == b2.worker == b"w0"
@@ -274,7 +254,9 @@ def test_worker_with_several_slots_holds_several_batches() -> None:
 
 
 def test_worker_slots_are_capped_by_the_prefetch_limit() -> None:
-    s = Scheduler(default=BatchSettings(max_batch_size=1, max_wait_ms=10.0), worker_prefetch=2)
+    s = Scheduler(
+        default=BatchSettings(max_batch_size=1, max_wait_ms=10.0, policy="window"), worker_prefetch=2
+    )
     s.add_worker(b"asks-5", "x", 5)
     s.add_worker(b"asks-none", "y")
     s.add_worker(b"asks-1", "z", 1)
@@ -285,7 +267,7 @@ def test_worker_slots_are_capped_by_the_prefetch_limit() -> None:
 
 
 def test_default_prefetch_is_one_batch_per_worker() -> None:
-    s = Scheduler(default=BatchSettings(max_batch_size=1, max_wait_ms=10.0))
+    s = Scheduler(default=BatchSettings(max_batch_size=1, max_wait_ms=10.0, policy="window"))
     s.add_worker(b"w", "m", 4)
     enqueue_many(s, "m", 4, t=0.0)
     assert len(s.due_batches(0.0)) == 1
@@ -298,7 +280,7 @@ def test_worker_prefetch_must_be_positive(prefetch: int) -> None:
 
 
 def test_idle_worker_is_preferred_over_a_busy_one_with_a_free_slot() -> None:
-    s = sched(size=2, wait_ms=10.0, workers=2, slots=2)
+    s = make(size=2, wait_ms=10.0, workers=2, slots=2)
     enqueue_many(s, "m", 2, t=0.0)
     (first,) = s.due_batches(0.0)
     enqueue_many(s, "m", 2, t=0.0)
@@ -307,7 +289,7 @@ def test_idle_worker_is_preferred_over_a_busy_one_with_a_free_slot() -> None:
 
 
 def test_busy_worker_with_a_free_slot_gets_a_partial_batch_only_at_the_window() -> None:
-    s = sched(size=4, wait_ms=10.0, workers=1, slots=2)
+    s = make(size=4, wait_ms=10.0, workers=1, slots=2)
     enqueue_many(s, "m", 4, t=0.0)
     (busy,) = s.due_batches(0.0)
     (r,) = enqueue_many(s, "m", 1, t=0.002)
@@ -320,7 +302,7 @@ def test_busy_worker_with_a_free_slot_gets_a_partial_batch_only_at_the_window() 
 
 
 def test_completing_a_batch_of_a_partly_busy_worker_does_not_double_book_it() -> None:
-    s = sched(size=1, wait_ms=10.0, workers=1, slots=3)
+    s = make(size=1, wait_ms=10.0, workers=1, slots=3)
     enqueue_many(s, "m", 1, t=0.0)
     (b1,) = s.due_batches(0.0)  # one of three slots used, still free
     s.complete(b"w0", b1.batch_id)
@@ -334,7 +316,7 @@ def test_completing_a_batch_of_a_partly_busy_worker_does_not_double_book_it() ->
 
 
 def test_remove_worker_returns_its_in_flight_batches() -> None:
-    s = sched(size=2, wait_ms=10.0, workers=2, slots=2)
+    s = make(size=2, wait_ms=10.0, workers=2, slots=2)
     enqueue_many(s, "m", 8, t=0.0)
     batches = s.due_batches(0.0)
     mine = [b for b in batches if b.worker == b"w0"]
@@ -348,14 +330,14 @@ def test_remove_worker_returns_its_in_flight_batches() -> None:
 
 
 def test_remove_unknown_worker_returns_nothing() -> None:
-    s = sched()
+    s = make()
     assert s.remove_worker(b"nobody") == []
     assert s.remove_worker(b"w0") == []  # idle worker: nothing in flight
     assert s.remove_worker(b"w0") == []  # twice
 
 
 def test_removed_worker_gets_no_more_batches() -> None:
-    s = sched(size=2, wait_ms=10.0, workers=2)
+    s = make(size=2, wait_ms=10.0, workers=2)
     s.remove_worker(b"w0")
     enqueue_many(s, "m", 4, t=0.0)
     (batch,) = s.due_batches(1.0)
@@ -369,7 +351,7 @@ def test_removed_worker_gets_no_more_batches() -> None:
 
 
 def test_complete_returns_none_for_unknown_or_late_batch_ids() -> None:
-    s = sched(size=1, wait_ms=10.0, workers=2)
+    s = make(size=1, wait_ms=10.0, workers=2)
     enqueue_many(s, "m", 1, t=0.0)
     (batch,) = s.due_batches(0.0)
     other = b"w1" if batch.worker == b"w0" else b"w0"
@@ -382,7 +364,7 @@ def test_complete_returns_none_for_unknown_or_late_batch_ids() -> None:
 
 
 def test_reannounced_worker_does_not_accept_replies_for_old_batches() -> None:
-    s = sched(size=1, wait_ms=10.0)
+    s = make(size=1, wait_ms=10.0)
     enqueue_many(s, "m", 1, t=0.0)
     (batch,) = s.due_batches(0.0)
     lost = s.remove_worker(b"w0")  # as the broker does on a second READY
@@ -397,9 +379,9 @@ def test_reannounced_worker_does_not_accept_replies_for_old_batches() -> None:
 
 def test_unknown_model_is_rejected() -> None:
     s = Scheduler(models=["known"])
-    with pytest.raises(UnknownModel):
-        s.enqueue("other", req(0.0))
-    assert isinstance(UnknownModel("x"), KeyError)
+    with pytest.raises(NoSuchModel):
+        s.enqueue("other", rq(0.0))
+    assert isinstance(NoSuchModel("x"), KeyError)
     assert s.queued("other") == 0
     assert not s.knows_model("other")
     assert s.knows_model("known")
@@ -412,20 +394,20 @@ def test_a_worker_makes_its_model_known_and_it_stays_known() -> None:
     assert s.knows_model("new")
     s.remove_worker(b"w")
     assert s.knows_model("new")
-    s.enqueue("new", req(0.0))
+    s.enqueue("new", rq(0.0))
     assert s.queued("new") == 1
 
 
 def test_configured_model_queues_without_workers() -> None:
     s = Scheduler(models=["m"])
-    s.enqueue("m", req(0.0))
+    s.enqueue("m", rq(0.0))
     assert s.queued("m") == 1
     assert s.due_batches(100.0) == []
 
 
 def test_per_model_settings() -> None:
-    default = BatchSettings(max_batch_size=3, max_wait_ms=1.0)
-    big = BatchSettings(max_batch_size=5, max_wait_ms=100.0)
+    default = BatchSettings(max_batch_size=3, max_wait_ms=1.0, policy="window")
+    big = BatchSettings(max_batch_size=5, max_wait_ms=100.0, policy="window")
     s = Scheduler(default=default, per_model={"big": big}, models=["plain"], worker_prefetch=10)
     assert s.knows_model("big")  # per-model entries are configured models
     s.add_worker(b"wb", "big", 10)
@@ -448,7 +430,8 @@ def test_per_model_settings() -> None:
 
 
 def test_default_settings() -> None:
-    assert BatchSettings() == BatchSettings(max_batch_size=8, max_wait_ms=5.0)
+    assert BatchSettings() == BatchSettings(max_batch_size=8, max_wait_ms=5.0, policy=Policy.ADAPTIVE)
+    assert BatchSettings(policy="window").policy is Policy.WINDOW  # a plain str still works
     assert Scheduler().default_settings == BatchSettings()
     assert BatchSettings(max_wait_ms=5.0).max_wait_s == 0.005
 
@@ -487,12 +470,11 @@ def test_batch_settings_accepts_edge_values() -> None:
 # --- properties over random event sequences ------------------------------------------------------
 
 MODELS = {
-    "a": BatchSettings(max_batch_size=3, max_wait_ms=10.0),
-    "b": BatchSettings(max_batch_size=1, max_wait_ms=0.0),
-    "c": BatchSettings(max_batch_size=5, max_wait_ms=2.5),
+    "a": BatchSettings(max_batch_size=3, max_wait_ms=10.0, policy="window"),
+    "b": BatchSettings(max_batch_size=1, max_wait_ms=0.0, policy="window"),
+    "c": BatchSettings(max_batch_size=5, max_wait_ms=2.5, policy="window"),
     "d": BatchSettings(max_batch_size=4, max_wait_ms=5.0, policy="adaptive"),
 }
-PREFETCH = 2
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -507,7 +489,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.s = Scheduler(per_model=dict(MODELS), worker_prefetch=PREFETCH)
-        self.now = 1000.0
+        self.now = START_S
         self.next_id = 0
         self.next_worker = 0
         self.enqueued: dict[str, list[object]] = {m: [] for m in MODELS}
@@ -576,25 +558,20 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def dispatch(self) -> None:
         for b in self.s.due_batches(self.now):
-            assert 1 <= len(b.requests) <= MODELS[b.model].max_batch_size
             assert b.worker in self.slots
-            assert self.s.workers[b.worker].model == b.model
+            check_batch(self.s, b, MODELS[b.model], self.now)
             assert b.batch_id not in self.batch_ids
-            assert b.dispatched_at == self.now
             self.batch_ids.add(b.batch_id)
             self.in_flight[b.batch_id] = b
             self.dispatched[b.model].extend(r.id for r in b.requests)
         # Nothing due is left behind while a worker of its model has a free slot.
         for name, mq in self.s.models.items():
-            queued = list(mq.queued())
             free = any(
                 w.model == name and len(w.in_flight) < self.slots[wid] for wid, w in self.s.workers.items()
             )
-            if free and queued:
-                assert len(queued) < mq.settings.max_batch_size
-                assert self.now < min(r.arrived_at for r in queued) + mq.settings.max_wait_s
-        wake = self.s.next_wakeup()
-        assert wake is None or wake > self.now
+            if free:
+                check_nothing_due(mq, mq.settings, self.now)
+        check_wakeup(self.s, self.now)
 
     @invariant()
     def every_request_in_exactly_one_place(self) -> None:
@@ -637,13 +614,13 @@ def test_queue_structures_stay_bounded_while_a_full_batch_always_waits(mix: str)
     busy) the arrival list was only trimmed when the oldest request was looked up, which
     never happened, so every body ever accepted stayed referenced. Each structure now holds
     at most twice the queue's length (plus a constant) whatever the mix of requests."""
-    s = sched(size=8, workers=1, slots=1)
+    s = make(size=8, workers=1, slots=1)
     mq = s.models["m"]
     rid = itertools.count()
     t = 0.0
     for _ in range(2000):
         for _ in range(8):
-            r = req(t, next(rid))
+            r = rq(t, rid=next(rid))
             if mix == "priorities":
                 r.priority = r.id % 3  # type: ignore[operator]
             elif mix == "deadlines":
@@ -663,9 +640,9 @@ def test_queue_structures_stay_bounded_while_a_full_batch_always_waits(mix: str)
 
 
 def test_a_drained_queue_keeps_no_request() -> None:
-    s = sched(size=4, workers=1, slots=1)
+    s = make(size=4, workers=1, slots=1)
     mq = s.models["m"]
-    reqs = [req(0.0) for _ in range(200)]
+    reqs = [rq(0.0) for _ in range(200)]
     for i, r in enumerate(reqs):
         r.priority = i % 2
         r.deadline_at = 50.0 if i % 3 == 0 else None
@@ -712,8 +689,8 @@ def test_cancel_id_removes_only_that_clients_requests_with_that_id(monkeypatch: 
 
 
 def test_cancel_id_leaves_a_dispatched_request_alone() -> None:
-    s = sched(size=1, workers=1, slots=1)
-    r = req(0.0, 7)
+    s = make(size=1, workers=1, slots=1)
+    r = rq(0.0, rid=7)
     s.enqueue("m", r)
     (batch,) = s.due_batches(0.0)
     assert batch.requests == [r]

@@ -1,0 +1,188 @@
+"""The broker's worker side: the backend ROUTER and what workers say on it (READY,
+REPLY, HEARTBEAT, DISCONNECT), heartbeats to them, and what becomes of a lost worker's
+batches. Every rule is the worker pool's (batcher/pool.py) or the scheduler's; this
+class reads and writes the socket and reports to the stats."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from batcher import protocol
+from batcher.pool import WorkerPool, worker_info
+from batcher.protocol import ErrorCode, WorkerProtocolError
+from batcher.scheduler import Batch, QueuedRequest, Scheduler
+from batcher.stats import BrokerStats
+from batcher.zmqio import recv_frames, send_frames
+
+log = logging.getLogger("batcher.broker")
+
+#: Messages taken at once before the loop looks at the frontend and the timers...
+DRAIN_LIMIT = 2000
+#: ...or this much time, whichever comes first (see batcher.broker).
+DRAIN_BUDGET_S = 0.005
+
+
+class Backend:
+    """Workers, as the broker's loop sees them; `deliver(envelope, body)` sends a reply
+    to a client, `reply_error` and `fail_batch` answer requests with an error."""
+
+    def __init__(
+        self,
+        sock: zmq.Socket[Any],
+        scheduler: Scheduler,
+        pool: WorkerPool,
+        stats: BrokerStats,
+        deliver: Callable[[list[bytes], bytes], None],
+        reply_error: Callable[[QueuedRequest, str, ErrorCode, str], None],
+        fail_batch: Callable[[Batch, ErrorCode, str], None],
+    ) -> None:
+        self.sock = sock
+        self.scheduler = scheduler
+        self.pool = pool
+        self.stats = stats
+        self.deliver = deliver
+        self.reply_error = reply_error
+        self.fail_batch = fail_batch
+
+    def drain(self) -> None:
+        sock = self.sock
+        start = time.monotonic()
+        budget_end = start + DRAIN_BUDGET_S
+        for _ in range(DRAIN_LIMIT):
+            try:
+                frames = recv_frames(sock)
+            except zmq.Again:
+                self.pool.backend_read(start)
+                return
+            try:
+                self._on_worker_message(frames)
+            except WorkerProtocolError as exc:  # a peer that is not a worker, or a broken one
+                self.stats.dropped_backend += 1
+                log.warning("dropped a malformed backend message (%d frames): %s", len(frames), exc)
+            except Exception:  # a bug of ours, not the worker's
+                self.stats.dropped_backend += 1
+                log.exception("unexpected error handling a backend message (the broker goes on)")
+            if time.monotonic() >= budget_end:
+                return
+
+    def _on_worker_message(self, frames: list[bytes]) -> None:
+        if len(frames) < 3 or frames[1] != protocol.WORKER_PROTOCOL:
+            raise WorkerProtocolError("not a batcher worker message")
+        worker_id, command = frames[0], frames[2]
+        if command == protocol.CMD_READY and len(frames) == 4:
+            self._on_ready(worker_id, frames[3])
+            return
+        if worker_id not in self.pool:
+            # Not a worker of ours (we restarted, or declared it dead): make it announce
+            # itself again; whatever it sent is dropped.
+            self.stats.dropped_backend += 1
+            if command != protocol.CMD_DISCONNECT:
+                self.send(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
+            return
+        self.pool.heard(worker_id, time.monotonic())
+        if command == protocol.CMD_REPLY:
+            if len(frames) != 5:
+                exc = WorkerProtocolError(f"REPLY must have 5 frames, got {len(frames)}")
+                self._bad_reply(worker_id, exc)
+                raise exc
+            self._on_reply(worker_id, frames[3], frames[4])
+        elif command == protocol.CMD_DISCONNECT:
+            log.info("worker %s left", self.pool.name(worker_id))
+            self.lost(worker_id, "worker left", failed=False)
+        elif command != protocol.CMD_HEARTBEAT:
+            raise WorkerProtocolError(f"unknown command {command!r} with {len(frames)} frames")
+
+    def _on_ready(self, worker_id: bytes, info_frame: bytes) -> None:
+        try:
+            raw = protocol.unpack(info_frame)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise WorkerProtocolError(f"READY info is not valid msgpack: {exc!r}") from None
+        try:
+            info = worker_info(raw)
+        except ValueError as exc:
+            raise WorkerProtocolError(str(exc)) from None
+        if worker_id in self.pool:  # announced again: whatever it held is lost
+            self.lost(worker_id, "worker restarted during the batch")
+        self.pool.joined(worker_id, info, raw.get("slots"), time.monotonic())
+        self.stats.metrics.worker_event(info.model, "joined")
+        log.info("worker joined: %s", self.pool.name(worker_id))
+
+    def _on_reply(self, worker_id: bytes, header_frame: bytes, blob: bytes) -> None:
+        try:
+            header = protocol.parse_reply_header(header_frame)
+        except WorkerProtocolError as exc:
+            self._bad_reply(worker_id, exc)
+            raise
+        batch_id, infer_ms, lengths, model_errors, wait_ms = header
+        batch = self.scheduler.complete(worker_id, batch_id, infer_ms / 1000.0)
+        if batch is None:
+            self.stats.dropped_backend += 1
+            log.warning("dropped a reply for unknown batch %r from %s", batch_id, self.pool.name(worker_id))
+            return
+        # Queue time as the client lives it: in the broker's queue, then in the worker's
+        # prefetch until the model began (the worker's wait also kept on its own).
+        sent_at, in_worker_ms = batch.dispatched_at, wait_ms or 0.0
+        queue_ms = (round((sent_at - r.arrived_at) * 1000.0 + in_worker_ms, 3) for r in batch.requests)
+        self.stats.batch_done(batch.model, queue_ms, infer_ms, wait_ms, len(batch.requests))
+        try:
+            if len(lengths) != len(batch.requests):
+                raise ValueError(f"{len(lengths)} replies for {len(batch.requests)} requests")
+            replies = protocol.split_replies(lengths, blob)
+        except ValueError as exc:
+            log.warning("malformed reply from worker %s: %s", self.pool.name(worker_id), exc)
+            self.fail_batch(batch, ErrorCode.WORKER_FAILED, f"the worker sent a malformed reply: {exc}")
+            return
+        self.stats.count(batch.model, "ok", len(replies) - model_errors)
+        self.stats.count(batch.model, ErrorCode.MODEL_ERROR, model_errors)
+        deliver = self.deliver
+        for req, reply in zip(batch.requests, replies, strict=True):
+            deliver(req.envelope, reply)
+
+    def _bad_reply(self, worker_id: bytes, exc: WorkerProtocolError) -> None:
+        """A REPLY that breaks the protocol fails the batch it names, if that is one of this
+        worker's. One that names none can be matched to nothing: if the worker holds
+        batches, it is taken for broken and they go elsewhere (their clients are never left
+        waiting); a worker holding none has nothing to lose, and only the message is dropped."""
+        batch = None if exc.batch_id is None else self.scheduler.complete(worker_id, exc.batch_id)
+        if batch is not None:
+            self.fail_batch(batch, ErrorCode.WORKER_FAILED, f"the worker sent a malformed reply: {exc}")
+        elif exc.batch_id is None and self.scheduler.held(worker_id):
+            log.warning("worker %s sent a reply naming no batch: taken for broken", self.pool.name(worker_id))
+            self.lost(worker_id, f"the worker sent a malformed reply: {exc}")
+
+    def heartbeat(self, now: float) -> None:
+        """Tell every worker we live; take those silent past their liveness for dead (the
+        backend is read first: a heartbeat that arrived while the loop was busy counts)."""
+        self.drain()
+        for worker_id, silent_s in self.pool.silent():
+            log.warning("worker %s silent for %.1fs: taken for dead", self.pool.name(worker_id), silent_s)
+            self.lost(worker_id, f"worker silent for {silent_s:.1f}s")
+        for worker_id in self.pool.ids():
+            if not self.send(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT]):
+                # ROUTER_MANDATORY: the connection is gone, so the process is (a crash)
+                log.warning("worker %s disconnected: taken for dead", self.pool.name(worker_id))
+                self.lost(worker_id, "worker disconnected")
+
+    def send(self, worker_id: bytes, frames: list[bytes]) -> bool:
+        try:
+            send_frames(self.sock, [worker_id, *frames])
+            return True
+        except zmq.ZMQError:
+            return False
+
+    def lost(self, worker_id: bytes, why: str, failed: bool = True) -> None:
+        """Forget a worker: the pool decides which of its requests go back to their queue
+        and which have used up their retries (answered worker_failed)."""
+        info = self.pool.info(worker_id)
+        if info is not None:
+            self.stats.metrics.worker_event(info.model, "died" if failed else "left")
+        self.stats.workers_lost += failed
+        lost = self.pool.lose(worker_id, failed)
+        self.stats.batches_retried += lost.batches_requeued
+        for model, req in lost.failed:
+            self.reply_error(req, model, ErrorCode.WORKER_FAILED, why)

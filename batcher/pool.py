@@ -1,0 +1,151 @@
+"""The broker's rules about workers, apart from any socket: a sans-I/O core beside the
+scheduler (no zmq, the time passed in), tested on a float clock (tests/test_pool.py).
+
+- **Liveness.** A worker is alive while it has been heard from within its heartbeat
+  expiry, counted up to the last time the broker read its backend to the end: a worker
+  whose messages arrived while the broker was busy is never taken for dead for it.
+- **Lost workers.** A worker that failed costs each of its requests an attempt; one
+  that left on its own (DISCONNECT) hands its batches back free the first time only.
+  A request whose attempts reach `max_retries` is answered `worker_failed`; the others
+  go back to their queue, ahead of later arrivals.
+- **Admission.** A request for a model whose every worker failed to start, or that has
+  had no worker for the scheduler's `no_worker_timeout_s`, is refused at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from batcher.protocol import ErrorCode, Heartbeat
+from batcher.scheduler import Batch, QueuedRequest, Scheduler
+
+
+class WorkerInfo(NamedTuple):
+    """What a worker said of itself in READY, for logs, stats and reloads."""
+
+    model: str
+    gpu: object
+    pid: object
+
+    def name(self, worker_id: bytes) -> str:
+        """`model/gpuN/pidP/idHEX`: the worker's name in logs and stats."""
+        gpu = "-" if self.gpu is None else self.gpu
+        return f"{self.model}/gpu{gpu}/pid{self.pid}/id{worker_id.hex()}"
+
+
+@dataclass
+class Lost:
+    """What a lost worker leaves behind: requests to answer `worker_failed` (with their
+    model), and how many of its batches went back to a queue."""
+
+    failed: list[tuple[str, QueuedRequest]] = field(default_factory=list)
+    batches_requeued: int = 0
+
+
+class WorkerPool:
+    """The live workers of one broker, and the rules above."""
+
+    def __init__(self, scheduler: Scheduler, heartbeat: Heartbeat, max_retries: int, now: float) -> None:
+        self.scheduler = scheduler
+        self.heartbeat = heartbeat
+        self.max_retries = max_retries
+        self._heard_at: dict[bytes, float] = {}  # worker -> when it last said anything
+        self._info: dict[bytes, WorkerInfo] = {}
+        self._backend_read_at = now
+        self._failed_models: dict[str, str] = {}  # model -> why no worker of it can start
+
+    # --- who is there ---------------------------------------------------------------------
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._heard_at
+
+    def info(self, worker_id: bytes) -> WorkerInfo | None:
+        return self._info.get(worker_id)
+
+    def name(self, worker_id: bytes) -> str:
+        info = self._info.get(worker_id)
+        return info.name(worker_id) if info else f"id{worker_id.hex()}"
+
+    def ids(self) -> list[bytes]:
+        """Every live worker, in a list the caller may lose workers from while it goes."""
+        return list(self._heard_at)
+
+    def workers_of(self, model: str) -> list[tuple[bytes, WorkerInfo]]:
+        """(id, info) of each live worker of `model`."""
+        return [(w, info) for w, info in self._info.items() if info.model == model]
+
+    # --- events -----------------------------------------------------------------------------
+
+    def joined(self, worker_id: bytes, info: WorkerInfo, slots: int | None, now: float) -> None:
+        """READY from a worker not in the pool (one announcing itself again is `lose`t first)."""
+        self.scheduler.add_worker(worker_id, info.model, slots)
+        self._heard_at[worker_id] = now
+        self._info[worker_id] = info
+        self._failed_models.pop(info.model, None)
+
+    def heard(self, worker_id: bytes, now: float) -> None:
+        """Any message of a known worker: a sign of life."""
+        self._heard_at[worker_id] = now
+
+    def backend_read(self, started_at: float) -> None:
+        """The backend was read to its end, in a read that began at `started_at`: every
+        worker message that arrived before then has been seen."""
+        self._backend_read_at = started_at
+
+    def silent(self) -> list[tuple[bytes, float]]:
+        """(worker, seconds of silence) of each worker past its liveness."""
+        read_at, expiry = self._backend_read_at, self.heartbeat.expiry_s
+        return [(w, read_at - at) for w, at in self._heard_at.items() if read_at - at > expiry]
+
+    def lose(self, worker_id: bytes, failed: bool) -> Lost:
+        """Forget a worker; requeue its batches' requests or fail them (module docstring)."""
+        self._heard_at.pop(worker_id, None)
+        self._info.pop(worker_id, None)
+        lost = Lost()
+        for batch in self.scheduler.remove_worker(worker_id):
+            self._hand_back(batch, failed, lost)
+        return lost
+
+    def _hand_back(self, batch: Batch, failed: bool, lost: Lost) -> None:
+        retry: list[QueuedRequest] = []
+        for req in batch.requests:
+            costs_attempt = failed or req.handbacks > 0
+            req.handbacks += not failed
+            if costs_attempt and req.attempts >= self.max_retries:
+                lost.failed.append((batch.model, req))
+                continue
+            req.attempts += costs_attempt
+            retry.append(req)
+        if retry:
+            lost.batches_requeued += 1
+            self.scheduler.requeue(batch.model, retry, count_attempt=False)
+
+    # --- admission --------------------------------------------------------------------------
+
+    def model_failed(self, model: str, why: str) -> list[tuple[str, QueuedRequest]]:
+        """No worker of `model` can start: its queued requests (returned, to be answered
+        `worker_failed`) and new ones are refused until a worker of it joins after all."""
+        self._failed_models[model] = why
+        return self.scheduler.cancel(lambda r: True, model)
+
+    def refusal(self, model: str, now: float) -> tuple[ErrorCode, str] | None:
+        """Why a request for `model` must be refused at once, or None to queue it."""
+        if model in self._failed_models and not self.scheduler.has_workers(model):
+            return ErrorCode.WORKER_FAILED, self._failed_models[model]
+        without_s = self.scheduler.without_worker_s(model, now)
+        if without_s is not None:
+            return ErrorCode.UNAVAILABLE, self.unavailable_message(model, without_s)
+        return None
+
+    def unavailable_message(self, model: str, without_s: float) -> str:
+        limit_ms = self.scheduler.no_worker_timeout_s * 1000.0
+        return f"model {model!r} has had no worker for {without_s:.1f}s (--no-worker-timeout-ms {limit_ms:g})"
+
+
+def worker_info(info: Any) -> WorkerInfo:
+    """A READY's info map as WorkerInfo; ValueError for a map no worker sends."""
+    model, slots = (info.get("model"), info.get("slots")) if isinstance(info, dict) else (None, None)
+    if not isinstance(model, str) or not model or not (slots is None or type(slots) is int):
+        raise ValueError(f"bad READY info {info!r}")
+    return WorkerInfo(model, info.get("gpu"), info.get("pid"))

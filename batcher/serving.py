@@ -1,0 +1,92 @@
+"""`batcher serve`'s body: a broker and the worker processes it supervises.
+
+Next to run_broker (batcher/broker.py) and run_worker (workers/worker.py): the command
+line turns its options into settings and calls run_serve. The workers package is
+imported when run_serve runs, so importing batcher does not import it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from batcher.broker import Broker, BrokerSettings
+from batcher.scheduler import BatchSettings
+
+if TYPE_CHECKING:
+    from workers.supervisor import PoolSettings
+
+log = logging.getLogger("batcher.serve")
+
+#: How often `serve` looks for dead workers to respawn.
+SUPERVISE_INTERVAL_S = 0.2
+#: How long `serve`, stopping, lets its workers finish (none after a second signal or a
+#: model that could not be loaded: they are killed at once).
+WORKER_STOP_TIMEOUT_S = 5.0
+
+
+class ModelLoadFailed(RuntimeError):
+    """A model's first worker could not load it: a configuration error, so `serve` stops
+    (the worker's own error is in the log)."""
+
+
+def run_serve(
+    settings: BrokerSettings,
+    pool: PoolSettings,
+    reread_batching: Callable[[], dict[str, BatchSettings]] | None = None,
+) -> None:
+    """Bind, start the workers, serve until SIGINT/SIGTERM, then drain and stop: the
+    `batcher serve` body.
+
+    `batcher reload MODEL`, or SIGHUP, replaces a model's workers: new ones first, then
+    the old ones drained and stopped. SIGHUP reloads every model, after applying
+    `reread_batching()` (the config file's batching settings, read again; a ValueError
+    keeps the current ones). Raises BindError or KeyFileError if the broker cannot
+    start, ModelLoadFailed (once everything has stopped) if a model could not be loaded.
+    """
+    from workers.models import ModelSpec
+    from workers.rollout import Rollouts, serve_tick
+    from workers.supervisor import Supervisor
+
+    broker = Broker(settings)  # bind before the workers start, so a busy port fails fast
+    supervisor = Supervisor(pool)
+    fatal: list[str] = []
+
+    def on_worker_event(model: str, event: str) -> None:
+        broker.metrics.worker_event(model, event)
+        if event == "load_failed":  # a configuration error: stop now, say why, exit non-zero
+            fatal.append(f"model {model!r} could not be loaded (the worker's error is above)")
+            broker.stop(now=True)
+        elif event == "given_up" and supervisor.all_given_up(model):
+            broker.model_failed(model, f"every worker of model {model!r} failed to start (see serve's log)")
+
+    supervisor.on_event = on_worker_event
+    rollouts = Rollouts(broker, supervisor)
+    broker.on_reload = lambda model, reply: rollouts.start(model, reply, time.monotonic())
+    names = tuple(dict.fromkeys(ModelSpec.parse(m).name for m in pool.models))
+
+    def on_hangup(now: float) -> None:
+        """SIGHUP: apply the batching settings read again, then reload every model."""
+        if reread_batching is not None:
+            try:
+                broker.apply_model_settings(reread_batching())
+            except ValueError as exc:
+                log.error("SIGHUP: %s; batching settings unchanged", exc)
+        for name in names:
+            rollouts.start(name, None, now)
+
+    broker.signals.install()
+    broker.signals.install_hangup()
+    broker.call_every(SUPERVISE_INTERVAL_S, serve_tick(broker, supervisor, rollouts, on_hangup))
+    try:
+        supervisor.start()
+        broker.run()
+    finally:
+        # After a second signal (or broker.stop(now=True)) nothing waits: workers still
+        # in a batch are killed.
+        supervisor.stop(timeout_s=0.0 if broker.signals.count > 1 else WORKER_STOP_TIMEOUT_S)
+        broker.close()
+    if fatal:
+        raise ModelLoadFailed(fatal[0])

@@ -1,0 +1,141 @@
+"""What the broker counts, in one object: per-model outcomes and recent latencies, the
+broker-wide counters, and the `stats` control request's snapshot built from them and
+from the scheduler's and the pool's read-only views. Prometheus (batcher.metrics) is
+fed from here too, so every count is made in one place."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from batcher.metrics import NoMetrics, Recent, percentile
+from batcher.pool import WorkerPool
+from batcher.scheduler import ModelView
+
+
+@dataclass
+class ModelStats:
+    """Counters the `stats` control request reports for one model."""
+
+    batches: int = 0
+    requests: int = 0  # in completed batches
+    outcomes: Counter[str] = field(default_factory=Counter)  # "ok" or an error code -> replies
+    recent: Recent = field(default_factory=Recent)
+
+
+@dataclass
+class BrokerStats:
+    """Every counter of one broker, and the metrics it feeds."""
+
+    metrics: NoMetrics = field(default_factory=NoMetrics)
+    models: dict[str, ModelStats] = field(default_factory=dict)
+    refused: Counter[str] = field(default_factory=Counter)  # refusals with no model to count them under
+    undeliverable: int = 0
+    dropped_backend: int = 0
+    workers_lost: int = 0
+    batches_retried: int = 0
+
+    def model(self, name: str) -> ModelStats:
+        st = self.models.get(name)
+        if st is None:
+            st = self.models[name] = ModelStats()
+        return st
+
+    def count(self, model: str | None, outcome: str, n: int = 1) -> None:
+        """`n` replies of `outcome` ("ok" or an error code), under `model` if it has one."""
+        if not n:
+            return
+        if model is None:
+            self.refused[outcome] += n
+            self.metrics.request_done("", outcome, n)
+        else:
+            self.model(model).outcomes[outcome] += n
+            self.metrics.request_done(model, outcome, n)
+
+    def batch_done(
+        self, model: str, queue_ms: Iterable[float], infer_ms: float, wait_ms: float | None, size: int
+    ) -> None:
+        """A worker answered a batch: its requests' queue times (broker and worker), the
+        worker's wait before the model began, and its model time."""
+        st = self.model(model)
+        st.batches += 1
+        st.requests += size
+        st.recent.infer_ms.append(infer_ms)
+        st.recent.queue_ms.extend(queue_ms)
+        self.metrics.batch_done(model, size, infer_ms / 1000.0)
+        if wait_ms is not None:
+            st.recent.worker_wait_ms.append(wait_ms)
+            self.metrics.worker_wait(model, wait_ms / 1000.0)
+
+    def snapshot(
+        self,
+        views: dict[str, ModelView],
+        pool: WorkerPool,
+        configured: frozenset[str],
+        now: float,
+        extra: dict[str, Any],
+    ) -> dict[str, Any]:
+        """The `stats` control request's output (docs/protocol.md, 4.4)."""
+        models = {
+            name: self._model_entry(name, view, pool, name in configured, now) for name, view in views.items()
+        }
+        return {
+            "models": models,
+            "refused_without_model": dict(self.refused),
+            "workers_lost": self.workers_lost,
+            "batches_retried": self.batches_retried,
+            "dropped_backend_messages": self.dropped_backend,
+            "undeliverable": self.undeliverable,
+            **extra,
+        }
+
+    def _model_entry(
+        self, name: str, view: ModelView, pool: WorkerPool, configured: bool, now: float
+    ) -> dict[str, Any]:
+        st = self.models.get(name, ModelStats())
+        recent, settings, cost = st.recent, view.settings, view.cost
+        workers = []
+        for w in view.workers:
+            info = pool.info(w.worker_id)
+            workers.append(
+                {
+                    "worker": pool.name(w.worker_id),
+                    "gpu": info.gpu if info else None,
+                    "batches_held": w.batches_held,
+                }
+            )
+        return {
+            "configured": configured,
+            "ready": bool(view.workers),
+            "no_worker_s": None if view.no_worker_since is None else round(now - view.no_worker_since, 3),
+            "queued": view.queued,
+            "workers": len(view.workers),
+            "busy_workers": sum(1 for w in view.workers if w.batches_held),
+            "batches_in_flight": view.batches_in_flight,
+            "worker_list": workers,
+            "batches": st.batches,
+            "requests": st.requests,
+            "mean_batch_size": st.requests / st.batches if st.batches else 0.0,
+            "outcomes": dict(st.outcomes),
+            "queue_ms_p50": percentile(recent.queue_ms, 50),
+            "queue_ms_p99": percentile(recent.queue_ms, 99),
+            "worker_wait_ms_p50": percentile(recent.worker_wait_ms, 50),
+            "worker_wait_ms_p99": percentile(recent.worker_wait_ms, 99),
+            "infer_ms_p50": percentile(recent.infer_ms, 50),
+            "infer_ms_p99": percentile(recent.infer_ms, 99),
+            "max_batch_size": settings.max_batch_size,
+            "max_wait_ms": settings.max_wait_ms,
+            "policy": str(settings.policy),
+            "max_queue": settings.max_queue,
+            "batch_cost_ms": None if cost is None else [cost[0] * 1000, cost[1] * 1000],
+        }
+
+
+def gauges(views: dict[str, ModelView]) -> dict[str, dict[str, float]]:
+    """Queue depth, workers and batches in flight per model, for Prometheus at scrape time."""
+    return {
+        name: {"queue_depth": v.queued, "workers": len(v.workers), "batches_in_flight": v.batches_in_flight}
+        for name, v in views.items()
+    }

@@ -1,0 +1,351 @@
+"""The client core (batcher.client.BaseClient) on its own: request ids, matching replies
+to requests, the nil-id rule, duplicates, timeouts with retries, and one exception class
+per protocol error code. Without sockets, except the last tests, which drive Client's
+public surface (start, receive_ready, forget, send_cancel, socket) over inproc.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from enum import StrEnum
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+import batcher.client as client_module
+from batcher.client import (
+    BadRequest,
+    BaseClient,
+    BatcherError,
+    Cancelled,
+    Client,
+    ClientTimeout,
+    DeadlineExceeded,
+    InternalError,
+    ModelError,
+    MultiClient,
+    Overloaded,
+    PendingReply,
+    ShuttingDown,
+    Unavailable,
+    UnknownModel,
+    WorkerFailed,
+    error_class_name,
+    error_from_reply,
+    timeout_reply,
+)
+from batcher.protocol import ErrorCode
+from tests.fake_broker import fake_brokers
+
+
+class FakeWatch:
+    """Stands in for a ConnectionWatch: the hint a timeout's message ends with."""
+
+    def hint(self) -> str:
+        return "the broker may be busy"
+
+
+def core(timeout_s: float | None = 1.0, retries: int = 0) -> BaseClient[Any]:
+    c: BaseClient[Any] = BaseClient("tcp://broker:5555", timeout_s, retries)
+    c.watch = FakeWatch()  # type: ignore[assignment]
+    return c
+
+
+def track(c: BaseClient[Any], wait_s: float | None = 1.0) -> PendingReply:
+    """A request in flight on the core, as Client.start leaves it (nothing sent)."""
+    request_id = c._next_id()
+    pending = PendingReply(c, request_id, b"body", wait_s)  # type: ignore[arg-type]
+    c._pending[request_id] = pending
+    return pending
+
+
+def ok(request_id: Any, output: Any = None) -> dict[str, Any]:
+    return {"id": request_id, "ok": True, "output": output}
+
+
+def error(request_id: Any, code: str = "bad_request") -> dict[str, Any]:
+    return {"id": request_id, "ok": False, "error": {"code": code, "message": "no"}}
+
+
+# --- ids and matching -----------------------------------------------------------------------------
+
+
+def test_ids_count_from_one_and_each_client_has_its_own() -> None:
+    a, b = core(), core()
+    assert [a._next_id() for _ in range(3)] == [1, 2, 3]
+    assert b._next_id() == 1
+
+
+def test_replies_are_matched_by_id_in_any_order() -> None:
+    c = core()
+    p1, p2, p3 = track(c), track(c), track(c)
+    assert c._match(ok(3)) is p3
+    assert c._match(ok(1)) is p1
+    assert list(c._pending) == [p2.request_id]
+    assert c.duplicates_dropped == 0
+
+
+def test_a_second_or_late_reply_is_dropped_and_counted() -> None:
+    c = core()
+    p = track(c)
+    assert c._match(ok(p.request_id)) is p
+    assert c._match(ok(p.request_id)) is None  # a retried request's second reply
+    assert c._match(ok(99)) is None  # never sent
+    assert c.duplicates_dropped == 2
+
+
+def test_forget_makes_a_later_reply_a_duplicate() -> None:
+    c = core()
+    p = track(c)
+    c.forget(p.request_id)
+    c.forget(p.request_id)  # twice is harmless
+    assert c._match(ok(p.request_id)) is None
+    assert c.duplicates_dropped == 1
+
+
+def test_nil_id_error_answers_the_one_request_in_flight() -> None:
+    c = core()
+    p = track(c)
+    assert c._match(error(None)) is p
+    assert c.duplicates_dropped == 0
+
+
+def test_nil_id_error_with_several_in_flight_or_nil_id_success_matches_none() -> None:
+    c = core()
+    p1, p2 = track(c), track(c)
+    assert c._match(error(None)) is None  # ambiguous: matched to none
+    assert c._match(ok(None)) is None  # only an error may carry a nil id
+    assert set(c._pending.values()) == {p1, p2}
+    assert c.duplicates_dropped == 2
+    c.forget(p1.request_id)
+    assert c._match(ok(None)) is None  # even with one in flight
+    assert c._match(error(None)) is p2
+
+
+@pytest.mark.parametrize("not_a_reply", [{}, [1, 2], "id", 7, {"id": [1]}])
+def test_what_is_no_reply_raises_and_is_not_counted(not_a_reply: Any) -> None:
+    c = core()
+    track(c)
+    with pytest.raises((KeyError, TypeError)):
+        c._match(not_a_reply)
+    assert c.duplicates_dropped == 0 and len(c._pending) == 1
+
+
+# --- timeouts and retries -------------------------------------------------------------------------
+
+
+def test_expire_sends_again_while_retries_last_then_answers_timeout() -> None:
+    c = core(retries=2)
+    p = track(c, wait_s=5.0)
+    first_deadline = p.deadline
+    assert first_deadline is not None
+    time.sleep(0.01)
+    assert c._expire(p) is True  # to be sent again, with a fresh deadline
+    assert p.attempts == 2 and p.deadline is not None and p.deadline > first_deadline
+    assert p.reply is None and p.request_id in c._pending  # same id: either reply answers it
+    assert c._expire(p) is True
+    assert p.attempts == 3
+    assert c._expire(p) is False  # retries spent
+    assert p.reply == timeout_reply(
+        p.request_id, "no reply from tcp://broker:5555 after 3 attempt(s): the broker may be busy"
+    )
+    assert p.request_id not in c._pending
+    with pytest.raises(ClientTimeout) as err:
+        p.result()
+    assert err.value.code == "timeout" and "after 3 attempt(s)" in err.value.message
+    assert c._match(ok(p.request_id)) is None and c.duplicates_dropped == 1  # the late reply
+
+
+def test_expire_without_retries_answers_timeout_at_once() -> None:
+    c = core(retries=0)
+    p = track(c)
+    assert c._expire(p) is False
+    assert p.reply is not None and p.reply["error"]["code"] == "timeout"
+    assert "after 1 attempt(s)" in p.reply["error"]["message"]
+
+
+def test_a_request_that_waits_forever_is_never_retried() -> None:
+    c = core(timeout_s=None, retries=3)
+    p = track(c, wait_s=None)
+    assert p.deadline is None
+    assert c._expire(p) is False and p.attempts == 1
+
+
+def test_retry_rule() -> None:
+    c = core(retries=1)
+    assert c._retry_allowed(1) and not c._retry_allowed(2)
+    assert not core(retries=0)._retry_allowed(1)
+
+
+def test_negative_retries_are_refused_before_any_socket_is_opened() -> None:
+    for make in (
+        lambda: BaseClient("tcp://x:1", 1.0, -1),
+        lambda: Client("tcp://x:1", retries=-1, context=None),
+        lambda: MultiClient(["tcp://x:1"], retries=-1),
+    ):
+        with pytest.raises(ValueError, match="retries must be >= 0, got -1"):
+            make()
+
+
+# --- error classes --------------------------------------------------------------------------------
+
+
+def test_every_error_code_has_a_class_of_its_own_named_after_it() -> None:
+    classes = []
+    for code in ErrorCode:
+        exc = error_from_reply(error(1, code.value))
+        cls = type(exc)
+        classes.append(cls)
+        assert cls is not BatcherError and issubclass(cls, BatcherError), code
+        assert cls.__name__ == error_class_name(code.value), code
+        assert getattr(client_module, cls.__name__) is cls, f"{cls.__name__} is not importable"
+        assert cls.code == code.value and type(cls.code) is str
+        assert exc.code == code.value and exc.message == "no" and exc.reply["id"] == 1
+        assert str(exc) == f"{code.value}: no"
+    assert len(set(classes)) == len(ErrorCode)
+
+
+def test_the_error_class_names_users_import_keep_their_codes() -> None:
+    expected = {
+        BadRequest: "bad_request",
+        UnknownModel: "unknown_model",
+        ModelError: "model_error",
+        DeadlineExceeded: "deadline_exceeded",
+        Overloaded: "overloaded",
+        Cancelled: "cancelled",
+        WorkerFailed: "worker_failed",
+        ShuttingDown: "shutting_down",
+        Unavailable: "unavailable",
+        InternalError: "internal_error",
+        ClientTimeout: "timeout",
+    }
+    for cls, code in expected.items():
+        assert cls.code == code
+        assert type(error_from_reply(error(1, code))) is cls
+    assert "timeout" not in {c.value for c in ErrorCode}  # the client's own code
+
+
+def test_a_new_error_code_gets_its_class_made_from_its_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Extended(StrEnum):
+        BAD_REQUEST = "bad_request"
+        QUOTA_EXCEEDED = "quota_exceeded"  # added to the protocol, no class written for it
+
+    monkeypatch.setattr(client_module, "ErrorCode", Extended)
+    monkeypatch.setattr(client_module, "_ERRORS", dict(client_module._ERRORS))  # the real one untouched
+    monkeypatch.setattr(client_module, "QuotaExceeded", None, raising=False)  # removed afterwards
+    client_module._make_missing_error_classes()
+    cls = client_module.QuotaExceeded
+    assert issubclass(cls, BatcherError) and cls.__module__ == "batcher.client"
+    assert cls.code == "quota_exceeded" and type(cls.code) is str
+    assert type(error_from_reply(error(1, "quota_exceeded"))) is cls
+    assert client_module._ERRORS["bad_request"] is BadRequest  # a declared class is kept
+
+
+def test_an_unknown_code_is_a_plain_batcher_error_that_keeps_the_code() -> None:
+    exc = error_from_reply(error(1, "from_the_future"))
+    assert type(exc) is BatcherError and exc.code == "from_the_future"
+    assert type(error_from_reply({"id": 1, "ok": False})) is BatcherError
+
+
+def test_a_code_cannot_get_a_second_class() -> None:
+    with pytest.raises(TypeError, match="already has its class BadRequest"):
+
+        class Again(BatcherError, code="bad_request"):
+            pass
+
+
+def test_error_class_name() -> None:
+    assert error_class_name("bad_request") == "BadRequest"
+    assert error_class_name("overloaded") == "Overloaded"
+    assert error_class_name("internal_error") == "InternalError"
+
+
+# --- Client's public surface, over inproc -----------------------------------------------------------
+
+
+@pytest.fixture
+def router() -> Iterator[tuple[zmq.Context[Any], zmq.Socket[Any], str]]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    address = "inproc://client-core"
+    sock.bind(address)
+    yield ctx, sock, address
+    ctx.destroy(linger=0)
+
+
+def received(sock: zmq.Socket[Any]) -> tuple[list[bytes], dict[str, Any]]:
+    assert sock.poll(2000, zmq.POLLIN), "nothing received"
+    frames = sock.recv_multipart()
+    return frames[:-1], msgpack.unpackb(frames[-1], raw=False)
+
+
+def test_start_receive_ready_forget_and_send_cancel(router) -> None:
+    ctx, broker, address = router
+    with Client(address, timeout_s=5, context=ctx) as c:
+        first = c.start({"input": "a"}, 5.0)
+        second = c.start({"op": "stats"}, None)
+        envelope, body = received(broker)
+        assert body == {"id": first.request_id, "input": "a"}
+        _, body = received(broker)
+        assert body == {"id": second.request_id, "op": "stats"} and second.deadline is None
+        assert c.receive_ready() == []  # nothing waiting: returns at once
+
+        broker.send_multipart([*envelope, msgpack.packb(ok(second.request_id, "s"))])
+        broker.send_multipart([*envelope, b"\xc1"])  # not msgpack: skipped, not counted
+        broker.send_multipart([*envelope, msgpack.packb(ok(first.request_id, "f"))])
+        assert c.socket.poll(2000, zmq.POLLIN)
+        answered: list[PendingReply] = []
+        deadline = time.monotonic() + 2
+        while len(answered) < 2 and time.monotonic() < deadline:
+            c.socket.poll(100, zmq.POLLIN)
+            answered += c.receive_ready()
+        assert answered == [second, first]  # in order of arrival
+        assert second.result() == "s" and first.result() == "f"
+        assert c.duplicates_dropped == 0
+
+        third = c.start({"input": "c"}, 5.0)
+        _, body = received(broker)
+        c.forget(third.request_id)
+        assert c.send_cancel(third.request_id) is True
+        _, body = received(broker)
+        assert body == {"id": third.request_id, "op": "cancel"}
+        broker.send_multipart([*envelope, msgpack.packb(ok(third.request_id))])
+        deadline = time.monotonic() + 2
+        while c.duplicates_dropped == 0 and time.monotonic() < deadline:
+            c.socket.poll(100, zmq.POLLIN)
+            assert c.receive_ready() == []
+        assert c.duplicates_dropped == 1 and third.reply is None
+
+
+def test_client_resends_the_same_body_on_timeout_then_raises(router) -> None:
+    ctx, broker, address = router
+    with Client(address, timeout_s=0.15, retries=1, context=ctx) as c:
+        started = time.monotonic()
+        with pytest.raises(ClientTimeout) as err:
+            c.request("x")
+        assert 0.25 <= time.monotonic() - started < 2.0
+        assert err.value.message.startswith(f"no reply from {address} after 2 attempt(s): ")
+        bodies = [received(broker)[1] for _ in range(2)]
+        assert bodies == [{"id": 1, "input": "x"}] * 2  # the same id: either reply answers it
+
+
+def test_multiclient_takes_a_nil_id_error_as_the_answer_of_its_one_request_in_flight() -> None:
+    """MultiClient matches replies through Client, so the nil-id rule holds for it too."""
+
+    def internal(body: dict[str, Any]) -> dict[str, Any]:
+        return {"id": None, "ok": False, "error": {"code": "internal_error", "message": "a bug"}}
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        with fake_brokers() as make, MultiClient([make(internal).address], timeout_s=5, context=ctx) as mc:
+            started = time.monotonic()
+            with pytest.raises(InternalError):
+                mc.request("x")
+            assert time.monotonic() - started < 2.0, "waited for the timeout"
+            assert mc.duplicates_dropped == 0
+    finally:
+        ctx.destroy(linger=0)

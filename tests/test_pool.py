@@ -1,0 +1,151 @@
+"""The worker pool's rules on a float clock (batcher/pool.py, sans-I/O): liveness judged
+up to the last complete read of the backend, lost workers' requests requeued or failed
+by attempts and hand-backs, and admission of requests for models without workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from batcher.pool import WorkerInfo, WorkerPool, worker_info
+from batcher.protocol import ErrorCode, Heartbeat
+from batcher.scheduler import BatchSettings, QueuedRequest, Scheduler
+
+HEARTBEAT = Heartbeat(interval_ms=100.0, liveness=3)  # 0.3 s of silence is death
+
+
+def pool(max_retries: int = 1, no_worker_timeout_s: float = 0.0) -> WorkerPool:
+    s = Scheduler(per_model={"m": BatchSettings(max_batch_size=2, max_wait_ms=0.0)}, worker_prefetch=1,
+                  no_worker_timeout_s=no_worker_timeout_s)  # fmt: skip
+    return WorkerPool(s, HEARTBEAT, max_retries, now=0.0)
+
+
+def request(rid: int, client: bytes = b"c") -> QueuedRequest:
+    return QueuedRequest([client, b""], b"\x80", rid, 0.0)
+
+
+def join(p: WorkerPool, wid: bytes, now: float = 0.0) -> None:
+    p.joined(wid, WorkerInfo("m", 0, 42), None, now)
+
+
+def dispatch(p: WorkerPool, *rids: int) -> None:
+    for rid in rids:
+        p.scheduler.enqueue("m", request(rid))
+    assert p.scheduler.due_batches(0.0)
+
+
+# --- liveness ----------------------------------------------------------------------------------
+
+
+def test_a_worker_is_silent_only_past_its_expiry_counted_to_the_last_complete_read() -> None:
+    p = pool()
+    join(p, b"w", now=1.0)
+    p.backend_read(1.3)
+    assert p.silent() == []  # exactly the expiry: not yet
+    p.backend_read(1.31)
+    assert [w for w, _ in p.silent()] == [b"w"]
+
+
+def test_a_busy_broker_does_not_make_a_heard_worker_silent() -> None:
+    """The loop was busy for 2 s; the last complete read of the backend was at 1.1 s, so
+    a heartbeat that arrived at 1.2 s (unread yet) cannot have been missed: not dead."""
+    p = pool()
+    join(p, b"w", now=1.0)
+    p.heard(b"w", 1.1)
+    p.backend_read(1.1)
+    assert p.silent() == []  # judged at 1.1 s, whatever the wall clock says now
+
+
+def test_heard_resets_silence() -> None:
+    p = pool()
+    join(p, b"w", now=0.0)
+    p.heard(b"w", 0.5)
+    p.backend_read(0.7)
+    assert p.silent() == []
+    p.backend_read(0.81)
+    assert p.silent() == [(b"w", pytest.approx(0.31))]
+
+
+# --- lost workers ------------------------------------------------------------------------------
+
+
+def test_a_failed_workers_requests_are_requeued_until_their_retries_are_used() -> None:
+    p = pool(max_retries=1)
+    join(p, b"w1")
+    dispatch(p, 1, 2)
+    lost = p.lose(b"w1", failed=True)
+    assert lost.failed == [] and lost.batches_requeued == 1
+    assert p.scheduler.queued("m") == 2
+    join(p, b"w2")
+    assert p.scheduler.due_batches(0.0)
+    lost = p.lose(b"w2", failed=True)  # the second failure: retries used up
+    assert sorted(r.id for _, r in lost.failed) == [1, 2]  # type: ignore[type-var]
+    assert {m for m, _ in lost.failed} == {"m"} and lost.batches_requeued == 0
+
+
+def test_a_worker_that_leaves_hands_back_free_only_the_first_time() -> None:
+    p = pool(max_retries=1)
+    outcomes = []
+    for i in range(3):
+        join(p, b"w%d" % i)
+        if i == 0:
+            dispatch(p, 7)
+        else:
+            assert p.scheduler.due_batches(0.0)
+        lost = p.lose(b"w%d" % i, failed=False)
+        outcomes.append(([r.id for _, r in lost.failed], lost.batches_requeued))
+    assert outcomes == [([], 1), ([], 1), ([7], 0)]
+
+
+def test_max_retries_0_fails_at_the_first_failure_but_not_at_a_leave() -> None:
+    p = pool(max_retries=0)
+    join(p, b"w")
+    dispatch(p, 1)
+    assert p.lose(b"w", failed=False).batches_requeued == 1
+    join(p, b"v")
+    assert p.scheduler.due_batches(0.0)
+    assert [r.id for _, r in p.lose(b"v", failed=True).failed] == [1]
+
+
+def test_lose_forgets_the_worker() -> None:
+    p = pool()
+    join(p, b"w")
+    assert b"w" in p and p.info(b"w") == WorkerInfo("m", 0, 42)
+    p.lose(b"w", failed=True)
+    assert b"w" not in p and p.info(b"w") is None and p.silent() == [] and p.ids() == []
+
+
+# --- admission ----------------------------------------------------------------------------------
+
+
+def test_a_model_whose_workers_failed_refuses_until_one_joins() -> None:
+    p = pool()
+    p.scheduler.enqueue("m", request(1))
+    failed = p.model_failed("m", "every worker of model 'm' failed to start")
+    assert [r.id for _, r in failed] == [1]
+    assert p.refusal("m", 0.0) == (ErrorCode.WORKER_FAILED, "every worker of model 'm' failed to start")
+    join(p, b"w")
+    assert p.refusal("m", 0.0) is None
+
+
+def test_a_model_without_worker_past_the_timeout_is_unavailable() -> None:
+    p = pool(no_worker_timeout_s=10.0)
+    p.scheduler.unavailable(100.0)  # the turn that stamps "no worker since"
+    assert p.refusal("m", 109.9) is None
+    code, message = p.refusal("m", 110.0) or (None, "")
+    assert code == ErrorCode.UNAVAILABLE
+    assert message == "model 'm' has had no worker for 10.0s (--no-worker-timeout-ms 10000)"
+
+
+def test_ready_info_is_checked() -> None:
+    assert worker_info({"model": "m", "gpu": 1, "pid": 2}) == WorkerInfo("m", 1, 2)
+    for bad in [
+        None,
+        [],
+        {"model": ""},
+        {"model": 5},
+        {"model": "m", "slots": 1.5},
+        {"model": "m", "slots": True},
+    ]:
+        with pytest.raises(ValueError, match="bad READY info"):
+            worker_info(bad)
+    assert WorkerInfo("m", None, 3).name(b"\x01") == "m/gpu-/pid3/id01"
