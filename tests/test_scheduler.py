@@ -20,7 +20,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from batcher.scheduler import Batch, BatchSettings, QueuedRequest, Scheduler, UnknownModel
+from batcher.scheduler import PREFETCH_GRACE_S, Batch, BatchSettings, QueuedRequest, Scheduler, UnknownModel
 
 _ids = itertools.count()
 
@@ -587,12 +587,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Nothing due is left behind while a worker of its model has a free slot.
         for name, mq in self.s.models.items():
             queued = list(mq.queued())
-            free = any(
-                w.model == name and len(w.in_flight) < self.slots[wid] for wid, w in self.s.workers.items()
-            )
+            free = [
+                w
+                for wid, w in self.s.workers.items()
+                if w.model == name and len(w.in_flight) < self.slots[wid]
+            ]
             if free and queued:
                 assert len(queued) < mq.settings.max_batch_size
-                assert self.now < min(r.arrived_at for r in queued) + mq.settings.max_wait_s
+                due = min(r.arrived_at for r in queued) + mq.settings.max_wait_s
+                if mq.settings.policy != "window" and all(w.in_flight for w in free):
+                    # adaptive holds a partial batch for a busy worker's prefetch slot until
+                    # that worker is expected to be done (the batch could not start before)
+                    due = max(due, min(w.busy_until() for w in free) + PREFETCH_GRACE_S)
+                assert self.now < due
         wake = self.s.next_wakeup()
         assert wake is None or wake > self.now
 
