@@ -63,6 +63,9 @@ HEAVY_LOAD = 1.2
 TARGET_BUSY = 0.8
 #: A deadline-bound batch is cut this long before it would have to start, at the latest.
 DEADLINE_MARGIN_S = 0.001
+#: adaptive: a partial batch waits for a busy worker's prefetch slot until that worker is
+#: expected to be done plus this much (its reply's trip back), not just max_wait_ms.
+PREFETCH_GRACE_S = 0.002
 
 
 @dataclass(frozen=True, slots=True)
@@ -647,10 +650,22 @@ class Scheduler:
                     best = min(best, dl)
             if mq.size and not mq.workers and mq.no_worker_since is not None and self.no_worker_timeout_s:
                 best = min(best, mq.no_worker_since + self.no_worker_timeout_s)
-            if not mq.size or not any(self._workers[w].free_slots > 0 for w in mq.workers):
-                continue
-            best = min(best, self._wait_until(mq), mq.recheck_at)
+            if mq.size:
+                best = min(best, self._due_at(mq))
         return None if best == math.inf else best
+
+    def _due_at(self, mq: ModelQueue) -> float:
+        """When a model's waiting requests are cut into a batch at the latest, given its
+        workers' free slots (inf without one): its window, or a recheck of adaptive's;
+        adaptive sends a partial batch to a busy worker's prefetch slot only once that
+        worker is expected to be done (_pick_worker)."""
+        free = [self._workers[w] for w in mq.workers if self._workers[w].free_slots > 0]
+        if not free:
+            return math.inf
+        due = self._wait_until(mq)
+        if mq.settings.policy is not Policy.WINDOW and all(w.in_flight for w in free):
+            due = max(due, min(w.busy_until() for w in free) + PREFETCH_GRACE_S)
+        return min(due, mq.recheck_at)
 
     # --- internals --------------------------------------------------------------------------
 
@@ -691,7 +706,10 @@ class Scheduler:
         if full or now >= self._wait_until(mq):
             if idle:
                 return min(idle, key=_least_recently_used)
-            return min(prefetching, key=WorkerState.busy_until)
+            first = min(prefetching, key=WorkerState.busy_until)
+            if full or s.policy is Policy.WINDOW or now >= first.busy_until() + PREFETCH_GRACE_S:
+                return first
+            return None  # adaptive: a partial batch sent now would only wait in the worker
         if not idle or s.policy is Policy.WINDOW:
             return None
         # adaptive: an idle worker takes the queue now unless waiting should pay

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 import itertools
 
-from batcher.scheduler import Batch, BatchSettings, ModelQueue, Policy, QueuedRequest, Scheduler
+from batcher.scheduler import (
+    PREFETCH_GRACE_S,
+    Batch,
+    BatchSettings,
+    ModelQueue,
+    Policy,
+    QueuedRequest,
+    Scheduler,
+    WorkerState,
+)
 
 _ids = itertools.count()
 
@@ -113,14 +122,21 @@ def check_batch(s: Scheduler, batch: Batch, settings: BatchSettings, now: float)
     assert batch.dispatched_at == now, f"cut at {now}, dispatched_at {batch.dispatched_at}"
 
 
-def check_nothing_due(mq: ModelQueue, settings: BatchSettings, now: float) -> None:
-    """The window rule, for a model with a worker that could take a batch now: no full
-    batch waits, and no queued request has waited its max_wait."""
+def check_nothing_due(
+    mq: ModelQueue, settings: BatchSettings, now: float, free: list[WorkerState] | None = None
+) -> None:
+    """The window rule, for a model with a worker that could take a batch now (`free`,
+    when known): no full batch waits, and no queued request has waited its max_wait;
+    under adaptive, when every free worker is busy, not past the time the first of them
+    is due to be done either (a partial batch is held for a busy worker's prefetch slot)."""
     queued = list(mq.queued())
     if queued:
         assert len(queued) < settings.max_batch_size, f"a full batch waits beside a worker: {len(queued)}"
         oldest = min(r.arrived_at for r in queued)
-        assert now < oldest + settings.max_wait_s, f"waited max_wait beside a worker: {oldest} to {now}"
+        due = oldest + settings.max_wait_s
+        if free and settings.policy is not Policy.WINDOW and all(w.in_flight for w in free):
+            due = max(due, min(w.busy_until() for w in free) + PREFETCH_GRACE_S)
+        assert now < due, f"waited past its due time beside a worker: {oldest} to {now}"
 
 
 def check_wakeup(s: Scheduler, now: float) -> float | None:

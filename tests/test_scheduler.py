@@ -566,11 +566,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.dispatched[b.model].extend(r.id for r in b.requests)
         # Nothing due is left behind while a worker of its model has a free slot.
         for name, mq in self.s.models.items():
-            free = any(
-                w.model == name and len(w.in_flight) < self.slots[wid] for wid, w in self.s.workers.items()
-            )
+            free = [
+                w
+                for wid, w in self.s.workers.items()
+                if w.model == name and len(w.in_flight) < self.slots[wid]
+            ]
             if free:
-                check_nothing_due(mq, mq.settings, self.now)
+                check_nothing_due(mq, mq.settings, self.now, free)
         check_wakeup(self.s, self.now)
 
     @invariant()

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from batcher.scheduler import (
     DEADLINE_MARGIN_S,
+    PREFETCH_GRACE_S,
     RATE_TAU_S,
     ArrivalRate,
     Batch,
@@ -1056,9 +1057,14 @@ class Run:
         if self.check_window:
             for m, cfg in self.settings.items():
                 mq = s.models[m]
-                if self.queued[m] and any(s.workers[w].free_slots for w in mq.workers):
-                    oldest = min(self.reqs[rid].arrived_at for rid in self.queued[m])
-                    assert wake is not None and wake <= oldest + cfg.max_wait_s
+                free = [s.workers[w] for w in mq.workers if s.workers[w].free_slots > 0]
+                if self.queued[m] and free:
+                    due = min(self.reqs[rid].arrived_at for rid in self.queued[m]) + cfg.max_wait_s
+                    if cfg.policy != "window" and all(w.in_flight for w in free):
+                        # adaptive holds a partial batch for a busy worker's prefetch slot
+                        # until that worker is expected to be done
+                        due = max(due, min(w.busy_until() for w in free) + PREFETCH_GRACE_S)
+                    assert wake is not None and wake <= due
 
     def finish(self) -> None:
         """Add a worker to each model and let time run until nothing is left; then every
@@ -1225,3 +1231,43 @@ def test_adaptive_one_worker_closed_loop_client_is_not_held() -> None:
         assert len(batch.requests) == 1
         now += 0.0226
         s.complete(batch.worker, batch.batch_id, infer_s=0.0225)
+
+
+# --- adaptive heals fragmented batches under a closed loop ------------------------------------------
+
+
+def _closed_loop_batches(policy: str, batches: int = 40) -> list[int]:
+    """One worker with a prefetch slot, t(n) = 20 + 2.5 n ms, 64 clients each resending
+    1 ms after its reply (a closed loop of exactly two full batches). The first request
+    comes alone, 0.5 ms before the other 63: the start fragments the groups. Returns the
+    size of every batch, in order."""
+    settings = BatchSettings(max_batch_size=32, max_wait_ms=5.0, policy=policy)
+    s = Scheduler(per_model={"m": settings}, worker_prefetch=2)
+    s.add_worker(b"w", "m")
+    arrivals: list[tuple[float, int]] = [(0.0, 0)] + [(0.0005, i) for i in range(1, 64)]
+    running: list[tuple[float, Batch]] = []  # (end, batch), in the order the worker runs them
+    free_at, now, sizes = 0.0, 0.0, []
+    while len(sizes) < batches:
+        for _, rid in [a for a in arrivals if a[0] <= now]:
+            s.enqueue("m", QueuedRequest([b"c%d" % rid], b"", rid, now))
+        arrivals = [a for a in arrivals if a[0] > now]
+        for end, batch in [r for r in running if r[0] <= now]:
+            assert s.complete(b"w", batch.batch_id, 0.020 + 0.0025 * len(batch.requests))
+            arrivals += [(end + 0.001, r.id) for r in batch.requests]  # type: ignore[misc]
+        running = [r for r in running if r[0] > now]
+        for batch in s.due_batches(now):
+            start = max(now, free_at)
+            free_at = start + 0.020 + 0.0025 * len(batch.requests)
+            running.append((free_at, batch))
+            sizes.append(len(batch.requests))
+        events = [a[0] for a in arrivals] + [r[0] for r in running] + [s.next_wakeup() or math.inf]
+        now = max(now, min(events))
+    return sizes
+
+
+def test_adaptive_heals_batches_fragmented_at_the_start_of_a_closed_loop() -> None:
+    """Regression: a lone first request made batches of 1, 31 and 32 that a closed loop
+    then kept for ever (each group returning to a busy worker's prefetch slot was cut at
+    max_wait_ms, before the next group could join it). adaptive holds a partial batch for
+    a busy worker until that worker is due to be done, so groups merge into full batches."""
+    assert _closed_loop_batches("adaptive")[-10:] == [32] * 10
