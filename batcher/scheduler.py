@@ -65,7 +65,7 @@ TARGET_BUSY = 0.8
 DEADLINE_MARGIN_S = 0.001
 #: adaptive: a partial batch waits for a busy worker's prefetch slot until that worker is
 #: expected to be done plus this much (its reply's trip back), not just max_wait_ms.
-PREFETCH_GRACE_S = 0.002
+PREFETCH_GRACE_S = 0.0005
 
 
 @dataclass(frozen=True, slots=True)
