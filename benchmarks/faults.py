@@ -4,7 +4,7 @@ a `batcher serve` whose log is kept, steady DEALER load, and malformed messages.
 reliability.py imports this module by name (`from faults import ...`, this folder is
 first on sys.path when it runs); its workers load `benchmarks.faults:CrashAtStartup`,
 which `serve` finds through the checkout it puts on their PYTHONPATH. Nothing here comes
-from tests/: tests/reliability_models.py holds the tests' own versions of these helpers.
+from tests/; tests/reliability_models.py imports these helpers from here.
 """
 
 from __future__ import annotations
