@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import psutil
 import pytest
 import zmq
@@ -27,38 +26,12 @@ import zmq
 from batcher import protocol
 from batcher.client import BadRequest, Client, reply_key
 from batcher.launcher import free_tcp_address
-from tests.waiting import broker_stats, wait_until
+from batcher.protocol import pack, unpack
+from tests.waiting import broker_stats, recv_replies, start_broker, wait_until
 
 pytestmark = pytest.mark.integration
 
 W1 = protocol.WORKER_PROTOCOL
-
-
-def pack(obj: object) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
-
-
-def recv_replies(sock: zmq.Socket[Any], n: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-    """n decoded replies (the last frame of each message), or fail after timeout_s."""
-    out = []
-    deadline = time.monotonic() + timeout_s
-    while len(out) < n:
-        left_ms = int((deadline - time.monotonic()) * 1000)
-        assert left_ms > 0 and sock.poll(left_ms), f"{len(out)} of {n} replies within {timeout_s}s"
-        out.append(unpack(sock.recv_multipart()[-1]))
-    return out
-
-
-def broker(spawn: Callable[..., Any], zctx: zmq.Context[Any], *args: str) -> tuple[str, str]:
-    """`batcher broker` for model m with no worker of its own; returns (frontend, backend)."""
-    frontend, backend = free_tcp_address(), free_tcp_address()
-    spawn("broker", "--frontend", frontend, "--backend", backend, "--model", "m", *args)
-    wait_until(lambda: broker_stats(frontend, zctx), 20, "the broker answers", error=RuntimeError)
-    return frontend, backend
 
 
 class FakeWorker:
@@ -124,7 +97,7 @@ def test_bad_reply_numbers_fail_only_their_batch_and_every_client_hears(
     args = ["--max-batch-size", "2", "--max-wait-ms", "50", "--policy", "window"]
     if metrics:
         args += ["--metrics-port", free_tcp_address().rsplit(":", 1)[1]]
-    frontend, backend = broker(spawn, zctx, *args)
+    frontend, backend = start_broker(spawn, zctx, "--model", "m", *args)
     worker = FakeWorker(zctx, backend, frontend)
     client = frontend_dealer(frontend)
     for i in (1, 2):
@@ -149,7 +122,7 @@ def test_bad_reply_numbers_fail_only_their_batch_and_every_client_hears(
 
 
 def test_reply_naming_an_unusable_batch_id_fails_over_instead_of_hanging(spawn, zctx, frontend_dealer):
-    frontend, backend = broker(spawn, zctx, "--max-retries", "1")
+    frontend, backend = start_broker(spawn, zctx, "--model", "m", "--max-retries", "1")
     broken = FakeWorker(zctx, backend, frontend)
     client = frontend_dealer(frontend)
     client.send_multipart([b"", pack({"id": "q", "input": 1, "model": "m"})])
@@ -172,7 +145,7 @@ def test_reply_naming_an_unusable_batch_id_fails_over_instead_of_hanging(spawn, 
 def test_worker_that_keeps_taking_batches_and_leaving_cannot_bounce_a_request_forever(
     spawn, zctx, frontend_dealer
 ):
-    frontend, backend = broker(spawn, zctx, "--max-retries", "1")
+    frontend, backend = start_broker(spawn, zctx, "--model", "m", "--max-retries", "1")
     worker = FakeWorker(zctx, backend, frontend)
     client = frontend_dealer(frontend)
     client.send_multipart([b"", pack({"id": "r", "input": 1, "model": "m"})])
@@ -200,7 +173,7 @@ def test_worker_that_keeps_taking_batches_and_leaving_cannot_bounce_a_request_fo
 
 
 def test_message_of_many_frames_under_the_frame_limit_is_refused_as_a_whole(spawn, zctx, frontend_dealer):
-    frontend, _ = broker(spawn, zctx, "--max-message-bytes", str(2**20))
+    frontend, _ = start_broker(spawn, zctx, "--model", "m", "--max-message-bytes", str(2**20))
     sock = frontend_dealer(frontend)
     sock.send_multipart([b"", *[b"\0" * (600 * 1024)] * 3])  # 1.8 MiB, each frame under 1 MiB
     (reply,) = recv_replies(sock, 1)

@@ -6,47 +6,21 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
-import msgpack
 import pytest
 import zmq
 
 from batcher import protocol
 from batcher.client import Client
 from batcher.launcher import free_tcp_address
+from batcher.protocol import pack, unpack
 from tests.reliability_models import DealerLoad
-from tests.waiting import broker_stats, wait_until
+from tests.waiting import broker_stats, recv_replies, start_broker, wait_until
 
 pytestmark = pytest.mark.integration
 
 FAST_SIM = ("--sim-base-ms", "5", "--sim-per-item-ms", "0")
-
-
-def pack(obj: object) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
-
-
-def replies(sock: zmq.Socket[Any], n: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-    out = []
-    deadline = time.monotonic() + timeout_s
-    while len(out) < n:
-        left_ms = int((deadline - time.monotonic()) * 1000)
-        assert left_ms > 0 and sock.poll(left_ms), f"{len(out)} of {n} replies within {timeout_s}s"
-        out.append(unpack(sock.recv_multipart()[-1]))
-    return out
-
-
-def broker(spawn: Callable[..., Any], zctx: zmq.Context[Any], *args: str) -> tuple[str, str]:
-    frontend, backend = free_tcp_address(), free_tcp_address()
-    spawn("broker", "--frontend", frontend, "--backend", backend, *args)
-    wait_until(lambda: broker_stats(frontend, zctx), 20, "the broker answers", error=RuntimeError)
-    return frontend, backend
 
 
 def dealer(zctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
@@ -60,20 +34,20 @@ def dealer(zctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
 
 
 def test_model_without_worker_is_answered_unavailable_then_served_once_a_worker_joins(spawn, zctx):
-    frontend, backend = broker(spawn, zctx, "--model", "double", "--no-worker-timeout-ms", "300")
+    frontend, backend = start_broker(spawn, zctx, "--model", "double", "--no-worker-timeout-ms", "300")
     st = broker_stats(frontend, zctx)["models"]["double"]
     assert st["configured"] is True and st["ready"] is False and st["workers"] == 0
     client = dealer(zctx, frontend)
     started = time.monotonic()
     client.send_multipart([b"", pack({"id": 1, "input": 2, "model": "double"})])
-    (reply,) = replies(client, 1)
+    (reply,) = recv_replies(client, 1)
     waited = time.monotonic() - started
     assert reply["id"] == 1 and reply["error"]["code"] == "unavailable", reply
     assert "model 'double' has had no worker for" in reply["error"]["message"]
     assert 0.2 < waited < 5.0, waited  # after the timeout, not at once and not never
     # Past the timeout, a new request is answered at once.
     client.send_multipart([b"", pack({"id": 2, "input": 2, "model": "double"})])
-    assert replies(client, 1, timeout_s=2)[0]["error"]["code"] == "unavailable"
+    assert recv_replies(client, 1, timeout_s=2)[0]["error"]["code"] == "unavailable"
     # A worker joins: requests are queued for it again, and it serves them.
     worker = dealer(zctx, backend)
     worker.send_multipart([protocol.WORKER_PROTOCOL, protocol.CMD_READY, pack({"model": "double", "pid": 7})])
@@ -90,11 +64,11 @@ def test_model_without_worker_is_answered_unavailable_then_served_once_a_worker_
     worker.send_multipart(
         [protocol.WORKER_PROTOCOL, protocol.CMD_REPLY, pack([batch_id, 1.0, [len(body)], 0]), body]
     )
-    assert replies(client, 1)[0] == {"id": 3, "ok": True, "output": 4}
+    assert recv_replies(client, 1)[0] == {"id": 3, "ok": True, "output": 4}
 
 
 def test_no_worker_timeout_0_waits_for_a_worker(spawn, zctx):
-    frontend, _ = broker(spawn, zctx, "--model", "double", "--no-worker-timeout-ms", "0")
+    frontend, _ = start_broker(spawn, zctx, "--model", "double", "--no-worker-timeout-ms", "0")
     client = dealer(zctx, frontend)
     client.send_multipart([b"", pack({"id": 1, "input": 2, "model": "double"})])
     wait_until(lambda: broker_stats(frontend, zctx)["models"]["double"]["queued"] == 1, 10, "queued")
@@ -103,7 +77,7 @@ def test_no_worker_timeout_0_waits_for_a_worker(spawn, zctx):
 
 
 def test_unknown_model_lists_the_models_served(spawn, zctx):
-    frontend, _ = broker(spawn, zctx, "--model", "sim", "--model", "echo")
+    frontend, _ = start_broker(spawn, zctx, "--model", "sim", "--model", "echo")
     with Client(frontend, timeout_s=10, context=zctx) as c:
         reply = c.submit(1, model="nope").wait()
     assert reply["error"] == {
@@ -185,7 +159,7 @@ def test_reload_replaces_every_worker_under_load_and_loses_nothing(serve, zctx, 
 
 
 def test_reload_under_a_plain_broker_says_it_needs_serve(spawn, zctx, cli):
-    frontend, _ = broker(spawn, zctx, "--model", "sim")
+    frontend, _ = start_broker(spawn, zctx, "--model", "sim")
     result = cli("reload", "sim", "--connect", frontend, "--timeout-s", "10")
     assert result.returncode == 1
     assert "reload needs `batcher serve`" in result.stdout + result.stderr

@@ -10,6 +10,8 @@ from typing import Any
 import zmq
 
 from batcher.client import BatcherError, Client
+from batcher.launcher import free_tcp_address
+from batcher.protocol import unpack
 
 
 def wait_until(
@@ -38,3 +40,23 @@ def broker_stats(address: str, ctx: zmq.Context[Any], timeout_s: float = 0.5) ->
             return dict(c.control("stats"))
         except BatcherError:
             return {}
+
+
+def recv_replies(sock: zmq.Socket[Any], n: int, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """n decoded replies (the last frame of each message), or fail after timeout_s."""
+    out = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < n:
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        assert left_ms > 0 and sock.poll(left_ms), f"{len(out)} of {n} replies within {timeout_s}s"
+        out.append(unpack(sock.recv_multipart()[-1]))
+    return out
+
+
+def start_broker(spawn: Callable[..., Any], ctx: zmq.Context[Any], *args: str) -> tuple[str, str]:
+    """`batcher broker ARGS` on free loopback ports (the `spawn` fixture cleans it up), once
+    it answers `stats`; returns (frontend, backend)."""
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    spawn("broker", "--frontend", frontend, "--backend", backend, *args)
+    wait_until(lambda: broker_stats(frontend, ctx), 20, "the broker answers", error=RuntimeError)
+    return frontend, backend
