@@ -24,6 +24,7 @@ import zmq
 
 from batcher import protocol
 from batcher.backend import DRAIN_BUDGET_S, DRAIN_LIMIT, Backend
+from batcher.control import Controls
 from batcher.metrics import PrometheusMetrics
 from batcher.pool import WorkerPool
 from batcher.protocol import ErrorCode, Heartbeat, ProtocolError
@@ -96,9 +97,6 @@ class BindError(OSError):
     """An address the broker was told to listen on is taken or invalid."""
 
 
-Reply = Callable[[bool, Any], None]
-
-
 class TimerHeap:
     """`fn(now)` calls due at given times, run by the loop between polls."""
 
@@ -145,22 +143,19 @@ class Broker:
         self._default_timeout_s = settings.default_timeout_ms / 1000.0
         self._stopping_since: float | None = None
         self.signals = StopSignals()
-        #: Set by `serve`: starts a rolling reload of a model and answers through `reply`
-        #: when it ends (a plain broker has no workers of its own to replace).
-        self.on_reload: Callable[[str, Reply], None] | None = None
         self.timers = TimerHeap()
-        self.frontend = self._router(settings.max_message_bytes)
-        self.backend = self._router(-1)
+        self.frontend = router(self.ctx, settings.max_message_bytes)
+        self.backend = router(self.ctx, -1)
         self._auth = None
         self._handshakes: HandshakeWatch | None = None
         try:
             if settings.curve is not None:
                 self._auth = secure_server(self.ctx, settings.curve, self.frontend, self.backend)
                 self._handshakes = HandshakeWatch({"frontend": self.frontend, "backend": self.backend})
-            self._bind(self.frontend, settings.frontend)
-            self._bind(self.backend, settings.backend)
+            bind(self.frontend, settings.frontend)
+            bind(self.backend, settings.backend)
             if settings.metrics_port is not None:
-                self.stats.metrics = self._serve_metrics(settings.metrics_port)
+                self.stats.metrics = serve_metrics(settings.metrics_port, self.scheduler)
         except BaseException:
             self.close()
             raise
@@ -173,48 +168,16 @@ class Broker:
             self._reply_error,
             self._fail_batch,
         )
+        self.controls = Controls(self.scheduler, self.pool, self.stats, self._configured, self._state)
         self.call_every(settings.heartbeat.interval_s, self.workers.heartbeat)
 
-    @property
-    def metrics(self) -> Any:
-        return self.stats.metrics
-
-    def _serve_metrics(self, port: int) -> PrometheusMetrics:
-        prom = PrometheusMetrics(self._gauges)
-        try:
-            prom.serve(port)
-        except OSError as exc:
-            raise BindError(f"cannot serve metrics on 127.0.0.1:{port}: {exc.strerror or exc}") from None
-        log.info("metrics at http://127.0.0.1:%d/metrics", port)
-        return prom
-
-    def _gauges(self) -> dict[str, dict[str, float]]:
-        """Read at scrape time, from prometheus_client's thread: retried if the loop
-        changed a dict under it."""
-        for _ in range(5):
-            try:
-                return gauges(self.scheduler.views())
-            except (RuntimeError, KeyError):
-                continue
-        return {}
-
-    def _router(self, max_message_bytes: int) -> zmq.Socket[Any]:
-        sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # A reply to a peer that is gone raises (and is counted) instead of vanishing.
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # Bounded per-peer queues: replies past this raise zmq.Again and are counted.
-        sock.setsockopt(zmq.SNDHWM, REPLY_HWM)
-        # A peer sending a bigger frame is disconnected by libzmq before we see it.
-        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        return sock
-
-    @staticmethod
-    def _bind(sock: zmq.Socket[Any], address: str) -> None:
-        try:
-            sock.bind(address)
-        except zmq.ZMQError as exc:
-            raise BindError(f"cannot bind {address}: {exc.strerror}") from None
+    def _state(self) -> dict[str, Any]:
+        """What `stats` reports of the loop itself."""
+        watch = self._handshakes
+        return {
+            "handshakes_refused": dict(watch.refused) if watch else {},
+            "stopping": self._stopping_since is not None,
+        }
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -393,53 +356,11 @@ class Broker:
             body = protocol.ok_reply(req_id, result) if ok else protocol.error_reply(req_id, *result)
             self._send_to_client(envelope, body)
 
-        if op == "stats":
-            reply(True, self.snapshot())
-        elif op == "cancel":  # only the sender's own requests: ids are per client
+        if op == "cancel":  # only the sender's own requests: ids are per client
             for name, req in self.scheduler.cancel_id(envelope[0], req_id):
                 self._reply_error(req, name, ErrorCode.CANCELLED, "cancelled by the client")
-        elif op == "reload":
-            self._reload(model, reply)
         else:
-            reply(False, (ErrorCode.BAD_REQUEST, f"unknown op {op!r}"))
-
-    def _reload(self, model: str | None, reply: Reply) -> None:
-        if model is None:
-            reply(False, (ErrorCode.BAD_REQUEST, "reload needs a 'model'"))
-        elif not self.scheduler.knows_model(model):
-            served = ", ".join(sorted(self.scheduler.views()))
-            reply(False, (ErrorCode.UNKNOWN_MODEL, f"no model {model!r} to reload (models: {served})"))
-        elif self.on_reload is None:
-            message = "reload needs `batcher serve`: this broker starts no workers (restart them by hand)"
-            reply(False, (ErrorCode.BAD_REQUEST, message))
-        else:
-            self.on_reload(model, reply)
-
-    def workers_of(self, model: str) -> list[tuple[bytes, object, int]]:
-        """(worker id, pid from its READY, batches it holds) of each live worker of `model`."""
-        return [(w, info.pid, self.scheduler.held(w)) for w, info in self.pool.workers_of(model)]
-
-    def drain_worker(self, worker_id: bytes) -> int:
-        """Dispatch nothing more to a worker (it is being replaced); returns the batches it
-        still holds."""
-        return self.scheduler.drain_worker(worker_id)
-
-    def apply_model_settings(self, per_model: dict[str, BatchSettings]) -> None:
-        """Batching settings re-read from the config file (SIGHUP to serve)."""
-        for model, settings in per_model.items():
-            self.scheduler.set_settings(model, settings)
-            log.info("model %s: batching settings now %s", model, settings)
-
-    def snapshot(self) -> dict[str, Any]:
-        """The broker's state for the `stats` control request."""
-        watch = self._handshakes
-        extra = {
-            "handshakes_refused": dict(watch.refused) if watch else {},
-            "stopping": self._stopping_since is not None,
-        }
-        return self.stats.snapshot(
-            self.scheduler.views(), self.pool, self._configured, time.monotonic(), extra
-        )
+            self.controls.handle(op, model, reply)
 
     def _send_to_client(self, envelope: list[bytes], body: bytes) -> None:
         try:
@@ -473,6 +394,48 @@ class Broker:
             if not self.workers.send(batch.worker, frames):
                 log.warning("worker %s unreachable; its batches go to another", self.pool.name(batch.worker))
                 self.workers.lost(batch.worker, "worker unreachable")
+
+
+def router(ctx: zmq.Context[Any], max_message_bytes: int) -> zmq.Socket[Any]:
+    """One of the broker's two ROUTER sockets, with its safety options."""
+    sock: zmq.Socket[Any] = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    # A reply to a peer that is gone raises (and is counted) instead of vanishing.
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    # Bounded per-peer queues: replies past this raise zmq.Again and are counted.
+    sock.setsockopt(zmq.SNDHWM, REPLY_HWM)
+    # A peer sending a bigger frame is disconnected by libzmq before we see it.
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    return sock
+
+
+def bind(sock: zmq.Socket[Any], address: str) -> None:
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        raise BindError(f"cannot bind {address}: {exc.strerror}") from None
+
+
+def serve_metrics(port: int, scheduler: Scheduler) -> PrometheusMetrics:
+    """Prometheus metrics on 127.0.0.1:`port`, gauges read from the scheduler's views at
+    scrape time (from prometheus_client's thread: retried if the loop changed a dict
+    under it)."""
+
+    def read_gauges() -> dict[str, dict[str, float]]:
+        for _ in range(5):
+            try:
+                return gauges(scheduler.views())
+            except (RuntimeError, KeyError):
+                continue
+        return {}
+
+    prom = PrometheusMetrics(read_gauges)
+    try:
+        prom.serve(port)
+    except OSError as exc:
+        raise BindError(f"cannot serve metrics on 127.0.0.1:{port}: {exc.strerror or exc}") from None
+    log.info("metrics at http://127.0.0.1:%d/metrics", port)
+    return prom
 
 
 def oversized(frames: list[bytes], max_bytes: int) -> tuple[list[bytes], None, ErrorCode, str]:

@@ -55,7 +55,7 @@ def run_serve(
     fatal: list[str] = []
 
     def on_worker_event(model: str, event: str) -> None:
-        broker.metrics.worker_event(model, event)
+        broker.stats.metrics.worker_event(model, event)
         if event == "load_failed":  # a configuration error: stop now, say why, exit non-zero
             fatal.append(f"model {model!r} could not be loaded (the worker's error is above)")
             broker.stop(now=True)
@@ -63,15 +63,15 @@ def run_serve(
             broker.model_failed(model, f"every worker of model {model!r} failed to start (see serve's log)")
 
     supervisor.on_event = on_worker_event
-    rollouts = Rollouts(broker, supervisor)
-    broker.on_reload = lambda model, reply: rollouts.start(model, reply, time.monotonic())
+    rollouts = Rollouts(broker.controls, supervisor)
+    broker.controls.on_reload = lambda model, reply: rollouts.start(model, reply, time.monotonic())
     names = tuple(dict.fromkeys(ModelSpec.parse(m).name for m in pool.models))
 
     def on_hangup(now: float) -> None:
         """SIGHUP: apply the batching settings read again, then reload every model."""
         if reread_batching is not None:
             try:
-                broker.apply_model_settings(reread_batching())
+                broker.controls.apply_model_settings(reread_batching())
             except ValueError as exc:
                 log.error("SIGHUP: %s; batching settings unchanged", exc)
         for name in names:
@@ -79,7 +79,7 @@ def run_serve(
 
     broker.signals.install()
     broker.signals.install_hangup()
-    broker.call_every(SUPERVISE_INTERVAL_S, serve_tick(broker, supervisor, rollouts, on_hangup))
+    broker.call_every(SUPERVISE_INTERVAL_S, serve_tick(broker.signals, supervisor, rollouts, on_hangup))
     try:
         supervisor.start()
         broker.run()

@@ -32,7 +32,7 @@ Reply = Callable[[bool, Any], None]
 
 
 class BrokerView(Protocol):
-    """What a rollout needs of the broker (batcher.broker.Broker has it)."""
+    """What a rollout needs of the broker (batcher.control.Controls has it)."""
 
     def workers_of(self, model: str) -> list[tuple[bytes, object, int]]: ...
 
@@ -119,25 +119,18 @@ class Rollouts:
             reply(ok, result)
 
 
-class ServeBroker(BrokerView, Protocol):
-    """The broker as `serve` drives it: a rollout's view plus its signals."""
-
-    @property
-    def signals(self) -> Any: ...
-
-
 def serve_tick(
-    broker: ServeBroker, supervisor: Supervisor, rollouts: Rollouts, on_hangup: Callable[[float], None]
+    signals: Any, supervisor: Supervisor, rollouts: Rollouts, on_hangup: Callable[[float], None]
 ) -> Callable[[float], None]:
     """`serve`'s periodic step on the broker's timer heap: respawn dead workers, act on a
     SIGHUP (`on_hangup`, which reloads), move reloads on."""
-    seen = broker.signals.hangups
+    seen = signals.hangups
 
     def tick(now: float) -> None:
         nonlocal seen
         supervisor.check(now)
-        if broker.signals.hangups != seen:
-            seen = broker.signals.hangups
+        if signals.hangups != seen:
+            seen = signals.hangups
             on_hangup(now)
         rollouts.step(now)
 

@@ -1,0 +1,81 @@
+"""The broker's control plane: the `stats` and `reload` control requests, and the calls
+`serve` makes (reload a model's workers, re-read batching settings). Apart from the
+socket loop, which hands it each control request with a `reply` to answer through."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from batcher.pool import WorkerPool
+from batcher.protocol import ErrorCode
+from batcher.scheduler import BatchSettings, Scheduler
+from batcher.stats import BrokerStats
+
+log = logging.getLogger("batcher.broker")
+
+Reply = Callable[[bool, Any], None]
+
+
+class Controls:
+    """What a client (`stats`, `reload`) and `serve` may ask of a running broker."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        pool: WorkerPool,
+        stats: BrokerStats,
+        configured: frozenset[str],
+        loop_state: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.scheduler = scheduler
+        self.pool = pool
+        self.stats = stats
+        self.configured = configured
+        self.loop_state = loop_state
+        #: Set by `serve`: starts a rolling reload of a model and answers through `reply`
+        #: when it ends (a plain broker has no workers of its own to replace).
+        self.on_reload: Callable[[str, Reply], None] | None = None
+
+    def handle(self, op: str, model: str | None, reply: Reply) -> None:
+        """A control request other than `cancel` (which the loop answers itself)."""
+        if op == "stats":
+            reply(True, self.snapshot())
+        elif op == "reload":
+            self._reload(model, reply)
+        else:
+            reply(False, (ErrorCode.BAD_REQUEST, f"unknown op {op!r}"))
+
+    def _reload(self, model: str | None, reply: Reply) -> None:
+        if model is None:
+            reply(False, (ErrorCode.BAD_REQUEST, "reload needs a 'model'"))
+        elif not self.scheduler.knows_model(model):
+            served = ", ".join(sorted(self.scheduler.views()))
+            reply(False, (ErrorCode.UNKNOWN_MODEL, f"no model {model!r} to reload (models: {served})"))
+        elif self.on_reload is None:
+            message = "reload needs `batcher serve`: this broker starts no workers (restart them by hand)"
+            reply(False, (ErrorCode.BAD_REQUEST, message))
+        else:
+            self.on_reload(model, reply)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The broker's state for the `stats` control request."""
+        views = self.scheduler.views()
+        return self.stats.snapshot(views, self.pool, self.configured, time.monotonic(), self.loop_state())
+
+    def workers_of(self, model: str) -> list[tuple[bytes, object, int]]:
+        """(worker id, pid from its READY, batches it holds) of each live worker of `model`."""
+        return [(w, info.pid, self.scheduler.held(w)) for w, info in self.pool.workers_of(model)]
+
+    def drain_worker(self, worker_id: bytes) -> int:
+        """Dispatch nothing more to a worker (it is being replaced); returns the batches it
+        still holds."""
+        return self.scheduler.drain_worker(worker_id)
+
+    def apply_model_settings(self, per_model: dict[str, BatchSettings]) -> None:
+        """Batching settings re-read from the config file (SIGHUP to serve)."""
+        for model, settings in per_model.items():
+            self.scheduler.set_settings(model, settings)
+            log.info("model %s: batching settings now %s", model, settings)
