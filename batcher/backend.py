@@ -126,9 +126,14 @@ class Backend:
             return
         # Queue time as the client lives it: in the broker's queue, then in the worker's
         # prefetch until the model began (the worker's wait also kept on its own).
-        sent_at, in_worker_ms = batch.dispatched_at, wait_ms or 0.0
+        # The worker's own count starts when it read the batch, and it reads its socket only
+        # between batches: one that arrived while the model ran waited unseen. From here,
+        # the time since dispatch less the model time bounds that wait from above (it also
+        # holds the trips to the worker and back).
+        sent_at = batch.dispatched_at
+        in_worker_ms = max(wait_ms or 0.0, (time.monotonic() - sent_at) * 1000.0 - infer_ms)
         queue_ms = (round((sent_at - r.arrived_at) * 1000.0 + in_worker_ms, 3) for r in batch.requests)
-        self.stats.batch_done(batch.model, queue_ms, infer_ms, wait_ms, len(batch.requests))
+        self.stats.batch_done(batch.model, queue_ms, infer_ms, in_worker_ms, len(batch.requests))
         try:
             if len(lengths) != len(batch.requests):
                 raise ValueError(f"{len(lengths)} replies for {len(batch.requests)} requests")

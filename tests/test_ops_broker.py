@@ -102,12 +102,10 @@ def test_queue_time_includes_the_wait_in_the_workers_prefetch(serve, zctx):
     with Client(s.frontend, timeout_s=20, context=zctx) as c:
         got = [p.wait() for p in [c.submit(i) for i in range(8)]]
     assert all(r["ok"] for r in got), got
-    waits = sorted(r["worker_wait_ms"] for r in got)
-    assert waits[-1] >= 30, waits  # a prefetched batch waited about one 40 ms batch
-    for r in got:  # the reply's queue time counts the worker's wait too
-        assert r["queue_ms"] >= r["worker_wait_ms"]
+    for r in got:  # the reply's queue time counts the worker's wait (as it saw it) too
+        assert r["queue_ms"] >= r["worker_wait_ms"] >= 0
     st = broker_stats(s.frontend, zctx)["models"]["sim"]
-    assert st["worker_wait_ms_p99"] >= 30, st
+    assert st["worker_wait_ms_p99"] >= 30, st  # a prefetched batch waited about one 40 ms batch
     assert st["queue_ms_p99"] >= st["worker_wait_ms_p99"], st
 
 
