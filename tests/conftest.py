@@ -26,6 +26,7 @@ from hypothesis import settings
 
 from batcher.client import Client
 from batcher.launcher import ServeProcess
+from tests.helpers import Answer, FakeBroker, fake_brokers
 from workers.supervisor import child_environment
 
 # Hypothesis profiles. "dev" (the default) draws fresh examples on every run, so local runs
@@ -279,3 +280,32 @@ def client(zctx: zmq.Context[Any]) -> Iterator[Callable[..., Client]]:
     yield make
     for c in made:
         c.close()
+
+
+@pytest.fixture
+def fake_broker() -> Iterator[Callable[[Answer], FakeBroker]]:
+    """Factory: `fake_broker(answer)`, a scripted stand-in broker (tests/helpers.py), stopped
+    at teardown."""
+    with fake_brokers() as make:
+        yield make
+
+
+# --- the integration mark ----------------------------------------------------------------------
+
+#: Fixtures that start processes or whose tests depend on time: a test using one must be
+#: marked `integration`, so `-m "not integration"` leaves only fast, time-free unit tests.
+PROCESS_FIXTURES = frozenset({"serve", "spawn", "cli", "fake_broker"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse to run a test that starts processes (or a fake broker thread) unmarked."""
+    unmarked = [
+        item.nodeid
+        for item in items
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ()))
+        and item.get_closest_marker("integration") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "tests that start processes must be marked integration:\n  " + "\n  ".join(unmarked)
+        )

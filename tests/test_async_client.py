@@ -1,7 +1,7 @@
 """batcher.aio.AsyncClient: many coroutines over one DEALER, typed errors, timeouts.
 
 Against a real `batcher serve` for concurrency and errors, and against a scripted
-ROUTER (tests/fake_broker.py) for what a real broker does only by accident: silence,
+ROUTER (tests/helpers.py) for what a real broker does only by accident: silence,
 late replies, replies out of order.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
 
@@ -21,16 +21,10 @@ from batcher import AsyncClient
 from batcher.aio import ClientClosed
 from batcher.client import BadRequest, BatcherError, ClientTimeout, ModelError, UnknownModel
 from batcher.launcher import free_tcp_address
-from tests.fake_broker import Answer, FakeBroker, fake_brokers
+from tests.helpers import FakeBroker
 
 FAST_SIM = ("--sim-base-ms", "5", "--sim-per-item-ms", "0.5")
 FLAKY = "flaky=tests.fixture_models:flaky"
-
-
-@pytest.fixture
-def fake_broker() -> Iterator[Callable[[Answer], FakeBroker]]:
-    with fake_brokers() as make:
-        yield make
 
 
 @pytest.fixture
@@ -109,6 +103,7 @@ def test_typed_errors_and_request_many(serve, actx):
 # --- against a scripted broker ------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_timeout_of_one_request_leaves_the_others_answered(fake_broker, actx):
     # Odd ids are never answered; even ones are, in reverse order of arrival.
     def answer(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -131,6 +126,7 @@ def test_timeout_of_one_request_leaves_the_others_answered(fake_broker, actx):
     assert elapsed < 2.0, f"timeouts ran one after another: {elapsed:.2f}s"
 
 
+@pytest.mark.integration
 def test_per_request_timeout_retries_and_late_reply_is_dropped(fake_broker, actx):
     fb = fake_broker(lambda body: None)  # silent
 
@@ -178,6 +174,7 @@ def test_timeout_against_an_address_nobody_listens_on(actx):
     assert time.monotonic() - started < 1.5
 
 
+@pytest.mark.integration
 def test_cancelling_a_request_tells_the_broker_and_close_fails_waiters(fake_broker, actx):
     fb = fake_broker(lambda body: None)
 

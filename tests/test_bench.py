@@ -27,7 +27,7 @@ from batcher.bench import (
 from batcher.client import BatcherError, Client
 from batcher.launcher import ServeProcess, free_tcp_address
 from batcher.security import KeyFileError, generate_keys
-from tests.waiting import wait_until
+from tests.helpers import wait_until
 
 #: A fast sim for short runs: one worker, batches of up to 8, each batch 10 ms whatever
 #: its size, so the ceiling is 1 * 8 / 10 ms = 800 requests/s.

@@ -18,9 +18,9 @@ import pytest
 
 from batcher.client import BatcherError, Client
 from batcher.launcher import free_tcp_address
+from tests.helpers import wait_until
 from tests.reliability_models import DealerLoad
 from tests.test_reliability import HEARTBEAT, model_stats
-from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -38,7 +38,7 @@ from batcher.client import (
     timeout_reply,
 )
 from batcher.protocol import ErrorCode
-from tests.fake_broker import fake_brokers
+from tests.helpers import fake_brokers
 
 
 class FakeWatch:

@@ -24,6 +24,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from batcher import protocol
 from batcher.client import Client
+from tests.helpers import wait_until
 from tests.reliability_models import (
     DISCONNECT,
     HEARTBEAT,
@@ -35,7 +36,6 @@ from tests.reliability_models import (
     pack,
     rare_frontend,
 )
-from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

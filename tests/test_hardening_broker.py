@@ -27,7 +27,7 @@ from batcher import protocol
 from batcher.client import BadRequest, Client, reply_key
 from batcher.launcher import free_tcp_address
 from batcher.protocol import pack, unpack
-from tests.waiting import broker_stats, recv_replies, start_broker, wait_until
+from tests.helpers import broker_stats, recv_replies, start_broker, wait_until
 
 pytestmark = pytest.mark.integration
 

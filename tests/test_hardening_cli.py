@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,9 @@ import pytest
 import batcher.cli
 from batcher.launcher import free_tcp_address
 from batcher.stats_table import format_stats
-from tests.fake_broker import FakeBroker, fake_brokers
+
+#: Every test here runs the CLI or a worker as a process of its own.
+pytestmark = pytest.mark.integration
 
 
 def strict_loads(text: str) -> Any:
@@ -211,12 +213,6 @@ def test_send_unencodable_or_non_json_input_is_a_usage_error(cli, text, expected
 def test_send_rejects_a_bad_stdin_line_too(cli):
     result = cli("send", "--connect", free_tcp_address(), stdin="1\nNaN\n", timeout_s=10)
     assert_clean_usage_error(result, "NaN is not JSON")
-
-
-@pytest.fixture
-def fake_broker() -> Iterator[Callable[..., FakeBroker]]:
-    with fake_brokers() as make:
-        yield make
 
 
 def odd_values(body: dict[str, Any]) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ import zmq.auth
 
 from batcher.client import BatcherError, Client, ClientTimeout
 from batcher.launcher import free_tcp_address
-from tests.waiting import wait_until
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -29,7 +29,7 @@ import zmq
 
 from batcher import protocol
 from batcher.launcher import ServeProcess, free_tcp_address
-from tests.waiting import broker_stats, wait_until
+from tests.helpers import broker_stats, wait_until
 from workers.supervisor import STARTING_S, PoolSettings, Supervisor
 from workers.worker import EXIT_BAD_ADDRESS
 

@@ -1,7 +1,7 @@
 """Several hosts' worth of processes on one machine: a broker alone with `batcher worker`
 processes joining and leaving under load, and MultiClient over two brokers.
 
-Plus MultiClient's rules against scripted brokers (tests/fake_broker.py): round-robin,
+Plus MultiClient's rules against scripted brokers (tests/helpers.py): round-robin,
 timeouts sent elsewhere, back-off and probes, `shutting_down` sent elsewhere.
 """
 
@@ -12,7 +12,6 @@ import signal
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -21,18 +20,11 @@ import zmq
 
 from batcher.client import ClientTimeout, MultiClient
 from batcher.launcher import free_tcp_address
-from tests.fake_broker import Answer, FakeBroker, echo, fake_brokers, silent
-from tests.waiting import broker_stats as stats
-from tests.waiting import wait_until
+from tests.helpers import broker_stats as stats
+from tests.helpers import echo, silent, wait_until
 
 FAST_SIM = ("--sim-base-ms", "5", "--sim-per-item-ms", "0.5")
 HEARTBEAT = ("--heartbeat-ms", "100")
-
-
-@pytest.fixture
-def fake_broker() -> Iterator[Callable[[Answer], FakeBroker]]:
-    with fake_brokers() as make:
-        yield make
 
 
 def sim_workers(address: str, ctx: zmq.Context[Any]) -> int | None:
@@ -216,6 +208,7 @@ def test_multiclient_goes_on_when_one_of_two_brokers_is_killed(serve, spawn, zct
 # --- MultiClient's rules, against scripted brokers ----------------------------------------------
 
 
+@pytest.mark.integration
 def test_multiclient_spreads_round_robin(fake_broker, zctx):
     fbs = [fake_broker(echo) for _ in range(3)]
     with MultiClient([fb.address for fb in fbs], timeout_s=2, context=zctx) as mc:
@@ -226,6 +219,7 @@ def test_multiclient_spreads_round_robin(fake_broker, zctx):
         assert all(b.get("op") is None for b in fb.received)  # no probes: nobody was down
 
 
+@pytest.mark.integration
 def test_multiclient_resends_a_timed_out_request_and_probes_before_using_it_again(fake_broker, zctx):
     a, b = fake_broker(silent), fake_broker(echo)
     with MultiClient([a.address, b.address], timeout_s=0.2, retries=1, down_s=0.3, context=zctx) as mc:
@@ -255,6 +249,7 @@ def test_multiclient_resends_a_timed_out_request_and_probes_before_using_it_agai
         assert mc.sent()[a.address] == before + 2
 
 
+@pytest.mark.integration
 def test_multiclient_gives_up_with_a_timeout_naming_every_frontend_tried(fake_broker, zctx):
     a, b = fake_broker(silent), fake_broker(silent)
     with MultiClient([a.address, b.address], timeout_s=0.15, retries=1, context=zctx) as mc:
@@ -268,6 +263,7 @@ def test_multiclient_gives_up_with_a_timeout_naming_every_frontend_tried(fake_br
         assert pending.address == a.address
 
 
+@pytest.mark.integration
 def test_multiclient_sends_a_refused_request_elsewhere_when_a_broker_drains(fake_broker, zctx):
     def draining(body: dict[str, Any]) -> dict[str, Any]:
         return {"id": body["id"], "ok": False, "error": {"code": "shutting_down", "message": "draining"}}

@@ -25,7 +25,7 @@ import batcher.cli
 from batcher.broker import BrokerSettings
 from batcher.client import BatcherError, Cancelled, Client
 from batcher.launcher import free_tcp_address
-from tests.waiting import broker_stats, wait_until
+from tests.helpers import broker_stats, wait_until
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "batcher.example.toml"
 
@@ -140,6 +140,7 @@ def test_stats_command_prints_a_table_and_json(serve, client, cli):
     assert snapshot["workers_lost"] == 0 and snapshot["stopping"] is False
 
 
+@pytest.mark.integration
 def test_stats_command_fails_clearly_without_a_broker(cli):
     result = cli("stats", "--connect", free_tcp_address(), "--timeout-s", "0.3", timeout_s=10)
     assert result.returncode == 1, result

@@ -15,8 +15,8 @@ from batcher import protocol
 from batcher.client import Client
 from batcher.launcher import free_tcp_address
 from batcher.protocol import pack, unpack
+from tests.helpers import broker_stats, recv_replies, start_broker, wait_until
 from tests.reliability_models import DealerLoad
-from tests.waiting import broker_stats, recv_replies, start_broker, wait_until
 
 pytestmark = pytest.mark.integration
 

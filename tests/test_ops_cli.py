@@ -16,7 +16,6 @@ import re
 import signal
 import stat
 import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +26,11 @@ import batcher.cli
 from batcher.launcher import free_tcp_address
 from batcher.security import generate_keys
 from batcher.stats_table import Rates, compute_rates, format_stats
-from tests.fake_broker import FakeBroker, fake_brokers
+from tests.helpers import broker_stats, wait_until
 from tests.test_operations import settings_from_cli
-from tests.waiting import broker_stats, wait_until
+
+#: Every test here runs the CLI or a worker as a process of its own.
+pytestmark = pytest.mark.integration
 
 OPERATIONS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
 FAST_SIM = ("--sim-base-ms", "1", "--sim-per-item-ms", "0")
@@ -51,12 +52,6 @@ def assert_usage_error(result: Any, *expected: str) -> None:
     assert "Traceback" not in result.stderr, result.stderr
     for text in expected:
         assert text in result.stderr, result.stderr
-
-
-@pytest.fixture
-def fake_broker() -> Iterator[Callable[..., FakeBroker]]:
-    with fake_brokers() as make:
-        yield make
 
 
 @pytest.fixture
@@ -93,7 +88,6 @@ def test_flag_and_environment_beat_a_model_table(tmp_path):
     assert s.batch.max_wait_ms == 5.0 and echo.policy == "adaptive"  # the defaults
 
 
-@pytest.mark.integration
 def test_flag_beats_the_model_table_in_a_running_broker(spawn, tmp_path, zctx):
     config = write(tmp_path, "[models.sim]\nmax_batch_size = 32\nmax_queue = 90\nmax_wait_ms = 7\n")
     frontend = free_tcp_address()
@@ -235,7 +229,6 @@ def test_old_names_still_read_where_they_meant_that(monkeypatch, keys):
     assert s.curve is not None and s.curve.secret_key_file == keys["broker"][1]
 
 
-@pytest.mark.integration
 def test_worker_reads_its_own_variables_over_the_old_ones(spawn, zctx):
     frontend, backend = free_tcp_address(), free_tcp_address()
     spawn("broker", "--frontend", frontend, "--backend", backend, "--model", "echo")
@@ -257,7 +250,6 @@ def test_worker_reads_its_own_variables_over_the_old_ones(spawn, zctx):
     assert "deprecated" not in worker.stderr_path.read_text()
 
 
-@pytest.mark.integration
 def test_worker_old_names_work_with_one_warning_each(spawn, zctx):
     frontend, backend = free_tcp_address(), free_tcp_address()
     spawn("broker", "--frontend", frontend, "--backend", backend, "--model", "echo")
@@ -405,7 +397,6 @@ def test_stats_count_goes_with_watch(cli):
     assert_usage_error(result, "--count goes with --watch")
 
 
-@pytest.mark.integration
 def test_stats_watch_shows_rates_under_load(serve, client, cli):
     sp = serve("--workers", "1", "--model", "echo", workers=1)
     c = client(sp.frontend)
@@ -461,7 +452,6 @@ def test_readiness_of_a_snapshot():
     assert batcher.cli.readiness(snapshot, ()) == (["ready: sim (2 workers)", "ready: echo (1 worker)"], [])
 
 
-@pytest.mark.integration
 def test_ready_waits_for_a_worker_and_says_what_is_missing(spawn, cli, zctx):
     frontend, backend = free_tcp_address(), free_tcp_address()
     spawn("broker", "--frontend", frontend, "--backend", backend, "--model", "echo", "--model", "sim")
@@ -579,7 +569,6 @@ def test_bad_placement_in_the_config_is_a_usage_error(cli, tmp_path, toml, expec
     assert_usage_error(result, expected)
 
 
-@pytest.mark.integration
 def test_serve_places_workers_on_the_gpus_given(serve, zctx, tmp_path):
     config = write(tmp_path, "[models.sim]\ngpus = [1]\n")
     sp = serve("--config", config, "--model", "echo", "--model", "sim", "--gpus", "0,1",
@@ -632,7 +621,6 @@ def test_bench_passes_the_broker_options_to_its_serve(monkeypatch, keys):
     assert load["curve_server_key"] == load["curve_secret_key"] == keys["broker"][1]
 
 
-@pytest.mark.integration
 def test_bench_and_ready_with_curve_keys(cli, spawn, keys, tmp_path):
     broker_public, broker_secret = keys["broker"]
     spawned = cli("bench", "--spawn", "--curve-secret-key", broker_secret, "--model", "echo",
@@ -655,7 +643,6 @@ def test_bench_and_ready_with_curve_keys(cli, spawn, keys, tmp_path):
     assert "40 ok, 0 errors" in connected.stdout, connected.stdout
 
 
-@pytest.mark.integration
 def test_sighup_rereads_the_config_and_reloads_every_model(serve, zctx, tmp_path):
     """SIGHUP to serve: the file's new batching settings apply (a flag still wins), and
     every model's workers are replaced by new processes."""

@@ -23,7 +23,7 @@ import zmq.asyncio
 from batcher.aio import AsyncClient, AsyncPendingReply, ClientClosed
 from batcher.client import Client, ClientTimeout
 from batcher.launcher import free_tcp_address
-from tests.waiting import broker_stats, wait_until
+from tests.helpers import broker_stats, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -32,10 +32,13 @@ from batcher import protocol
 from batcher.client import Client, ModelError
 from batcher.launcher import ServeProcess, free_tcp_address
 from tests.conftest import kill_group
-from tests.waiting import broker_stats, wait_until
+from tests.helpers import broker_stats, wait_until
 from workers.models import ModelSpec, import_user_module, load_model
 from workers.supervisor import EXIT_MODEL_LOAD_FAILED
 from workers.worker import run_batch
+
+#: Every test here runs the CLI or a worker as a process of its own.
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_MODELS = ROOT / "examples" / "python" / "mymodels.py"

@@ -30,8 +30,8 @@ from batcher.client import (
     DeadlineExceeded,
 )
 from batcher.launcher import free_tcp_address
+from tests.helpers import wait_until
 from tests.reliability_models import MARKS_ENV, DealerLoad, LoggedServe, read_marks
-from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
