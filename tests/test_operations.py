@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import time
 import tomllib
 import urllib.request
 from pathlib import Path
@@ -25,7 +26,7 @@ import batcher.cli
 from batcher.broker import BrokerSettings
 from batcher.client import BatcherError, Cancelled, Client
 from batcher.launcher import free_tcp_address
-from tests.helpers import broker_stats, wait_until
+from tests.helpers import FLAT_SIM, broker_stats, wait_until
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "batcher.example.toml"
 
@@ -60,31 +61,38 @@ def sample(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: 
 @pytest.mark.integration
 def test_metrics_port_serves_counters_histograms_and_gauges(serve, client):
     port = free_port()
+    # The sim model at 5 ms a batch whatever its size: the model time the metrics report is known.
     sp = serve(
-        "--workers", "1", "--model", "echo", "--max-wait-ms", "2", "--metrics-port", str(port), workers=1
-    )
+        "--workers", "1", "--model", "sim", *FLAT_SIM, "--max-wait-ms", "2", "--metrics-port", str(port),
+        workers=1,
+    )  # fmt: skip
     c = client(sp.frontend)
-    assert c.request_many(range(50)) == list(range(50))
+    started = time.monotonic()
+    assert [out["echo"] for out in c.request_many(range(50))] == list(range(50))
+    elapsed_s = time.monotonic() - started
     with pytest.raises(BatcherError):
         c.request("x", model="nope")
-    stats = c.control("stats")["models"]["echo"]
+    stats = c.control("stats")["models"]["sim"]
 
     m = scrape(port)
-    assert sample(m, "batcher_requests_total", model="echo", outcome="ok") == 50
+    assert sample(m, "batcher_requests_total", model="sim", outcome="ok") == 50
     # Refused before it had a model of ours: counted under model="".
     assert sample(m, "batcher_requests_total", model="", outcome="unknown_model") == 1
     batches = stats["batches"]
-    assert sample(m, "batcher_batch_size_count", model="echo") == batches
-    assert sample(m, "batcher_batch_size_sum", model="echo") == 50
-    assert sample(m, "batcher_batch_size_bucket", model="echo", le="+Inf") == batches
-    assert sample(m, "batcher_queue_wait_seconds_count", model="echo") == 50
-    assert sample(m, "batcher_queue_wait_seconds_bucket", model="echo", le="10.0") == 50
-    assert sample(m, "batcher_inference_seconds_count", model="echo") == batches
-    assert sample(m, "batcher_inference_seconds_sum", model="echo") >= 0
-    assert sample(m, "batcher_queue_depth", model="echo") == 0
-    assert sample(m, "batcher_workers", model="echo") == 1
-    assert sample(m, "batcher_batches_in_flight", model="echo") == 0
-    assert sample(m, "batcher_worker_events_total", model="echo", event="joined") == 1
+    assert sample(m, "batcher_batch_size_count", model="sim") == batches
+    assert sample(m, "batcher_batch_size_sum", model="sim") == 50
+    assert sample(m, "batcher_batch_size_bucket", model="sim", le="+Inf") == batches
+    assert sample(m, "batcher_queue_wait_seconds_count", model="sim") == 50
+    assert sample(m, "batcher_queue_wait_seconds_bucket", model="sim", le="10.0") == 50
+    assert sample(m, "batcher_inference_seconds_count", model="sim") == batches
+    # Every batch cost the model at least its 5 ms; the one worker ran them one after the
+    # other while the requests were out, so their sum fits in the time they took.
+    inference_s = sample(m, "batcher_inference_seconds_sum", model="sim")
+    assert batches * 0.005 * 0.999 <= inference_s <= elapsed_s, (batches, inference_s, elapsed_s)
+    assert sample(m, "batcher_queue_depth", model="sim") == 0
+    assert sample(m, "batcher_workers", model="sim") == 1
+    assert sample(m, "batcher_batches_in_flight", model="sim") == 0
+    assert sample(m, "batcher_worker_events_total", model="sim", event="joined") == 1
 
 
 @pytest.mark.integration
