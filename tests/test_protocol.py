@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -11,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batcher import protocol
-from batcher.protocol import EnvelopeError, ErrorCode, ProtocolError, RequestHeader
+from batcher.protocol import EnvelopeError, ErrorCode, Heartbeat, ProtocolError, RequestHeader
 
 
 def body(msg: object) -> bytes:
@@ -358,21 +359,21 @@ def test_split_replies_inverts_reply_frames(replies: list[bytes]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("lengths", "blob", "total"),
+    ("lengths", "blob", "message"),
     [
-        pytest.param([3], b"abcde", 3, id="too-short"),
-        pytest.param([3, 4], b"abcde", 7, id="too-long"),
-        pytest.param([], b"abc", 0, id="no-lengths-but-bytes"),
-        pytest.param([1], b"", 1, id="bytes-missing"),
+        pytest.param([3], b"abcde", "reply lengths add up to 3 bytes, frame has 5", id="too-short"),
+        pytest.param([3, 4], b"abcde", "reply length 4 does not fit a 5-byte frame", id="too-long"),
+        pytest.param([], b"abc", "reply lengths add up to 0 bytes, frame has 3", id="no-lengths-but-bytes"),
+        pytest.param([1], b"", "reply length 1 does not fit a 0-byte frame", id="bytes-missing"),
     ],
 )
 def test_split_replies_rejects_lengths_that_do_not_add_up(
-    lengths: list[int], blob: bytes, total: int
+    lengths: list[int], blob: bytes, message: str
 ) -> None:
-    assert sum(lengths) == total
     # Either way the message names the frame's real size, so a broken worker is diagnosable.
-    with pytest.raises(ValueError, match=f"{len(blob)}-byte frame|frame has {len(blob)}"):
+    with pytest.raises(ValueError) as raised:
         protocol.split_replies(lengths, blob)
+    assert str(raised.value) == message
 
 
 @pytest.mark.parametrize("lengths", [[-1, 6], [6, -1]])
@@ -390,3 +391,106 @@ def test_ready_frames_layout() -> None:
 def test_ready_frames_without_slots_leaves_them_to_the_broker() -> None:
     frames = protocol.ready_frames("echo", None, 1)
     assert protocol.unpack(frames[2]) == {"model": "echo", "gpu": None, "pid": 1}
+
+
+# --- the documented values: what a client in another language hard-codes --------------------------
+# Compared with the literals of docs/protocol.md, not with the module's own constants, so a
+# changed code string or command byte fails here before it breaks a client.
+
+
+def test_error_codes_are_the_documented_strings() -> None:
+    assert {c.name: str(c) for c in ErrorCode} == {
+        "BAD_REQUEST": "bad_request",
+        "UNKNOWN_MODEL": "unknown_model",
+        "MODEL_ERROR": "model_error",
+        "DEADLINE_EXCEEDED": "deadline_exceeded",
+        "OVERLOADED": "overloaded",
+        "CANCELLED": "cancelled",
+        "WORKER_FAILED": "worker_failed",
+        "SHUTTING_DOWN": "shutting_down",
+        "UNAVAILABLE": "unavailable",
+        "INTERNAL": "internal_error",
+    }
+
+
+def test_backend_commands_are_the_documented_bytes() -> None:
+    assert protocol.WORKER_PROTOCOL == b"BATCHER-W1"
+    assert [protocol.CMD_READY, protocol.CMD_BATCH, protocol.CMD_REPLY, protocol.CMD_HEARTBEAT] == [
+        b"\x01",
+        b"\x02",
+        b"\x03",
+        b"\x04",
+    ]
+    assert protocol.CMD_DISCONNECT == b"\x05"
+
+
+def test_every_error_code_is_documented_in_protocol_md() -> None:
+    doc = (Path(__file__).parents[1] / "docs" / "protocol.md").read_text()
+    assert [str(c) for c in ErrorCode if f"`{c}`" not in doc] == []
+
+
+# --- heartbeat settings -------------------------------------------------------------------------------
+
+
+def test_heartbeat_default_is_500_ms_times_3() -> None:
+    hb = Heartbeat()
+    assert (hb.interval_ms, hb.liveness, hb.interval_s, hb.expiry_s) == (500.0, 3, 0.5, 1.5)
+
+
+def test_heartbeat_expiry_is_interval_times_liveness() -> None:
+    hb = Heartbeat(interval_ms=40.0, liveness=5)
+    assert hb.interval_s == pytest.approx(0.04)
+    assert hb.expiry_s == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"interval_ms": 0.0}, "heartbeat_ms must be > 0, got 0.0"),
+        ({"interval_ms": -5.0}, "heartbeat_ms must be > 0, got -5.0"),
+        ({"interval_ms": math.nan}, "heartbeat_ms must be > 0, got nan"),
+        ({"liveness": 0}, "heartbeat_liveness must be >= 1, got 0"),
+        ({"liveness": 2.5}, "heartbeat_liveness must be >= 1, got 2.5"),
+    ],
+)
+def test_heartbeat_rejects_bad_values_saying_which(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        Heartbeat(**kwargs)  # type: ignore[arg-type]
+    assert str(raised.value) == message
+
+
+def test_heartbeat_accepts_the_smallest_values() -> None:
+    hb = Heartbeat(interval_ms=0.001, liveness=1)
+    assert hb.expiry_s == pytest.approx(0.000001)
+
+
+# --- a bad_request echoes the id, whatever broke ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param({"id": 7, "input": 1, "model": 3}, id="model"),
+        pytest.param({"id": 7, "input": 1, "timeout_ms": -1}, id="timeout"),
+        pytest.param({"id": 7, "op": 5}, id="op"),
+        pytest.param({"id": 7}, id="no-input"),
+        pytest.param({"id": 7, "input": 1, "priority": "high"}, id="priority"),
+    ],
+)
+def test_bad_request_after_a_valid_id_carries_that_id(body: dict[str, object]) -> None:
+    with pytest.raises(ProtocolError) as raised:
+        protocol.parse_request(protocol.pack(body))
+    assert raised.value.code == "bad_request"
+    assert raised.value.req_id == 7
+
+
+def test_undecodable_body_still_echoes_an_id_read_before_the_fault() -> None:
+    truncated = protocol.pack({"id": "abc", "input": [1, 2, 3]})[:-2]
+    with pytest.raises(ProtocolError) as raised:
+        protocol.parse_request(truncated)
+    assert raised.value.req_id == "abc"
+
+
+def test_unpack_takes_non_string_map_keys() -> None:
+    data = protocol.pack({1: "one", 2.5: "two and a half", b"k": "bytes", None: 0})
+    assert protocol.unpack(data) == {1: "one", 2.5: "two and a half", b"k": "bytes", None: 0}
