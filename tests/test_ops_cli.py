@@ -418,7 +418,7 @@ def test_stats_watch_shows_rates_under_load(serve, client, cli):
     assert result.returncode == 0, result.stderr
     frames = [f for f in result.stdout.split(sp.frontend + "  ") if f.strip()]
     assert len(frames) == 3, result.stdout
-    rows = []
+    rows, counts = [], []
     for frame in frames:
         lines = frame.splitlines()
         header = lines[1]
@@ -426,10 +426,21 @@ def test_stats_watch_shows_rates_under_load(serve, client, cli):
         row = next(line for line in lines if line.startswith("echo "))
         start = header.index("infer p50/p99 ms") + len("infer p50/p99 ms")
         rows.append(row[start:].split()[:4])
+        ok = re.search(r"\bok: (\d+)", row)
+        assert ok, row
+        counts.append((int(ok.group(1)), int(row.split()[4])))  # (answered ok, batches) so far
     assert rows[0] == ["-", "-", "-", "-"], rows  # one snapshot: no rate yet
-    for req_s, ok_s, err_s, batch_s in rows[1:]:
-        assert float(req_s) > 0 and float(ok_s) == float(req_s) and float(err_s) == 0, rows
-        assert float(batch_s) > 0, rows
+    for (req_s, ok_s, err_s, batch_s), (ok_now, batches_now), (ok_before, batches_before) in zip(
+        rows[1:], counts[1:], counts[:-1], strict=True
+    ):
+        assert float(ok_s) == float(req_s) and float(err_s) == 0, rows
+        # Each rate is its counter's growth over the time between the two snapshots, which
+        # is the 0.3 s interval at least (tenfold slack above): both give that same time.
+        ok_grew, batches_grew = ok_now - ok_before, batches_now - batches_before
+        assert ok_grew > 0 and batches_grew > 0, counts
+        between_s = ok_grew / float(ok_s)
+        assert 0.3 * 0.95 <= between_s <= 3.0, (rows, counts)
+        assert batches_grew / float(batch_s) == pytest.approx(between_s, rel=0.05), (rows, counts)
 
 
 # --- 7. ready -------------------------------------------------------------------------------
