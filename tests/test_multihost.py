@@ -14,21 +14,16 @@ import time
 from collections import defaultdict
 from typing import Any
 
-import msgpack
 import pytest
 import zmq
 
 from batcher.client import ClientTimeout, MultiClient
 from batcher.launcher import free_tcp_address
-from tests.helpers import broker_stats as stats
-from tests.helpers import echo, silent, wait_until
-
-FAST_SIM = ("--sim-base-ms", "5", "--sim-per-item-ms", "0.5")
-HEARTBEAT = ("--heartbeat-ms", "100")
+from tests.helpers import FAST_SIM, HEARTBEAT, broker_stats, echo, pack, silent, unpack, wait_until
 
 
 def sim_workers(address: str, ctx: zmq.Context[Any]) -> int | None:
-    st = stats(address, ctx)
+    st = broker_stats(address, ctx)
     return st["models"]["sim"]["workers"] if st else None
 
 
@@ -64,7 +59,7 @@ class SteadyLoad:
         try:
             while not self._stop.is_set():
                 while self.sent - len(self.replies) < self.window:
-                    sock.send_multipart([b"", msgpack.packb({"id": self.sent, "input": self.sent})])
+                    sock.send_multipart([b"", pack({"id": self.sent, "input": self.sent})])
                     self.sent += 1
                 if sock.poll(100, zmq.POLLIN):
                     self._receive(sock)
@@ -74,7 +69,7 @@ class SteadyLoad:
             while len(self.replies) < self.sent and time.monotonic() < deadline:
                 if sock.poll(100, zmq.POLLIN):
                     self._receive(sock)
-            sock.send_multipart([b"", msgpack.packb({"id": "fence", "op": "stats"})])
+            sock.send_multipart([b"", pack({"id": "fence", "op": "stats"})])
             while "fence" not in self.replies and time.monotonic() < deadline:
                 if sock.poll(100, zmq.POLLIN):
                     self._receive(sock)
@@ -89,7 +84,7 @@ class SteadyLoad:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            reply = msgpack.unpackb(frames[-1], raw=False)
+            reply = unpack(frames[-1])
             self.replies[reply["id"]].append(reply)
 
     def stop(self) -> None:
@@ -202,7 +197,7 @@ def test_multiclient_goes_on_when_one_of_two_brokers_is_killed(serve, spawn, zct
         assert [o["echo"] for o in mc.request_many(range(10))] == list(range(10))
         after = mc.sent()
         assert after[a.frontend] - before[a.frontend] == 5, (before, after)
-        assert stats(b.frontend, zctx)["models"]["sim"]["outcomes"].get("ok", 0) >= 25
+        assert broker_stats(b.frontend, zctx)["models"]["sim"]["outcomes"].get("ok", 0) >= 25
 
 
 # --- MultiClient's rules, against scripted brokers ----------------------------------------------
