@@ -21,9 +21,8 @@ from batcher import AsyncClient
 from batcher.aio import ClientClosed
 from batcher.client import BadRequest, BatcherError, ClientTimeout, ModelError, UnknownModel
 from batcher.launcher import free_tcp_address
-from tests.helpers import FakeBroker
+from tests.helpers import FAST_SIM, FakeBroker
 
-FAST_SIM = ("--sim-base-ms", "5", "--sim-per-item-ms", "0.5")
 FLAKY = "flaky=tests.fixture_models:flaky"
 
 
