@@ -16,34 +16,19 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import msgpack
 import psutil
 import pytest
 import zmq
 
 from batcher.client import BadRequest, BatcherError, Client, DeadlineExceeded, ModelError, UnknownModel
 from batcher.launcher import free_tcp_address
+from tests.helpers import FAST_SIM, HEARTBEAT, pack, recv_frames, recv_reply, unpack
 
 pytestmark = pytest.mark.integration
 
-FAST_SIM = ("--sim-base-ms", "5", "--sim-per-item-ms", "0.5")
 FLAKY = "flaky=tests.fixture_models:flaky"
 SHORT = "short=tests.fixture_models:wrong_length"
 CUDA = "cuda=tests.fixture_models:cuda_devices"
-
-
-def pack(obj: object) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
-
-
-def recv(sock: zmq.Socket[Any], timeout_s: float = 10.0) -> list[bytes]:
-    """The next message on `sock`, or an assertion error after `timeout_s`."""
-    assert sock.poll(int(timeout_s * 1000), zmq.POLLIN), f"no reply within {timeout_s}s"
-    return sock.recv_multipart()
 
 
 def gather(socks: list[zmq.Socket[Any]], timeout_s: float = 20.0) -> list[list[bytes]]:
@@ -142,7 +127,7 @@ def test_dealer_without_delimiter_gets_replies_without_delimiter(serve, connect)
         sock.send(pack({"id": f"r{i}", "input": [i, "x"]}))
     replies = {}
     for _ in range(8):
-        frames = recv(sock)
+        frames = recv_frames(sock)
         assert len(frames) == 1, f"expected the body alone, got {frames!r}"
         reply = unpack(frames[0])
         replies[reply["id"]] = reply
@@ -249,7 +234,7 @@ def test_model_error_fails_its_whole_batch_and_the_worker_goes_on(serve, client)
 def test_worker_crash_mid_batch_is_answered_and_serve_goes_on(serve, client):
     sp = serve(
         "--workers", "1", "--model", "crash=tests.fixture_models:crash", "--max-wait-ms", "0",
-        "--heartbeat-ms", "100",  # a dead worker is found within 0.3 s
+        *HEARTBEAT,  # a dead worker is found within 0.3 s
         workers=1,
     )  # fmt: skip
     c = client(sp.frontend, timeout_s=15.0)
@@ -269,12 +254,12 @@ def test_unknown_model_is_refused_and_the_broker_keeps_serving(serve, connect):
     sp = serve("--workers", "1", "--model", "echo", "--max-wait-ms", "1", workers=1)
     sock = connect(zmq.REQ, sp.frontend)
     sock.send(pack({"id": 1, "input": "x", "model": "nope"}))
-    reply = unpack(recv(sock)[-1])
+    reply = recv_reply(sock)
     assert reply["id"] == 1 and not reply["ok"], reply
     assert reply["error"]["code"] == "unknown_model" and "nope" in reply["error"]["message"]
 
     sock.send(pack({"id": 2, "input": "y"}))
-    reply = unpack(recv(sock)[-1])
+    reply = recv_reply(sock)
     assert reply["id"] == 2 and reply["ok"] and reply["output"] == "y", reply
 
 
@@ -294,12 +279,12 @@ def test_garbage_gets_bad_request_and_the_broker_keeps_serving(serve, connect, k
     prefix = [b""] if kind == "DEALER" else []
     for i, (name, frames) in enumerate(GARBAGE.items()):
         sock.send_multipart([*prefix, *frames])
-        reply = unpack(recv(sock)[-1])
+        reply = recv_reply(sock)
         assert not reply["ok"], f"{name}: {reply}"
         assert reply["error"]["code"] == "bad_request", f"{name}: {reply}"
 
         sock.send_multipart([*prefix, pack({"id": 100 + i, "input": name})])
-        reply = unpack(recv(sock)[-1])
+        reply = recv_reply(sock)
         assert reply["ok"] and reply["id"] == 100 + i and reply["output"] == name, f"after {name}: {reply}"
 
 
@@ -398,7 +383,7 @@ def test_sigterm_answers_every_queued_and_running_request_then_exits(serve, conn
 
     def stats_on_late() -> dict[str, Any]:
         late.send_multipart([b"", pack({"id": "stats", "op": "stats"})])
-        return unpack(recv(late)[-1])["output"]
+        return recv_reply(late)["output"]
 
     stats_on_late()  # `late` is connected
     socks = queue_requests(sp, connect, zctx, 24)
@@ -416,7 +401,7 @@ def test_sigterm_answers_every_queued_and_running_request_then_exits(serve, conn
             assert reply["output"]["echo"] == i
         else:
             assert reply["error"]["code"] == "shutting_down", reply
-    refused = unpack(recv(late)[-1])
+    refused = recv_reply(late)
     assert refused["id"] == "late" and refused["error"]["code"] == "shutting_down", refused
 
     assert sp.process.wait(timeout=5) == 0
