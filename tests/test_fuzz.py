@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import psutil
 import pytest
 import zmq
@@ -24,7 +23,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from batcher import protocol
 from batcher.client import Client
-from tests.helpers import wait_until
+from tests.helpers import broker_stats, pack, recv_reply, unpack, wait_until
 from tests.reliability_models import (
     DISCONNECT,
     HEARTBEAT,
@@ -33,7 +32,6 @@ from tests.reliability_models import (
     malformed_backend_known,
     malformed_backend_unknown,
     malformed_frontend,
-    pack,
     rare_frontend,
 )
 
@@ -45,10 +43,6 @@ BACKEND_UNKNOWN_MESSAGES = 14_000
 BACKEND_KNOWN_MESSAGES = 6_000
 WINDOW = 250  # messages in flight per socket
 RSS_GROWTH_LIMIT = 50 * 1024 * 1024
-
-
-def unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
 @pytest.fixture
@@ -68,11 +62,6 @@ def echo_broker(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Logg
 
 def rss(s: LoggedServe) -> int:
     return int(psutil.Process(s.pid).memory_info().rss)
-
-
-def stats(s: LoggedServe, ctx: zmq.Context[Any]) -> dict[str, Any]:
-    with Client(s.frontend, timeout_s=5, context=ctx) as c:
-        return dict(c.control("stats"))
 
 
 def assert_serves_correctly(s: LoggedServe, ctx: zmq.Context[Any]) -> None:
@@ -191,7 +180,11 @@ def test_backend_survives_20000_malformed_messages(echo_broker, zctx):
     # A peer that did announce itself, then misbehaves (heartbeating so it stays alive).
     known = dealer(zctx, backend)
     known.send_multipart([WORKER_PROTOCOL, b"\x01", pack({"model": "fuzz-peer", "gpu": None, "pid": 0})])
-    wait_until(lambda: stats(s, zctx)["models"].get("fuzz-peer", {}).get("workers") == 1, 10, "fake joined")
+    wait_until(
+        lambda: broker_stats(s.frontend, zctx, 5).get("models", {}).get("fuzz-peer", {}).get("workers") == 1,
+        10,
+        "fake joined",
+    )
     known_stream = malformed_backend_known(rng)
     for n in range(BACKEND_KNOWN_MESSAGES):
         category, frames = next(known_stream)
@@ -203,8 +196,10 @@ def test_backend_survives_20000_malformed_messages(echo_broker, zctx):
 
     # Every malformed message was dropped and counted: a barrier for the broker's side.
     total = BACKEND_UNKNOWN_MESSAGES + BACKEND_KNOWN_MESSAGES
-    wait_until(lambda: stats(s, zctx)["dropped_backend_messages"] == total, 20, "all dropped")
-    models = stats(s, zctx)["models"]
+    wait_until(
+        lambda: broker_stats(s.frontend, zctx, 5).get("dropped_backend_messages") == total, 20, "all dropped"
+    )
+    models = broker_stats(s.frontend, zctx, 5)["models"]
     assert models["fuzz-peer"]["workers"] == 1, "the misbehaving but live worker was dropped"
     assert models["echo"]["workers"] == 1, models
     known.send_multipart([WORKER_PROTOCOL, DISCONNECT])
@@ -225,7 +220,7 @@ def test_backend_survives_20000_malformed_messages(echo_broker, zctx):
         )
         sock.send_multipart([WORKER_PROTOCOL, DISCONNECT])
 
-    after = stats(s, zctx)
+    after = broker_stats(s.frontend, zctx, 5)
     assert after["workers_lost"] == 0, f"a worker was taken for dead during the fuzzing: {after}"
     assert_serves_correctly(s, zctx)
     growth = rss(s) - baseline
@@ -257,8 +252,7 @@ def test_message_over_max_message_bytes_disconnects_its_sender_only(echo_broker,
         assert not sock.poll(0, zmq.POLLIN), "an oversized message was answered"
         # ZeroMQ reconnects the sender; a normal request from it is served again.
         sock.send_multipart([b"", pack({"id": "after", "input": "after"})])
-        assert sock.poll(10_000, zmq.POLLIN), "the reconnected sender was not answered"
-        reply = unpack(sock.recv_multipart()[-1])
+        reply = recv_reply(sock, 10)  # the reconnected sender is answered
         assert reply["id"] == "after" and reply["output"] == "after", reply
     finally:
         sock.disable_monitor()
@@ -293,13 +287,11 @@ def test_deepest_accepted_request_does_not_fail_the_requests_batched_with_it(ser
         sock.send_multipart([b"", pack({"id": i, "input": f"innocent {i}"})])
     attacker.send_multipart([b"", deepest_accepted_body()])  # the 4th request: one full batch
     for i, sock in enumerate(innocent):
-        assert sock.poll(10_000, zmq.POLLIN), "no reply"
-        reply = unpack(sock.recv_multipart()[-1])
+        reply = recv_reply(sock, 10)
         assert reply["ok"] and reply["output"] == f"innocent {i}", f"innocent request {i} got {reply}"
-    assert attacker.poll(10_000, zmq.POLLIN), "the deep request got no reply"
     # The broker parses a body one level deeper than sent, as the worker will see it in its
     # batch, so whatever it accepts the worker decodes too: this one is served.
-    reply = unpack(attacker.recv_multipart()[-1])
+    reply = recv_reply(attacker, 10)
     assert reply["ok"], reply
 
 
