@@ -22,14 +22,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import psutil
 import pytest
 import zmq
 
 from batcher import protocol
 from batcher.launcher import ServeProcess, free_tcp_address
-from tests.helpers import broker_stats, wait_until
+from tests.helpers import broker_stats, pack, recv_reply, start_broker, unpack, wait_until
 from workers.supervisor import STARTING_S, PoolSettings, Supervisor
 from workers.worker import EXIT_BAD_ADDRESS
 
@@ -58,20 +57,6 @@ class SlowLoad:
     def __call__(self, inputs: list[Any]) -> list[Any]:
         time.sleep(max(float(x.get("sleep", 0.0)) for x in inputs))
         return [{"i": x["i"], "pid": os.getpid()} for x in inputs]
-
-
-def pack(obj: object) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
-
-
-def recv(sock: zmq.Socket[Any], timeout_s: float) -> dict[str, Any]:
-    """The next reply body on `sock`, or fail after `timeout_s`."""
-    assert sock.poll(int(timeout_s * 1000), zmq.POLLIN), f"no reply within {timeout_s}s"
-    return dict(unpack(sock.recv_multipart()[-1]))
 
 
 def group_alive(pgid: int) -> list[int]:
@@ -152,14 +137,14 @@ def test_group_sigterm_slow_model_every_queued_request_answered_ok_and_serve_exi
     os.killpg(sp.process.pid, signum)  # serve and its worker alike, as systemd does
     wait_until(lambda: broker_stats(sp.frontend, zctx).get("stopping"), 5, "serve draining")
     late.send_multipart([b"", pack({"id": "late", "input": {"i": -1}})])
-    refused = recv(late, 5)
+    refused = recv_reply(late, 5)
     assert refused["error"]["code"] == "shutting_down", refused
 
     # A worker that left on the group's signal could only be replaced by one loading for
     # RELOAD_S, past the 10 s grace: the queue would be answered shutting_down.
     replies = {}
     for _ in range(n):
-        reply = recv(sock, 15)
+        reply = recv_reply(sock, 15)
         assert reply["id"] not in replies, f"second reply: {reply}"
         replies[reply["id"]] = reply
     for i in range(n):
@@ -194,7 +179,7 @@ def test_second_group_sigterm_kills_the_busy_worker_and_serve_exits_at_once(
     )
     signalled = time.monotonic()
     os.killpg(sp.process.pid, signal.SIGTERM)
-    codes = sorted(recv(sock, 5)["error"]["code"] for _ in range(4))
+    codes = sorted(recv_reply(sock, 5)["error"]["code"] for _ in range(4))
     assert codes == ["shutting_down"] * 4, codes
     sp.process.wait(timeout=5)
     assert time.monotonic() - signalled < 3, "serve waited for the busy worker"
@@ -217,8 +202,7 @@ def test_workers_exit_at_once_when_serve_is_sigkilled(serve: Callable[..., Serve
 def test_lone_worker_stops_cleanly_on_sigterm_and_sigint(
     spawn: Any, zctx: zmq.Context[Any], signum: int
 ) -> None:
-    frontend, backend = free_tcp_address(), free_tcp_address()
-    spawn("broker", "--frontend", frontend, "--backend", backend, "--model", "echo")
+    frontend, backend = start_broker(spawn, zctx, "--model", "echo")
     worker = spawn("worker", "--connect", backend, "--model", "echo")
 
     def workers() -> int | None:
