@@ -188,3 +188,28 @@ def fake_brokers() -> Iterator[Callable[[Answer], FakeBroker]]:
         for fb in made:
             fb.stop()
         ctx.destroy(linger=0)
+
+# --- stats over CURVE (added for the CURVE tests; broker_stats above is plaintext) -------------
+
+
+def curve_broker_stats(
+    address: str,
+    ctx: zmq.Context[Any],
+    curve_server_key: str,
+    curve_secret_key: str | None = None,
+    timeout_s: float = 0.5,
+) -> dict[str, Any]:
+    """broker_stats for a CURVE broker: asked with the broker's public key file and, if
+    given, a client's key pair (else a throwaway one); {} when it does not answer."""
+    with Client(
+        address,
+        timeout_s=timeout_s,
+        context=ctx,
+        curve_server_key=curve_server_key,
+        curve_secret_key=curve_secret_key,
+    ) as c:
+        try:
+            return dict(c.control("stats"))
+        except BatcherError:
+            return {}
+
