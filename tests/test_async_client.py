@@ -160,6 +160,7 @@ def got_ids(fb: FakeBroker) -> list[Any]:
     return [b["id"] for b in fb.received]
 
 
+@pytest.mark.integration  # it measures how long the client waits
 def test_timeout_against_an_address_nobody_listens_on(actx):
     async def main() -> None:
         async with AsyncClient(free_tcp_address(), timeout_s=0.2, context=actx) as client:
