@@ -15,29 +15,19 @@ from batcher import protocol
 from batcher.client import Client
 from batcher.launcher import free_tcp_address
 from batcher.protocol import pack, unpack
-from tests.helpers import broker_stats, recv_replies, start_broker, wait_until
+from tests.helpers import FLAT_SIM, broker_stats, curve_broker_stats, recv_replies, start_broker, wait_until
 from tests.reliability_models import DealerLoad
 
 pytestmark = pytest.mark.integration
 
-FAST_SIM = ("--sim-base-ms", "5", "--sim-per-item-ms", "0")
-
-
-def dealer(zctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
-    sock: zmq.Socket[Any] = zctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    return sock
-
-
 # --- readiness, and models without workers -------------------------------------------------------
 
 
-def test_model_without_worker_is_answered_unavailable_then_served_once_a_worker_joins(spawn, zctx):
+def test_model_without_worker_is_answered_unavailable_then_served_once_a_worker_joins(spawn, zctx, connect):
     frontend, backend = start_broker(spawn, zctx, "--model", "double", "--no-worker-timeout-ms", "300")
     st = broker_stats(frontend, zctx)["models"]["double"]
     assert st["configured"] is True and st["ready"] is False and st["workers"] == 0
-    client = dealer(zctx, frontend)
+    client = connect(zmq.DEALER, frontend)
     started = time.monotonic()
     client.send_multipart([b"", pack({"id": 1, "input": 2, "model": "double"})])
     (reply,) = recv_replies(client, 1)
@@ -49,7 +39,7 @@ def test_model_without_worker_is_answered_unavailable_then_served_once_a_worker_
     client.send_multipart([b"", pack({"id": 2, "input": 2, "model": "double"})])
     assert recv_replies(client, 1, timeout_s=2)[0]["error"]["code"] == "unavailable"
     # A worker joins: requests are queued for it again, and it serves them.
-    worker = dealer(zctx, backend)
+    worker = connect(zmq.DEALER, backend)
     worker.send_multipart([protocol.WORKER_PROTOCOL, protocol.CMD_READY, pack({"model": "double", "pid": 7})])
     wait_until(lambda: broker_stats(frontend, zctx)["models"]["double"]["ready"], 10, "ready once it joins")
     client.send_multipart([b"", pack({"id": 3, "input": 2, "model": "double"})])
@@ -67,9 +57,9 @@ def test_model_without_worker_is_answered_unavailable_then_served_once_a_worker_
     assert recv_replies(client, 1)[0] == {"id": 3, "ok": True, "output": 4}
 
 
-def test_no_worker_timeout_0_waits_for_a_worker(spawn, zctx):
+def test_no_worker_timeout_0_waits_for_a_worker(spawn, zctx, connect):
     frontend, _ = start_broker(spawn, zctx, "--model", "double", "--no-worker-timeout-ms", "0")
-    client = dealer(zctx, frontend)
+    client = connect(zmq.DEALER, frontend)
     client.send_multipart([b"", pack({"id": 1, "input": 2, "model": "double"})])
     wait_until(lambda: broker_stats(frontend, zctx)["models"]["double"]["queued"] == 1, 10, "queued")
     assert not client.poll(1000), "answered although 0 means wait forever"
@@ -87,7 +77,7 @@ def test_unknown_model_lists_the_models_served(spawn, zctx):
 
 
 def test_stats_show_each_workers_gpu_and_readiness(serve, zctx):
-    s = serve("--model", "sim", "--workers", "2", "--gpus", "3,5", *FAST_SIM, workers=2)
+    s = serve("--model", "sim", "--workers", "2", "--gpus", "3,5", *FLAT_SIM, workers=2)
     st = broker_stats(s.frontend, zctx)["models"]["sim"]
     assert st["ready"] is True and st["configured"] is True and st["no_worker_s"] is None
     assert sorted(w["gpu"] for w in st["worker_list"]) == [3, 5]
@@ -112,20 +102,17 @@ def test_queue_time_includes_the_wait_in_the_workers_prefetch(serve, zctx):
 # --- CURVE: refused handshakes are counted and logged ---------------------------------------------
 
 
-def test_plaintext_peer_on_a_curve_socket_is_counted_and_logged(spawn, zctx, cli, tmp_path):
+def test_plaintext_peer_on_a_curve_socket_is_counted_and_logged(spawn, zctx, connect, cli, tmp_path):
     assert cli("keygen", str(tmp_path / "keys"), "--name", "broker").returncode == 0
     secret = str(tmp_path / "keys" / "broker.key_secret")
     frontend, backend = free_tcp_address(), free_tcp_address()
     proc = spawn("broker", "--frontend", frontend, "--backend", backend, "--curve-secret-key", secret)
-    plain = dealer(zctx, backend)
+    plain = connect(zmq.DEALER, backend)
     plain.send_multipart([protocol.WORKER_PROTOCOL, protocol.CMD_READY, pack({"model": "x"})])
 
     def refused() -> bool:
-        with Client(frontend, timeout_s=1, context=zctx, curve_server_key=secret) as c:
-            try:
-                return bool(c.control("stats")["handshakes_refused"].get("backend"))
-            except Exception:
-                return False
+        stats = curve_broker_stats(frontend, zctx, curve_server_key=secret, timeout_s=1)
+        return bool(stats.get("handshakes_refused", {}).get("backend"))
 
     wait_until(refused, 20, "the plaintext handshake counted")
     wait_until(lambda: "refused a handshake on the backend" in proc.stderr_path.read_text(), 10, "logged")
@@ -135,7 +122,7 @@ def test_plaintext_peer_on_a_curve_socket_is_counted_and_logged(spawn, zctx, cli
 
 
 def test_reload_replaces_every_worker_under_load_and_loses_nothing(serve, zctx, cli):
-    s = serve("--model", "sim", "--workers", "2", *FAST_SIM, "--max-batch-size", "4", workers=2)
+    s = serve("--model", "sim", "--workers", "2", *FLAT_SIM, "--max-batch-size", "4", workers=2)
     before = {w["worker"] for w in broker_stats(s.frontend, zctx)["models"]["sim"]["worker_list"]}
     load = DealerLoad(zctx, s.frontend, clients=3, depth=4)
     done: list[Any] = []
