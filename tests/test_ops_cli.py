@@ -26,14 +26,13 @@ import batcher.cli
 from batcher.launcher import free_tcp_address
 from batcher.security import generate_keys
 from batcher.stats_table import Rates, compute_rates, format_stats
-from tests.helpers import broker_stats, wait_until
+from tests.helpers import FLAT_SIM, broker_stats, silent, start_broker, wait_until
 from tests.test_operations import settings_from_cli
 
 #: Every test here runs the CLI or a worker as a process of its own.
 pytestmark = pytest.mark.integration
 
 OPERATIONS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
-FAST_SIM = ("--sim-base-ms", "1", "--sim-per-item-ms", "0")
 REAL_POOL_SETTINGS = batcher.cli.pool_settings  # before any test replaces it
 
 
@@ -230,8 +229,7 @@ def test_old_names_still_read_where_they_meant_that(monkeypatch, keys):
 
 
 def test_worker_reads_its_own_variables_over_the_old_ones(spawn, zctx):
-    frontend, backend = free_tcp_address(), free_tcp_address()
-    spawn("broker", "--frontend", frontend, "--backend", backend, "--model", "echo")
+    frontend, backend = start_broker(spawn, zctx, "--model", "echo")
     # The old names hold what they mean for clients and serve: a worker must not use them.
     worker = spawn(
         "worker",
@@ -251,8 +249,7 @@ def test_worker_reads_its_own_variables_over_the_old_ones(spawn, zctx):
 
 
 def test_worker_old_names_work_with_one_warning_each(spawn, zctx):
-    frontend, backend = free_tcp_address(), free_tcp_address()
-    spawn("broker", "--frontend", frontend, "--backend", backend, "--model", "echo")
+    frontend, backend = start_broker(spawn, zctx, "--model", "echo")
     worker = spawn(
         "worker",
         env={"BATCHER_CONNECT": backend, "BATCHER_MODEL": "echo",
@@ -270,10 +267,6 @@ def test_worker_old_names_work_with_one_warning_each(spawn, zctx):
 
 
 # --- 3. send --timeout-s --------------------------------------------------------------------
-
-
-def silent(body: dict[str, Any]) -> dict[str, Any] | None:
-    return None
 
 
 def test_send_timeout_s_bounds_the_wait_and_says_why(cli, fake_broker):
@@ -464,9 +457,7 @@ def test_readiness_of_a_snapshot():
 
 
 def test_ready_waits_for_a_worker_and_says_what_is_missing(spawn, cli, zctx):
-    frontend, backend = free_tcp_address(), free_tcp_address()
-    spawn("broker", "--frontend", frontend, "--backend", backend, "--model", "echo", "--model", "sim")
-    wait_until(lambda: broker_stats(frontend, zctx), 15, "the broker answering", error=RuntimeError)
+    frontend, backend = start_broker(spawn, zctx, "--model", "echo", "--model", "sim")
 
     missing = cli("ready", "--connect", frontend, "--timeout-s", "0.5")
     assert missing.returncode == 1, missing
@@ -481,7 +472,7 @@ def test_ready_waits_for_a_worker_and_says_what_is_missing(spawn, cli, zctx):
     )
     thread.start()
     spawn("worker", "--connect", backend, "--model", "echo")
-    spawn("worker", "--connect", backend, "--model", "sim", *FAST_SIM)
+    spawn("worker", "--connect", backend, "--model", "sim", *FLAT_SIM)
     thread.join(45)
     (result,) = waiting
     assert result.returncode == 0, result
@@ -583,7 +574,7 @@ def test_bad_placement_in_the_config_is_a_usage_error(cli, tmp_path, toml, expec
 def test_serve_places_workers_on_the_gpus_given(serve, zctx, tmp_path):
     config = write(tmp_path, "[models.sim]\ngpus = [1]\n")
     sp = serve("--config", config, "--model", "echo", "--model", "sim", "--gpus", "0,1",
-               "--workers-per-gpu", "2", *FAST_SIM, workers=6)  # fmt: skip
+               "--workers-per-gpu", "2", *FLAT_SIM, workers=6)  # fmt: skip
     models = broker_stats(sp.frontend, zctx)["models"]
     assert sorted(w["gpu"] for w in models["echo"]["worker_list"]) == [0, 0, 1, 1]
     assert sorted(w["gpu"] for w in models["sim"]["worker_list"]) == [1, 1]
