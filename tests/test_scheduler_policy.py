@@ -1271,3 +1271,245 @@ def test_adaptive_heals_batches_fragmented_at_the_start_of_a_closed_loop() -> No
     max_wait_ms, before the next group could join it). adaptive holds a partial batch for
     a busy worker until that worker is due to be done, so groups merge into full batches."""
     assert _closed_loop_batches("adaptive")[-10:] == [32] * 10
+
+
+# --- adaptive: the heavy-load rule at its edges ----------------------------------------------------
+# docs/scheduling.md: under heavy load (r*t(1) > 1.2 W) an idle worker does not take the queue
+# at once; it is held for n = ceil(r*a / (0.8 W - r*b)) requests (all of max_batch_size when
+# 0.8 W <= r*b), and rechecked after the time those take to arrive at the current rate.
+
+
+def _under_load(
+    workers: int, a: float, b: float, arrivals: int, queued: int
+) -> tuple[Scheduler, float, float]:
+    """Adaptive "m" (max_batch_size 64, a window long enough never to matter) on `workers`
+    idle workers with the cost t(n) = a + b*n learned; at `now`, `arrivals` requests arrive
+    at once (so the rate estimate is arrivals / RATE_TAU_S) and all but `queued` of them are
+    cancelled. Returns the scheduler, now and the rate estimate."""
+    s = make(size=64, wait_ms=10_000.0, workers=workers, policy="adaptive")
+    now = teach(s, [(1, a + b), (8, a + 8 * b), (1, a + b), (8, a + 8 * b)], now=0.0)
+    reqs = enqueue_many(s, "m", arrivals, now)
+    gone = {r.id for r in reqs[queued:]}
+    assert len(s.cancel(lambda r: r.id in gone)) == arrivals - queued
+    learned = s.cost("m")
+    assert learned is not None
+    assert learned == pytest.approx((a, b), abs=1e-9)
+    rate = s.models["m"].rate.per_second(now)
+    assert rate == pytest.approx(arrivals / RATE_TAU_S)
+    return s, now, rate
+
+
+def _held_for(s: Scheduler, now: float) -> float | None:
+    """How long the queue is held from `now` (None: a batch went at once)."""
+    if s.due_batches(now):
+        return None
+    wake = s.next_wakeup()
+    assert wake is not None and wake > now
+    return wake - now
+
+
+@pytest.mark.parametrize(
+    ("workers", "a", "b", "arrivals", "held_s"),
+    [
+        # r = 100/s, t(1) = 30 ms: r*t(1) = 3.0 > 1.2*2; n = ceil(100*0.02 / (1.6 - 1.0)) = 4
+        pytest.param(2, 0.020, 0.010, 20, 3 / 100, id="slope-counts-in-the-threshold"),
+        # r = 50/s, t(1) = 51 ms: 2.55 > 2.4, just over; n = ceil(2.5 / 1.55) = 2
+        pytest.param(2, 0.050, 0.001, 10, 1 / 50, id="just-over-1.2-W"),
+        # one worker: 50 * 0.051 > 1.2; n = ceil(2.5 / (0.8 - 0.05)) = 4
+        pytest.param(1, 0.050, 0.001, 10, 3 / 50, id="one-worker"),
+        # r*b = 2.0 >= 0.8 W: no size keeps up, so the queue waits for a full batch of 64
+        pytest.param(2, 0.020, 0.020, 20, 63 / 100, id="no-headroom-full-batch"),
+    ],
+)
+def test_heavy_load_holds_the_queue_for_the_batch_that_leaves_headroom(
+    workers: int, a: float, b: float, arrivals: int, held_s: float
+) -> None:
+    s, now, _ = _under_load(workers, a, b, arrivals, queued=1)
+    assert _held_for(s, now) == pytest.approx(held_s)
+
+
+def test_just_under_heavy_load_two_idle_workers_take_the_queue_at_once() -> None:
+    s, now, rate = _under_load(2, 0.050, 0.001, 9, queued=1)  # 45 * 0.051 = 2.3 <= 2.4
+    assert rate * 0.051 <= 1.2 * 2
+    assert _held_for(s, now) is None
+
+
+def test_heavy_load_sends_the_queue_once_it_holds_the_target() -> None:
+    s, now, _ = _under_load(2, 0.050, 0.001, 10, queued=2)  # the target is 2
+    (batch,) = s.due_batches(now)
+    assert len(batch.requests) == 2
+
+
+# --- adaptive: holding a lone idle worker back, where the per-item cost b matters -------------------
+# docs/scheduling.md: with one idle worker, the queue of n is held for the next arrival (in
+# g = 1/r) when that lowers the total latency: dispatching now, the next arrival waits for the
+# first worker to free, at F, and finishes at F + t(1); held, all finish at now + g + t(n+1);
+# holding costs the n queued requests g + b each. Hold iff
+# (F + t(1)) - (now + g + t(n+1)) > n * (g + b).
+
+
+def _one_idle_of_four(b: float, queued: int, busy_left_s: float | None = None) -> tuple[Scheduler, float]:
+    """Adaptive "m" with t(n) = 0.4 + b*n learned and four workers, three of them busy with a
+    full batch of 8; `queued` requests arrive at `now` (the rate estimate is then
+    queued / RATE_TAU_S, earlier arrivals long decayed). The three busy workers finish
+    `busy_left_s` after now (by default as late as a full batch makes them)."""
+    s = make(size=8, wait_ms=10_000.0, workers=1, policy="adaptive")
+    t0 = teach(s, [(1, 0.4 + b), (8, 0.4 + 8 * b), (1, 0.4 + b), (8, 0.4 + 8 * b)], now=0.0)
+    enqueue_many(s, "m", 24, t0)  # the busy workers' batches: queued before the others joined
+    t1 = t0 + 10.0
+    for wid in (b"w1", b"w2", b"w3"):
+        s.add_worker(wid, "m")
+    busy = s.due_batches(t1)
+    assert [len(x.requests) for x in busy] == [8, 8, 8]
+    assert len({x.worker for x in busy}) == 3  # the least recently used three; one stays idle
+    done_at = busy[0].expected_done_at
+    assert done_at == pytest.approx(t1 + 0.4 + 8 * b)
+    now = t1 if busy_left_s is None else done_at - busy_left_s
+    enqueue_many(s, "m", queued, now)
+    assert s.models["m"].rate.per_second(now) == pytest.approx(queued / RATE_TAU_S, rel=1e-6)
+    return s, now
+
+
+def _holding_pays(b: float, n: int, first_free_in: float) -> bool:
+    """The documented rule, with a = 0.4 and r = n / RATE_TAU_S."""
+    a, g = 0.4, RATE_TAU_S / n
+    return (first_free_in + a + b) - (g + a + b * (n + 1)) > n * (g + b)
+
+
+@pytest.mark.parametrize(
+    ("b", "held"),
+    [
+        (0.030, True),  # r = 10/s, g = 0.1: 0.4 + 2b - 0.3 - 3b + b > 2(0.1 + b)  <=>  b < 0.05
+        (0.045, True),
+        (0.055, False),
+        (0.070, False),
+    ],
+)
+def test_one_idle_worker_holds_two_requests_only_while_the_per_item_cost_is_small(
+    b: float, held: bool
+) -> None:
+    s, now = _one_idle_of_four(b, queued=2)
+    assert _holding_pays(b, 2, first_free_in=0.4 + 2 * b) is held  # the idle worker frees first
+    assert 10 * (0.4 + b) <= 1.2 * 4  # not heavy load: this rule decides
+    wait = _held_for(s, now)
+    if held:
+        assert wait == pytest.approx(0.1)  # rechecked when the next arrival is due
+    else:
+        assert wait is None
+
+
+@pytest.mark.parametrize(("queued", "held"), [(1, False), (2, True)])
+def test_one_idle_worker_holds_only_when_the_next_arrival_comes_soon_enough(queued: int, held: bool) -> None:
+    """One arrival (r = 5/s, g = 0.2 s): holding a lone request costs more than it saves;
+    two (r = 10/s, g = 0.1 s): it pays."""
+    b = 0.02
+    s, now = _one_idle_of_four(b, queued=queued)
+    assert _holding_pays(b, queued, first_free_in=0.4 + queued * b) is held
+    assert queued / RATE_TAU_S * (0.4 + b) <= 1.2 * 4  # not heavy load: this rule decides
+    assert (_held_for(s, now) is not None) is held
+
+
+def test_holding_does_not_pay_when_a_busy_worker_frees_almost_at_once() -> None:
+    """The next arrival would find a worker free 50 ms from now: no reason to hold."""
+    s, now = _one_idle_of_four(0.03, queued=2, busy_left_s=0.05)
+    assert not _holding_pays(0.03, 2, first_free_in=0.05)
+    assert _held_for(s, now) is None
+
+
+# --- the cost model: a slope from batch sizes that differ by one ---------------------------------
+
+
+def test_cost_model_learns_the_slope_from_sizes_one_and_two() -> None:
+    cm = CostModel()
+    for n in (1, 2, 1, 2, 1, 2):
+        cm.observe(n, 0.020 + 0.005 * n)
+    a, b = cm.coefficients()
+    assert (a, b) == (pytest.approx(0.020), pytest.approx(0.005))
+
+
+# --- priorities between -1 and 0 -------------------------------------------------------------------
+
+
+def test_a_priority_just_below_zero_goes_after_priority_zero() -> None:
+    s = make(size=1, wait_ms=0.0)
+    put(s, "m", rq(0.0, -0.5, rid="slightly-low"), rq(0.001, 0, rid="plain"))
+    assert [ids(b) for b in s.due_batches(0.001)] == [["plain"]]
+
+
+def test_a_priority_just_above_zero_goes_before_priority_zero() -> None:
+    s = make(size=1, wait_ms=0.0)
+    put(s, "m", rq(0.0, 0, rid="plain"), rq(0.001, 0.5, rid="slightly-high"))
+    assert [ids(b) for b in s.due_batches(0.001)] == [["slightly-high"]]
+
+
+# --- cancel scoped to one model ---------------------------------------------------------------------
+
+
+def test_cancel_of_one_model_leaves_the_other_models_requests() -> None:
+    s = Scheduler(per_model={"a": BatchSettings(8, 10.0), "b": BatchSettings(8, 10.0)})
+    put(s, "a", rq(0.0, rid=1), rq(0.0, rid=2))
+    put(s, "b", rq(0.0, rid=3))
+    out = s.cancel(lambda r: True, model="b")
+    assert [(m, r.id) for m, r in out] == [("b", 3)]
+    assert (s.queued("a"), s.queued("b")) == (2, 0)
+    assert sorted(int_id(r) for _, r in s.cancel(lambda r: True)) == [1, 2]
+
+
+# --- compaction: the queue's structures follow what waits, not what passed through ---------------
+
+
+def _lengths(s: Scheduler) -> dict[str, int]:
+    mq = s.models["m"]
+    return {
+        "fifo": len(mq.fifo),
+        "heap": len(mq.heap),
+        "heap_arrivals": len(mq.heap_arrivals),
+        "deadlines": len(mq.deadlines),
+    }
+
+
+@pytest.mark.parametrize("how", ["cancel", "cancel_id", "expire"])
+def test_removing_most_of_a_long_queue_compacts_every_structure(how: str) -> None:
+    """500 requests in both lanes (half plain, half with a priority and a deadline); 480 of
+    them leave by `how`. Every structure then holds at most 2 x queued + 64 entries, and
+    the 20 left are served in the documented order."""
+    s = make(size=8, wait_ms=10_000.0, workers=0, max_queue=1000)
+    plain = [rq(0.0, rid=i) for i in range(250)]
+    ranked = [rq(0.0, priority=1, deadline=100.0 + i, rid=250 + i) for i in range(250)]
+    put(s, "m", *[r for pair in zip(plain, ranked, strict=True) for r in pair])
+    keep = {*range(240, 250), *range(490, 500)}
+    if how == "cancel":
+        s.cancel(lambda r: r.id not in keep)
+    elif how == "cancel_id":
+        for r in [*plain, *ranked]:
+            if r.id not in keep:
+                assert s.cancel_id(r.envelope[0], r.id) == [("m", r)]
+    else:
+        for r in plain:
+            if r.id not in keep:
+                s.cancel_id(r.envelope[0], r.id)
+        assert len(s.expire(100.0 + 239.5)) == 240  # the ranked ones with deadlines 100..339
+    assert s.queued("m") == 20
+    lengths = _lengths(s)
+    assert all(n <= 2 * 20 + 64 for n in lengths.values()), lengths
+    s.add_worker(b"w0", "m")
+    served: list[object] = []
+    now = 1.0
+    while s.queued("m"):
+        for batch in s.due_batches(now):
+            served += ids(batch)
+            assert s.complete(batch.worker, batch.batch_id) is batch
+        now += 20.0
+    assert served == [*range(490, 500), *range(240, 250)]  # priority 1 first, then arrival
+
+
+def test_structures_stay_bounded_at_every_removal() -> None:
+    """Checked after every single cancellation, not only at the end."""
+    s = make(size=8, wait_ms=10_000.0, workers=0, max_queue=1000)
+    reqs = put(s, "m", *[rq(0.0, priority=i % 3, deadline=50.0 + i if i % 2 else None) for i in range(300)])
+    for i, r in enumerate(reqs):
+        s.cancel_id(r.envelope[0], r.id)
+        left = len(reqs) - i - 1
+        assert s.queued("m") == left
+        lengths = _lengths(s)
+        assert all(n <= 2 * left + 64 for n in lengths.values()), (i, lengths)
