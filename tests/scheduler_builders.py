@@ -1,8 +1,8 @@
 """Builders and checks shared by tests/test_scheduler.py and tests/test_scheduler_policy.py.
 
 Requests, schedulers for one model "m", a batch cost taught through ordinary replies, and
-the checks that both random-sequence harnesses (test_scheduler.py's SchedulerMachine and
-test_scheduler_policy.py's Run) make after each loop turn. Every `now` is a plain float:
+the checks that the random-sequence harness (test_scheduler_policy.py's Run) makes after
+each loop turn. Every `now` is a plain float:
 the scheduler never reads a clock.
 
 pytest rewrites the asserts of test modules only, so the checks here say what they saw.

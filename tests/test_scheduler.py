@@ -8,25 +8,9 @@ import re
 from collections import Counter, defaultdict
 
 import pytest
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import (
-    Bundle,
-    RuleBasedStateMachine,
-    consumes,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-)
 
-from batcher.scheduler import Batch, BatchSettings, NoSuchModel, Policy, QueuedRequest, Scheduler
+from batcher.scheduler import BatchSettings, NoSuchModel, Policy, QueuedRequest, Scheduler
 from tests.scheduler_builders import (
-    PREFETCH,
-    START_S,
-    check_batch,
-    check_nothing_due,
-    check_wakeup,
     enqueue_many,
     make,
     rq,
@@ -467,144 +451,8 @@ def test_batch_settings_accepts_edge_values() -> None:
     assert (s.max_batch_size, s.max_wait_s) == (1, 0.0)
 
 
-# --- properties over random event sequences ------------------------------------------------------
-
-MODELS = {
-    "a": BatchSettings(max_batch_size=3, max_wait_ms=10.0, policy="window"),
-    "b": BatchSettings(max_batch_size=1, max_wait_ms=0.0, policy="window"),
-    "c": BatchSettings(max_batch_size=5, max_wait_ms=2.5, policy="window"),
-    "d": BatchSettings(max_batch_size=4, max_wait_ms=5.0, policy="adaptive"),
-}
-
-
-class SchedulerMachine(RuleBasedStateMachine):
-    """Random arrivals, workers joining and leaving, replies and time passing.
-
-    What the machine keeps of the world: what was enqueued (per model, in order), which
-    batches it was handed, and which of them came back or were lost with a worker.
-    """
-
-    workers = Bundle("workers")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.s = Scheduler(per_model=dict(MODELS), worker_prefetch=PREFETCH)
-        self.now = START_S
-        self.next_id = 0
-        self.next_worker = 0
-        self.enqueued: dict[str, list[object]] = {m: [] for m in MODELS}
-        self.dispatched: dict[str, list[object]] = {m: [] for m in MODELS}
-        self.in_flight: dict[int, Batch] = {}
-        self.finished: list[Batch] = []  # completed, or lost with a removed worker
-        self.slots: dict[bytes, int] = {}
-        self.batch_ids: set[int] = set()
-
-    def _add(self, model: str, slots: int | None) -> bytes:
-        wid = f"w{self.next_worker}".encode()
-        self.next_worker += 1
-        self.s.add_worker(wid, model, slots)
-        self.slots[wid] = PREFETCH if slots is None else min(slots, PREFETCH)
-        return wid
-
-    @initialize(target=workers, model=st.sampled_from(sorted(MODELS)), slots=st.none() | st.integers(1, 3))
-    def first_worker(self, model: str, slots: int | None) -> bytes:
-        return self._add(model, slots)
-
-    @rule(target=workers, model=st.sampled_from(sorted(MODELS)), slots=st.none() | st.integers(1, 3))
-    def add_worker(self, model: str, slots: int | None) -> bytes:
-        return self._add(model, slots)
-
-    @rule(wid=consumes(workers))
-    def remove_worker(self, wid: bytes) -> None:
-        lost = self.s.remove_worker(wid)
-        expected = {bid for bid, b in self.in_flight.items() if b.worker == wid}
-        assert {b.batch_id for b in lost} == expected
-        for b in lost:
-            self.finished.append(self.in_flight.pop(b.batch_id))
-        self.slots.pop(wid)
-
-    @rule(model=st.sampled_from(sorted(MODELS)), n=st.integers(1, 7))
-    def enqueue(self, model: str, n: int) -> None:
-        for _ in range(n):
-            self.s.enqueue(model, QueuedRequest([b"c"], b"", self.next_id, self.now))
-            self.enqueued[model].append(self.next_id)
-            self.next_id += 1
-
-    @rule(dt=st.floats(min_value=0.0, max_value=0.02, allow_nan=False))
-    def advance(self, dt: float) -> None:
-        self.now += dt
-
-    @rule()
-    def advance_to_wakeup(self) -> None:
-        t = self.s.next_wakeup()
-        if t is not None and t > self.now:
-            self.now = t
-
-    @precondition(lambda self: bool(self.in_flight))
-    @rule(data=st.data(), infer_s=st.none() | st.floats(min_value=0.0, max_value=0.05))
-    def complete(self, data: st.DataObject, infer_s: float | None) -> None:
-        bid = data.draw(st.sampled_from(sorted(self.in_flight)))
-        batch = self.in_flight[bid]
-        assert self.s.complete(batch.worker, bid, infer_s) is batch
-        self.finished.append(self.in_flight.pop(bid))
-
-    @rule(worker=st.sampled_from([b"w0", b"w1", b"w5", b"ghost"]), bid=st.integers(0, 60))
-    def stray_reply(self, worker: bytes, bid: int) -> None:
-        batch = self.in_flight.get(bid)
-        if batch is not None and batch.worker == worker:
-            return  # a genuine reply; `complete` covers it
-        assert self.s.complete(worker, bid) is None
-
-    @rule()
-    def dispatch(self) -> None:
-        for b in self.s.due_batches(self.now):
-            assert b.worker in self.slots
-            check_batch(self.s, b, MODELS[b.model], self.now)
-            assert b.batch_id not in self.batch_ids
-            self.batch_ids.add(b.batch_id)
-            self.in_flight[b.batch_id] = b
-            self.dispatched[b.model].extend(r.id for r in b.requests)
-        # Nothing due is left behind while a worker of its model has a free slot.
-        for name, mq in self.s.models.items():
-            free = [
-                w
-                for wid, w in self.s.workers.items()
-                if w.model == name and len(w.in_flight) < self.slots[wid]
-            ]
-            if free:
-                check_nothing_due(mq, mq.settings, self.now, free)
-        check_wakeup(self.s, self.now)
-
-    @invariant()
-    def every_request_in_exactly_one_place(self) -> None:
-        places: list[object] = []
-        for mq in self.s.models.values():
-            places.extend(r.id for r in mq.queued())
-        in_flight = list(self.s.in_flight())
-        assert {b.batch_id for b in in_flight} == set(self.in_flight)
-        for b in in_flight:
-            places.extend(r.id for r in b.requests)
-        for b in self.finished:
-            places.extend(r.id for r in b.requests)
-        assert Counter(places) == Counter(range(self.next_id))  # never lost, never twice
-
-    @invariant()
-    def fifo_within_each_model(self) -> None:
-        for name in MODELS:
-            queued = sorted(r.id for r in self.s.models[name].queued())  # type: ignore[type-var]
-            assert self.s.queued(name) == len(queued)
-            assert self.dispatched[name] + queued == self.enqueued[name]
-
-    @invariant()
-    def workers_never_hold_more_than_their_slots(self) -> None:
-        assert set(self.s.workers) == set(self.slots)
-        for wid, w in self.s.workers.items():
-            assert len(w.in_flight) <= self.slots[wid]
-            assert all(b.worker == wid for b in w.in_flight.values())
-
-
-SchedulerMachine.TestCase.settings = settings(stateful_step_count=40)
-test_scheduler_state_machine = SchedulerMachine.TestCase
+# The random-sequence property tests (arrivals, workers joining and leaving, replies,
+# stray replies, time passing) are test_scheduler_policy.py's Run harness: one harness.
 
 
 # --- bounded state: nothing outlives its stay in the queue ---------------------------------------

@@ -551,7 +551,8 @@ def test_cancelled_request_frees_its_deadline_and_window() -> None:
 
 
 def test_many_cancellations_and_expiries_keep_queue_order_and_count() -> None:
-    """Enough removed requests for the queue to compact its heap of lazy entries."""
+    """Order and count survive removals from every lane (too few to compact: the compaction
+    tests below remove most of a queue)."""
     s = make(size=8, wait_ms=10.0, workers=0)
     reqs = put(
         s, "m", *[rq(0.0, priority=i % 3, deadline=1.0 if i % 5 == 0 else None, rid=i) for i in range(300)]
@@ -821,8 +822,9 @@ def test_requeue_does_not_hide_an_older_request_from_its_window(
 
 
 # --- 9. properties over random event sequences ------------------------------------------------------
-# The harness shares its per-turn checks with test_scheduler.py's SchedulerMachine
-# (tests/scheduler_builders.py); it also drives deadlines, priorities, cancels and requeues.
+# The one random-sequence harness of the scheduler (its per-turn checks are in
+# tests/scheduler_builders.py): arrivals with priorities and deadlines, cancels, workers
+# joining, leaving and failing, requeues, replies (stray ones too) and time passing.
 
 #: As the broker's max_retries: a request lost with this many failed attempts is not requeued.
 MAX_RETRIES = 2
@@ -858,6 +860,7 @@ ops = st.lists(
         st.tuples(st.just("add"), st.sampled_from(["m", "n"]), st.none() | st.integers(1, 3)),
         st.tuples(st.just("remove"), st.integers(0, 1000)),
         st.tuples(st.just("reannounce"), st.integers(0, 1000)),
+        st.tuples(st.just("stray"), st.integers(0, 1000), st.integers(-2, 60)),  # worker, batch id
     ),
     min_size=10,
     max_size=60,
@@ -1000,6 +1003,13 @@ class Run:
                 assert s.complete(batch.worker, bid, infer_s) is batch
                 for r in batch.requests:
                     self.answer(int_id(r), "done")
+            case ("stray", int(i), int(bid)):
+                # a reply for a batch the worker does not hold (late, unknown, or from a
+                # worker that left or never was) changes nothing
+                worker = self.workers[i % len(self.workers)] if self.workers and i % 3 else b"ghost"
+                held = self.flight.get(bid)
+                if held is None or held.worker != worker:
+                    assert s.complete(worker, bid, 0.001) is None
             case ("advance", int(ms)):
                 self.now += ms / 1000.0
             case ("wakeup",):
