@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 from batcher.bench import (
     BenchFailed,
@@ -24,15 +25,9 @@ from batcher.bench import (
     new_histogram,
     run_load,
 )
-from batcher.client import BatcherError, Client
 from batcher.launcher import ServeProcess, free_tcp_address
 from batcher.security import KeyFileError, generate_keys
-from tests.helpers import wait_until
-
-#: A fast sim for short runs: one worker, batches of up to 8, each batch 10 ms whatever
-#: its size, so the ceiling is 1 * 8 / 10 ms = 800 requests/s.
-FAST_SIM = ["--model", "sim", "--sim-base-ms", "10", "--sim-per-item-ms", "0", "--max-batch-size", "8"]
-FAST_SIM_CAPACITY = 800.0
+from tests.helpers import FLAT_SIM, curve_broker_stats, wait_until
 
 
 def poisson_band(rate: float, window_s: float) -> float:
@@ -208,14 +203,18 @@ def test_closed_loop_saturation_stays_under_the_ceiling(serve: Callable[..., Ser
     """Many requests in flight for a short window: replies drained after the window, counted,
     would put the rate above what the model can do (128 of them over 1 s: +16%). Two load
     processes: their counts add up only if their windows coincide."""
-    sp = serve("--workers", "1", *FAST_SIM, workers=1)
+    # One worker, batches of up to 8, each 10 ms whatever its size (not FLAT_SIM's 5 ms: a
+    # ceiling the load processes reach on a busy machine): 1 * 8 / 10 ms = 800 requests/s.
+    sp = serve("--workers", "1", "--model", "sim", "--sim-base-ms", "10", "--sim-per-item-ms", "0",
+               "--max-batch-size", "8", workers=1)  # fmt: skip
+    capacity = 800.0
     concurrency = 128
     result = run_load(
         LoadSettings(connect=sp.frontend, concurrency=concurrency, duration_s=1.0, warmup_s=0.5, processes=2)
     )
     assert result.failure is None and result.errors == {} and result.lost == 0
-    assert result.throughput_rps <= FAST_SIM_CAPACITY * 1.02
-    assert result.throughput_rps >= FAST_SIM_CAPACITY * 0.5  # the worker was busy, not idle
+    assert result.throughput_rps <= capacity * 1.02
+    assert result.throughput_rps >= capacity * 0.5  # the worker was busy, not idle
     assert result.throughput_rps == pytest.approx(result.ok_in_window / result.window_s)
     assert result.mean_batch_size >= 7.5  # saturated: full batches
     # Little's law: in flight = throughput * mean latency, if both describe the same window
@@ -228,7 +227,7 @@ def test_closed_loop_saturation_stays_under_the_ceiling(serve: Callable[..., Ser
 
 @pytest.mark.integration
 def test_light_open_loop_achieves_what_it_offers(serve: Callable[..., ServeProcess]) -> None:
-    sp = serve("--workers", "1", *FAST_SIM, workers=1)
+    sp = serve("--workers", "1", "--model", "sim", *FLAT_SIM, workers=1)
     rate, window = 100.0, 2.0
     result = run_load(LoadSettings(connect=sp.frontend, rate=rate, duration_s=window, warmup_s=0.5, seed=11))
     assert result.failure is None and result.errors == {} and result.lost == 0
@@ -237,7 +236,7 @@ def test_light_open_loop_achieves_what_it_offers(serve: Callable[..., ServeProce
     assert abs(result.sent_rate - rate) <= poisson_band(rate, window)
     assert result.fell_behind is False and result.broker_notes == []
     assert result.in_flight_at_end <= 10  # a handful, as latency * rate predicts
-    assert result.latency_ms["p50"] < 100.0  # 10 ms batches: no queue to speak of
+    assert result.latency_ms["p50"] < 100.0  # 5 ms batches: no queue to speak of
     report = format_report(result)
     assert "the broker kept up with the offered load" in report and "fell behind" not in report
 
@@ -259,7 +258,9 @@ def test_no_broker_gives_up_with_a_clear_failure() -> None:
 
 
 @pytest.mark.integration
-def test_curve_load_needs_the_right_keys(tmp_path: Path, spawn: Callable[..., Any]) -> None:
+def test_curve_load_needs_the_right_keys(
+    tmp_path: Path, spawn: Callable[..., Any], zctx: zmq.Context[Any]
+) -> None:
     _, broker_secret = generate_keys(str(tmp_path / "broker"), "broker")
     alice_public, alice_secret = generate_keys(str(tmp_path / "alice"), "alice")
     _, stranger_secret = generate_keys(str(tmp_path / "stranger"), "stranger")
@@ -269,18 +270,13 @@ def test_curve_load_needs_the_right_keys(tmp_path: Path, spawn: Callable[..., An
     broker_public = str(tmp_path / "broker" / "broker.key")
     frontend, backend = free_tcp_address(), free_tcp_address()
     spawn(
-        "serve", "--frontend", frontend, "--backend", backend, "--workers", "1", *FAST_SIM,
+        "serve", "--frontend", frontend, "--backend", backend, "--workers", "1", "--model", "sim", *FLAT_SIM,
         "--curve-secret-key", broker_secret, "--curve-clients", str(allowed),
     )  # fmt: skip
 
     def workers_as_alice() -> int:
-        with Client(
-            frontend, timeout_s=0.5, curve_server_key=broker_public, curve_secret_key=alice_secret
-        ) as c:
-            try:
-                return int(c.control("stats")["models"]["sim"]["workers"])
-            except BatcherError:
-                return 0
+        stats = curve_broker_stats(frontend, zctx, broker_public, alice_secret)
+        return int(stats.get("models", {}).get("sim", {}).get("workers", 0))
 
     wait_until(workers_as_alice, 20, "serve's worker joining, seen over CURVE", error=RuntimeError)
 
@@ -353,14 +349,17 @@ def test_bench_open_loop_past_capacity_says_the_broker_fell_behind(
     """The issue's case: twice the capacity offered. The rate must not exceed what the model can
     do, the output must say the broker fell behind, and never that anything kept up."""
     out = tmp_path / "overload.json"
+    # One worker, batches of up to 8, each 10 ms whatever its size: 1 * 8 / 10 ms = 800/s.
+    capacity = 800.0
     proc = cli(
-        "bench", "--spawn", "--workers", "1", *FAST_SIM, "--rate", "1600", "--duration", "1.5",
+        "bench", "--spawn", "--workers", "1", "--model", "sim", "--sim-base-ms", "10",
+        "--sim-per-item-ms", "0", "--max-batch-size", "8", "--rate", "1600", "--duration", "1.5",
         "--warmup-s", "0.5", "--json", str(out), timeout_s=60,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr  # a measurement of overload is still a measurement
     data = json.loads(out.read_text())
     assert data["offered_rate"] == 1600.0
-    assert data["achieved_rate"] <= FAST_SIM_CAPACITY * 1.05
+    assert data["achieved_rate"] <= capacity * 1.05
     assert data["fell_behind"] is True
     assert "the broker fell behind" in proc.stdout and "kept up" not in proc.stdout
     # the backlog left at the window's end was answered after it, and its wait is in the latency
