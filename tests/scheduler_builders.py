@@ -25,7 +25,7 @@ from batcher.scheduler import (
 
 _ids = itertools.count()
 
-#: The worker_prefetch of both random-sequence harnesses: no worker holds more batches.
+#: The worker_prefetch of the random-sequence harness: no worker holds more batches.
 PREFETCH = 2
 #: Where the harnesses' fake clock starts.
 START_S = 1000.0
