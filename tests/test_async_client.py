@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlparse
 
@@ -31,6 +31,15 @@ def actx() -> Iterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
     yield ctx
     ctx.destroy(linger=0)
+
+
+async def until(predicate: Callable[[], Any], timeout_s: float, what: str) -> None:
+    """Poll `predicate` until it holds, yielding to the client's tasks in between, or fail
+    after `timeout_s` (the asyncio twin of tests.helpers.wait_until)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s}s"
+        await asyncio.sleep(0.01)  # lets the client's tasks run while polling a condition
 
 
 def connections_to(address: str) -> int:
@@ -104,25 +113,33 @@ def test_typed_errors_and_request_many(serve, actx):
 
 @pytest.mark.integration
 def test_timeout_of_one_request_leaves_the_others_answered(fake_broker, actx):
-    # Odd ids are never answered; even ones are, in reverse order of arrival.
+    # Odd inputs are never answered; even ones are, once all four have arrived, in reverse
+    # order of arrival. So the evens are answered only if every request went out at once,
+    # not each after the one before had its answer or its timeout.
+    held: list[dict[str, Any]] = []
+
     def answer(body: dict[str, Any]) -> dict[str, Any] | None:
-        return None if body["id"] % 2 else {"id": body["id"], "ok": True, "output": body["input"] * 10}
+        if body["input"] % 2 == 0:
+            held.append(body)
+            if len(held) == 4:
+                for h in reversed(held):
+                    fb.reply_later({"id": h["id"], "ok": True, "output": h["input"] * 10})
+        return None
 
     fb = fake_broker(answer)
 
     async def main() -> list[Any]:
-        async with AsyncClient(fb.address, timeout_s=0.3, context=actx) as client:
+        # timeout_s: long enough for the evens' replies to come in time on a busy machine.
+        async with AsyncClient(fb.address, timeout_s=2, context=actx) as client:
             return await client.request_many(range(1, 9), return_exceptions=True)
 
-    started = time.monotonic()
     results = asyncio.run(main())
-    elapsed = time.monotonic() - started
     for i, r in zip(range(1, 9), results, strict=True):
         if i % 2:
             assert isinstance(r, ClientTimeout) and r.code == "timeout", (i, r)
         else:
             assert r == i * 10, (i, r)
-    assert elapsed < 2.0, f"timeouts ran one after another: {elapsed:.2f}s"
+    assert sorted(b["input"] for b in fb.received) == list(range(1, 9)), fb.received  # each sent once
 
 
 @pytest.mark.integration
@@ -138,13 +155,10 @@ def test_per_request_timeout_retries_and_late_reply_is_dropped(fake_broker, actx
             elapsed = time.monotonic() - started
             assert "2 attempt(s)" in timed_out.value.message
             # The same body (same id) was sent twice; a reply coming now is a late one.
-            fb.wait_received(lambda got: len(got) == 2)
+            await until(lambda: len(fb.received) == 2, 10, "both attempts received")
             assert got_ids(fb) == [1, 1]
             fb.reply_later({"id": 1, "ok": True, "output": "late"})
-            deadline = time.monotonic() + 5
-            while client.duplicates_dropped == 0:
-                assert time.monotonic() < deadline, "the late reply never arrived"
-                await asyncio.sleep(0.01)  # lets the reader task run while polling a condition
+            await until(lambda: client.duplicates_dropped > 0, 10, "the late reply arrived")
             fb.answer = lambda body: {"id": body["id"], "ok": True, "output": body["input"]}
             assert await client.request("y") == "y"  # the late reply was not taken for this one
             return elapsed, client
@@ -152,8 +166,9 @@ def test_per_request_timeout_retries_and_late_reply_is_dropped(fake_broker, actx
             await client.close()
 
     elapsed, client = asyncio.run(main())
-    assert 0.35 < elapsed < 1.5, elapsed
+    assert elapsed > 0.35, f"two attempts of 0.2 s over in {elapsed:.2f}s"  # no early timeout
     assert client.duplicates_dropped == 1, "the late reply was not recognised as one"
+    assert got_ids(fb) == [1, 1, 2], "a request was sent more often than 1 + retries"
 
 
 def got_ids(fb: FakeBroker) -> list[Any]:
@@ -162,16 +177,25 @@ def got_ids(fb: FakeBroker) -> list[Any]:
 
 @pytest.mark.integration  # it measures how long the client waits
 def test_timeout_against_an_address_nobody_listens_on(actx):
-    async def main() -> None:
+    async def main() -> list[float]:
+        took = []
         async with AsyncClient(free_tcp_address(), timeout_s=0.2, context=actx) as client:
+            started = time.monotonic()
             with pytest.raises(ClientTimeout):
-                await client.request(1, timeout_ms=50)  # the client waits 0.2 s, not 1.05
+                # The client waits its own 0.2 s, not the request's deadline plus a second (21 s).
+                await client.request(1, timeout_ms=20_000)
+            took.append(time.monotonic() - started)
+            started = time.monotonic()
             with pytest.raises(ClientTimeout):
                 await client.control("stats")
+            took.append(time.monotonic() - started)
+        return took
 
-    started = time.monotonic()
-    asyncio.run(main())
-    assert time.monotonic() - started < 1.5
+    # Each bound is ten times the client's timeout, and still far below what waiting for
+    # the deadline (21 s) or for ever (a send to nobody blocks) would take.
+    request_s, control_s = asyncio.run(main())
+    assert request_s < 2.0, f"the request's timeout took {request_s:.2f}s, not about 0.2 s"
+    assert control_s < 2.0, f"the control request's timeout took {control_s:.2f}s, not about 0.2 s"
 
 
 @pytest.mark.integration
@@ -182,12 +206,11 @@ def test_cancelling_a_request_tells_the_broker_and_close_fails_waiters(fake_brok
         client = AsyncClient(fb.address, timeout_s=None, context=actx)
         task = asyncio.ensure_future(client.request("first"))
         waiter = asyncio.ensure_future(client.request("second"))
-        while len(fb.received) < 2:  # both sent
-            await asyncio.sleep(0.01)  # yields to the client's tasks while polling a condition
+        await until(lambda: len(fb.received) == 2, 10, "both requests sent")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        fb.wait_received(lambda got: any(b.get("op") == "cancel" for b in got))
+        await until(lambda: any(b.get("op") == "cancel" for b in fb.received), 10, "the cancel sent")
         await client.close()
         with pytest.raises(ClientClosed):
             await waiter
