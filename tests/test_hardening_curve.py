@@ -19,9 +19,9 @@ import pytest
 import zmq
 import zmq.auth
 
-from batcher.client import BatcherError, Client, ClientTimeout
+from batcher.client import Client, ClientTimeout
 from batcher.launcher import free_tcp_address
-from tests.helpers import wait_until
+from tests.helpers import curve_broker_stats, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -70,17 +70,9 @@ def stats_as(
     frontend: str, keys: Keys, who: str, ctx: zmq.Context[Any], timeout_s: float = 1.0
 ) -> dict[str, Any]:
     """The broker's stats asked over CURVE with `who`'s key pair, or {} if no answer."""
-    with Client(
-        frontend,
-        timeout_s=timeout_s,
-        context=ctx,
-        curve_server_key=str(keys.public_file("broker")),
-        curve_secret_key=str(keys.secret_file(who)),
-    ) as c:
-        try:
-            return dict(c.control("stats"))
-        except BatcherError:
-            return {}
+    return curve_broker_stats(
+        frontend, ctx, str(keys.public_file("broker")), str(keys.secret_file(who)), timeout_s
+    )
 
 
 def start_serve(spawn: Callable[..., Any], keys: Keys, *allow: str) -> tuple[Any, str, str]:
