@@ -23,7 +23,7 @@ import zmq.asyncio
 from batcher.aio import AsyncClient, AsyncPendingReply, ClientClosed
 from batcher.client import Client, ClientTimeout
 from batcher.launcher import free_tcp_address
-from tests.helpers import broker_stats, wait_until
+from tests.helpers import curve_broker_stats, start_broker, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -78,36 +78,19 @@ def secured(
 ) -> Secured:
     s = Secured(tmp_path, cli, spawn)
     wait_until(
-        lambda: broker_stats_curve(s, zctx), 20, "the CURVE broker answering alice", error=RuntimeError
+        lambda: curve_broker_stats(s.frontend, zctx, **s.curve("alice")),
+        20,
+        "the CURVE broker answering alice",
+        error=RuntimeError,
     )
     return s
-
-
-def broker_stats_curve(s: Secured, ctx: zmq.Context[Any]) -> dict[str, Any]:
-    with Client(s.frontend, timeout_s=0.5, context=ctx, **s.curve("alice")) as c:
-        try:
-            return dict(c.control("stats"))
-        except ClientTimeout:
-            return {}
 
 
 @pytest.fixture
 def plain_broker(spawn: Callable[..., Any], zctx: zmq.Context[Any]) -> str:
     """The frontend of a plaintext broker that knows model `held`, has no worker for it,
     and keeps its requests waiting for one (no `unavailable`)."""
-    frontend, backend = free_tcp_address(), free_tcp_address()
-    spawn(
-        "broker",
-        "--frontend",
-        frontend,
-        "--backend",
-        backend,
-        "--model",
-        "held",
-        "--no-worker-timeout-ms",
-        "0",
-    )
-    wait_until(lambda: broker_stats(frontend, zctx), 20, "the broker answering", error=RuntimeError)
+    frontend, _ = start_broker(spawn, zctx, "--model", "held", "--no-worker-timeout-ms", "0")
     return frontend
 
 
