@@ -32,7 +32,7 @@ from batcher import protocol
 from batcher.client import Client, ModelError
 from batcher.launcher import ServeProcess, free_tcp_address
 from tests.conftest import kill_group
-from tests.helpers import broker_stats, wait_until
+from tests.helpers import broker_stats, curve_broker_stats, start_broker, wait_until
 from workers.models import ModelSpec, import_user_module, load_model
 from workers.supervisor import EXIT_MODEL_LOAD_FAILED
 from workers.worker import run_batch
@@ -118,14 +118,10 @@ def run_batcher(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Call
             print(s.log())
 
 
-def workers_of(frontend: str, model: str, ctx: zmq.Context[Any], **curve: str) -> int | None:
-    """How many workers the broker has for `model` (None: no answer)."""
-    with Client(frontend, timeout_s=0.5, context=ctx, **curve) as c:
-        try:
-            stats = c.control("stats")
-        except Exception:
-            return None
-    return int(stats["models"].get(model, {}).get("workers", 0))
+def workers_of(frontend: str, model: str, ctx: zmq.Context[Any], curve_server_key: str) -> int | None:
+    """How many workers the CURVE broker has for `model` (None: no answer)."""
+    stats = curve_broker_stats(frontend, ctx, curve_server_key)
+    return int(stats["models"].get(model, {}).get("workers", 0)) if stats else None
 
 
 # --- 1. the model's module is looked for in the current directory ----------------------------------
@@ -135,18 +131,7 @@ def test_batcher_worker_imports_a_model_from_its_directory(spawn, run_batcher, t
     models_dir = tmp_path / "app"
     models_dir.mkdir()
     shutil.copy(EXAMPLE_MODELS, models_dir / "mymodels.py")
-    frontend, backend = free_tcp_address(), free_tcp_address()
-    spawn(
-        "broker",
-        "--frontend",
-        frontend,
-        "--backend",
-        backend,
-        "--model",
-        "double",
-        "--no-worker-timeout-ms",
-        "0",
-    )
+    frontend, backend = start_broker(spawn, zctx, "--model", "double", "--no-worker-timeout-ms", "0")
     worker = run_batcher(models_dir, "worker", "--connect", backend, "--model", "double=mymodels:Doubler")
     with Client(frontend, timeout_s=20, context=zctx) as c:
         replies = [p.wait() for p in [c.submit(x, model="double") for x in (1, 2.5, "ab")]]
