@@ -22,7 +22,7 @@ import zmq
 
 from batcher.client import BadRequest, BatcherError, Client, DeadlineExceeded, ModelError, UnknownModel
 from batcher.launcher import free_tcp_address
-from tests.helpers import FAST_SIM, HEARTBEAT, pack, recv_frames, recv_reply, unpack
+from tests.helpers import FAST_SIM, HEARTBEAT, pack, recv_frames, recv_reply, unpack, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +56,7 @@ def wait_for_stats(
     address: str,
     ctx: zmq.Context[Any],
     predicate: Callable[[dict[str, Any]], bool],
-    timeout_s: float = 15.0,
+    timeout_s: float = 30.0,
     processes: tuple[subprocess.Popen[bytes], ...] = (),
 ) -> dict[str, Any]:
     """Ask the broker's `stats` until `predicate(stats)` holds, or fail after `timeout_s`
@@ -387,11 +387,8 @@ def test_sigterm_answers_every_queued_and_running_request_then_exits(serve, conn
 
     stats_on_late()  # `late` is connected
     socks = queue_requests(sp, connect, zctx, 24)
-    signalled = time.monotonic()
     os.kill(sp.process.pid, signal.SIGTERM)
-    deadline = signalled + 5
-    while not stats_on_late()["stopping"]:
-        assert time.monotonic() < deadline, "the broker never started draining"
+    wait_until(lambda: stats_on_late()["stopping"], 20, "the broker started draining")
     late.send_multipart([b"", pack({"id": "late", "input": "late"})])
 
     for i, frames in enumerate(gather(socks)):
@@ -404,8 +401,7 @@ def test_sigterm_answers_every_queued_and_running_request_then_exits(serve, conn
     refused = recv_reply(late)
     assert refused["id"] == "late" and refused["error"]["code"] == "shutting_down", refused
 
-    assert sp.process.wait(timeout=5) == 0
-    assert time.monotonic() - signalled < 5
+    assert sp.process.wait(timeout=30) == 0
     still_up = [pid for pid in worker_pids if running(pid)]
     assert not still_up, f"workers still running after serve exited: {still_up}"
 
@@ -416,7 +412,7 @@ def test_sigterm_to_the_process_group_still_finishes_queued_requests(serve, conn
     socks = queue_requests(sp, connect, zctx, 8)  # one batch running, one queued
     os.killpg(sp.process.pid, signal.SIGTERM)
     # As systemd stops a service: every process of the group gets SIGTERM, workers included.
-    for i, frames in enumerate(gather(socks, timeout_s=8)):
+    for i, frames in enumerate(gather(socks)):
         reply = unpack(frames[-1])
         assert reply["ok"] and reply["output"]["echo"] == i, reply
 
@@ -469,7 +465,7 @@ def test_serve_gives_each_worker_its_gpu(serve, client):
     sp = serve("--gpus", "0,1", "--model", CUDA, "--max-batch-size", "1", "--max-wait-ms", "0", workers=2)
     c = client(sp.frontend)
     seen: dict[str, str] = {}
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while len(seen) < 2:
         assert time.monotonic() < deadline, f"only saw {seen}"
         for p in [c.submit(i) for i in range(4)]:
@@ -516,7 +512,7 @@ def test_config_error_is_a_clear_message_not_a_traceback(cli, bound_address, arg
         args += ["--workers", "1"]
     if args[0] == "worker":
         args += ["--connect", free_tcp_address()]
-    result = cli(*args, timeout_s=10)
+    result = cli(*args, timeout_s=30)
     assert result.returncode != 0, result
     assert "Error" in result.stderr and expected in result.stderr, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
@@ -527,10 +523,12 @@ def test_unloadable_model_makes_serve_fail(spawn):
         "serve", "--frontend", free_tcp_address(), "--backend", free_tcp_address(),
         "--workers", "1", "--model", "tests.fixture_models:no_such_model",
     )  # fmt: skip
+    # Two interpreter start-ups (serve, then its worker) on a busy machine: a generous deadline.
     try:
-        returncode: int | None = proc.process.wait(timeout=4)
+        returncode: int | None = proc.process.wait(timeout=60)
     except subprocess.TimeoutExpired:
         returncode = None
     stderr = proc.stderr_path.read_text(errors="replace")
-    assert returncode not in (None, 0), "serve still running 4 s after its only worker failed to load"
+    assert returncode is not None, "serve still running 60 s after its only worker failed to load"
+    assert returncode != 0, stderr
     assert "no_such_model" in stderr and "Traceback" not in stderr, stderr
