@@ -213,3 +213,11 @@ def curve_broker_stats(
         except BatcherError:
             return {}
 
+
+# --- one model's stats (test_reliability, test_chaos) -------------------------------------------
+
+
+def model_stats(address: str, ctx: zmq.Context[Any], model: str, timeout_s: float = 2.0) -> dict[str, Any]:
+    """`model`'s entry in the broker's `stats`, or {} when the broker does not answer within
+    `timeout_s` or does not list the model."""
+    return dict(broker_stats(address, ctx, timeout_s).get("models", {}).get(model, {}))

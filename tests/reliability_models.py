@@ -42,6 +42,7 @@ __all__ = [
     "LoggedServe",
     "Sleepy",
     "bad_ready_info",
+    "in_flight_on",
     "malformed_backend_known",
     "malformed_backend_unknown",
     "malformed_frontend",
@@ -98,6 +99,13 @@ def read_marks(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return out
+
+
+def in_flight_on(path: str | os.PathLike[str], pid: int) -> dict[str, Any] | None:
+    """The batch worker `pid` is running now (its last mark is a start), per Sleepy's marks;
+    None when it is between batches."""
+    own = [m for m in read_marks(path) if m["pid"] == pid]
+    return own[-1] if own and own[-1]["event"] == "start" else None
 
 
 def malformed_backend_known(rng: random.Random) -> Iterator[tuple[str, list[bytes]]]:

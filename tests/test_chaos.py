@@ -18,9 +18,8 @@ import pytest
 
 from batcher.client import BatcherError, Client
 from batcher.launcher import free_tcp_address
-from tests.helpers import wait_until
+from tests.helpers import HEARTBEAT, model_stats, wait_until
 from tests.reliability_models import DealerLoad
-from tests.test_reliability import HEARTBEAT, model_stats
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import pytest
 import zmq
 
@@ -30,49 +29,23 @@ from batcher.client import (
     DeadlineExceeded,
 )
 from batcher.launcher import free_tcp_address
-from tests.helpers import wait_until
-from tests.reliability_models import MARKS_ENV, DealerLoad, LoggedServe, read_marks
+from tests.helpers import (
+    FAST_SIM,
+    HEARTBEAT,
+    broker_stats,
+    model_stats,
+    pack,
+    recv_reply,
+    start_broker,
+    unpack,
+    wait_until,
+)
+from tests.reliability_models import MARKS_ENV, DealerLoad, LoggedServe, in_flight_on, read_marks
 
 pytestmark = pytest.mark.integration
 
 SLEEPY = "sleepy=tests.reliability_models:Sleepy"
 BROKEN = "tests.reliability_models:CrashAtStartup"
-FAST_SIM = ("--sim-base-ms", "5", "--sim-per-item-ms", "0.5")
-HEARTBEAT = ("--heartbeat-ms", "100")
-
-
-def pack(obj: object) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
-
-
-def stats_of(address: str, ctx: zmq.Context[Any], timeout_s: float = 1.0) -> dict[str, Any] | None:
-    """The broker's stats, or None when it does not answer within `timeout_s`."""
-    with Client(address, timeout_s=timeout_s, context=ctx) as c:
-        try:
-            return dict(c.control("stats"))
-        except BatcherError:
-            return None
-
-
-def model_stats(address: str, ctx: zmq.Context[Any], model: str) -> dict[str, Any]:
-    stats = stats_of(address, ctx)
-    return stats["models"].get(model, {}) if stats else {}
-
-
-def recv(sock: zmq.Socket[Any], timeout_s: float = 10.0) -> dict[str, Any]:
-    """The next reply body on `sock`, or fail after `timeout_s`."""
-    assert sock.poll(int(timeout_s * 1000), zmq.POLLIN), f"no reply within {timeout_s}s"
-    return dict(unpack(sock.recv_multipart()[-1]))
-
-
-def in_flight_on(marks: Path, pid: int) -> dict[str, Any] | None:
-    """The batch worker `pid` is running now (its last mark is a start), per Sleepy's marks."""
-    own = [m for m in read_marks(marks) if m["pid"] == pid]
-    return own[-1] if own and own[-1]["event"] == "start" else None
 
 
 def check_exactly_once(load: DealerLoad, allowed_errors: set[str]) -> dict[str, Any]:
@@ -174,7 +147,7 @@ def test_sigstop_worker_past_liveness_batch_redispatched_then_it_rejoins_without
     assert sorted(held["tags"]) == tags, held
     os.kill(victim, signal.SIGSTOP)
     try:
-        replies = [recv(sock, timeout_s=10) for _ in tags]
+        replies = [recv_reply(sock, timeout_s=10) for _ in tags]
         assert sorted(r["id"] for r in replies) == tags, replies
         for reply in replies:
             assert reply["ok"] and reply["output"]["pid"] != victim, f"not re-dispatched: {reply}"
@@ -191,13 +164,13 @@ def test_sigstop_worker_past_liveness_batch_redispatched_then_it_rejoins_without
     assert victim in s.worker_pids(), "the stopped worker was replaced rather than rejoining"
     # A barrier on the same socket: a duplicate forwarded before it would arrive first.
     sock.send_multipart([b"", pack({"id": "barrier", "op": "stats"})])
-    barrier = recv(sock)
+    barrier = recv_reply(sock)
     assert barrier["id"] == "barrier", f"a second reply reached the client: {barrier}"
     # The rejoined worker serves again: a full batch goes to the least recently used worker.
     after = [f"after{i}" for i in range(4)]
     for tag in after:
         sock.send_multipart([b"", pack({"id": tag, "input": {"tag": tag}})])
-    replies = [recv(sock) for _ in after]
+    replies = [recv_reply(sock) for _ in after]
     assert sorted(r["id"] for r in replies) == after, replies
     assert all(r["ok"] and r["output"]["pid"] == victim for r in replies), replies
     assert "taken for dead" in s.log()
@@ -262,14 +235,14 @@ def test_sigterm_drains_queued_and_running_requests_then_serve_exits_0(served, z
     worker_pids = s.worker_pids()
     signalled = time.monotonic()
     os.kill(s.pid, signal.SIGTERM)
-    wait_until(lambda: (stats_of(s.frontend, zctx) or {}).get("stopping"), 5, "draining")
+    wait_until(lambda: broker_stats(s.frontend, zctx).get("stopping"), 5, "draining")
     late.send_multipart([b"", pack({"id": "late", "input": {"tag": "late"}})])
-    refused = recv(late)
+    refused = recv_reply(late)
     assert refused["id"] == "late" and refused["error"]["code"] == "shutting_down", refused
 
     replies = {}
     for _ in range(6):
-        reply = recv(sock)
+        reply = recv_reply(sock)
         assert reply["id"] not in replies, f"second reply: {reply}"
         replies[reply["id"]] = reply
     for i in range(6):
@@ -295,10 +268,10 @@ def test_second_sigterm_stops_serve_at_once_answering_everything(served, zctx, c
         error=RuntimeError,
     )
     os.kill(s.pid, signal.SIGTERM)
-    wait_until(lambda: (stats_of(s.frontend, zctx) or {}).get("stopping"), 5, "draining", error=RuntimeError)
+    wait_until(lambda: broker_stats(s.frontend, zctx).get("stopping"), 5, "draining", error=RuntimeError)
     signalled = time.monotonic()
     os.kill(s.pid, signal.SIGTERM)
-    codes = sorted(recv(sock, timeout_s=5)["error"]["code"] for _ in range(4))
+    codes = sorted(recv_reply(sock, timeout_s=5)["error"]["code"] for _ in range(4))
     assert codes == ["shutting_down"] * 4, codes
     with contextlib.suppress(subprocess.TimeoutExpired):
         s.process.wait(timeout=10)
@@ -367,7 +340,7 @@ def test_reply_for_a_dead_brokers_batch_is_never_delivered_to_the_new_brokers_cl
 
     new_client = connect(zmq.DEALER, frontend)  # queued until the worker (re)joins
     new_client.send_multipart([b"", pack({"id": 1, "input": {"tag": "new client's"}})])
-    reply = recv(new_client, timeout_s=10)
+    reply = recv_reply(new_client, timeout_s=10)
     assert reply["ok"] and reply["output"]["input"]["tag"] == "new client's", (
         f"the new client got another client's result: {reply}"
     )
@@ -395,11 +368,8 @@ def test_client_without_broker_raises_client_timeout_within_its_timeout(zctx):
 
 
 def broker_without_workers(spawn: Callable[..., Any], zctx: zmq.Context[Any], *args: str) -> tuple[str, str]:
-    """Start `batcher broker` for model sim with no worker; returns (frontend, backend)."""
-    frontend, backend = free_tcp_address(), free_tcp_address()
-    spawn("broker", "--frontend", frontend, "--backend", backend, "--model", "sim", *args)
-    wait_until(lambda: stats_of(frontend, zctx), 20, "the broker answers")
-    return frontend, backend
+    """`batcher broker` for model sim with no worker, once it answers; (frontend, backend)."""
+    return start_broker(spawn, zctx, "--model", "sim", *args)
 
 
 def test_client_retries_resend_and_duplicates_are_dropped(spawn, zctx):
@@ -452,10 +422,10 @@ def test_overload_refuses_the_11th_and_loses_none_of_the_first_10(spawn, zctx, c
     sock = connect(zmq.DEALER, frontend)
     for i in range(11):
         sock.send_multipart([b"", pack({"id": i, "input": i})])
-    refused = recv(sock)
+    refused = recv_reply(sock)
     assert refused["id"] == 10 and refused["error"]["code"] == "overloaded", refused
     sock.send_multipart([b"", pack({"id": "barrier", "op": "stats"})])
-    stats = recv(sock)
+    stats = recv_reply(sock)
     assert stats["id"] == "barrier", f"a queued request was answered with no worker: {stats}"
     sim = stats["output"]["models"]["sim"]
     assert sim["queued"] == 10 and sim["outcomes"] == {"overloaded": 1}, sim
@@ -463,7 +433,7 @@ def test_overload_refuses_the_11th_and_loses_none_of_the_first_10(spawn, zctx, c
     spawn("worker", "--connect", backend, "--model", "sim", *FAST_SIM)  # now the queue can drain
     replies: dict[int, dict[str, Any]] = {}
     while len(replies) < 10:
-        reply = recv(sock, timeout_s=20)
+        reply = recv_reply(sock, timeout_s=20)
         assert reply["id"] not in replies, f"second reply: {reply}"
         replies[reply["id"]] = reply
     assert sorted(replies) == list(range(10))
