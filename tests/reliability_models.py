@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import psutil
 
 from benchmarks.faults import (
     BATCH,
@@ -49,6 +52,7 @@ __all__ = [
     "pack",
     "rare_frontend",
     "read_marks",
+    "stop_inside_a_batch",
 ]
 
 #: When set in a worker's environment, `Sleepy` appends one JSON line per batch start and
@@ -106,6 +110,34 @@ def in_flight_on(path: str | os.PathLike[str], pid: int) -> dict[str, Any] | Non
     None when it is between batches."""
     own = [m for m in read_marks(path) if m["pid"] == pid]
     return own[-1] if own and own[-1]["event"] == "start" else None
+
+
+def stop_inside_a_batch(
+    path: str | os.PathLike[str],
+    pid: int,
+    timeout_s: float,
+    keep_going: Callable[[], object] = lambda: time.sleep(0.005),
+) -> dict[str, Any]:
+    """SIGSTOP worker `pid` (a Sleepy one) while it runs a batch; returns that batch's start
+    mark. The marks are read again once the process is stopped, so the batch cannot have
+    ended, nor its reply gone out, before the fault lands: if it had, the worker is
+    SIGCONTed and its next batch awaited. `keep_going()` runs between looks (a load's
+    `step`, or a short pause). The caller SIGKILLs or SIGCONTs the worker."""
+    proc = psutil.Process(pid)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if in_flight_on(path, pid):
+            os.kill(pid, signal.SIGSTOP)
+            while proc.status() != psutil.STATUS_STOPPED:  # kill() returns before it lands
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker {pid} not stopped within {timeout_s}s")
+                time.sleep(0.001)  # polling the process state
+            held = in_flight_on(path, pid)
+            if held:
+                return held
+            os.kill(pid, signal.SIGCONT)  # the batch ended just before: wait for the next
+        keep_going()
+    raise TimeoutError(f"worker {pid} not stopped inside a batch within {timeout_s}s")
 
 
 def malformed_backend_known(rng: random.Random) -> Iterator[tuple[str, list[bytes]]]:

@@ -40,7 +40,7 @@ from tests.helpers import (
     unpack,
     wait_until,
 )
-from tests.reliability_models import MARKS_ENV, DealerLoad, LoggedServe, in_flight_on, read_marks
+from tests.reliability_models import MARKS_ENV, DealerLoad, LoggedServe, read_marks, stop_inside_a_batch
 
 pytestmark = pytest.mark.integration
 
@@ -102,8 +102,8 @@ def test_sigkill_worker_under_load_every_request_answered_once_and_worker_respaw
     victim = min(before)
     load = DealerLoad(zctx, s.frontend, clients=3, depth=4, sleep_s=0.2)
     try:
-        held = load.run_until(lambda: in_flight_on(marks, victim), 10, "a batch running on the victim")
-        os.kill(victim, signal.SIGKILL)
+        held = stop_inside_a_batch(marks, victim, 20, keep_going=load.step)
+        os.kill(victim, signal.SIGKILL)  # a batch running on it, its reply not sent
 
         def respawned() -> bool:
             new = s.worker_pids() - before
@@ -122,6 +122,9 @@ def test_sigkill_worker_under_load_every_request_answered_once_and_worker_respaw
     for tag in held["tags"]:  # the batch the victim held was re-dispatched to another worker
         reply = load.replies[tag][0]
         assert reply["ok"] and reply["output"]["pid"] != victim, reply
+    stats = broker_stats(s.frontend, zctx, timeout_s=5)
+    assert stats["workers_lost"] == 1, stats  # the victim, and no other
+    assert stats["batches_retried"] >= 1, stats  # at least the batch it was running
     log = s.log()
     # Found dead by its silence, or on the failed send of its next batch, whichever comes first.
     assert "taken for dead" in log or "unreachable" in log, log
@@ -139,19 +142,21 @@ def test_sigstop_worker_past_liveness_batch_redispatched_then_it_rejoins_without
     sock = connect(zmq.DEALER, s.frontend)
     tags = [f"s{i}" for i in range(4)]
     for tag in tags:  # one full batch: it goes to one worker at once
-        sock.send_multipart([b"", pack({"id": tag, "input": {"tag": tag, "sleep": 0.4}})])
-    held = wait_until(
+        sock.send_multipart([b"", pack({"id": tag, "input": {"tag": tag, "sleep": 1.0}})])
+    started = wait_until(
         lambda: next((m for m in read_marks(marks) if m["event"] == "start"), None), 10, "the batch started"
     )
-    victim = held["pid"]
-    assert sorted(held["tags"]) == tags, held
-    os.kill(victim, signal.SIGSTOP)
+    victim = started["pid"]
     try:
+        held = stop_inside_a_batch(marks, victim, 10)
+        assert sorted(held["tags"]) == tags, held
         replies = [recv_reply(sock, timeout_s=10) for _ in tags]
         assert sorted(r["id"] for r in replies) == tags, replies
         for reply in replies:
             assert reply["ok"] and reply["output"]["pid"] != victim, f"not re-dispatched: {reply}"
-        assert model_stats(s.frontend, zctx, "sleepy")["workers"] == 1, "the stopped worker still counted"
+        stats = broker_stats(s.frontend, zctx, timeout_s=5)
+        assert stats["models"]["sleepy"]["workers"] == 1, f"the stopped worker still counted: {stats}"
+        assert stats["workers_lost"] == 1 and stats["batches_retried"] == 1, stats
     finally:
         os.kill(victim, signal.SIGCONT)
 
@@ -162,6 +167,9 @@ def test_sigstop_worker_past_liveness_batch_redispatched_then_it_rejoins_without
     )
     wait_until(lambda: model_stats(s.frontend, zctx, "sleepy").get("workers") == 2, 10, "the worker rejoined")
     assert victim in s.worker_pids(), "the stopped worker was replaced rather than rejoining"
+    stats = broker_stats(s.frontend, zctx, timeout_s=5)
+    assert stats["workers_lost"] == 1, f"rejoining counted as a second loss: {stats}"
+    assert stats["dropped_backend_messages"] >= 1, f"its late reply was not dropped: {stats}"
     # A barrier on the same socket: a duplicate forwarded before it would arrive first.
     sock.send_multipart([b"", pack({"id": "barrier", "op": "stats"})])
     barrier = recv_reply(sock)
@@ -178,16 +186,21 @@ def test_sigstop_worker_past_liveness_batch_redispatched_then_it_rejoins_without
 
 def test_worker_dying_at_startup_is_given_up_after_5_attempts_and_serve_serves_on(served, zctx):
     s = served("--gpus", "0,1", "--workers", "1", "--model", "sim", "--model", BROKEN, *FAST_SIM, workers=1)
+    crash = "simulated crash loading the weights for gpu 1"
     with Client(s.frontend, timeout_s=10, context=zctx) as c:
         served_meanwhile = 0
+        served_after_crash: set[int] = set()  # crashes so far, at each request served
         deadline = time.monotonic() + 40
-        while "giving up" not in s.log():  # 5 starts, 0.5 + 1 + 2 + 4 s apart
+        while "giving up" not in (log := s.log()):  # 5 starts, 0.5 + 1 + 2 + 4 s apart
             assert time.monotonic() < deadline, "serve never gave up on the broken worker"
             assert c.request(served_meanwhile)["echo"] == served_meanwhile
             served_meanwhile += 1
+            served_after_crash.add(log.count(crash))
+        # served all along: after each of the first 4 crashes, before the next start failed
+        assert {1, 2, 3, 4} <= served_after_crash, served_after_crash
         log = s.log()
         broken = f"worker for model {BROKEN} on gpu 1"
-        assert log.count("simulated crash loading the weights for gpu 1") == 5, log
+        assert log.count(crash) == 5, log
         assert log.count(f"started {broken} (pid") == 5, log
         assert log.count("exited with code 3 after") == 4, log  # and 4 respawns
         assert f"{broken} died 5 times in a row" in log and "giving up on it" in log, log
@@ -198,7 +211,6 @@ def test_worker_dying_at_startup_is_given_up_after_5_attempts_and_serve_serves_o
         with pytest.raises(BatcherError) as nobody:  # an explicit answer, not a hang
             c.request("x", model=BROKEN, timeout_ms=200)
         assert nobody.value.code in ("worker_failed", "deadline_exceeded"), nobody.value
-    assert served_meanwhile > 0
     assert len(s.worker_pids()) == 1
 
 
@@ -247,12 +259,14 @@ def test_sigterm_drains_queued_and_running_requests_then_serve_exits_0(served, z
         replies[reply["id"]] = reply
     for i in range(6):
         assert replies[i]["ok"] and replies[i]["output"]["input"]["tag"] == i, replies[i]
-    assert s.process.wait(timeout=10) == 0
-    assert time.monotonic() - signalled < 5
+    # The drain ends when the work does (0.9 s of it), not when the broker's 10 s grace runs out.
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        s.process.wait(timeout=max(0.0, signalled + 9.0 - time.monotonic()))
+    assert s.process.returncode == 0, f"serve: {s.process.returncode} 9 s after SIGTERM (None: running)"
     assert not s.group_alive(), f"left running: {s.group_alive()} (workers were {worker_pids})"
 
 
-def test_second_sigterm_stops_serve_at_once_answering_everything(served, zctx, connect):
+def test_second_sigterm_stops_serve_at_once_answering_everything(served, marks, zctx, connect):
     s = served(
         "--workers", "1", "--model", SLEEPY, "--max-batch-size", "2", "--policy", "window",
         "--max-wait-ms", "10000",
@@ -269,16 +283,16 @@ def test_second_sigterm_stops_serve_at_once_answering_everything(served, zctx, c
     )
     os.kill(s.pid, signal.SIGTERM)
     wait_until(lambda: broker_stats(s.frontend, zctx).get("stopping"), 5, "draining", error=RuntimeError)
-    signalled = time.monotonic()
     os.kill(s.pid, signal.SIGTERM)
     codes = sorted(recv_reply(sock, timeout_s=5)["error"]["code"] for _ in range(4))
     assert codes == ["shutting_down"] * 4, codes
+    # At once: well within the 30 s the running batch would need (exiting takes well under 2 s).
     with contextlib.suppress(subprocess.TimeoutExpired):
-        s.process.wait(timeout=10)
-    took = time.monotonic() - signalled
-    assert s.process.returncode is not None, "serve still running 10 s after the second SIGTERM"
+        s.process.wait(timeout=20)
+    assert s.process.returncode is not None, "serve still running 20 s after the second SIGTERM"
     assert not s.group_alive(), f"left running: {s.group_alive()}"
-    assert took < 2.0, f"serve took {took:.1f}s to exit after the second SIGTERM"
+    ended = [m for m in read_marks(marks) if m["event"] == "end"]
+    assert read_marks(marks) and not ended, f"serve waited for a batch to end: {ended}"
 
 
 # --- broker restart -------------------------------------------------------------------------------------
@@ -356,14 +370,14 @@ def test_client_without_broker_raises_client_timeout_within_its_timeout(zctx):
         with pytest.raises(ClientTimeout) as err:
             c.request("x")
         took = time.monotonic() - started
-        assert 0.5 <= took < 1.2, took
+        assert 0.5 <= took < 5.0, took  # never before its timeout; the bound: tenfold slack
         assert err.value.code == "timeout" and "after 1 attempt(s)" in err.value.message
     with Client(address, timeout_s=0.3, retries=2, context=zctx) as c:
         started = time.monotonic()
         with pytest.raises(ClientTimeout) as err:
             c.request("x")
         took = time.monotonic() - started
-        assert 0.9 <= took < 1.8, took
+        assert 0.9 <= took < 9.0, took  # 3 attempts of 0.3 s each, in full
         assert "after 3 attempt(s)" in err.value.message
 
 
@@ -374,18 +388,20 @@ def broker_without_workers(spawn: Callable[..., Any], zctx: zmq.Context[Any], *a
 
 def test_client_retries_resend_and_duplicates_are_dropped(spawn, zctx):
     frontend, _ = broker_without_workers(spawn, zctx)
-    with Client(frontend, timeout_s=0.4, retries=2, context=zctx) as c:
+    with Client(frontend, timeout_s=1.0, retries=2, context=zctx) as c:
         started = time.monotonic()
-        # Re-sent at 0.4 and 0.8 s; the first copy's deadline (0.9 s) answers it before the
-        # client would give up (1.2 s). The two later copies expire too, and are dropped.
+        # Re-sent at 1 and 2 s; the first copy's deadline (2.5 s) answers it before the client
+        # would give up (3 s): DeadlineExceeded, not ClientTimeout. The two later copies
+        # expire too (3.5 and 4.5 s), and their replies are dropped.
         with pytest.raises(DeadlineExceeded):
-            c.submit("x", timeout_ms=900).result()
-        assert 0.85 <= time.monotonic() - started < 1.2
+            c.submit("x", timeout_ms=2500).result()
+        assert time.monotonic() - started >= 2.5, "answered before its deadline"
         wait_until(
             lambda: c.control("stats")["models"]["sim"]["outcomes"].get("deadline_exceeded") == 3,
-            5,
+            15,
             "all three copies expired at the broker",
         )
+        assert c.control("stats")["models"]["sim"]["outcomes"] == {"deadline_exceeded": 3}
         assert c.duplicates_dropped == 2
 
 
@@ -408,12 +424,14 @@ def test_cancel_a_queued_request(spawn, zctx):
 def test_deadlines_end_to_end_and_default_timeout(spawn, zctx):
     frontend, _ = broker_without_workers(spawn, zctx, "--default-timeout-ms", "300")
     with Client(frontend, timeout_s=5, context=zctx) as c:
-        for timeout_ms, low, high in ((None, 0.3, 1.0), (100, 0.1, 0.6), (600, 0.6, 1.3)):
+        # Answered by the broker (DeadlineExceeded, not the client's own 5 s ClientTimeout),
+        # never before the deadline; the upper bound only with tenfold slack.
+        for timeout_ms, deadline_s in ((None, 0.3), (100, 0.1), (600, 0.6)):
             started = time.monotonic()
             with pytest.raises(DeadlineExceeded):
                 c.request("queued", timeout_ms=timeout_ms)
             took = time.monotonic() - started
-            assert low <= took < high, f"timeout_ms {timeout_ms}: answered after {took:.2f}s"
+            assert deadline_s <= took < 10 * deadline_s, f"timeout_ms {timeout_ms}: after {took:.2f}s"
         assert c.control("stats")["models"]["sim"]["outcomes"] == {"deadline_exceeded": 3}
 
 
