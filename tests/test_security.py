@@ -1,5 +1,10 @@
 """CurveZMQ end to end: keygen, an encrypted broker with an allow-list, allowed and
-refused clients, and serve's own workers admitted with the broker's key pair."""
+refused clients, and serve's own workers admitted with the broker's key pair.
+
+A refused client gets no answer at all, so refusal is never inferred from that silence:
+the broker's `stats` must count each refused handshake, its log must name the refused
+key, and the client's own socket monitor must report the failed handshake (in its
+ClientTimeout's message)."""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ import pytest
 
 from batcher.client import Client, ClientTimeout
 from batcher.launcher import ServeProcess
+from batcher.security import load_public_key
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +38,14 @@ def test_curve_admits_listed_keys_only(tmp_path: Path) -> None:
     alice_secret = keygen(tmp_path / "clients", "alice")
     mallory_secret = keygen(tmp_path / "outsiders", "mallory")
     assert (tmp_path / "server" / "broker.key").is_file()
+    mallory_public = load_public_key(str(tmp_path / "outsiders" / "mallory.key")).decode()
+    server_key = str(tmp_path / "server" / "broker.key")
+    # (who, curve_server_key, curve_secret_key, what the client's monitor says of it)
+    outsiders = [
+        ("mallory", server_key, str(mallory_secret), f"the broker refused our CURVE key {mallory_public}"),
+        ("a throwaway key", server_key, None, "the broker refused our throwaway CURVE key"),
+        ("plaintext", None, None, "plaintext vs CURVE mismatch"),
+    ]
     log_path = tmp_path / "serve.log"
     with log_path.open("w+") as log:
         serve = ServeProcess(
@@ -49,24 +64,33 @@ def test_curve_admits_listed_keys_only(tmp_path: Path) -> None:
         )
         try:
             serve.start()
-            server_key = str(tmp_path / "server" / "broker.key")
             with Client(
                 serve.frontend, timeout_s=20, curve_server_key=server_key, curve_secret_key=str(alice_secret)
             ) as alice:
                 # serve's own worker joins through the same CURVE socket (the broker's key pair)
                 assert alice.request({"x": 1}, model="echo") == {"x": 1}
-            for secret in (str(mallory_secret), None):
-                with (
-                    Client(
-                        serve.frontend, timeout_s=1.0, curve_server_key=server_key, curve_secret_key=secret
-                    ) as outsider,
-                    pytest.raises(ClientTimeout),
-                ):
-                    outsider.request("let me in", model="echo")
-            with Client(serve.frontend, timeout_s=1.0) as plain, pytest.raises(ClientTimeout):
-                plain.request("no encryption", model="echo")
+
+                def refused() -> int:
+                    return int(alice.control("stats")["handshakes_refused"]["frontend"])
+
+                for who, server, secret, says in outsiders:
+                    before = refused()
+                    with (
+                        Client(
+                            serve.frontend, timeout_s=1.0, curve_server_key=server, curve_secret_key=secret
+                        ) as outsider,
+                        pytest.raises(ClientTimeout) as err,
+                    ):
+                        outsider.request("let me in", model="echo")
+                    assert says in err.value.message, f"{who}: {err.value.message}"
+                    wait_until(lambda n=before: refused() > n, 10, f"the broker counted {who}'s handshake")
+                assert alice.request({"x": 2}, model="echo") == {"x": 2}  # still admitted
         finally:
-            assert serve.stop() == 0
+            code = serve.stop()
         log.seek(0)
-        refusals = [line for line in log if "refused a connection" in line]
-    assert refusals, "the broker should log refused keys"
+        lines = log.read().splitlines()
+    assert code == 0, f"serve exited with {code}"
+    refusals = [line for line in lines if "refused a connection on the frontend" in line]
+    assert any(mallory_public in line for line in refusals), refusals  # the key, by name
+    assert len(refusals) == 2, refusals  # mallory's and the throwaway key
+    assert any("refused a handshake on the frontend" in line for line in lines), "plaintext peer not logged"
