@@ -63,17 +63,6 @@ class FakeWorker:
         self.sock.send_multipart([W1, protocol.CMD_REPLY, pack(header), blob])
 
 
-@pytest.fixture
-def frontend_dealer(zctx: zmq.Context[Any]) -> Callable[[str], zmq.Socket[Any]]:
-    def make(address: str) -> zmq.Socket[Any]:
-        sock: zmq.Socket[Any] = zctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        return sock
-
-    return make
-
-
 # --- #5 and #13: a worker's numbers are checked before any state changes -----------------------
 
 
@@ -92,14 +81,14 @@ def frontend_dealer(zctx: zmq.Context[Any]) -> Callable[[str], zmq.Socket[Any]]:
 )
 @pytest.mark.parametrize("metrics", [False, True], ids=["no-metrics", "metrics"])
 def test_bad_reply_numbers_fail_only_their_batch_and_every_client_hears(
-    spawn, zctx, frontend_dealer, name, header, metrics
+    spawn, zctx, connect, name, header, metrics
 ):
     args = ["--max-batch-size", "2", "--max-wait-ms", "50", "--policy", "window"]
     if metrics:
         args += ["--metrics-port", free_tcp_address().rsplit(":", 1)[1]]
     frontend, backend = start_broker(spawn, zctx, "--model", "m", *args)
     worker = FakeWorker(zctx, backend, frontend)
-    client = frontend_dealer(frontend)
+    client = connect(zmq.DEALER, frontend)
     for i in (1, 2):
         client.send_multipart([b"", pack({"id": i, "input": i, "model": "m"})])
     batch_id, requests = worker.next_batch()
@@ -121,10 +110,10 @@ def test_bad_reply_numbers_fail_only_their_batch_and_every_client_hears(
     assert recv_replies(client, 1)[0] == {"id": 3, "ok": True, "output": 3}
 
 
-def test_reply_naming_an_unusable_batch_id_fails_over_instead_of_hanging(spawn, zctx, frontend_dealer):
+def test_reply_naming_an_unusable_batch_id_fails_over_instead_of_hanging(spawn, zctx, connect):
     frontend, backend = start_broker(spawn, zctx, "--model", "m", "--max-retries", "1")
     broken = FakeWorker(zctx, backend, frontend)
-    client = frontend_dealer(frontend)
+    client = connect(zmq.DEALER, frontend)
     client.send_multipart([b"", pack({"id": "q", "input": 1, "model": "m"})])
     batch_id, _ = broken.next_batch()
     broken.reply([[batch_id], 1.0, [1], 0], b"x")  # a list where the batch id goes: unhashable
@@ -142,12 +131,10 @@ def test_reply_naming_an_unusable_batch_id_fails_over_instead_of_hanging(spawn, 
 # --- smaller observation: a worker that keeps leaving --------------------------------------------
 
 
-def test_worker_that_keeps_taking_batches_and_leaving_cannot_bounce_a_request_forever(
-    spawn, zctx, frontend_dealer
-):
+def test_worker_that_keeps_taking_batches_and_leaving_cannot_bounce_a_request_forever(spawn, zctx, connect):
     frontend, backend = start_broker(spawn, zctx, "--model", "m", "--max-retries", "1")
     worker = FakeWorker(zctx, backend, frontend)
-    client = frontend_dealer(frontend)
+    client = connect(zmq.DEALER, frontend)
     client.send_multipart([b"", pack({"id": "r", "input": 1, "model": "m"})])
     poller = zmq.Poller()
     poller.register(client, zmq.POLLIN)
@@ -172,9 +159,9 @@ def test_worker_that_keeps_taking_batches_and_leaving_cannot_bounce_a_request_fo
 # --- #2: the limit is on the whole message ------------------------------------------------------
 
 
-def test_message_of_many_frames_under_the_frame_limit_is_refused_as_a_whole(spawn, zctx, frontend_dealer):
+def test_message_of_many_frames_under_the_frame_limit_is_refused_as_a_whole(spawn, zctx, connect):
     frontend, _ = start_broker(spawn, zctx, "--model", "m", "--max-message-bytes", str(2**20))
-    sock = frontend_dealer(frontend)
+    sock = connect(zmq.DEALER, frontend)
     sock.send_multipart([b"", *[b"\0" * (600 * 1024)] * 3])  # 1.8 MiB, each frame under 1 MiB
     (reply,) = recv_replies(sock, 1)
     assert reply["error"]["code"] == "bad_request"
@@ -190,13 +177,13 @@ def test_message_of_many_frames_under_the_frame_limit_is_refused_as_a_whole(spaw
 # --- #3: a costly burst cannot make live workers look dead ---------------------------------------
 
 
-def test_burst_of_costly_requests_does_not_take_a_live_worker_for_dead(serve, zctx, frontend_dealer):
+def test_burst_of_costly_requests_does_not_take_a_live_worker_for_dead(serve, zctx, connect):
     """200 legal requests whose input is a 1 MiB msgpack array of small ints took v1 about
     2 s to read in one drain, past the workers' 0.6 s liveness here. (Batches of one keep
     the worker's own decoding, which holds the GIL, well inside that liveness.)"""
     args = ["--model", "echo", "--workers", "1", "--max-batch-size", "1"]
     s = serve(*args, "--heartbeat-ms", "200", "--heartbeat-liveness", "3", workers=1)
-    sock = frontend_dealer(s.frontend)
+    sock = connect(zmq.DEALER, s.frontend)
     ints = list(bytes(range(100))) * 10_000  # 1,000,000 positive fixints: 1 MiB of msgpack
     for i in range(200):
         sock.send_multipart([b"", pack({"id": i, "input": ints})])
@@ -249,15 +236,13 @@ def proxy(zctx: zmq.Context[Any]) -> Iterator[Callable[[str], str]]:
         control.close(0)
 
 
-def test_dealer_without_delimiter_behind_a_proxy_gets_a_bad_request_reply(
-    serve, zctx, proxy, frontend_dealer
-):
+def test_dealer_without_delimiter_behind_a_proxy_gets_a_bad_request_reply(serve, zctx, proxy, connect):
     s = serve("--model", "echo", "--workers", "1", workers=1)
     via = proxy(s.frontend)
-    with_delimiter = frontend_dealer(via)
+    with_delimiter = connect(zmq.DEALER, via)
     with_delimiter.send_multipart([b"", pack({"id": "d", "input": 1})])
     assert recv_replies(with_delimiter, 1)[0]["output"] == 1
-    without = frontend_dealer(via)
+    without = connect(zmq.DEALER, via)
     without.send(pack({"id": "n", "input": 1}))
     (reply,) = recv_replies(without, 1)
     assert reply["error"]["code"] == "bad_request"
