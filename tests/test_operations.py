@@ -26,7 +26,7 @@ import batcher.cli
 from batcher.broker import BrokerSettings
 from batcher.client import BatcherError, Cancelled, Client
 from batcher.launcher import free_tcp_address
-from tests.helpers import FLAT_SIM, broker_stats, wait_until
+from tests.helpers import FLAT_SIM, broker_stats, start_broker, wait_until
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "batcher.example.toml"
 
@@ -97,11 +97,8 @@ def test_metrics_port_serves_counters_histograms_and_gauges(serve, client):
 
 @pytest.mark.integration
 def test_queue_depth_and_workers_gauges_follow_the_broker(spawn, zctx):
-    frontend, port = free_tcp_address(), free_port()
-    broker = spawn("broker", "--frontend", frontend, "--backend", free_tcp_address(), "--model", "sim",
-                   "--metrics-port", str(port))  # fmt: skip
-    wait_until(lambda: broker_stats(frontend, zctx), 15, "the broker answering")
-    assert broker.process.poll() is None
+    port = free_port()
+    frontend, _ = start_broker(spawn, zctx, "--model", "sim", "--metrics-port", str(port))
     with Client(frontend, timeout_s=10, context=zctx) as c:
         pendings = [c.submit(i) for i in range(5)]  # no worker: they stay queued
         wait_until(lambda: broker_stats(frontend, zctx)["models"]["sim"]["queued"] == 5, 10, "5 queued")
