@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from enum import StrEnum
 from typing import Any
 
-import msgpack
 import pytest
 import zmq
 
@@ -38,7 +37,7 @@ from batcher.client import (
     timeout_reply,
 )
 from batcher.protocol import ErrorCode
-from tests.helpers import fake_brokers
+from tests.helpers import fake_brokers, pack, unpack
 
 
 class FakeWatch:
@@ -280,7 +279,7 @@ def router() -> Iterator[tuple[zmq.Context[Any], zmq.Socket[Any], str]]:
 def received(sock: zmq.Socket[Any]) -> tuple[list[bytes], dict[str, Any]]:
     assert sock.poll(2000, zmq.POLLIN), "nothing received"
     frames = sock.recv_multipart()
-    return frames[:-1], msgpack.unpackb(frames[-1], raw=False)
+    return frames[:-1], unpack(frames[-1])
 
 
 def test_start_receive_ready_forget_and_send_cancel(router) -> None:
@@ -294,9 +293,9 @@ def test_start_receive_ready_forget_and_send_cancel(router) -> None:
         assert body == {"id": second.request_id, "op": "stats"} and second.deadline is None
         assert c.receive_ready() == []  # nothing waiting: returns at once
 
-        broker.send_multipart([*envelope, msgpack.packb(ok(second.request_id, "s"))])
+        broker.send_multipart([*envelope, pack(ok(second.request_id, "s"))])
         broker.send_multipart([*envelope, b"\xc1"])  # not msgpack: skipped, not counted
-        broker.send_multipart([*envelope, msgpack.packb(ok(first.request_id, "f"))])
+        broker.send_multipart([*envelope, pack(ok(first.request_id, "f"))])
         assert c.socket.poll(2000, zmq.POLLIN)
         answered: list[PendingReply] = []
         deadline = time.monotonic() + 2
@@ -313,7 +312,7 @@ def test_start_receive_ready_forget_and_send_cancel(router) -> None:
         assert c.send_cancel(third.request_id) is True
         _, body = received(broker)
         assert body == {"id": third.request_id, "op": "cancel"}
-        broker.send_multipart([*envelope, msgpack.packb(ok(third.request_id))])
+        broker.send_multipart([*envelope, pack(ok(third.request_id))])
         deadline = time.monotonic() + 2
         while c.duplicates_dropped == 0 and time.monotonic() < deadline:
             c.socket.poll(100, zmq.POLLIN)
