@@ -43,6 +43,9 @@ BACKEND_UNKNOWN_MESSAGES = 14_000
 BACKEND_KNOWN_MESSAGES = 6_000
 WINDOW = 250  # messages in flight per socket
 RSS_GROWTH_LIMIT = 50 * 1024 * 1024
+#: No reply for this long, with requests outstanding, means the broker stopped answering
+#: (a deadline on progress, not on the whole run, which a busy machine may slow down).
+STALL_S = 30
 
 
 @pytest.fixture
@@ -107,12 +110,12 @@ def test_frontend_answers_20000_malformed_messages_with_bad_request(echo_broker,
     sent = [0, 0]
     answered = [0, 0]
     codes: Counter[str] = Counter()
-    started = time.monotonic()
 
-    def receive(i: int, timeout_ms: int) -> None:
+    def receive(i: int) -> None:
+        """The replies waiting on socket i, after one more within STALL_S."""
         sock = senders[i]
-        if not sock.poll(timeout_ms, zmq.POLLIN):
-            return
+        stalled = f"no reply for {STALL_S}s: answered {answered} of {sent}"
+        assert sock.poll(STALL_S * 1000, zmq.POLLIN), stalled
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -125,15 +128,12 @@ def test_frontend_answers_20000_malformed_messages_with_bad_request(echo_broker,
     for n, (_, frames) in enumerate(messages):
         i = n % 2
         while sent[i] - answered[i] >= WINDOW:
-            receive(i, 1000)
-            assert time.monotonic() - started < 60, f"replies stopped: {answered} of {sent}"
+            receive(i)
         senders[i].send_multipart(frames)
         sent[i] += 1
-    deadline = time.monotonic() + 20
-    while answered != sent:
-        assert time.monotonic() < deadline, f"answered {answered} of {sent} malformed messages"
-        for i in (0, 1):
-            receive(i, 20)
+    for i in (0, 1):
+        while answered[i] < sent[i]:
+            receive(i)
     assert codes == {"bad_request": len(messages)}, codes
 
     assert_serves_correctly(s, zctx)
@@ -182,7 +182,7 @@ def test_backend_survives_20000_malformed_messages(echo_broker, zctx):
     known.send_multipart([WORKER_PROTOCOL, b"\x01", pack({"model": "fuzz-peer", "gpu": None, "pid": 0})])
     wait_until(
         lambda: broker_stats(s.frontend, zctx, 5).get("models", {}).get("fuzz-peer", {}).get("workers") == 1,
-        10,
+        30,
         "fake joined",
     )
     known_stream = malformed_backend_known(rng)
@@ -197,7 +197,7 @@ def test_backend_survives_20000_malformed_messages(echo_broker, zctx):
     # Every malformed message was dropped and counted: a barrier for the broker's side.
     total = BACKEND_UNKNOWN_MESSAGES + BACKEND_KNOWN_MESSAGES
     wait_until(
-        lambda: broker_stats(s.frontend, zctx, 5).get("dropped_backend_messages") == total, 20, "all dropped"
+        lambda: broker_stats(s.frontend, zctx, 5).get("dropped_backend_messages") == total, 60, "all dropped"
     )
     models = broker_stats(s.frontend, zctx, 5)["models"]
     assert models["fuzz-peer"]["workers"] == 1, "the misbehaving but live worker was dropped"
@@ -208,7 +208,7 @@ def test_backend_survives_20000_malformed_messages(echo_broker, zctx):
     # first HEARTBEAT to it comes after every DISCONNECT it was sent before.
     for i, sock in enumerate(unknown):
         sock.send_multipart([WORKER_PROTOCOL, b"\x01", pack({"model": f"fuzz-barrier-{i}", "pid": 0})])
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while True:
             assert sock.poll(max(1, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN), "no heartbeat"
             other = drain_unknown(i)
@@ -235,7 +235,7 @@ def test_message_over_max_message_bytes_disconnects_its_sender_only(echo_broker,
     monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
     sock.connect(s.frontend)
     try:
-        assert monitor.poll(10_000), "never connected"
+        assert monitor.poll(30_000), "never connected"
         assert recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECTED
         for _ in range(3):
             sock.send_multipart(
@@ -243,7 +243,7 @@ def test_message_over_max_message_bytes_disconnects_its_sender_only(echo_broker,
             )
             events = []
             while zmq.EVENT_DISCONNECTED not in events:
-                assert monitor.poll(10_000), (
+                assert monitor.poll(30_000), (
                     f"the sender of an oversized message was not disconnected: {events}"
                 )
                 events.append(recv_monitor_message(monitor)["event"])
@@ -252,7 +252,7 @@ def test_message_over_max_message_bytes_disconnects_its_sender_only(echo_broker,
         assert not sock.poll(0, zmq.POLLIN), "an oversized message was answered"
         # ZeroMQ reconnects the sender; a normal request from it is served again.
         sock.send_multipart([b"", pack({"id": "after", "input": "after"})])
-        reply = recv_reply(sock, 10)  # the reconnected sender is answered
+        reply = recv_reply(sock, 30)  # the reconnected sender is answered
         assert reply["id"] == "after" and reply["output"] == "after", reply
     finally:
         sock.disable_monitor()
@@ -287,11 +287,11 @@ def test_deepest_accepted_request_does_not_fail_the_requests_batched_with_it(ser
         sock.send_multipart([b"", pack({"id": i, "input": f"innocent {i}"})])
     attacker.send_multipart([b"", deepest_accepted_body()])  # the 4th request: one full batch
     for i, sock in enumerate(innocent):
-        reply = recv_reply(sock, 10)
+        reply = recv_reply(sock, 30)
         assert reply["ok"] and reply["output"] == f"innocent {i}", f"innocent request {i} got {reply}"
     # The broker parses a body one level deeper than sent, as the worker will see it in its
     # batch, so whatever it accepts the worker decodes too: this one is served.
-    reply = recv_reply(attacker, 10)
+    reply = recv_reply(attacker, 30)
     assert reply["ok"], reply
 
 
@@ -307,7 +307,7 @@ def test_valid_requests_among_malformed_ones_on_one_socket_get_their_own_outputs
             sock.send_multipart([b"", pack({"id": f"v{n}", "input": [n, "ok"]})])
     got: dict[str, Any] = {}
     bad = 0
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while bad < 500 or len(got) < len(expected):
         assert time.monotonic() < deadline, f"{bad} bad_request and {len(got)} results"
         if not sock.poll(100, zmq.POLLIN):
