@@ -117,7 +117,7 @@ def test_timeout_hint_refused_key_and_no_hang_after_it(secured, zctx):
         # next request, and the retry, must still time out on time.
         started = time.monotonic()
         second = timeout_message(c, 2, model="held")
-        assert time.monotonic() - started < 3.0
+        assert time.monotonic() - started < 10.0  # 2 attempts of 0.5 s, tenfold slack
     for message in (first, second):
         assert "after 2 attempt(s)" in message, message
         assert REFUSED in message and "in its --curve-clients directory?" in message, message
@@ -128,7 +128,7 @@ def test_timeout_hint_plaintext_against_curve(secured, zctx):
         message = timeout_message(c, 1, model="held")
         started = time.monotonic()
         timeout_message(c, 2, model="held")
-        assert time.monotonic() - started < 3.0
+        assert time.monotonic() - started < 5.0  # its 0.5 s, tenfold slack
     assert MISMATCH in message and "does the broker use CURVE (--curve-server-key)?" in message, message
 
 
@@ -155,7 +155,7 @@ def async_timeout_message(address: str, actx: zmq.asyncio.Context, **kwargs: Any
             started = time.monotonic()
             with pytest.raises(ClientTimeout):  # never hangs on a refused connection
                 await client.request(2, model="held", timeout_ms=DEADLINE_MS)
-            assert time.monotonic() - started < 3.0
+            assert time.monotonic() - started < 5.0  # its 0.5 s, tenfold slack
             return err.value.message
 
     return asyncio.run(main())
