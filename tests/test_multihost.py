@@ -130,6 +130,9 @@ def test_workers_join_and_leave_under_steady_load_and_nothing_is_lost(spawn, zct
         os.kill(second.pid, signal.SIGKILL)
         second.process.wait(timeout=5)
         wait_until(lambda: sim_workers(frontend, zctx) == 1, 10, "the broker took the killed worker for dead")
+        # Requests sent from now on can only go to the third worker (+1: the one the load
+        # thread may be sending at this moment may have been sent before).
+        only_third_from = load.sent + 1
         wait_until(lambda: load.answered() >= before + 100, 15, "load flowing through the last worker")
     finally:
         load.stop()
@@ -137,7 +140,7 @@ def test_workers_join_and_leave_under_steady_load_and_nothing_is_lost(spawn, zct
     assert broker.process.poll() is None, "the broker exited"
     fence = load.replies.pop("fence")
     assert len(fence) == 1 and fence[0]["ok"], fence
-    assert load.sent > 150
+    assert load.sent > only_third_from, "no request was sent after the second worker was lost"
     missing = [i for i in range(load.sent) if i not in load.replies]
     assert not missing, f"{len(missing)} requests never answered: {missing[:10]}"
     duplicated = {i: rs for i, rs in load.replies.items() if len(rs) != 1}
@@ -146,6 +149,8 @@ def test_workers_join_and_leave_under_steady_load_and_nothing_is_lost(spawn, zct
     assert not failed, f"requests answered with errors: {list(failed.values())[:5]}"
     assert all(rs[0]["output"]["echo"] == i for i, rs in load.replies.items())
     assert load.served_by() == {first.pid, second.pid, third.pid}
+    late_workers = {load.replies[i][0]["worker"] for i in range(only_third_from, load.sent)}
+    assert {int(w.rsplit("/", 1)[1]) for w in late_workers} == {third.pid}, late_workers
 
     final = fence[0]["output"]
     sim = final["models"]["sim"]
@@ -204,7 +209,9 @@ def test_multiclient_goes_on_when_one_of_two_brokers_is_killed(serve, spawn, zct
         assert [o["echo"] for o in mc.request_many(range(10))] == list(range(10))
         after = mc.sent()
         assert after[a.frontend] - before[a.frontend] == 5, (before, after)
-        assert broker_stats(b.frontend, zctx)["models"]["sim"]["outcomes"].get("ok", 0) >= 25
+        # B answered every attempt sent to it, once (probes are `stats`, not counted).
+        outcomes = broker_stats(b.frontend, zctx, timeout_s=5)["models"]["sim"]["outcomes"]
+        assert outcomes == {"ok": after[b.frontend]}, (outcomes, after)
 
 
 # --- MultiClient's rules, against scripted brokers ----------------------------------------------
