@@ -191,9 +191,10 @@ def test_request_past_its_deadline_gets_deadline_exceeded(serve, client, zctx):
     c = client(sp.frontend)
     busy = c.submit("busy")  # holds the only worker for 600 ms; "late" has to queue
     wait_for_stats(sp.frontend, zctx, lambda st: st["models"]["sim"]["batches_in_flight"] == 1)
+    late_request = c.submit("late", timeout_ms=50)
     with pytest.raises(DeadlineExceeded) as late:
-        c.request("late", timeout_ms=50)
-    assert late.value.code == "deadline_exceeded" and late.value.reply["id"] is not None
+        late_request.result()
+    assert late.value.code == "deadline_exceeded" and late.value.reply["id"] == late_request.request_id
     assert busy.result()["echo"] == "busy"
     assert c.request("after", timeout_ms=5000)["echo"] == "after"
 
