@@ -145,7 +145,9 @@ def _id_of_undecodable(body: bytes) -> int | str | None:
     """The `id` of a body the broker refuses, read as far as the body allows: key by key,
     with maps decoded as lists of pairs (so no key needs to be hashable), stopping at the
     first fault. A body broken only after its id still has the id echoed."""
-    unpacker = msgpack.Unpacker(raw=False, object_pairs_hook=list, max_buffer_size=max(len(body), 1))
+    unpacker = msgpack.Unpacker(
+        raw=False, strict_map_key=False, object_pairs_hook=list, max_buffer_size=max(len(body), 1)
+    )
     unpacker.feed(body)
     try:
         for _ in range(unpacker.read_map_header()):

@@ -149,3 +149,87 @@ def test_ready_info_is_checked() -> None:
         with pytest.raises(ValueError, match="bad READY info"):
             worker_info(bad)
     assert WorkerInfo("m", None, 3).name(b"\x01") == "m/gpu-/pid3/id01"
+
+
+# --- edges the mutation run found unpinned -----------------------------------------------------------
+
+
+def test_worker_name_says_its_gpu_or_a_dash() -> None:
+    assert WorkerInfo("m", 2, 7).name(b"\x0a\xff") == "m/gpu2/pid7/id0aff"
+    assert WorkerInfo("m", None, 7).name(b"\x0a") == "m/gpu-/pid7/id0a"
+
+
+def test_ready_info_with_slots_is_accepted() -> None:
+    assert worker_info({"model": "m", "gpu": 1, "pid": 9, "slots": 3}) == WorkerInfo("m", 1, 9)
+
+
+def test_a_fresh_pool_finds_no_worker_silent_before_any_read() -> None:
+    p = pool()
+    join(p, b"w", now=0.0)
+    assert p.silent() == []
+
+
+def test_slots_announced_in_ready_reach_the_scheduler() -> None:
+    s = Scheduler(per_model={"m": BatchSettings(max_batch_size=1, max_wait_ms=0.0)}, worker_prefetch=4)
+    p = WorkerPool(s, HEARTBEAT, 1, now=0.0)
+    p.joined(b"w", WorkerInfo("m", 0, 1), 2, 0.0)
+    assert s.workers[b"w"].slots == 2
+
+
+def test_losing_an_unknown_worker_changes_nothing() -> None:
+    p = pool()
+    join(p, b"w")
+    lost = p.lose(b"never-joined", failed=True)
+    assert (lost.failed, lost.batches_requeued) == ([], 0)
+    assert b"w" in p
+
+
+def test_every_batch_of_a_lost_worker_is_counted_and_attempts_add_up() -> None:
+    s = Scheduler(per_model={"m": BatchSettings(max_batch_size=1, max_wait_ms=0.0)}, worker_prefetch=2)
+    p = WorkerPool(s, HEARTBEAT, 5, now=0.0)
+    p.joined(b"w", WorkerInfo("m", 0, 1), 2, 0.0)
+    reqs = [request(1), request(2)]
+    reqs[0].attempts = 2
+    for r in reqs:
+        s.enqueue("m", r)
+    assert len(s.due_batches(0.0)) == 2
+    lost = p.lose(b"w", failed=True)
+    assert lost.batches_requeued == 2
+    assert [r.attempts for r in reqs] == [3, 1]
+
+
+def test_a_leave_after_a_failure_still_costs_an_attempt() -> None:
+    """Only the first hand-back is free, even with a failure in between."""
+    p = pool(max_retries=5)
+    (r,) = [request(1)]
+    p.scheduler.enqueue("m", r)
+    for i, failed in enumerate([False, True, False]):
+        join(p, b"w%d" % i)
+        assert p.scheduler.due_batches(0.0)
+        p.lose(b"w%d" % i, failed=failed)
+    assert r.attempts == 2  # free, then one for the failure, then one for the second leave
+
+
+def test_model_failed_cancels_only_that_models_requests() -> None:
+    s = Scheduler(per_model={"m": BatchSettings(2, 0.0), "n": BatchSettings(2, 0.0)})
+    p = WorkerPool(s, HEARTBEAT, 1, now=0.0)
+    s.enqueue("m", request(1))
+    s.enqueue("n", request(2))
+    assert [(m, r.id) for m, r in p.model_failed("m", "cannot start")] == [("m", 1)]
+    assert (s.queued("m"), s.queued("n")) == (0, 1)
+
+
+def test_a_failed_start_beside_a_live_worker_refuses_nothing() -> None:
+    """A new worker of "m" failed to start, but one is serving: requests still queue."""
+    p = pool()
+    join(p, b"w")
+    p.model_failed("m", "the new worker's model did not load")
+    assert p.refusal("m", 1.0) is None
+
+
+def test_a_worker_that_joins_clears_the_failure_for_good() -> None:
+    p = pool()
+    p.model_failed("m", "did not load")
+    join(p, b"w")
+    p.lose(b"w", failed=True)
+    assert p.refusal("m", 1.0) is None  # it failed to start once, but then one ran

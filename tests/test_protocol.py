@@ -494,3 +494,60 @@ def test_undecodable_body_still_echoes_an_id_read_before_the_fault() -> None:
 def test_unpack_takes_non_string_map_keys() -> None:
     data = protocol.pack({1: "one", 2.5: "two and a half", b"k": "bytes", None: 0})
     assert protocol.unpack(data) == {1: "one", 2.5: "two and a half", b"k": "bytes", None: 0}
+
+
+def test_an_id_after_keys_of_any_type_is_still_echoed() -> None:
+    """Keys before the id may be ints, or even a map with an array key (which is what
+    makes the body unacceptable): the id is read all the same."""
+    body = b"\x83" + b"\x81\x91\x01\x02" + protocol.pack("x") + protocol.pack("id") + protocol.pack(5)
+    body += protocol.pack("input") + protocol.pack(1)
+    error = bad_request(body)
+    assert error.message.startswith("body has a map key that is an array or a map, which is not supported")
+    assert error.req_id == 5
+    truncated = b"\x83" + protocol.pack(1) + protocol.pack("x") + protocol.pack("id") + protocol.pack("abc")
+    assert bad_request(truncated).req_id == "abc"
+
+
+@pytest.mark.parametrize("req_id", [[1], True, 1.5, None, {"a": 1}])
+def test_an_id_of_the_wrong_type_in_a_broken_body_is_not_echoed(req_id: object) -> None:
+    body = b"\x82" + protocol.pack("id") + protocol.pack(req_id) + protocol.pack("input") + b"\xc1"
+    assert bad_request(body).req_id is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"\xc1", "body is not valid msgpack: FormatError"),  # an exception without text
+        (b"", "body is not valid msgpack: ValueError: Unpack failed: incomplete input"),
+        (
+            body({"id": 1, "input": 1}) + b"\x00",
+            "body is not valid msgpack: ExtraData: unpack(b) received extra data.",
+        ),
+    ],
+)
+def test_an_undecodable_body_is_described_by_its_error(raw: bytes, message: str) -> None:
+    assert bad_request(raw).message == message
+
+
+def test_a_map_key_that_is_an_array_is_refused_echoing_the_id() -> None:
+    raw = body({"id": 8, "input": {(1, 2): 3}})
+    error = bad_request(raw)
+    assert error.message == (
+        "body has a map key that is an array or a map, which is not supported (unhashable type: 'list')"
+    )
+    assert error.req_id == 8
+
+
+def test_array_header_up_to_the_largest_msgpack_array() -> None:
+    assert protocol.array_header(2**32 - 1) == b"\xdd\xff\xff\xff\xff"
+    assert protocol.array_header(2**31) == b"\xdd\x80\x00\x00\x00"
+
+
+def test_frames_without_a_delimiter_are_refused_saying_how_to_send_them() -> None:
+    with pytest.raises(EnvelopeError) as raised:
+        protocol.split_envelope([b"id", b"a", b"b"])
+    assert raised.value.message == (
+        "expected exactly one body frame after the envelope, got 2 (without an empty delimiter the "
+        "envelope is the identity alone; behind a proxy, send the empty delimiter frame before the body)"
+    )
+    assert raised.value.envelope == [b"id", b"a"]
