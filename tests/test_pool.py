@@ -233,3 +233,13 @@ def test_a_worker_that_joins_clears_the_failure_for_good() -> None:
     join(p, b"w")
     p.lose(b"w", failed=True)
     assert p.refusal("m", 1.0) is None  # it failed to start once, but then one ran
+
+
+def test_pool_names_and_lists_workers_by_model() -> None:
+    p = pool()
+    p.joined(b"\x01", WorkerInfo("m", 0, 11), None, 0.0)
+    p.joined(b"\x02", WorkerInfo("n", None, 12), None, 0.0)
+    assert p.name(b"\x01") == "m/gpu0/pid11/id01"
+    assert p.name(b"\x09") == "id09"  # not (or no longer) in the pool
+    assert p.workers_of("m") == [(b"\x01", WorkerInfo("m", 0, 11))]
+    assert p.workers_of("x") == []

@@ -551,3 +551,70 @@ def test_frames_without_a_delimiter_are_refused_saying_how_to_send_them() -> Non
         "envelope is the identity alone; behind a proxy, send the empty delimiter frame before the body)"
     )
     assert raised.value.envelope == [b"id", b"a"]
+
+
+# --- REPLY headers: every number a worker sends is checked ----------------------------------------
+
+
+SHAPE = "REPLY header must be [batch_id, infer_ms, lengths, errors], got "
+INFER_MS = "REPLY infer_ms must be a number in [0, 86400000], got "
+
+
+def reply_header(*fields: object) -> bytes:
+    return protocol.pack(list(fields))
+
+
+def test_reply_header_with_and_without_the_optional_fields() -> None:
+    assert protocol.parse_reply_header(reply_header(7, 2.5, [3, 4])) == (7, 2.5, [3, 4], 0, None)
+    assert protocol.parse_reply_header(reply_header(7, 2, [3, 4], 1)) == (7, 2.0, [3, 4], 1, None)
+    got = protocol.parse_reply_header(reply_header(2**63 - 1, 0, [], 0, 86_400_000))
+    assert got == (2**63 - 1, 0.0, [], 0, 86_400_000.0)
+    assert isinstance(got.infer_ms, float) and isinstance(got.wait_ms, float)
+
+
+@pytest.mark.parametrize(
+    ("frame", "message", "batch_id"),
+    [
+        (b"\xc1", "REPLY header is not valid msgpack: FormatError", None),
+        (reply_header(1, 2), SHAPE + "[1, 2]", None),
+        (
+            protocol.pack({"id": 1}),
+            SHAPE + "{'id': 1}",
+            None,
+        ),
+        (
+            reply_header(1, 0, [], 0, 0, 0),
+            SHAPE + "[1, 0, [], 0, 0, 0]",
+            None,
+        ),
+        (reply_header(-1, 0, []), "REPLY batch id must be an int in [0, 2**63), got -1", None),
+        (reply_header(2**63, 0, []), f"REPLY batch id must be an int in [0, 2**63), got {2**63}", None),
+        (reply_header(True, 0, []), "REPLY batch id must be an int in [0, 2**63), got True", None),
+        (reply_header(1.0, 0, []), "REPLY batch id must be an int in [0, 2**63), got 1.0", None),
+        (reply_header(5, -0.5, []), INFER_MS + "-0.5", 5),
+        (
+            reply_header(5, 86_400_000.5, []),
+            INFER_MS + "86400000.5",
+            5,
+        ),
+        (reply_header(5, math.nan, []), INFER_MS + "nan", 5),
+        (reply_header(5, False, []), INFER_MS + "False", 5),
+        (reply_header(5, "1", []), INFER_MS + "'1'", 5),
+        (reply_header(5, 1, [1, -1]), "REPLY lengths must be a list of ints >= 0, got [1, -1]", 5),
+        (reply_header(5, 1, [True]), "REPLY lengths must be a list of ints >= 0, got [True]", 5),
+        (reply_header(5, 1, 3), "REPLY lengths must be a list of ints >= 0, got 3", 5),
+        (reply_header(5, 1, [1, 2], 3), "REPLY errors must be an int in [0, 2], got 3", 5),
+        (reply_header(5, 1, [1, 2], -1), "REPLY errors must be an int in [0, 2], got -1", 5),
+        (reply_header(5, 1, [1, 2], True), "REPLY errors must be an int in [0, 2], got True", 5),
+        (reply_header(5, 1, [1], 0, -1), "REPLY wait_ms must be a number in [0, 86400000], got -1", 5),
+        (reply_header(5, 1, [1], 0, math.inf), "REPLY wait_ms must be a number in [0, 86400000], got inf", 5),
+        (reply_header(5, 1, [1], 0, None), "REPLY wait_ms must be a number in [0, 86400000], got None", 5),
+    ],
+)
+def test_reply_header_refuses_what_no_worker_sends_naming_the_batch_when_it_can(
+    frame: bytes, message: str, batch_id: int | None
+) -> None:
+    with pytest.raises(protocol.WorkerProtocolError) as raised:
+        protocol.parse_reply_header(frame)
+    assert str(raised.value) == message
+    assert raised.value.batch_id == batch_id

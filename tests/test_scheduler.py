@@ -545,3 +545,66 @@ def test_cancel_id_leaves_a_dispatched_request_alone() -> None:
     (batch,) = s.due_batches(0.0)
     assert batch.requests == [r]
     assert s.cancel_id(r.envelope[0], 7) == []
+
+
+# --- what the broker reads and asks of the scheduler besides batches --------------------------------
+
+
+def test_views_are_a_snapshot_of_queues_workers_settings_and_cost() -> None:
+    s = make(size=4, wait_ms=10.0, workers=2, slots=2)
+    enqueue_many(s, "m", 5, 0.0)
+    (batch,) = s.due_batches(0.0)  # a full batch of 4 to one worker; 1 waits
+    view = s.views()["m"]
+    assert view.queued == 1
+    assert sorted(view.workers) == sorted([(batch.worker, 1), (b"w1" if batch.worker == b"w0" else b"w0", 0)])
+    assert view.batches_in_flight == 1
+    assert view.settings == s.models["m"].settings
+    assert view.cost is None and view.no_worker_since is None
+    assert s.complete(batch.worker, batch.batch_id, infer_s=0.02) is batch
+    assert s.views()["m"].cost == (pytest.approx(0.02), 0.0)
+    assert view.queued == 1  # the earlier snapshot did not change
+
+
+def test_held_and_busy_follow_batches_and_queues() -> None:
+    s = make(size=2, wait_ms=10.0, workers=1, slots=2)
+    assert not s.busy() and s.held(b"w0") == 0 and s.held(b"nobody") == 0
+    enqueue_many(s, "m", 1, 0.0)
+    assert s.busy()  # queued only
+    (batch,) = s.due_batches(0.010)
+    assert s.busy() and s.held(b"w0") == 1  # in a batch only
+    s.complete(b"w0", batch.batch_id)
+    assert not s.busy() and s.held(b"w0") == 0
+
+
+def test_a_drained_worker_gets_no_batch_but_its_replies_count() -> None:
+    s = make(size=1, wait_ms=0.0, workers=2, slots=1)
+    enqueue_many(s, "m", 1, 0.0)
+    (first,) = s.due_batches(0.0)
+    assert s.drain_worker(first.worker) == 1
+    assert s.drain_worker(b"nobody") == 0
+    enqueue_many(s, "m", 2, 0.0)
+    batches = s.due_batches(0.0)
+    assert [b.worker for b in batches] == [b"w1" if first.worker == b"w0" else b"w0"]
+    assert s.complete(first.worker, first.batch_id) is first
+    assert s.due_batches(1.0) == []  # still nothing for the drained one
+    assert s.has_workers("m")
+
+
+def test_remove_all_workers_returns_every_held_batch() -> None:
+    s = make(size=1, wait_ms=0.0, workers=3, slots=1)
+    enqueue_many(s, "m", 2, 0.0)
+    held = s.due_batches(0.0)
+    assert len(held) == 2
+    assert sorted(b.batch_id for b in s.remove_all_workers()) == sorted(b.batch_id for b in held)
+    assert s.workers == {} and not s.has_workers("m")
+
+
+def test_set_settings_applies_to_the_queue_and_to_the_model_made_later() -> None:
+    s = make(size=8, wait_ms=100.0, workers=1)
+    enqueue_many(s, "m", 2, 0.0)
+    assert s.due_batches(0.001) == []
+    s.set_settings("m", BatchSettings(max_batch_size=2, max_wait_ms=100.0, policy="window"))
+    (batch,) = s.due_batches(0.001)  # now a full batch
+    assert len(batch.requests) == 2
+    s.set_settings("new", BatchSettings(max_batch_size=3))
+    assert s.knows_model("new") and s.models["new"].settings.max_batch_size == 3
