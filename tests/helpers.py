@@ -189,6 +189,7 @@ def fake_brokers() -> Iterator[Callable[[Answer], FakeBroker]]:
             fb.stop()
         ctx.destroy(linger=0)
 
+
 # --- stats over CURVE (added for the CURVE tests; broker_stats above is plaintext) -------------
 
 
