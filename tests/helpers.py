@@ -68,9 +68,23 @@ def wait_until(
         time.sleep(interval_s)  # between probes of the condition
 
 
-def broker_stats(address: str, ctx: zmq.Context[Any], timeout_s: float = 0.5) -> dict[str, Any]:
-    """The broker's `stats`, or {} when it does not answer within `timeout_s`."""
-    with Client(address, timeout_s=timeout_s, context=ctx) as c:
+def broker_stats(
+    address: str,
+    ctx: zmq.Context[Any],
+    timeout_s: float = 0.5,
+    curve_server_key: str | None = None,
+    curve_secret_key: str | None = None,
+) -> dict[str, Any]:
+    """The broker's `stats`, or {} when it does not answer within `timeout_s`; for a CURVE
+    broker, asked with its public key file and, if given, a client's key pair (else a
+    throwaway one)."""
+    with Client(
+        address,
+        timeout_s=timeout_s,
+        context=ctx,
+        curve_server_key=curve_server_key,
+        curve_secret_key=curve_secret_key,
+    ) as c:
         try:
             return dict(c.control("stats"))
         except BatcherError:
@@ -95,6 +109,23 @@ def start_broker(spawn: Callable[..., Any], ctx: zmq.Context[Any], *args: str) -
     spawn("broker", "--frontend", frontend, "--backend", backend, *args)
     wait_until(lambda: broker_stats(frontend, ctx), 20, "the broker answers", error=RuntimeError)
     return frontend, backend
+
+
+def curve_broker_stats(
+    address: str,
+    ctx: zmq.Context[Any],
+    curve_server_key: str,
+    curve_secret_key: str | None = None,
+    timeout_s: float = 0.5,
+) -> dict[str, Any]:
+    """broker_stats of a CURVE broker (its public key file is required here)."""
+    return broker_stats(address, ctx, timeout_s, curve_server_key, curve_secret_key)
+
+
+def model_stats(address: str, ctx: zmq.Context[Any], model: str, timeout_s: float = 2.0) -> dict[str, Any]:
+    """`model`'s entry in the broker's `stats`, or {} when the broker does not answer within
+    `timeout_s` or does not list the model."""
+    return dict(broker_stats(address, ctx, timeout_s).get("models", {}).get(model, {}))
 
 
 # --- a scripted stand-in broker ---------------------------------------------------------------
@@ -188,37 +219,3 @@ def fake_brokers() -> Iterator[Callable[[Answer], FakeBroker]]:
         for fb in made:
             fb.stop()
         ctx.destroy(linger=0)
-
-
-# --- stats over CURVE (added for the CURVE tests; broker_stats above is plaintext) -------------
-
-
-def curve_broker_stats(
-    address: str,
-    ctx: zmq.Context[Any],
-    curve_server_key: str,
-    curve_secret_key: str | None = None,
-    timeout_s: float = 0.5,
-) -> dict[str, Any]:
-    """broker_stats for a CURVE broker: asked with the broker's public key file and, if
-    given, a client's key pair (else a throwaway one); {} when it does not answer."""
-    with Client(
-        address,
-        timeout_s=timeout_s,
-        context=ctx,
-        curve_server_key=curve_server_key,
-        curve_secret_key=curve_secret_key,
-    ) as c:
-        try:
-            return dict(c.control("stats"))
-        except BatcherError:
-            return {}
-
-
-# --- one model's stats (test_reliability, test_chaos) -------------------------------------------
-
-
-def model_stats(address: str, ctx: zmq.Context[Any], model: str, timeout_s: float = 2.0) -> dict[str, Any]:
-    """`model`'s entry in the broker's `stats`, or {} when the broker does not answer within
-    `timeout_s` or does not list the model."""
-    return dict(broker_stats(address, ctx, timeout_s).get("models", {}).get(model, {}))
