@@ -618,3 +618,14 @@ def test_reply_header_refuses_what_no_worker_sends_naming_the_batch_when_it_can(
         protocol.parse_reply_header(frame)
     assert str(raised.value) == message
     assert raised.value.batch_id == batch_id
+
+
+def test_reply_header_takes_batch_id_zero_and_empty_replies() -> None:
+    assert protocol.parse_reply_header(reply_header(0, 0, [0, 3, 0])) == (0, 0.0, [0, 3, 0], 0, None)
+
+
+def test_a_broken_body_over_100_mib_still_has_its_id_echoed() -> None:
+    """msgpack's default buffer is 100 MiB, and a body may reach --max-message-bytes (1 GiB
+    at most): the id reader takes a buffer the size of the body."""
+    big = protocol.pack({"id": "big", "input": b"\x00" * (100 * 1024 * 1024 + 1)})
+    assert bad_request(big[:-1]).req_id == "big"
