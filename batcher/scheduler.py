@@ -552,7 +552,6 @@ class Scheduler:
 
     def set_settings(self, model: str, settings: BatchSettings) -> None:
         """New batching settings for a model (a reloaded config); queued requests stay."""
-        self._per_model[model] = settings
         self._model(model).settings = settings
 
     def unavailable(self, now: float) -> list[tuple[str, QueuedRequest, float]]:

@@ -1523,3 +1523,130 @@ def test_structures_stay_bounded_at_every_removal() -> None:
         assert s.queued("m") == left
         lengths = _lengths(s)
         assert all(n <= 2 * left + 64 for n in lengths.values()), (i, lengths)
+
+
+# --- a model without workers: unavailable after no_worker_timeout_s --------------------------------
+
+
+def _orphan(timeout_s: float = 5.0) -> Scheduler:
+    return Scheduler(
+        per_model={"m": BatchSettings(4, 10.0), "n": BatchSettings(4, 10.0)}, no_worker_timeout_s=timeout_s
+    )
+
+
+def test_queued_requests_of_a_model_without_worker_are_answered_at_the_timeout() -> None:
+    s = _orphan()
+    s.add_worker(b"wn", "n")  # "n" has a worker: never unavailable
+    put(s, "n", rq(0.0, rid="n1"))
+    reqs = put(s, "m", rq(0.0, rid="m1"), rq(0.0, rid="m2"))
+    assert s.unavailable(1.0) == []  # stamps "no worker since 1.0"
+    assert [ids(b) for b in s.due_batches(1.0)] == [["n1"]]
+    assert s.views()["m"].no_worker_since == 1.0 and s.views()["n"].no_worker_since is None
+    assert s.next_wakeup() == 6.0  # the timeout, not the window: "m" has nobody to take it
+    assert s.without_worker_s("m", 5.999) is None
+    assert s.unavailable(5.999) == []
+    out = s.unavailable(6.0)
+    assert [(m, r, w) for m, r, w in out] == [("m", reqs[0], 5.0), ("m", reqs[1], 5.0)]
+    assert s.queued("m") == 0
+    assert s.without_worker_s("m", 6.5) == 5.5  # new requests are refused at once
+    assert s.without_worker_s("n", 6.5) is None and s.without_worker_s("x", 6.5) is None
+
+
+def test_a_worker_joining_clears_the_no_worker_stamp() -> None:
+    s = _orphan()
+    put(s, "m", rq(0.0))
+    s.unavailable(1.0)
+    s.add_worker(b"w", "m")
+    assert s.unavailable(2.0) == [] and s.views()["m"].no_worker_since is None
+    assert s.without_worker_s("m", 100.0) is None
+    s.remove_worker(b"w")
+    s.unavailable(50.0)  # stamped anew when it has none again
+    assert s.without_worker_s("m", 54.0) is None and s.without_worker_s("m", 55.0) == 5.0
+
+
+def test_without_a_timeout_a_model_without_worker_waits_for_ever() -> None:
+    s = _orphan(timeout_s=0.0)
+    put(s, "m", rq(0.0))
+    assert s.unavailable(1.0) == [] and s.unavailable(1e9) == []
+    assert s.without_worker_s("m", 1e9) is None
+    assert s.next_wakeup() is None
+
+
+def test_an_empty_model_without_worker_loses_nothing_and_asks_no_wakeup() -> None:
+    s = _orphan()
+    s.unavailable(1.0)
+    assert s.unavailable(100.0) == []
+    assert s.next_wakeup() is None
+    assert s.without_worker_s("m", 100.0) == 99.0  # still refused at once
+
+
+# --- small edges ---------------------------------------------------------------------------------
+
+
+def test_a_reported_time_of_zero_is_learned() -> None:
+    s = make(size=4, wait_ms=0.0)
+    put(s, "m", rq(0.0))
+    (batch,) = s.due_batches(0.0)
+    s.complete(batch.worker, batch.batch_id, infer_s=0.0)
+    assert s.cost("m") == (0.0, 0.0)
+
+
+def test_adaptive_partial_batch_waits_for_the_busy_worker_plus_the_grace() -> None:
+    """A partial batch past its window goes to a busy worker's free prefetch slot only once
+    that worker is expected to be done, plus PREFETCH_GRACE_S (0.5 ms)."""
+    s = make(size=4, wait_ms=1.0, workers=1, slots=2, policy="adaptive")
+    now = teach(s, [(1, 0.010), (4, 0.040), (1, 0.010), (4, 0.040)], now=0.0)
+    put(s, "m", rq(now))
+    (running,) = s.due_batches(now)
+    done = running.expected_done_at
+    assert done == pytest.approx(now + 0.010)
+    put(s, "m", rq(now))
+    assert s.due_batches(done) == []  # past the window, the worker not yet done
+    assert s.next_wakeup() == pytest.approx(done + 0.0005)
+    assert s.due_batches(done + 0.0004) == []
+    (batch,) = s.due_batches(done + 0.0005)
+    assert batch.worker == running.worker
+
+
+def test_a_slow_model_under_a_trickle_is_still_heavy_load() -> None:
+    """One request every few seconds to a model that takes 5 s a batch: r < 1/s, yet
+    r * t(1) > 1.2 W, so the heavy-load rule holds the queue."""
+    s = make(size=64, wait_ms=60_000.0, workers=1, policy="adaptive")
+    t0 = teach(s, [(1, 5.1), (8, 5.8), (1, 5.1), (8, 5.8)], now=0.0)
+    put(s, "m", rq(t0))
+    now = t0 + 0.5  # the broker looks again later: the rate estimate has decayed below 1/s
+    rate = s.models["m"].rate.per_second(now)
+    assert 0.3 < rate < 1.0 and rate * 5.1 > 1.2
+    target = math.ceil(rate * 5.0 / (0.8 - rate * 0.1))
+    assert target == 3
+    assert _held_for(s, now) == pytest.approx((target - 1) / rate)
+
+
+def test_a_request_queued_for_minutes_with_no_arrival_since_goes_at_once() -> None:
+    """The rate estimate has decayed to zero: nothing to wait for."""
+    s = make(size=8, wait_ms=3_600_000.0, workers=2, policy="adaptive")
+    t0 = teach(s, [(1, 0.5), (8, 1.2), (1, 0.5), (8, 1.2)], now=0.0)
+    (lone,) = put(s, "m", rq(t0))
+    now = t0 + 300.0
+    assert s.models["m"].rate.per_second(now) == 0.0
+    s.remove_worker(b"w1")  # one idle worker left: the wait-or-dispatch rule is asked
+    (batch,) = s.due_batches(now)
+    assert batch.requests == [lone]
+
+
+def test_one_idle_worker_beside_a_busy_one_holds_for_a_rare_but_expected_arrival() -> None:
+    """r below 1/s still makes the next arrival worth waiting for when batches cost seconds."""
+    s = make(size=8, wait_ms=60_000.0, workers=1, policy="adaptive")
+    t0 = teach(s, [(1, 5.51), (8, 5.58), (1, 5.51), (8, 5.58)], now=0.0)
+    enqueue_many(s, "m", 8, t0)  # the busy worker's batch, queued long before
+    t1 = t0 + 100.0
+    s.add_worker(b"w1", "m")
+    (busy,) = s.due_batches(t1)
+    put(s, "m", rq(t1))
+    now = t1 + 0.5
+    rate = s.models["m"].rate.per_second(now)
+    assert 0.3 < rate < 1.0 and rate * 5.51 <= 1.2 * 2  # not heavy load
+    gap = 1 / rate
+    first_free = min(now + 5.51, busy.expected_done_at)
+    assert (first_free + 5.51) - (now + gap + 5.52) > 1 * (gap + 0.01)  # the documented rule: hold
+    assert _held_for(s, now) == pytest.approx(gap)
