@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FAILED_LINE = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+FAILED_LINE = re.compile(r"^(?:FAILED|ERROR) (\S+)(?: - (.*))?$", re.MULTILINE)
 
 
 def run_once(extra: list[str], timeout_s: float) -> dict[str, object]:
@@ -48,7 +48,8 @@ def run_once(extra: list[str], timeout_s: float) -> dict[str, object]:
         "ok": done.returncode == 0,
         "seconds": round(time.monotonic() - started, 1),
         "summary": lines[-1] if lines else done.stderr[-500:],
-        "failed": FAILED_LINE.findall(done.stdout),
+        "failed": [test for test, _ in FAILED_LINE.findall(done.stdout)],
+        "why": {test: why[:300] for test, why in FAILED_LINE.findall(done.stdout)},
     }
 
 
@@ -70,7 +71,7 @@ def main() -> int:
         mark = "ok  " if result["ok"] else "FAIL"
         print(f"run {i:>3}/{args.runs} {mark} {result['seconds']:>7.1f}s  {result['summary']}", flush=True)
         for test in result["failed"]:  # type: ignore[attr-defined]
-            print(f"          failed: {test}", flush=True)
+            print(f"          failed: {test}: {result['why'][test]}", flush=True)  # type: ignore[index]
     failures = Counter(t for r in runs for t in r["failed"])  # type: ignore[attr-defined]
     report = {
         "runs": len(runs),
