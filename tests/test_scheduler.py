@@ -13,6 +13,7 @@ from batcher.scheduler import BatchSettings, NoSuchModel, Policy, QueuedRequest,
 from tests.scheduler_builders import (
     enqueue_many,
     make,
+    put,
     rq,
 )
 
@@ -433,6 +434,8 @@ def test_default_settings() -> None:
         # Hardening #7: a float size passed validation, then every batch of it raised.
         ({"batch_sizes": (1, 2.0, 4)}, "batch_sizes must be ints, got [1, 2.0, 4]"),
         ({"batch_sizes": (1, True, 4)}, "batch_sizes must be ints, got [1, True, 4]"),
+        ({"max_queue": 0}, "max_queue must be >= 1, got 0"),
+        ({"policy": "fastest"}, "policy must be one of adaptive, window, got 'fastest'"),
     ],
 )
 def test_batch_settings_rejects_bad_values(kwargs: dict[str, object], message: str) -> None:
@@ -608,3 +611,99 @@ def test_set_settings_applies_to_the_queue_and_to_the_model_made_later() -> None
     assert len(batch.requests) == 2
     s.set_settings("new", BatchSettings(max_batch_size=3))
     assert s.knows_model("new") and s.models["new"].settings.max_batch_size == 3
+
+
+# --- the scheduler's own settings ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("timeout_s", [-1.0, math.inf, math.nan])
+def test_no_worker_timeout_must_be_finite_and_not_negative(timeout_s: float) -> None:
+    with pytest.raises(ValueError) as raised:
+        Scheduler(no_worker_timeout_s=timeout_s)
+    assert str(raised.value) == f"no_worker_timeout_s must be a finite number >= 0, got {timeout_s}"
+
+
+def test_by_default_batch_ids_start_at_1_and_a_model_without_worker_waits() -> None:
+    s = Scheduler(per_model={"m": BatchSettings(max_batch_size=1, max_wait_ms=0.0)})
+    enqueue_many(s, "m", 1, 0.0)
+    assert s.unavailable(0.0) == [] and s.unavailable(3600.0) == []
+    s.add_worker(b"w", "m")
+    (batch,) = s.due_batches(3600.0)
+    assert batch.batch_id == 1
+
+
+# --- the (client, id) index with an id used three times ----------------------------------------------
+
+
+def test_a_client_reusing_an_id_three_times_cancels_all_three_and_then_the_rest() -> None:
+    s = make(size=1, wait_ms=0.0, workers=0)
+    same = [rq(0.0, rid="dup") for _ in range(3)]
+    for r in same:
+        r.envelope = [b"alice", b""]
+        s.enqueue("m", r)
+    assert sorted(map(id, (r for _, r in s.cancel_id(b"alice", "dup")))) == sorted(map(id, same))
+    again = [rq(0.0, rid="dup") for _ in range(3)]
+    for r in again:
+        r.envelope = [b"alice", b""]
+        s.enqueue("m", r)
+    s.add_worker(b"w", "m")
+    (batch,) = s.due_batches(0.0)  # the first of them leaves in a batch
+    assert batch.requests == [again[0]]
+    assert [r for _, r in s.cancel_id(b"alice", "dup")] == again[1:]
+
+
+# --- compaction happens at its documented point: more leftovers than 2 x queued + 64 -------------
+
+
+@pytest.mark.parametrize(
+    ("lane", "structures"),
+    [
+        ("plain", ("fifo",)),
+        ("ranked", ("heap", "heap_arrivals")),
+        ("deadline", ("heap", "heap_arrivals", "deadlines")),
+    ],
+)
+def test_a_structure_is_rebuilt_only_past_twice_the_queue_plus_64(
+    lane: str, structures: tuple[str, ...]
+) -> None:
+    """100 requests, removed one by one: at 18 queued, 100 entries are exactly the limit
+    (2 x 18 + 64) and stay; one more removal crosses it and the structure shrinks to 17.
+    So a rebuild never follows fewer removals than it keeps (amortized O(1))."""
+    s = make(size=8, wait_ms=10_000.0, workers=0, max_queue=1000)
+    if lane == "plain":
+        reqs = [rq(0.0) for _ in range(100)]
+    elif lane == "ranked":
+        reqs = [rq(0.0, priority=2) for _ in range(100)]
+    else:
+        reqs = [rq(0.0, deadline=1000.0 + i) for i in range(100)]
+    put(s, "m", *reqs)
+    mq = s.models["m"]
+    for r in reqs[:82]:
+        s.cancel_id(r.envelope[0], r.id)
+    assert s.queued("m") == 18
+    assert {name: len(getattr(mq, name)) for name in structures} == dict.fromkeys(structures, 100)
+    s.cancel_id(reqs[82].envelope[0], reqs[82].id)
+    assert {name: len(getattr(mq, name)) for name in structures} == dict.fromkeys(structures, 17)
+
+
+# --- a wait too short to tell from now is no wait ------------------------------------------------------
+
+
+def test_far_along_the_clock_a_wait_below_its_resolution_dispatches_at_once() -> None:
+    """At now = 1e12 s a float cannot tell now + 20 us from now: the heavy-load rule's wait of
+    two arrivals at 100,000/s is taken as none (else the broker would be woken at `now`
+    over and over)."""
+    s = make(size=64, wait_ms=10_000.0, workers=1, policy="adaptive", max_queue=30_000)
+    now = 1e12
+    t = now - 100.0
+    for n in (1, 8, 1, 8):  # t(n) = 20 us, learned
+        enqueue_many(s, "m", n, t)
+        t += 1.0
+        (batch,) = s.due_batches(t)
+        s.complete(batch.worker, batch.batch_id, infer_s=0.00002)
+    burst = enqueue_many(s, "m", 20_000, now)  # r = 20,000 / 0.2 s
+    keep = burst[0]
+    s.cancel(lambda r: r is not keep)
+    assert now + 0.00002 == now
+    (batch,) = s.due_batches(now)
+    assert batch.requests == [keep]
