@@ -1557,6 +1557,7 @@ def test_a_worker_joining_clears_the_no_worker_stamp() -> None:
     put(s, "m", rq(0.0))
     s.unavailable(1.0)
     s.add_worker(b"w", "m")
+    assert s.without_worker_s("m", 100.0) is None  # at once, before any turn clears the stamp
     assert s.unavailable(2.0) == [] and s.views()["m"].no_worker_since is None
     assert s.without_worker_s("m", 100.0) is None
     s.remove_worker(b"w")
@@ -1650,3 +1651,13 @@ def test_one_idle_worker_beside_a_busy_one_holds_for_a_rare_but_expected_arrival
     first_free = min(now + 5.51, busy.expected_done_at)
     assert (first_free + 5.51) - (now + gap + 5.52) > 1 * (gap + 0.01)  # the documented rule: hold
     assert _held_for(s, now) == pytest.approx(gap)
+
+
+def test_every_model_is_checked_for_workers_whatever_comes_before_it() -> None:
+    s = Scheduler(
+        per_model={"a": BatchSettings(4, 10.0), "b": BatchSettings(4, 10.0)}, no_worker_timeout_s=1.0
+    )
+    s.add_worker(b"wa", "a")  # "a" comes first and has a worker; "b" has none
+    (r,) = put(s, "b", rq(0.0))
+    s.unavailable(0.0)
+    assert [(m, q) for m, q, _ in s.unavailable(1.0)] == [("b", r)]
