@@ -25,7 +25,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from batcher import protocol
+from batcher import protocol, tensor
 from batcher.client import (
     BaseClient,
     BatcherError,
@@ -121,7 +121,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
             while True:
                 frames = await self._sock.recv_multipart()
                 try:
-                    reply = protocol.unpack(frames[-1])
+                    reply = tensor.unpack_arrays(frames[-1])
                     fut = self._match(reply)  # None: dropped as a duplicate, and counted
                 except Exception:
                     continue  # not a reply of ours; nothing to match it to

@@ -17,6 +17,7 @@ command gets the group's values as one typed argument (a BatchSettings, a Heartb
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -32,6 +33,7 @@ from typing import Any, Protocol, TypeVar, cast
 import click
 from click.core import ParameterSource
 
+from batcher import tensor
 from batcher.broker import BindError, BrokerSettings, run_broker
 from batcher.client import BatcherError, Client
 from batcher.config import COMMA_LIST_OPTIONS, Config, ConfigError, Kind, load_config, type_problem
@@ -951,14 +953,20 @@ def _json_key(key: object) -> str:
 
 def jsonable(value: Any) -> Any:
     """`value` (a decoded msgpack reply) made printable as strict JSON: NaN and infinities
-    become null (JSON has neither), bytes hex, other keys and types strings."""
+    become null (JSON has neither), bytes hex, tensors their JSON form (docs/protocol.md),
+    other keys and types strings."""
     if value is None or isinstance(value, str | bool | int):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, bytes):
         return value.hex()
+    if tensor.is_array(value):
+        return jsonable(tensor.to_json(value))
     if isinstance(value, dict):
+        if tensor.is_tensor(value):
+            with contextlib.suppress(tensor.TensorError):
+                return jsonable(tensor.to_json(value))
         return {_json_key(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [jsonable(v) for v in value]
@@ -987,7 +995,8 @@ def _no_constant(name: str) -> Any:
 
 def parse_input(text: str) -> Any:
     """One `batcher send` input: strict JSON (no NaN or Infinity, so what is sent is what
-    any other JSON tool would read) that msgpack can encode; click.BadParameter if not."""
+    any other JSON tool would read) that msgpack can encode, its JSON tensors sent as
+    tensors; click.BadParameter if not."""
     import msgpack
 
     try:
@@ -999,6 +1008,10 @@ def parse_input(text: str) -> Any:
         if text.strip()[:1] not in ('"', "{", "["):
             hint = f"; to send it as a string, quote it: '{json.dumps(text)}'"
         raise click.BadParameter(f"not JSON: {text!r} ({exc.msg}){hint}", param_hint="INPUTS") from None
+    try:
+        value = tensor.json_tensors(value)
+    except tensor.TensorError as exc:
+        raise click.BadParameter(f"{text!r}: {exc}", param_hint="INPUTS") from None
     try:
         msgpack.packb(value, use_bin_type=True)
     except OverflowError:

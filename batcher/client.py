@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from batcher import protocol
+from batcher import protocol, tensor
 from batcher.protocol import ErrorCode
 from batcher.security import load_public_key, secure_client
 from batcher.zmqio import recv_frames
@@ -601,7 +601,7 @@ class Client(BaseClient[PendingReply]):
             except zmq.Again:
                 return answered
             try:
-                reply = protocol.unpack(frames[-1])
+                reply = tensor.unpack_arrays(frames[-1])
                 pending = self._match(reply)
             except Exception:
                 continue  # not a reply of ours; nothing to match it to

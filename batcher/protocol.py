@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from batcher import tensor
+
 #: First frame of every backend message, so a peer speaking anything else is spotted.
 WORKER_PROTOCOL = b"BATCHER-W1"
 
@@ -210,7 +212,8 @@ def parse_request(body: bytes) -> tuple[RequestHeader, dict[str, Any]]:
 
 # --- replies -------------------------------------------------------------------------------
 
-_packer = msgpack.Packer(use_bin_type=True)
+# numpy arrays and scalars (from clients and models) go as tensors; the broker has none.
+_packer = msgpack.Packer(use_bin_type=True, default=tensor.msgpack_default)
 
 
 def _packer_pack(obj: object) -> bytes:
@@ -231,7 +234,8 @@ def ok_reply(req_id: object, output: object, meta: dict[str, Any] | None = None)
 
 
 def pack(obj: object) -> bytes:
-    """msgpack-encode with the protocol's settings (str as str, bytes as bin)."""
+    """msgpack-encode with the protocol's settings (str as str, bytes as bin, numpy arrays
+    as tensors)."""
     return _packer_pack(obj)
 
 

@@ -21,9 +21,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import zmq
 
-from batcher import protocol
+from batcher import protocol, tensor
 from batcher.client import HANDSHAKE_FAILED, ConnectionWatch
 from batcher.protocol import ErrorCode, Heartbeat
 from batcher.security import secure_client
@@ -83,14 +84,56 @@ def _decode_header(header_frame: bytes) -> tuple[int, list[Any] | None]:
     return header[0], queue_ms
 
 
-def _decode_requests(batch_id: int, batch_frame: bytes) -> list[dict[str, Any]]:
+#: First bytes of a msgpack array (fixarray, array 16, array 32).
+_ARRAY_HEADERS = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
+
+
+def _decode_requests(batch_id: int, batch_frame: bytes) -> tuple[list[dict[str, Any]], dict[int, str]]:
+    """The batch's request maps, tensors in them as numpy arrays (docs/protocol.md,
+    "Tensors"); and, by position, why a request's tensor is malformed: that request is
+    answered `bad_request` and never reaches the model."""
+    if not batch_frame or batch_frame[0] not in _ARRAY_HEADERS:
+        _refuse_batch(batch_id, batch_frame)
+    malformed: list[str] = []
+
+    def arrays(value: dict[Any, Any]) -> Any:
+        if not tensor.is_tensor(value):
+            return value
+        try:
+            return tensor.to_array(value)
+        except tensor.TensorError as exc:
+            malformed.append(str(exc))
+        except ImportError:
+            malformed.append("this worker takes no tensors: numpy is not installed here")
+        return value
+
+    unpacker = msgpack.Unpacker(
+        raw=False, strict_map_key=False, object_hook=arrays, max_buffer_size=len(batch_frame)
+    )
+    unpacker.feed(batch_frame)
+    requests: list[dict[str, Any]] = []
+    bad: dict[int, str] = {}
+    try:
+        for i in range(unpacker.read_array_header()):
+            requests.append(unpacker.unpack())
+            if malformed:
+                bad[i] = malformed[0]
+                malformed.clear()
+        complete = unpacker.tell() == len(batch_frame)
+    except Exception:  # msgpack raises several unrelated types
+        complete = False
+    if not complete or not all(isinstance(r, dict) for r in requests):
+        _refuse_batch(batch_id, batch_frame)
+    return requests, bad
+
+
+def _refuse_batch(batch_id: int, batch_frame: bytes) -> None:
+    """Raise MalformedBatch saying what is wrong with a batch body."""
     try:
         requests = protocol.unpack(batch_frame)
     except Exception as exc:  # msgpack raises several unrelated types
         raise MalformedBatch(f"body is not msgpack: {type(exc).__name__}: {exc}", batch_id) from None
-    if not isinstance(requests, list) or not all(isinstance(r, dict) for r in requests):
-        raise MalformedBatch(f"body must be an array of request maps, got {_clip(requests)}", batch_id)
-    return requests
+    raise MalformedBatch(f"body must be an array of request maps, got {_clip(requests)}", batch_id)
 
 
 def _clip(value: object, limit: int = 80) -> str:
@@ -123,16 +166,25 @@ def run_batch(
     be run (see `_run_safely`).
     """
     batch_id, queue_ms = _decode_header(header_frame)
-    requests = _decode_requests(batch_id, batch_frame)
-    n = len(requests)
-    if queue_ms is None or len(queue_ms) != n:
+    everything, bad = _decode_requests(batch_id, batch_frame)
+    if queue_ms is None or len(queue_ms) != len(everything):
         # Only metadata: the requests themselves are fine, so they are answered.
-        log.warning("batch %d: queue_ms does not match its %d requests; replying without it", batch_id, n)
-        queue_ms = [None] * n
+        log.warning(
+            "batch %d: queue_ms does not match its %d requests; replying without it",
+            batch_id,
+            len(everything),
+        )
+        queue_ms = [None] * len(everything)
     wait_ms = None if arrived_at is None else round(max(0.0, (time.monotonic() - arrived_at) * 1000.0), 3)
+    replies: list[bytes | None] = [None] * len(everything)
+    for i, why in bad.items():  # a malformed tensor: answered here, never given to the model
+        replies[i] = protocol.error_reply(_request_id(everything[i]), ErrorCode.BAD_REQUEST, why)
+    live = [i for i in range(len(everything)) if i not in bad]
+    requests = [everything[i] for i in live]
+    n = len(requests)
     t0 = time.perf_counter()
     try:
-        outputs = model([r.get("input") for r in requests])
+        outputs = model([r.get("input") for r in requests]) if requests else []
         if not isinstance(outputs, list | tuple) or len(outputs) != n:
             got = f"{len(outputs)} outputs" if isinstance(outputs, list | tuple) else repr(type(outputs))
             raise ValueError(f"model returned {got} for a batch of {n}")
@@ -141,20 +193,21 @@ def run_batch(
         message = f"{type(exc).__name__}: {exc}"
         log.warning("model raised on a batch of %d: %s", n, message)
         log.debug("batch %d: the model's traceback", batch_id, exc_info=True)
-        replies = [protocol.error_reply(_request_id(r), ErrorCode.MODEL_ERROR, message) for r in requests]
-        return _reply_frames(batch_id, infer_ms, replies, n, wait_ms)
+        for i in live:
+            replies[i] = protocol.error_reply(_request_id(everything[i]), ErrorCode.MODEL_ERROR, message)
+        return _reply_frames(batch_id, infer_ms, _all(replies), len(everything), wait_ms)
     infer_ms = round((time.perf_counter() - t0) * 1000.0, 3)
-    replies = []
-    errors = 0
-    for i, (r, out, q) in enumerate(zip(requests, outputs, queue_ms, strict=True)):
+    errors = len(bad)
+    for i, r, out in zip(live, requests, outputs, strict=True):
         req_id = _request_id(r)
         if isinstance(out, BaseException):  # the model failed this input alone
             errors += 1
             message = f"{type(out).__name__}: {out}"
             trace = out if out.__traceback__ is not None else None
             log.debug("batch %d: the model failed item %d: %s", batch_id, i, message, exc_info=trace)
-            replies.append(protocol.error_reply(req_id, ErrorCode.MODEL_ERROR, message))
+            replies[i] = protocol.error_reply(req_id, ErrorCode.MODEL_ERROR, message)
             continue
+        q = queue_ms[i]
         if not isinstance(q, int | float) or isinstance(q, bool):
             q = None  # forwarded to the client: only a number from the broker
         elif wait_ms is not None:
@@ -164,13 +217,19 @@ def run_batch(
             meta["worker_wait_ms"] = wait_ms
         meta["infer_ms"] = infer_ms
         try:
-            replies.append(protocol.ok_reply(req_id, out, meta))
+            replies[i] = protocol.ok_reply(req_id, out, meta)
         except (TypeError, ValueError, OverflowError) as exc:
             errors += 1
-            replies.append(
-                protocol.error_reply(req_id, ErrorCode.MODEL_ERROR, f"output cannot be encoded: {exc}")
+            replies[i] = protocol.error_reply(
+                req_id, ErrorCode.MODEL_ERROR, f"output cannot be encoded: {exc}"
             )
-    return _reply_frames(batch_id, infer_ms, replies, errors, wait_ms)
+    return _reply_frames(batch_id, infer_ms, _all(replies), errors, wait_ms)
+
+
+def _all(replies: list[bytes | None]) -> list[bytes]:
+    """Every reply of a batch, once each position has one."""
+    assert all(r is not None for r in replies)
+    return [r for r in replies if r is not None]
 
 
 def _reply_frames(

@@ -1,0 +1,213 @@
+"""Tensors on the wire: one msgpack encoding any language can write and read.
+
+A tensor is a msgpack map of exactly three keys (docs/protocol.md, "Tensors"):
+
+    {"datatype": "FP32", "shape": [2, 3], "data": <bin: the C-order little-endian bytes>}
+
+The datatype names are the Open Inference Protocol's. A receiver wraps `data` without
+copying it (`np.frombuffer`). A tensor may stand anywhere in a request's `input` or a
+reply's `output`: alone, as a value of a map, or in a list.
+
+This module never imports numpy at import time: the broker imports it (to check a
+tensor's header) and must run without numpy. Converting to and from arrays imports
+numpy on first use, so only code that meets an array or wants one back needs it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+#: Open Inference Protocol datatype -> the numpy dtype string (little-endian).
+DATATYPES: dict[str, str] = {
+    "BOOL": "|b1",
+    "UINT8": "|u1",
+    "UINT16": "<u2",
+    "UINT32": "<u4",
+    "UINT64": "<u8",
+    "INT8": "|i1",
+    "INT16": "<i2",
+    "INT32": "<i4",
+    "INT64": "<i8",
+    "FP16": "<f2",
+    "FP32": "<f4",
+    "FP64": "<f8",
+}
+#: Bytes per element of each datatype.
+ITEM_BYTES: dict[str, int] = {name: int(code[2:]) for name, code in DATATYPES.items()}
+#: The keys of a tensor map; a map with exactly these keys is a tensor.
+TENSOR_KEYS = frozenset({"datatype", "shape", "data"})
+#: At most this many axes (numpy's own limit is 64).
+MAX_RANK = 32
+#: At most this many elements (2**48 bytes of FP64 is far past any message).
+MAX_ELEMENTS = 2**45
+
+
+class TensorError(ValueError):
+    """A tensor map that breaks the encoding; the message names what is wrong."""
+
+
+def is_tensor(value: object) -> bool:
+    """Whether `value` (as msgpack decoded it) is meant as a tensor: a map of exactly the
+    three tensor keys. Whether it is a *valid* tensor is `check`'s question."""
+    return isinstance(value, dict) and len(value) == 3 and value.keys() == TENSOR_KEYS
+
+
+def check_header(datatype: object, shape: object) -> tuple[str, tuple[int, ...]]:
+    """(datatype, shape) if they name a tensor the protocol has, else TensorError."""
+    if not isinstance(datatype, str) or datatype not in DATATYPES:
+        names = ", ".join(DATATYPES)
+        raise TensorError(f"tensor datatype must be one of {names}, got {datatype!r}")
+    if not isinstance(shape, list | tuple) or len(shape) > MAX_RANK:
+        raise TensorError(f"tensor shape must be a list of at most {MAX_RANK} ints, got {shape!r}")
+    for dim in shape:
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+            raise TensorError(f"tensor shape must hold ints >= 0, got {list(shape)!r}")
+    elements = math.prod(shape)
+    if elements > MAX_ELEMENTS:
+        raise TensorError(f"tensor shape {list(shape)} has {elements} elements, more than {MAX_ELEMENTS}")
+    return datatype, tuple(shape)
+
+
+def check(value: dict[Any, Any]) -> tuple[str, tuple[int, ...]]:
+    """(datatype, shape) of a tensor map, or TensorError saying what is wrong with it."""
+    datatype, shape = check_header(value["datatype"], value["shape"])
+    data = value["data"]
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise TensorError(f"tensor data must be msgpack bin, got {type(data).__name__}")
+    expected = math.prod(shape) * ITEM_BYTES[datatype]
+    if len(data) != expected:
+        raise TensorError(f"tensor data has {len(data)} bytes, but {datatype} {list(shape)} needs {expected}")
+    return datatype, shape
+
+
+# --- numpy, imported on first use -------------------------------------------------------------
+
+
+def _numpy() -> Any:
+    import numpy
+
+    return numpy
+
+
+def to_array(value: dict[Any, Any]) -> Any:
+    """A tensor map as a numpy array viewing its `data` (read-only, no copy)."""
+    datatype, shape = check(value)
+    np = _numpy()
+    return np.frombuffer(value["data"], dtype=np.dtype(DATATYPES[datatype])).reshape(shape)
+
+
+#: numpy dtype string -> datatype, for the arrays a sender or a model hands over.
+_BY_DTYPE: dict[str, str] = {code: name for name, code in DATATYPES.items()}
+
+
+def from_array(array: Any) -> dict[str, Any]:
+    """A numpy array as a tensor map; its bytes are copied only when they are
+    not C-ordered little-endian already. TypeError for a dtype the protocol has not."""
+    np = _numpy()
+    array = np.asarray(array)
+    dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+    datatype = _BY_DTYPE.get(dtype.str)
+    if datatype is None:
+        names = ", ".join(DATATYPES)
+        raise TypeError(f"arrays of dtype {array.dtype} have no tensor datatype (one of {names})")
+    array = np.asarray(array, dtype=dtype, order="C")  # (ascontiguousarray would make 0-d 1-d)
+    data = memoryview(array.reshape(-1).view(np.uint8))  # the array's own bytes, not a copy
+    return {"datatype": datatype, "shape": list(array.shape), "data": data}
+
+
+def is_array(value: object) -> bool:
+    """Whether `value` is a numpy array (told without importing numpy)."""
+    return type(value).__name__ == "ndarray" and type(value).__module__ == "numpy"
+
+
+def msgpack_default(value: object) -> Any:
+    """msgpack's `default` hook: a numpy array (0-d too) goes as a tensor, a numpy scalar as
+    the plain msgpack number or boolean it holds (as np.float64 does anyway, being a float)."""
+    if type(value).__module__ == "numpy" and hasattr(value, "dtype"):
+        np = _numpy()
+        return value.item() if isinstance(value, np.generic) else from_array(value)
+    raise TypeError(f"can not serialize {type(value).__name__!r} object")
+
+
+def arrays_hook(value: dict[Any, Any]) -> Any:
+    """msgpack's `object_hook` for clients that want arrays back: a valid tensor map
+    becomes a numpy array; any other map (an invalid tensor too, or any tensor where numpy
+    is not installed) stays as it is."""
+    if is_tensor(value):
+        try:
+            return to_array(value)
+        except (TensorError, ImportError):
+            return value
+    return value
+
+
+def unpack_arrays(data: bytes) -> Any:
+    """protocol.unpack, with tensors as numpy arrays (a client's replies)."""
+    import msgpack
+
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, object_hook=arrays_hook)
+
+
+# --- JSON form, for `batcher send` (no numpy needed) ---------------------------------------------
+
+#: struct format character of each datatype, little-endian.
+_STRUCT_CODES: dict[str, str] = {
+    "BOOL": "?",
+    "UINT8": "B",
+    "UINT16": "H",
+    "UINT32": "I",
+    "UINT64": "Q",
+    "INT8": "b",
+    "INT16": "h",
+    "INT32": "i",
+    "INT64": "q",
+    "FP16": "e",
+    "FP32": "f",
+    "FP64": "d",
+}
+
+
+def is_json_tensor(value: object) -> bool:
+    """A JSON tensor as `batcher send` reads and prints one: the tensor keys, with `data`
+    a flat list of numbers in C order (the Open Inference Protocol's JSON form)."""
+    return is_tensor(value) and isinstance(value["data"], list)  # type: ignore[index]
+
+
+def from_json(value: dict[str, Any]) -> dict[str, Any]:
+    """A JSON tensor as a tensor map; TensorError saying what is wrong."""
+    import struct
+
+    datatype, shape = check_header(value["datatype"], value["shape"])
+    data, count = value["data"], math.prod(shape)
+    if len(data) != count:
+        raise TensorError(f"tensor data has {len(data)} values, but {datatype} {list(shape)} needs {count}")
+    try:
+        raw = struct.pack(f"<{count}{_STRUCT_CODES[datatype]}", *data)
+    except (struct.error, TypeError, OverflowError) as exc:
+        raise TensorError(f"tensor data does not fit {datatype}: {exc}") from None
+    return {"datatype": datatype, "shape": list(shape), "data": raw}
+
+
+def json_tensors(value: Any) -> Any:
+    """`value` (JSON) with each JSON tensor in it as a tensor map; TensorError if one is
+    malformed."""
+    if is_json_tensor(value):
+        return from_json(value)
+    if isinstance(value, dict):
+        return {k: json_tensors(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_tensors(v) for v in value]
+    return value
+
+
+def to_json(value: Any) -> dict[str, Any]:
+    """A tensor map or a numpy array in JSON form (data as a flat list of numbers);
+    TensorError for a malformed tensor map."""
+    import struct
+
+    tensor_map = value if isinstance(value, dict) else from_array(value)
+    datatype, shape = check(tensor_map)
+    count = math.prod(shape)
+    data = list(struct.unpack(f"<{count}{_STRUCT_CODES[datatype]}", tensor_map["data"]))
+    return {"datatype": datatype, "shape": list(shape), "data": data}

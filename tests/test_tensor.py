@@ -1,0 +1,338 @@
+"""Tensors on the wire (batcher/tensor.py): every datatype and shape makes the round trip
+equal, malformed tensor maps are refused saying why, and the worker hands a model arrays
+and answers a malformed tensor alone with `bad_request`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from batcher import protocol, tensor
+from batcher.tensor import DATATYPES, TensorError
+from tests.helpers import pack, recv_replies, unpack
+from workers.worker import run_batch
+
+#: The documented numpy equivalent of each datatype (docs/protocol.md, "Tensors").
+NUMPY_OF = {
+    "BOOL": np.bool_,
+    "UINT8": np.uint8,
+    "UINT16": np.uint16,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+}
+
+
+def test_the_datatypes_are_the_open_inference_protocols_and_their_numpy_types() -> None:
+    assert list(DATATYPES) == list(NUMPY_OF)
+    for name, numpy_type in NUMPY_OF.items():
+        assert np.dtype(DATATYPES[name]) == np.dtype(numpy_type).newbyteorder("<")
+
+
+def round_trip(array: Any) -> Any:
+    """Through the wire as a client sends it and as a client reads it back."""
+    return tensor.unpack_arrays(protocol.pack({"output": array}))["output"]
+
+
+@pytest.mark.parametrize("datatype", list(NUMPY_OF))
+@pytest.mark.parametrize("shape", [(), (0,), (3,), (2, 0, 4), (2, 3, 4), (1, 1, 1, 1, 5)])
+def test_every_datatype_and_shape_round_trips_equal(datatype: str, shape: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(7)
+    sent = np.asarray(rng.random(shape) * 100).astype(NUMPY_OF[datatype])
+    got = round_trip(sent)
+    assert isinstance(got, np.ndarray)
+    assert got.dtype == sent.dtype and got.shape == sent.shape
+    assert np.array_equal(got, sent, equal_nan=datatype.startswith("FP"))
+
+
+def test_a_large_tensor_round_trips_and_its_bytes_are_exactly_the_payload() -> None:
+    sent = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # 4 MiB
+    body = protocol.pack(sent)
+    empty = protocol.pack({"datatype": "FP32", "shape": [1024, 1024], "data": b""})
+    assert len(body) == len(empty) + 3 + sent.nbytes  # the bin header grows from 2 to 5 bytes
+    assert np.array_equal(round_trip(sent), sent)
+
+
+@given(
+    hnp.arrays(
+        hnp.scalar_dtypes().filter(lambda d: d.kind in "biuf" and d.itemsize <= 8),
+        hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5),
+    )
+)
+def test_any_array_round_trips_equal(sent: Any) -> None:
+    got = round_trip(sent)
+    assert got.shape == sent.shape and got.dtype == sent.dtype.newbyteorder("<")
+    assert np.array_equal(got, sent, equal_nan=sent.dtype.kind == "f")
+
+
+def test_big_endian_and_strided_arrays_go_as_little_endian_c_order() -> None:
+    big = np.arange(6, dtype=">i4").reshape(2, 3)
+    assert round_trip(big).tolist() == big.tolist()
+    assert round_trip(big).dtype == np.dtype("<i4")
+    strided = np.arange(12, dtype=np.int16).reshape(3, 4)[:, ::2].T
+    assert round_trip(strided).tolist() == strided.tolist()
+
+
+def test_numpy_scalars_go_as_plain_numbers_and_0_d_arrays_as_tensors() -> None:
+    got = round_trip([np.float32(2.5), np.int64(-3), np.bool_(True), np.float64(0.25)])
+    assert got == [2.5, -3, True, 0.25] and [type(x) for x in got] == [float, int, bool, float]
+    zero_d = round_trip(np.array(7, dtype=np.uint16))
+    assert zero_d.shape == () and zero_d.dtype == np.uint16 and int(zero_d) == 7
+
+
+def test_tensors_anywhere_in_a_value() -> None:
+    value = {"image": np.ones((2, 2), np.uint8), "masks": [np.zeros(3, np.bool_), 5, "x"], "n": 1}
+    got = round_trip(value)
+    assert got["n"] == 1 and got["masks"][1:] == [5, "x"]
+    assert got["image"].tolist() == [[1, 1], [1, 1]] and got["masks"][0].tolist() == [False] * 3
+
+
+def test_the_documented_byte_example() -> None:
+    """docs/protocol.md's example, read from the doc: FP32 [2] holding 1.0 and 2.0."""
+    doc = (Path(__file__).parents[1] / "docs" / "protocol.md").read_text()
+    block = doc.split("Byte by byte, the FP32 tensor of shape `[2]`", 1)[1].split("```")[1]
+    hex_bytes = [tok for line in block.splitlines() for tok in line.split("  ")[0].split()]
+    assert protocol.pack(np.array([1.0, 2.0], dtype=np.float32)) == bytes.fromhex("".join(hex_bytes))
+
+
+def test_a_map_that_is_not_exactly_a_tensor_stays_a_map() -> None:
+    for value in (
+        {"datatype": "FP32", "shape": [1]},
+        {"datatype": "FP32", "shape": [1], "data": b"\0\0\0\0", "name": "x"},
+    ):
+        assert round_trip(value) == value
+
+
+def test_unsupported_dtypes_are_refused_on_sending() -> None:
+    with pytest.raises(TypeError, match="arrays of dtype complex128 have no tensor datatype"):
+        protocol.pack(np.zeros(2, dtype=np.complex128))
+    with pytest.raises(TypeError, match="can not serialize 'object' object"):
+        protocol.pack(object())
+
+
+# --- malformed tensor maps -----------------------------------------------------------------------
+
+
+def t(datatype: object = "FP32", shape: object = [2], data: object = b"\0" * 8) -> dict[str, Any]:
+    return {"datatype": datatype, "shape": shape, "data": data}
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (
+            t(datatype="FLOAT32"),
+            "tensor datatype must be one of BOOL, UINT8, UINT16, UINT32, UINT64, "
+            "INT8, INT16, INT32, INT64, FP16, FP32, FP64, got 'FLOAT32'",
+        ),
+        (t(datatype=3), "tensor datatype must be one of"),
+        (t(shape=[2, -1]), "tensor shape must hold ints >= 0, got [2, -1]"),
+        (t(shape=[2.0]), "tensor shape must hold ints >= 0, got [2.0]"),
+        (t(shape=[True]), "tensor shape must hold ints >= 0, got [True]"),
+        (t(shape=3), "tensor shape must be a list of at most 32 ints, got 3"),
+        (t(shape=[1] * 33), "tensor shape must be a list of at most 32 ints"),
+        (t(shape=[2**40, 2**40]), f"tensor shape [{2**40}, {2**40}] has {2**80} elements, more than {2**45}"),
+        (t(data="abcdefgh"), "tensor data must be msgpack bin, got str"),
+        (t(data=b"\0" * 7), "tensor data has 7 bytes, but FP32 [2] needs 8"),
+        (t(shape=[3], data=b"\0" * 8), "tensor data has 8 bytes, but FP32 [3] needs 12"),
+    ],
+)
+def test_malformed_tensors_are_refused_saying_what_is_wrong(value: dict[str, Any], message: str) -> None:
+    with pytest.raises(TensorError) as raised:
+        tensor.check(value)
+    assert str(raised.value).startswith(message)
+    assert round_trip(value) == value  # a client just gets the map back
+
+
+@given(
+    st.fixed_dictionaries(
+        {
+            "datatype": st.one_of(st.sampled_from(list(DATATYPES)), st.text(max_size=8), st.integers()),
+            "shape": st.one_of(st.lists(st.integers(-3, 2**50), max_size=40), st.integers(), st.none()),
+            "data": st.one_of(st.binary(max_size=64), st.text(max_size=8), st.none()),
+        }
+    )
+)
+def test_any_tensor_header_is_either_valid_or_refused_with_a_message(value: dict[str, Any]) -> None:
+    try:
+        datatype, shape = tensor.check(value)
+    except TensorError as exc:
+        assert str(exc).startswith("tensor ")
+        return
+    array = tensor.to_array(value)
+    assert array.shape == shape and array.nbytes == len(value["data"])
+    assert math.prod(shape) * tensor.ITEM_BYTES[datatype] == len(value["data"])
+
+
+# --- the worker: arrays for the model, a malformed tensor answered alone ---------------------------
+
+
+def batch(*inputs: object) -> tuple[bytes, bytes]:
+    bodies = [pack({"id": i, "input": x}) for i, x in enumerate(inputs)]
+    return pack([1, [0.0] * len(bodies)]), protocol.array_header(len(bodies)) + b"".join(bodies)
+
+
+def replies_of(frames: list[bytes]) -> list[dict[str, Any]]:
+    _, _, lengths, *_ = unpack(frames[2])
+    return [tensor.unpack_arrays(r) for r in protocol.split_replies(lengths, frames[3])]
+
+
+def test_the_model_gets_arrays_and_its_arrays_go_back_as_tensors() -> None:
+    seen: list[Any] = []
+
+    def double(inputs: list[Any]) -> list[Any]:
+        seen.extend(inputs)
+        return [x * 2 for x in inputs]
+
+    a, b = np.arange(3, dtype=np.int32), np.ones((2, 2), dtype=np.float16)
+    out = replies_of(run_batch(double, *batch(tensor.from_array(a), tensor.from_array(b)), "w"))
+    assert all(isinstance(x, np.ndarray) for x in seen)
+    assert [r["output"].tolist() for r in out] == [[0, 2, 4], [[2.0, 2.0], [2.0, 2.0]]]
+    assert [r["output"].dtype for r in out] == [np.int32, np.float16]
+
+
+def test_a_malformed_tensor_is_answered_bad_request_and_its_batch_mates_are_served() -> None:
+    seen: list[Any] = []
+
+    def echo(inputs: list[Any]) -> list[Any]:
+        seen.extend(inputs)
+        return inputs
+
+    good = tensor.from_array(np.arange(2, dtype=np.uint8))
+    bad = t(datatype="FP32", shape=[3], data=b"\0" * 8)
+    frames = run_batch(echo, *batch(good, bad, "plain"), "w")
+    out = replies_of(frames)
+    assert [r["ok"] for r in out] == [True, False, True]
+    assert out[1]["id"] == 1
+    assert out[1]["error"] == {
+        "code": "bad_request",
+        "message": "tensor data has 8 bytes, but FP32 [3] needs 12",
+    }
+    assert len(seen) == 2 and seen[1] == "plain"  # the malformed one never reached the model
+    assert out[0]["batch_size"] == 2
+    assert unpack(frames[2])[3] == 1  # one error counted for the broker
+
+
+def test_a_batch_of_only_malformed_tensors_never_calls_the_model() -> None:
+    def never(inputs: list[Any]) -> list[Any]:
+        raise AssertionError("the model was called")
+
+    out = replies_of(run_batch(never, *batch(t(datatype="X"), t(shape=[-1])), "w"))
+    assert [r["error"]["code"] for r in out] == ["bad_request", "bad_request"]
+
+
+def test_the_broker_side_never_needs_numpy_to_read_a_tensor_request() -> None:
+    body = protocol.pack({"id": 3, "model": "m", "input": np.zeros(4, np.float32)})
+    header, msg = protocol.parse_request(body)
+    assert header.id == 3 and isinstance(msg["input"]["data"], bytes)
+    assert msgpack.unpackb(body)["input"]["shape"] == [4]
+
+
+# --- end to end: Python clients and `batcher send` through serve's echo model ---------------------
+
+
+def _arrays() -> list[Any]:
+    rng = np.random.default_rng(3)
+    return [(rng.random((2, 3)) * 10).astype(NUMPY_OF[name]) for name in NUMPY_OF] + [
+        np.zeros((0, 4), np.float32),
+        np.array(5, np.int64),
+        np.arange(1 << 18, dtype=np.float64),
+    ]
+
+
+def _same(got: Any, sent: Any) -> bool:
+    return (
+        isinstance(got, np.ndarray)
+        and got.dtype == sent.dtype
+        and got.shape == sent.shape
+        and np.array_equal(got, sent)
+    )
+
+
+@pytest.mark.integration
+def test_client_async_client_and_multiclient_send_and_receive_arrays(serve, client, zctx):
+    import asyncio
+
+    from batcher import AsyncClient
+    from batcher.client import MultiClient
+
+    s = serve("--model", "echo", "--workers", "1", "--max-batch-size", "8", workers=1)
+    sent = _arrays()
+    got = client(s.frontend).request_many(sent)
+    assert all(_same(g, x) for g, x in zip(got, sent, strict=True))
+    named = client(s.frontend).request({"a": sent[0], "b": [sent[1], "text"]})
+    assert _same(named["a"], sent[0]) and _same(named["b"][0], sent[1]) and named["b"][1] == "text"
+
+    async def via_async() -> list[Any]:
+        async with AsyncClient(s.frontend, timeout_s=10) as ac:
+            return await ac.request_many(sent)
+
+    assert all(_same(g, x) for g, x in zip(asyncio.run(via_async()), sent, strict=True))
+    with MultiClient([s.frontend], timeout_s=10, context=zctx) as mc:
+        assert all(_same(g, x) for g, x in zip(mc.request_many(sent), sent, strict=True))
+
+
+@pytest.mark.integration
+def test_a_malformed_tensor_gets_bad_request_with_its_id_and_the_rest_are_served(serve, connect):
+    s = serve("--model", "echo", "--workers", "1", "--max-batch-size", "8", "--max-wait-ms", "50", workers=1)
+    sock = connect(zmq.DEALER, s.frontend)
+    good = tensor.from_array(np.arange(3, dtype=np.int16))
+    for i, value in enumerate([good, t(shape=[-2]), good]):
+        sock.send_multipart([b"", pack({"id": i, "model": "echo", "input": value})])
+    replies = {r["id"]: r for r in recv_replies(sock, 3)}
+    assert replies[1]["error"] == {
+        "code": "bad_request",
+        "message": "tensor shape must hold ints >= 0, got [-2]",
+    }
+    assert replies[0]["ok"] and replies[2]["ok"]
+    assert tensor.to_array(replies[0]["output"]).tolist() == [0, 1, 2]
+
+
+@pytest.mark.integration
+def test_batcher_send_takes_and_prints_json_tensors(serve, cli):
+    s = serve("--model", "echo", "--workers", "1", workers=1)
+    result = cli(
+        "send", "--connect", s.frontend,
+        '{"datatype": "FP16", "shape": [2, 2], "data": [1, 2.5, -3, 0]}',
+        '{"datatype": "BOOL", "shape": [], "data": [true]}',
+        timeout_s=30,
+    )  # fmt: skip
+    assert result.returncode == 0, result
+    outputs = [json.loads(line)["output"] for line in result.stdout.splitlines()]
+    assert outputs == [
+        {"datatype": "FP16", "shape": [2, 2], "data": [1.0, 2.5, -3.0, 0.0]},
+        {"datatype": "BOOL", "shape": [], "data": [True]},
+    ]
+
+
+@pytest.mark.integration
+def test_batcher_send_refuses_a_malformed_json_tensor(cli):
+    result = cli("send", "--connect", "tcp://127.0.0.1:9", '{"datatype": "INT8", "shape": [2], "data": [1]}')
+    assert result.returncode == 2
+    assert "tensor data has 1 values, but INT8 [2] needs 2" in result.stderr
+
+
+@pytest.mark.integration
+def test_the_broker_and_the_cli_never_import_numpy() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, batcher.broker, batcher.cli, batcher.serving; print('numpy' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "False", done.stderr
