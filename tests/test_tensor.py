@@ -336,3 +336,11 @@ def test_the_broker_and_the_cli_never_import_numpy() -> None:
     code = "import sys, batcher.broker, batcher.cli, batcher.serving; print('numpy' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_a_batch_that_only_mentions_datatype_is_decoded_as_usual() -> None:
+    """The worker looks for tensors only in batches whose bytes hold "datatype"; one that
+    holds it as plain text goes through the tensor-aware decode unchanged."""
+    inputs = ["datatype", {"datatype": "FP32"}, [1, 2]]
+    out = replies_of(run_batch(lambda xs: xs, *batch(*inputs), "w"))
+    assert [r["output"] for r in out] == inputs

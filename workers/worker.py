@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import msgpack
 import zmq
@@ -94,6 +94,14 @@ def _decode_requests(batch_id: int, batch_frame: bytes) -> tuple[list[dict[str, 
     answered `bad_request` and never reaches the model."""
     if not batch_frame or batch_frame[0] not in _ARRAY_HEADERS:
         _refuse_batch(batch_id, batch_frame)
+    if b"datatype" not in batch_frame:  # no tensor anywhere: the plain decode (a C-speed scan)
+        try:
+            plain = protocol.unpack(batch_frame)
+        except Exception:  # msgpack raises several unrelated types
+            _refuse_batch(batch_id, batch_frame)
+        if not all(isinstance(r, dict) for r in plain):
+            _refuse_batch(batch_id, batch_frame)
+        return plain, {}
     malformed: list[str] = []
 
     def arrays(value: dict[Any, Any]) -> Any:
@@ -127,7 +135,7 @@ def _decode_requests(batch_id: int, batch_frame: bytes) -> tuple[list[dict[str, 
     return requests, bad
 
 
-def _refuse_batch(batch_id: int, batch_frame: bytes) -> None:
+def _refuse_batch(batch_id: int, batch_frame: bytes) -> NoReturn:
     """Raise MalformedBatch saying what is wrong with a batch body."""
     try:
         requests = protocol.unpack(batch_frame)
