@@ -8,7 +8,8 @@ often it failed:
 
     python benchmarks/suite_repeat.py --runs 20
 
-Writes benchmarks/results/suite_repeat.json and exits 1 if any run failed.
+Writes benchmarks/results/suite_repeat.json (and each failing run's whole output to
+benchmarks/results/suite_repeat_failures/) and exits 1 if any run failed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+FAILURES_DIR = ROOT / "benchmarks" / "results" / "suite_repeat_failures"
 FAILED_LINE = re.compile(r"^(?:FAILED|ERROR) (\S+)(?: - (.*))?$", re.MULTILINE)
 
 
@@ -44,6 +46,9 @@ def run_once(extra: list[str], timeout_s: float) -> dict[str, object]:
             "failed": [],
         }
     lines = done.stdout.strip().splitlines()
+    if done.returncode != 0:  # the whole output of a failing run, for its cause
+        FAILURES_DIR.mkdir(parents=True, exist_ok=True)
+        (FAILURES_DIR / time.strftime("run-%Y%m%d-%H%M%S.txt")).write_text(done.stdout + done.stderr)
     return {
         "ok": done.returncode == 0,
         "seconds": round(time.monotonic() - started, 1),
