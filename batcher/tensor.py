@@ -111,8 +111,8 @@ def from_array(array: Any) -> dict[str, Any]:
     if datatype is None:
         names = ", ".join(DATATYPES)
         raise TypeError(f"arrays of dtype {array.dtype} have no tensor datatype (one of {names})")
-    array = np.asarray(array, dtype=dtype, order="C")  # (ascontiguousarray would make 0-d 1-d)
-    data = memoryview(array.reshape(-1).view(np.uint8))  # the array's own bytes, not a copy
+    array = np.asarray(array, dtype=dtype)  # swaps the bytes of a big-endian one
+    data = memoryview(array.reshape(-1).view(np.uint8))  # C order: copies only a non-C-ordered one
     return {"datatype": datatype, "shape": list(array.shape), "data": data}
 
 

@@ -344,3 +344,78 @@ def test_a_batch_that_only_mentions_datatype_is_decoded_as_usual() -> None:
     inputs = ["datatype", {"datatype": "FP32"}, [1, 2]]
     out = replies_of(run_batch(lambda xs: xs, *batch(*inputs), "w"))
     assert [r["output"] for r in out] == inputs
+
+
+# --- edges of the encoding ----------------------------------------------------------------------
+
+
+def test_32_axes_and_2_to_the_45_elements_are_the_limits() -> None:
+    assert tensor.check(t(shape=[1] * 32, data=b"\0" * 4)) == ("FP32", (1,) * 32)
+    assert tensor.check_header("UINT8", [2**45]) == ("UINT8", (2**45,))
+    with pytest.raises(TensorError, match="more than 35184372088832"):
+        tensor.check_header("UINT8", [2**45 + 1])
+
+
+def test_an_array_of_a_dtype_without_datatype_is_refused_naming_the_datatypes() -> None:
+    with pytest.raises(TypeError) as raised:
+        tensor.from_array(np.zeros(1, dtype="U3"))
+    assert str(raised.value) == (
+        "arrays of dtype <U3 have no tensor datatype (one of BOOL, UINT8, UINT16, UINT32, UINT64, "
+        "INT8, INT16, INT32, INT64, FP16, FP32, FP64)"
+    )
+
+
+def test_other_objects_with_a_dtype_are_not_taken_for_numpy() -> None:
+    class LooksLikeAnArray:
+        dtype = "float32"
+
+    with pytest.raises(TypeError, match="can not serialize 'LooksLikeAnArray' object"):
+        protocol.pack(LooksLikeAnArray())
+    assert not tensor.is_array(LooksLikeAnArray()) and tensor.is_array(np.zeros(1))
+    assert not tensor.is_array(np.float32(1.0))  # a numpy scalar is not an array
+
+
+def test_replies_with_non_string_keys_decode_with_arrays() -> None:
+    assert tensor.unpack_arrays(protocol.pack({1: np.arange(2, dtype=np.int8), b"k": None}))[1].tolist() == [
+        0,
+        1,
+    ]
+
+
+# --- the JSON form of `batcher send` ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("datatype", list(NUMPY_OF))
+def test_json_tensors_round_trip_through_the_binary_form(datatype: str) -> None:
+    values = [True, False] if datatype == "BOOL" else [0, 1, 100]
+    as_json = {"datatype": datatype, "shape": [len(values), 1], "data": values}
+    binary = tensor.from_json(as_json)
+    assert tensor.to_array(binary).tolist() == [[v] for v in values]
+    assert tensor.to_json(binary) == as_json
+    assert tensor.to_json(tensor.to_array(binary)) == as_json  # from an array too
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"datatype": "INT8", "shape": [2], "data": [1]}, "tensor data has 1 values, but INT8 [2] needs 2"),
+        ({"datatype": "UINT8", "shape": [1], "data": [-1]}, "tensor data does not fit UINT8"),
+        ({"datatype": "INT32", "shape": [1], "data": ["x"]}, "tensor data does not fit INT32"),
+        ({"datatype": "FP32", "shape": [1], "data": [1e300]}, "tensor data does not fit FP32"),
+        ({"datatype": "FP8", "shape": [1], "data": [1]}, "tensor datatype must be one of"),
+        ({"datatype": "FP32", "shape": [-1], "data": [1]}, "tensor shape must hold ints >= 0, got [-1]"),
+    ],
+)
+def test_malformed_json_tensors_are_refused_saying_why(value: dict[str, Any], message: str) -> None:
+    with pytest.raises(TensorError) as raised:
+        tensor.from_json(value)
+    assert str(raised.value).startswith(message)
+
+
+def test_json_tensors_are_found_anywhere_and_nothing_else_changes() -> None:
+    j = {"datatype": "FP64", "shape": [1], "data": [0.5]}
+    value = {"a": [j, {"b": j}], "c": {"datatype": "FP64", "shape": [1], "data": "not a list"}, "d": 1}
+    out = tensor.json_tensors(value)
+    assert out["a"][0] == out["a"][1]["b"] == {"datatype": "FP64", "shape": [1], "data": b"\0\0\0\0\0\0\xe0?"}
+    assert out["c"] == value["c"] and out["d"] == 1
+    assert tensor.is_json_tensor(j) and not tensor.is_json_tensor(out["a"][0])
