@@ -8,6 +8,7 @@ examples/node) its tests are skipped with the reason, never failed.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -195,6 +196,21 @@ def test_every_request_answered_with_its_output(example: list[str], broker: Serv
     for r in replies:
         assert r["ok"] == "true"
         assert re.fullmatch(rf'output="hello {r["id"]}" batch_size=[1-5]', r["rest"]), r["rest"]
+
+
+@integration
+def test_a_tensor_is_sent_and_read_back(example: list[str], broker: ServeProcess) -> None:
+    """-T: each request's input is FP32 [2] holding (id, id + 0.5); echo sends it back and
+    the client prints it in its JSON form (docs/protocol.md 3.1)."""
+    res = _run([*example, "-e", broker.frontend, "-n", "3", "-T"])
+    assert res.returncode == 0, res.stderr
+    replies, summary = _parse(res.stdout)
+    assert summary == (3, 3, 3, 0)
+    for r in replies:
+        output = re.fullmatch(r"output=(\{.*\}) batch_size=[1-3]", r["rest"])
+        assert output, r["rest"]
+        i = int(r["id"])
+        assert json.loads(output.group(1)) == {"datatype": "FP32", "shape": [2], "data": [i, i + 0.5]}
 
 
 @integration

@@ -6,7 +6,10 @@
  * broker can batch them, then reads replies until all N have arrived or the wait
  * runs out. Prints one line per reply and a summary line.
  *
- *   client [-e ENDPOINT] [-n N] [-m MODEL] [-t WAIT_MS] [-k SERVER_KEY [-s SECRET_KEY]]
+ *   client [-e ENDPOINT] [-n N] [-m MODEL] [-t WAIT_MS] [-T] [-k SERVER_KEY [-s SECRET_KEY]]
+ *
+ * -T sends a tensor instead (docs/protocol.md 3.1): FP32 of shape [2] holding i and
+ * i + 0.5. A tensor in a reply prints in its JSON form, data as numbers.
  *
  * -k turns CurveZMQ on, for a broker started with --curve-secret-key: SERVER_KEY is
  * the broker's public key file (NAME.key from `batcher keygen`), SECRET_KEY this
@@ -60,6 +63,72 @@ static void print_hex_string(const char *p, size_t n)
     putchar('"');
 }
 
+static void print_json(const msgpack_object *o);
+static const msgpack_object *map_get(const msgpack_object *map, const char *key);
+
+/* A little-endian element of a tensor's data, as a double. */
+static double tensor_element(const char *datatype, const unsigned char *p)
+{
+    float f32;
+    double f64;
+    int32_t i32;
+    int64_t i64;
+    if (strcmp(datatype, "FP32") == 0) {
+        memcpy(&f32, p, 4); /* this example assumes a little-endian host */
+        return f32;
+    }
+    if (strcmp(datatype, "FP64") == 0) {
+        memcpy(&f64, p, 8);
+        return f64;
+    }
+    if (strcmp(datatype, "INT32") == 0) {
+        memcpy(&i32, p, 4);
+        return i32;
+    }
+    if (strcmp(datatype, "INT64") == 0) {
+        memcpy(&i64, p, 8);
+        return (double)i64;
+    }
+    return *p; /* UINT8 */
+}
+
+/* Print a tensor map ({"datatype", "shape", "data": bin}) of FP32, FP64, INT32, INT64
+ * or UINT8 in JSON form, data as numbers; 0 (nothing printed) for anything else. */
+static int print_tensor(const msgpack_object *o)
+{
+    static const struct { const char *name; size_t size; } types[] = {
+        {"FP32", 4}, {"FP64", 8}, {"INT32", 4}, {"INT64", 8}, {"UINT8", 1}};
+    const msgpack_object *datatype = map_get(o, "datatype");
+    const msgpack_object *shape = map_get(o, "shape");
+    const msgpack_object *data = map_get(o, "data");
+    char name[8];
+    size_t size = 0, count = 1;
+
+    if (o->via.map.size != 3 || !datatype || datatype->type != MSGPACK_OBJECT_STR ||
+        datatype->via.str.size >= sizeof name || !shape || shape->type != MSGPACK_OBJECT_ARRAY ||
+        !data || data->type != MSGPACK_OBJECT_BIN)
+        return 0;
+    memcpy(name, datatype->via.str.ptr, datatype->via.str.size);
+    name[datatype->via.str.size] = '\0';
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
+        if (strcmp(name, types[i].name) == 0)
+            size = types[i].size;
+    for (uint32_t i = 0; i < shape->via.array.size; i++) {
+        if (shape->via.array.ptr[i].type != MSGPACK_OBJECT_POSITIVE_INTEGER)
+            return 0;
+        count *= (size_t)shape->via.array.ptr[i].via.u64;
+    }
+    if (!size || data->via.bin.size != count * size)
+        return 0;
+    printf("{\"datatype\":\"%s\",\"shape\":", name);
+    print_json(shape);
+    fputs(",\"data\":[", stdout);
+    for (size_t i = 0; i < count; i++)
+        printf("%s%.9g", i ? "," : "", tensor_element(name, (const unsigned char *)data->via.bin.ptr + i * size));
+    fputs("]}", stdout);
+    return 1;
+}
+
 static void print_json(const msgpack_object *o)
 {
     switch (o->type) {
@@ -98,6 +167,8 @@ static void print_json(const msgpack_object *o)
         putchar(']');
         break;
     case MSGPACK_OBJECT_MAP:
+        if (print_tensor(o))
+            break;
         putchar('{');
         for (uint32_t i = 0; i < o->via.map.size; i++) {
             const msgpack_object_kv *kv = &o->via.map.ptr[i];
@@ -149,8 +220,10 @@ static void pack_cstr(msgpack_packer *pk, const char *s)
     msgpack_pack_str_body(pk, s, n);
 }
 
-/* Send [""][{"id": id, "input": "hello <id>", "model": model}]; 0 on success. */
-static int send_request(void *sock, int id, const char *model)
+/* Send [""][{"id": id, "input": "hello <id>", "model": model}], or with -T the input
+ * {"datatype": "FP32", "shape": [2], "data": <id, id + 0.5 as little-endian floats>};
+ * 0 on success. */
+static int send_request(void *sock, int id, const char *model, int tensor)
 {
     char input[32];
     msgpack_sbuffer buf;
@@ -164,7 +237,20 @@ static int send_request(void *sock, int id, const char *model)
     pack_cstr(&pk, "id");
     msgpack_pack_int(&pk, id);
     pack_cstr(&pk, "input");
-    pack_cstr(&pk, input);
+    if (tensor) {
+        float values[2] = {(float)id, (float)id + 0.5f}; /* a little-endian host assumed */
+        msgpack_pack_map(&pk, 3);
+        pack_cstr(&pk, "datatype");
+        pack_cstr(&pk, "FP32");
+        pack_cstr(&pk, "shape");
+        msgpack_pack_array(&pk, 1);
+        msgpack_pack_int(&pk, 2);
+        pack_cstr(&pk, "data");
+        msgpack_pack_bin(&pk, sizeof values);
+        msgpack_pack_bin_body(&pk, values, sizeof values);
+    } else {
+        pack_cstr(&pk, input);
+    }
     if (model) {
         pack_cstr(&pk, "model");
         pack_cstr(&pk, model);
@@ -355,7 +441,7 @@ static int64_t now_ms(void)
 
 static void usage(void)
 {
-    fprintf(stderr, "usage: client [-e ENDPOINT] [-n N] [-m MODEL] [-t WAIT_MS]"
+    fprintf(stderr, "usage: client [-e ENDPOINT] [-n N] [-m MODEL] [-t WAIT_MS] [-T]"
                     " [-k SERVER_KEY [-s SECRET_KEY]]\n");
 }
 
@@ -366,13 +452,17 @@ int main(int argc, char **argv)
     const char *server_key = getenv("BATCHER_CURVE_SERVER_KEY");
     const char *secret_key = getenv("BATCHER_CURVE_SECRET_KEY");
     long n = 3, wait_ms = 10000;
+    int tensor = 0;
     int opt;
 
     if (!endpoint || !*endpoint)
         endpoint = "tcp://127.0.0.1:5555";
-    while ((opt = getopt(argc, argv, "e:n:m:t:k:s:h")) != -1) {
+    while ((opt = getopt(argc, argv, "e:n:m:t:k:s:Th")) != -1) {
         char *end = NULL;
         switch (opt) {
+        case 'T':
+            tensor = 1;
+            break;
         case 'e':
             endpoint = optarg;
             break;
@@ -430,7 +520,7 @@ int main(int argc, char **argv)
     /* Everything in flight at once, so the broker can put them in one batch. A send
      * that cannot go out within ZMQ_SNDTIMEO (no usable connection: for instance a
      * CURVE handshake the broker refused) ends the sending. */
-    while (t.sent < t.n && send_request(sock, t.sent + 1, model) == 0)
+    while (t.sent < t.n && send_request(sock, t.sent + 1, model, tensor) == 0)
         t.sent++;
 
     int64_t deadline = now_ms() + wait_ms;

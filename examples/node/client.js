@@ -7,7 +7,10 @@
 // broker can batch them, then reads replies until all N have arrived or the wait
 // runs out. Prints one line per reply and a summary line.
 //
-//   node client.js [-e ENDPOINT] [-n N] [-m MODEL] [-t WAIT_MS] [-k SERVER_KEY [-s SECRET_KEY]]
+//   node client.js [-e ENDPOINT] [-n N] [-m MODEL] [-t WAIT_MS] [-T] [-k SERVER_KEY [-s SECRET_KEY]]
+//
+// -T sends a tensor instead (docs/protocol.md 3.1): FP32 of shape [2] holding i and
+// i + 0.5. A tensor in a reply prints in its JSON form, data as numbers.
 //
 // -k turns CurveZMQ on, for a broker started with --curve-secret-key: SERVER_KEY is
 // the broker's public key file (NAME.key from `batcher keygen`), SECRET_KEY this
@@ -27,7 +30,7 @@ const { encode, decode, ExtData } = require("@msgpack/msgpack");
 function usage(message) {
   if (message) console.error(`client: ${message}`);
   console.error(
-    "usage: node client.js [-e ENDPOINT] [-n N] [-m MODEL] [-t WAIT_MS] [-k SERVER_KEY [-s SECRET_KEY]]",
+    "usage: node client.js [-e ENDPOINT] [-n N] [-m MODEL] [-t WAIT_MS] [-T] [-k SERVER_KEY [-s SECRET_KEY]]",
   );
   process.exit(2);
 }
@@ -40,9 +43,14 @@ function parseArgs(argv) {
     waitMs: 10000,
     serverKey: process.env.BATCHER_CURVE_SERVER_KEY || null,
     secretKey: process.env.BATCHER_CURVE_SECRET_KEY || null,
+    tensor: false,
   };
   for (let i = 0; i < argv.length; i++) {
     const flag = argv[i];
+    if (flag === "-T") {
+      opts.tensor = true;
+      continue;
+    }
     const value = argv[i + 1];
     if (!["-e", "-n", "-m", "-t", "-k", "-s"].includes(flag)) usage(`unknown argument ${flag}`);
     if (value === undefined) usage(`${flag} needs a value`);
@@ -74,9 +82,38 @@ function readKey(path, name) {
   return match[1];
 }
 
-// Compact JSON, with bin (Uint8Array) as a hex string as the C client prints it.
+// A tensor (docs/protocol.md 3.1): its little-endian bytes, read with a DataView.
+const TENSOR_READERS = {
+  FP32: [4, (view, at) => view.getFloat32(at, true)],
+  FP64: [8, (view, at) => view.getFloat64(at, true)],
+  INT32: [4, (view, at) => view.getInt32(at, true)],
+  INT64: [8, (view, at) => Number(view.getBigInt64(at, true))],
+  UINT8: [1, (view, at) => view.getUint8(at)],
+};
+
+function tensor(values) {
+  const data = new Uint8Array(new Float32Array(values).buffer); // a little-endian host assumed
+  return { datatype: "FP32", shape: [values.length], data };
+}
+
+// A tensor map of a datatype above in JSON form (data as numbers), or null.
+function tensorJson(v) {
+  if (v === null || typeof v !== "object" || Object.keys(v).length !== 3) return null;
+  const reader = TENSOR_READERS[v.datatype];
+  if (!reader || !Array.isArray(v.shape) || !(v.data instanceof Uint8Array)) return null;
+  const count = v.shape.reduce((a, b) => a * b, 1);
+  if (v.data.length !== count * reader[0]) return null;
+  const view = new DataView(v.data.buffer, v.data.byteOffset, v.data.byteLength);
+  const data = Array.from({ length: count }, (_, i) => reader[1](view, i * reader[0]));
+  return { datatype: v.datatype, shape: v.shape, data };
+}
+
+// Compact JSON, with bin (Uint8Array) as a hex string as the C client prints it, and
+// tensors in their JSON form.
 function toJson(value) {
   return JSON.stringify(value === undefined ? null : value, (_key, v) => {
+    const asTensor = tensorJson(v);
+    if (asTensor) return asTensor;
     if (v instanceof Uint8Array) return Buffer.from(v).toString("hex");
     if (v instanceof ExtData) return { ext: v.type, data: Buffer.from(v.data).toString("hex") };
     if (typeof v === "bigint") return v.toString();
@@ -118,7 +155,7 @@ async function main() {
     // out within sendTimeout (no usable connection: for instance a CURVE handshake the
     // broker refused) ends the sending.
     for (let id = 1; id <= opts.n; id++) {
-      const request = { id, input: `hello ${id}` };
+      const request = { id, input: opts.tensor ? tensor([id, id + 0.5]) : `hello ${id}` };
       if (opts.model !== null) request.model = opts.model;
       try {
         await sock.send(["", encode(request)]);
