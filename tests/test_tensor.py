@@ -19,7 +19,7 @@ from hypothesis.extra import numpy as hnp
 
 from batcher import protocol, tensor
 from batcher.tensor import DATATYPES, TensorError
-from tests.helpers import pack, recv_replies, unpack
+from tests.helpers import broker_stats, pack, recv_replies, unpack
 from workers.worker import run_batch
 
 #: The documented numpy equivalent of each datatype (docs/protocol.md, "Tensors").
@@ -419,3 +419,56 @@ def test_json_tensors_are_found_anywhere_and_nothing_else_changes() -> None:
     assert out["a"][0] == out["a"][1]["b"] == {"datatype": "FP64", "shape": [1], "data": b"\0\0\0\0\0\0\xe0?"}
     assert out["c"] == value["c"] and out["d"] == 1
     assert tensor.is_json_tensor(j) and not tensor.is_json_tensor(out["a"][0])
+
+
+# --- fuzzing tensor headers through real processes; payloads up to the size limit ---------------
+
+
+def _random_tensor(rng: Any) -> dict[str, Any]:
+    """A tensor map, valid or not: every field is drawn from valid and invalid values."""
+    datatype = rng.choice([*DATATYPES, "FP8", "", "fp32", 7, None])
+    shape = rng.choice([[], [0], [3], [2, 2], [1] * 33, [-1], [2**50], "3", [1.5], None])
+    size = rng.choice([0, 1, 3, 4, 8, 12, 16, 32])
+    data = rng.choice([bytes(size), "text", None, [1, 2]])
+    return {"datatype": datatype, "shape": shape, "data": data}
+
+
+@pytest.mark.integration
+def test_fuzzed_tensors_each_get_one_reply_and_nothing_goes_down(serve, connect, zctx):
+    import random
+
+    s = serve("--model", "echo", "--workers", "1", "--max-batch-size", "16", workers=1)
+    workers = {
+        w["worker"] for w in broker_stats(s.frontend, zctx, timeout_s=5)["models"]["echo"]["worker_list"]
+    }
+    sock = connect(zmq.DEALER, s.frontend)
+    rng = random.Random(17)
+    sent = {i: _random_tensor(rng) for i in range(600)}
+    for i, value in sent.items():
+        sock.send_multipart([b"", pack({"id": i, "model": "echo", "input": value})])
+    replies = recv_replies(sock, len(sent), timeout_s=60)
+    assert sorted(r["id"] for r in replies) == sorted(sent)  # exactly one each
+    for r in replies:
+        value = sent[r["id"]]
+        try:
+            tensor.check(value)
+        except TensorError as exc:
+            assert r["error"] == {"code": "bad_request", "message": str(exc)}, (value, r)
+        else:
+            assert r["ok"] and r["output"] == value, (value, r)
+    stats = broker_stats(s.frontend, zctx, timeout_s=5)
+    assert {w["worker"] for w in stats["models"]["echo"]["worker_list"]} == workers  # none restarted
+    assert stats["workers_lost"] == 0
+
+
+@pytest.mark.integration
+def test_tensors_from_empty_to_the_message_size_limit_round_trip(serve, client):
+    limit = 1 << 20
+    s = serve("--model", "echo", "--workers", "1", "--max-message-bytes", str(limit), workers=1)
+    c = client(s.frontend, timeout_s=30)
+    overhead = len(protocol.pack({"id": 1, "input": np.zeros(0, np.uint8)}))
+    for size in (0, 1, 4096, 65536, limit - overhead - 8):
+        sent = np.frombuffer(np.random.default_rng(size).bytes(size), dtype=np.uint8)
+        assert len(protocol.pack({"id": 1, "input": sent})) <= limit
+        got = c.request(sent)
+        assert got.dtype == np.uint8 and np.array_equal(got, sent), size
