@@ -194,12 +194,13 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         model: str | None = None,
         timeout_ms: float | None = None,
         priority: float | None = None,
+        cost: float | None = None,
     ) -> AsyncPendingReply:
         """Send a request without waiting for it (call from the client's event loop);
         returns its AsyncPendingReply, to await (its output) when the answer is wanted."""
         if self._closed:
             raise ClientClosed(f"the client of {self.address} is closed")
-        body = request_body(input, model, timeout_ms, priority)
+        body = request_body(input, model, timeout_ms, priority, cost)
         return AsyncPendingReply(self, body, reply_wait_s(self.timeout_s, timeout_ms))
 
     async def request_reply(
@@ -208,10 +209,11 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         model: str | None = None,
         timeout_ms: float | None = None,
         priority: float | None = None,
+        cost: float | None = None,
     ) -> dict[str, Any]:
         """Send one request and return the whole reply map (output or error, with
         metadata such as batch_size and worker); raises only ClientTimeout."""
-        body = request_body(input, model, timeout_ms, priority)
+        body = request_body(input, model, timeout_ms, priority, cost)
         return await self._call(body, reply_wait_s(self.timeout_s, timeout_ms))
 
     async def request(
@@ -220,9 +222,10 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         model: str | None = None,
         timeout_ms: float | None = None,
         priority: float | None = None,
+        cost: float | None = None,
     ) -> Any:
         """Send one request and return its output, or raise its typed error."""
-        reply = await self.request_reply(input, model, timeout_ms, priority)
+        reply = await self.request_reply(input, model, timeout_ms, priority, cost)
         if reply.get("ok"):
             return reply.get("output")
         raise error_from_reply(reply)

@@ -326,6 +326,7 @@ class Broker:
         request = QueuedRequest(
             envelope, body, header.id, now, header.priority, now + timeout_s if timeout_s else None
         )
+        request.cost = header.cost
         try:
             self.scheduler.enqueue(model, request)
         except NoSuchModel:

@@ -59,6 +59,7 @@ READY_POLL_S = 0.2
 # milliseconds, libzmq's int64 options, msgpack's 32-bit lengths, one process per worker.
 MAX_MS = 60_000.0  # heartbeat interval, batch window, simulated batch costs: one minute
 MAX_TIMEOUT_MS = 86_400_000.0  # request deadlines: one day
+MAX_BATCH_COST = 1e15  # a batch's summed request costs (tokens, pixels, bytes)
 MAX_TIMEOUT_S = MAX_TIMEOUT_MS / 1000  # a client's wait for a reply: one day
 MAX_BATCH_SIZE = 4096
 MAX_QUEUE = 10_000_000  # requests per model
@@ -527,6 +528,13 @@ _BATCHING = (
         type=int_range(1, MAX_QUEUE),
         default=BatchSettings().max_queue,
         help="Queued requests per model.",
+    ),
+    option(
+        "--max-batch-cost",
+        type=float_range(0, MAX_BATCH_COST, min_open=True),
+        default=None,
+        help="Largest sum of the requests' `cost` (tokens, pixels, bytes; 1 when a request "
+        "gives none) in one batch; a lone request over it runs alone. Default: no cap.",
     ),
 )
 

@@ -149,7 +149,7 @@ def reply_key(reply: dict[str, Any], pending: dict[Any, Any]) -> Any:
 
 
 def request_body(
-    input: Any, model: str | None, timeout_ms: float | None, priority: float | None
+    input: Any, model: str | None, timeout_ms: float | None, priority: float | None, cost: float | None = None
 ) -> dict[str, Any]:
     """A request map with only the fields that were given (protocol.md, 4.2)."""
     body: dict[str, Any] = {"input": input}
@@ -159,6 +159,8 @@ def request_body(
         body["timeout_ms"] = timeout_ms
     if priority is not None:
         body["priority"] = priority
+    if cost is not None:
+        body["cost"] = cost
     return body
 
 
@@ -542,9 +544,10 @@ class Client(BaseClient[PendingReply]):
         model: str | None = None,
         timeout_ms: float | None = None,
         priority: float | None = None,
+        cost: float | None = None,
     ) -> PendingReply:
         """Send a request without waiting; many can be in flight over the one socket."""
-        body = request_body(input, model, timeout_ms, priority)
+        body = request_body(input, model, timeout_ms, priority, cost)
         return self.start(body, reply_wait_s(self.timeout_s, timeout_ms))
 
     def request(
@@ -553,9 +556,10 @@ class Client(BaseClient[PendingReply]):
         model: str | None = None,
         timeout_ms: float | None = None,
         priority: float | None = None,
+        cost: float | None = None,
     ) -> Any:
         """Send one request and return its output, or raise its typed error."""
-        return self.submit(input, model, timeout_ms, priority).result()
+        return self.submit(input, model, timeout_ms, priority, cost).result()
 
     def request_many(
         self,
@@ -801,9 +805,10 @@ class MultiClient:
         model: str | None = None,
         timeout_ms: float | None = None,
         priority: float | None = None,
+        cost: float | None = None,
     ) -> MultiPending:
         """Send a request to the next frontend that is up, without waiting."""
-        body = request_body(input, model, timeout_ms, priority)
+        body = request_body(input, model, timeout_ms, priority, cost)
         wait_s = reply_wait_s(self.timeout_s, timeout_ms)
         assert wait_s is not None  # a MultiClient always has a timeout: it is how it finds a dead broker
         pending = MultiPending(self, body, wait_s)
@@ -816,9 +821,10 @@ class MultiClient:
         model: str | None = None,
         timeout_ms: float | None = None,
         priority: float | None = None,
+        cost: float | None = None,
     ) -> Any:
         """Send one request and return its output, or raise its typed error."""
-        return self.submit(input, model, timeout_ms, priority).result()
+        return self.submit(input, model, timeout_ms, priority, cost).result()
 
     def request_many(
         self,

@@ -55,6 +55,7 @@ MODEL_KINDS = {
     "max_wait_ms": Kind.NUMBER,
     "batch_sizes": Kind.INT_LIST,
     "max_queue": Kind.INT,
+    "max_batch_cost": Kind.NUMBER,
     "policy": Kind.STR,
     "gpus": Kind.INT_LIST,
     "workers": Kind.INT,

@@ -7,6 +7,7 @@ version of this module.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from enum import StrEnum
@@ -90,6 +91,7 @@ class RequestHeader(NamedTuple):
     timeout_ms: float | None
     priority: float
     op: str
+    cost: float = 1.0  # its share of the model's max_batch_cost
 
 
 def split_envelope(frames: list[bytes]) -> tuple[list[bytes], bytes]:
@@ -207,7 +209,10 @@ def parse_request(body: bytes) -> tuple[RequestHeader, dict[str, Any]]:
         raise bad(f"priority must be a number, got {_type_name(priority)}")
     if priority != priority:  # NaN
         raise bad("priority must be a number, got NaN")
-    return RequestHeader(req_id, model, timeout_ms, priority, op), msg
+    cost = msg.get("cost", 1.0)
+    if isinstance(cost, bool) or not isinstance(cost, int | float) or not 0 < cost < math.inf:
+        raise bad(f"cost must be a finite number > 0, got {cost!r}")
+    return RequestHeader(req_id, model, timeout_ms, priority, op, cost), msg
 
 
 # --- replies -------------------------------------------------------------------------------

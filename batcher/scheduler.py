@@ -12,6 +12,9 @@ Rules, per model:
 - the queue holds at most `max_queue` requests; one more is QueueFull;
 - a batch never exceeds `max_batch_size`, and with `batch_sizes` it is cut to the
   largest allowed size the queue can fill;
+- with `max_batch_cost`, the sum of a batch's request costs never exceeds it either,
+  except for a lone request costlier than the cap, which runs alone; a queue whose
+  costs reach the cap counts as a full batch;
 - `window` policy: a batch goes to a worker with a free slot as soon as
   `max_batch_size` requests wait, or when the oldest has waited `max_wait_ms`;
 - `adaptive` policy: the same two triggers, and besides, an idle worker takes the
@@ -77,6 +80,7 @@ class BatchSettings:
     batch_sizes: tuple[int, ...] | None = None
     max_queue: int = 10_000
     policy: Policy = Policy.ADAPTIVE
+    max_batch_cost: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_queue"):
@@ -93,6 +97,11 @@ class BatchSettings:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         object.__setattr__(self, "policy", Policy(self.policy))  # a plain str is accepted
+        cap = self.max_batch_cost
+        if cap is not None and (
+            isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 < cap < math.inf
+        ):
+            raise ValueError(f"max_batch_cost must be a finite number > 0, got {cap!r}")
         if self.batch_sizes is not None:
             sizes = self.batch_sizes
             if not all(type(n) is int for n in sizes):
@@ -138,6 +147,7 @@ class QueuedRequest:
     seq: int = 0
     attempts: int = 0  # batches it was sent in whose worker failed
     handbacks: int = 0  # batches it was sent in whose worker left and handed it back
+    cost: float = 1.0  # its share of max_batch_cost (tokens, pixels, bytes...)
 
 
 @dataclass(slots=True, eq=False)
@@ -250,6 +260,7 @@ class ModelQueue:
     # look-up and not a scan (a client may reuse an id: then a list).
     by_client: dict[bytes, dict[object, QueuedRequest | list[QueuedRequest]]] = field(default_factory=dict)
     size: int = 0
+    queued_cost: float = 0.0  # the sum of the queued requests' costs
     workers: dict[bytes, None] = field(default_factory=dict)  # an ordered set
     cost: CostModel = field(default_factory=CostModel)
     rate: ArrivalRate = field(default_factory=ArrivalRate)
@@ -277,20 +288,43 @@ class ModelQueue:
             heapq.heappop(dl)
         return dl[0][0] if dl else None
 
-    def pop(self) -> QueuedRequest:
-        """The next request in scheduling order (priority, deadline, arrival)."""
+    def _heap_next(self) -> bool:
+        """Whether the next request in scheduling order heads the heap lane (else the fifo
+        lane); both heads are first cleared of leftovers."""
         fifo, heap = self.fifo, self.heap
         while fifo and fifo[0].state != QUEUED:
             fifo.popleft()
         while heap and heap[0][3].state != QUEUED:
             heapq.heappop(heap)
-        if heap and (not fifo or _heap_first(heap[0], fifo[0].seq)):
-            req = heapq.heappop(heap)[3]
-        else:
-            req = fifo.popleft()
-        self.size -= 1
+        return bool(heap) and (not fifo or _heap_first(heap[0], fifo[0].seq))
+
+    def peek(self) -> QueuedRequest:
+        """The next request in scheduling order, left in the queue."""
+        return self.heap[0][3] if self._heap_next() else self.fifo[0]
+
+    def pop(self) -> QueuedRequest:
+        """The next request in scheduling order (priority, deadline, arrival)."""
+        req = heapq.heappop(self.heap)[3] if self._heap_next() else self.fifo.popleft()
+        self._forget(req)
         self.unindex(req)
         return req
+
+    def added(self, req: QueuedRequest) -> None:
+        """Count a request just put in a lane."""
+        self.size += 1
+        self.queued_cost += req.cost
+
+    def _forget(self, req: QueuedRequest) -> None:
+        self.size -= 1
+        self.queued_cost = self.queued_cost - req.cost if self.size else 0.0  # no drift when empty
+
+    def full(self) -> bool:
+        """Whether the queue holds a whole batch: max_batch_size requests, or costs that
+        reach max_batch_cost."""
+        s = self.settings
+        return self.size >= s.max_batch_size or (
+            s.max_batch_cost is not None and self.queued_cost >= s.max_batch_cost
+        )
 
     def queued(self) -> Iterator[QueuedRequest]:
         """Every request still queued, in no particular order."""
@@ -300,7 +334,7 @@ class ModelQueue:
     def discard(self, req: QueuedRequest) -> None:
         """Take a queued request out (expired or cancelled); its entries go lazily."""
         req.state = REMOVED
-        self.size -= 1
+        self._forget(req)
         self.unindex(req)
         self.compact()
 
@@ -485,7 +519,7 @@ class Scheduler:
         request.seq = next(self._seq)
         if request.priority == 0 and request.deadline_at is None:
             mq.fifo.append(request)  # in seq order, like the heap would keep it
-            mq.size += 1
+            mq.added(request)
         else:
             self._push(mq, request)
             mq.heap_arrivals.append(request)
@@ -513,7 +547,7 @@ class Scheduler:
         heapq.heappush(mq.heap, (-req.priority, math.inf if deadline is None else deadline, req.seq, req))
         if deadline is not None:
             heapq.heappush(mq.deadlines, (deadline, req.seq, req))
-        mq.size += 1
+        mq.added(req)
 
     def cancel(
         self, match: Callable[[QueuedRequest], bool], model: str | None = None
@@ -701,7 +735,7 @@ class Scheduler:
             return None
         s = mq.settings
         mq.recheck_at = math.inf
-        full = mq.size >= s.max_batch_size
+        full = mq.full()
         if full or now >= self._wait_until(mq):
             if idle:
                 return min(idle, key=_least_recently_used)
@@ -773,8 +807,8 @@ class Scheduler:
         return gap if gain > n * (gap + b) else None
 
     def _cut(self, name: str, mq: ModelQueue, worker: WorkerState, now: float) -> Batch:
-        n = mq.settings.cut_size(mq.size)
-        requests = [mq.pop() for _ in range(n)]
+        requests = self._take(name, mq)
+        n = len(requests)
         for r in requests:
             r.state = DISPATCHED
         mq.compact()
@@ -785,6 +819,26 @@ class Scheduler:
         worker.in_flight[batch.batch_id] = batch
         worker.last_used = batch.batch_id
         return batch
+
+    def _take(self, name: str, mq: ModelQueue) -> list[QueuedRequest]:
+        """The next batch's requests, in scheduling order: cut_size of them, fewer when
+        their costs would pass max_batch_cost (the first is always taken)."""
+        s = mq.settings
+        n = s.cut_size(mq.size)
+        cap = s.max_batch_cost
+        if cap is None:
+            return [mq.pop() for _ in range(n)]
+        requests: list[QueuedRequest] = []
+        total = 0.0
+        while len(requests) < n and (not requests or total + mq.peek().cost <= cap):
+            requests.append(mq.pop())
+            total += requests[-1].cost
+        allowed = s.cut_size(len(requests))  # with batch_sizes: round down to one of them
+        if allowed < len(requests):
+            back = requests[allowed:]
+            del requests[allowed:]
+            self.requeue(name, back, count_attempt=False)
+        return requests
 
 
 def _least_recently_used(w: WorkerState) -> int:

@@ -129,6 +129,7 @@ class BrokerStats:
             "max_wait_ms": settings.max_wait_ms,
             "policy": str(settings.policy),
             "max_queue": settings.max_queue,
+            "max_batch_cost": settings.max_batch_cost,
             "batch_cost_ms": None if cost is None else [cost[0] * 1000, cost[1] * 1000],
         }
 

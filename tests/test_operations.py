@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 
 import psutil
 import pytest
+import zmq
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -26,7 +27,7 @@ import batcher.cli
 from batcher.broker import BrokerSettings
 from batcher.client import BatcherError, Cancelled, Client
 from batcher.launcher import free_tcp_address
-from tests.helpers import FLAT_SIM, broker_stats, start_broker, wait_until
+from tests.helpers import FLAT_SIM, broker_stats, pack, recv_replies, start_broker, wait_until
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "batcher.example.toml"
 
@@ -329,3 +330,23 @@ def test_flag_beats_environment_beats_file_in_process(tmp_path):
     assert s.batch.policy == "adaptive" and s.batch.max_queue == 77
     s = settings_from_cli("broker")
     assert (s.batch.max_batch_size, s.batch.max_queue) == (8, 10_000)  # the defaults
+
+
+@pytest.mark.integration
+def test_max_batch_cost_caps_what_a_batch_sums_to(serve, connect, zctx):
+    """Eight requests of cost 2 with --max-batch-cost 4 go in batches of 2 (without the cap,
+    --max-batch-size 8 would take them in one); a request of cost 9 runs alone."""
+    s = serve(
+        "--model", "echo", "--workers", "1", "--max-batch-size", "8", "--max-wait-ms", "200",
+        "--policy", "window", "--max-batch-cost", "4", workers=1,
+    )  # fmt: skip
+    sock = connect(zmq.DEALER, s.frontend)
+    for i in range(8):
+        sock.send_multipart([b"", pack({"id": i, "input": i, "cost": 2})])
+    replies = recv_replies(sock, 8)
+    assert sorted(r["id"] for r in replies) == list(range(8)) and all(r["ok"] for r in replies)
+    assert [r["batch_size"] for r in replies] == [2] * 8
+    sock.send_multipart([b"", pack({"id": "big", "input": 0, "cost": 9})])
+    (big,) = recv_replies(sock, 1)
+    assert big["ok"] and big["batch_size"] == 1
+    assert broker_stats(s.frontend, zctx)["models"]["echo"]["max_batch_cost"] == 4.0

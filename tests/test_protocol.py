@@ -629,3 +629,30 @@ def test_a_broken_body_over_100_mib_still_has_its_id_echoed() -> None:
     at most): the id reader takes a buffer the size of the body."""
     big = protocol.pack({"id": "big", "input": b"\x00" * (100 * 1024 * 1024 + 1)})
     assert bad_request(big[:-1]).req_id == "big"
+
+
+# --- cost: a request's share of max_batch_cost ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("cost", "parsed"), [(None, 1.0), (1, 1), (0.25, 0.25), (4096, 4096)])
+def test_parse_reads_cost_and_defaults_it_to_1(cost: object, parsed: float) -> None:
+    msg = {"id": 1, "input": 0} if cost is None else {"id": 1, "input": 0, "cost": cost}
+    header, _ = protocol.parse_request(body(msg))
+    assert header.cost == parsed
+
+
+@pytest.mark.parametrize(
+    ("cost", "message"),
+    [
+        (0, "cost must be a finite number > 0, got 0"),
+        (-2, "cost must be a finite number > 0, got -2"),
+        (math.inf, "cost must be a finite number > 0, got inf"),
+        (math.nan, "cost must be a finite number > 0, got nan"),
+        (True, "cost must be a finite number > 0, got True"),
+        ("3", "cost must be a finite number > 0, got '3'"),
+        (None, "cost must be a finite number > 0, got None"),
+    ],
+)
+def test_a_bad_cost_is_a_bad_request_with_the_id(cost: object, message: str) -> None:
+    error = bad_request(body({"id": 5, "input": 0, "cost": cost}))
+    assert (error.message, error.req_id) == (message, 5)

@@ -1661,3 +1661,136 @@ def test_every_model_is_checked_for_workers_whatever_comes_before_it() -> None:
     (r,) = put(s, "b", rq(0.0))
     s.unavailable(0.0)
     assert [(m, q) for m, q, _ in s.unavailable(1.0)] == [("b", r)]
+
+
+# --- cost budgets: max_batch_cost caps the sum of a batch's request costs ------------------------
+
+
+def _costly(*costs: float, priority: float = 0) -> list[QueuedRequest]:
+    out = []
+    for c in costs:
+        r = rq(0.0, priority=priority)
+        r.cost = c
+        out.append(r)
+    return out
+
+
+def _cost_settings(**kwargs: object) -> Scheduler:
+    settings = BatchSettings(**{"max_batch_size": 8, "max_wait_ms": 10.0, "policy": "window", **kwargs})  # type: ignore[arg-type]
+    s = Scheduler(per_model={"m": settings})
+    s.add_worker(b"w0", "m")
+    return s
+
+
+def _drain(s: Scheduler, now: float = 1.0) -> list[list[float]]:
+    """Every batch cut until the queue is empty (each answered at once), by its costs."""
+    out = []
+    while s.queued("m"):
+        for b in s.due_batches(now):
+            out.append([r.cost for r in b.requests])
+            s.complete(b.worker, b.batch_id)
+        now += 1.0
+    return out
+
+
+def test_batches_keep_under_the_cost_cap_in_queue_order() -> None:
+    s = _cost_settings(max_batch_cost=7.0)
+    put(s, "m", *_costly(3, 3, 3, 1, 5, 2))
+    assert _drain(s) == [[3, 3], [3, 1], [5, 2]]
+
+
+def test_a_request_over_the_cap_runs_alone() -> None:
+    s = _cost_settings(max_batch_cost=4.0)
+    put(s, "m", *_costly(1, 10, 1, 1))
+    assert _drain(s) == [[1], [10], [1, 1]]
+
+
+def test_costs_reaching_the_cap_make_a_full_batch_that_goes_at_once() -> None:
+    s = _cost_settings(max_batch_cost=8.0, max_wait_ms=1000.0)
+    put(s, "m", *_costly(4))
+    assert s.due_batches(0.0) == []  # under the cap: waits for its window
+    put(s, "m", *_costly(4))
+    (batch,) = s.due_batches(0.0)
+    assert [r.cost for r in batch.requests] == [4, 4]
+
+
+def test_the_count_cap_still_holds_under_a_cost_cap() -> None:
+    s = _cost_settings(max_batch_cost=100.0, max_batch_size=2)
+    put(s, "m", *_costly(1, 1, 1))
+    assert _drain(s) == [[1, 1], [1]]
+
+
+def test_with_allowed_sizes_a_cost_cut_rounds_down_to_one_and_keeps_order() -> None:
+    s = _cost_settings(max_batch_cost=3.0, batch_sizes=(1, 2, 4), max_wait_ms=0.0)
+    reqs = put(s, "m", *_costly(1, 1, 1, 1))
+    (first,) = s.due_batches(0.0)
+    assert first.requests == reqs[:2]  # 3 fit the cap, 2 is the largest allowed size under 3
+    assert [r.attempts for r in reqs] == [0, 0, 0, 0]  # put back without costing an attempt
+    assert s.queued("m") == 2 and s.models["m"].queued_cost == 2.0
+    s.complete(first.worker, first.batch_id)
+    (second,) = s.due_batches(0.0)
+    assert second.requests == reqs[2:]
+
+
+def test_adaptive_counts_a_cost_full_queue_as_a_full_batch() -> None:
+    s = make(size=8, wait_ms=1000.0, workers=1, slots=2, policy="adaptive")
+    s.set_settings("m", BatchSettings(max_batch_size=8, max_wait_ms=1000.0, max_batch_cost=6.0))
+    put(s, "m", rq(0.0))
+    assert len(s.due_batches(0.0)) == 1  # the idle worker takes the lone request
+    put(s, "m", *_costly(3))
+    assert s.due_batches(0.0) == []  # a partial batch waits for the busy worker's slot
+    put(s, "m", *_costly(3))
+    (full,) = s.due_batches(0.0)  # by cost, a whole batch: it takes the prefetch slot
+    assert [r.cost for r in full.requests] == [3, 3]
+
+
+@pytest.mark.parametrize(
+    ("cap", "message"),
+    [
+        (0, "max_batch_cost must be a finite number > 0, got 0"),
+        (-1.5, "max_batch_cost must be a finite number > 0, got -1.5"),
+        (math.inf, "max_batch_cost must be a finite number > 0, got inf"),
+        (math.nan, "max_batch_cost must be a finite number > 0, got nan"),
+        (True, "max_batch_cost must be a finite number > 0, got True"),
+        ("8", "max_batch_cost must be a finite number > 0, got '8'"),
+    ],
+)
+def test_max_batch_cost_must_be_a_positive_finite_number(cap: object, message: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        BatchSettings(max_batch_cost=cap)  # type: ignore[arg-type]
+    assert str(raised.value) == message
+
+
+@given(
+    costs=st.lists(st.tuples(st.floats(0.1, 20.0), st.integers(0, 2)), min_size=1, max_size=60),
+    cap=st.floats(1.0, 30.0),
+    size=st.integers(1, 8),
+    cancel=st.sets(st.integers(0, 59)),
+)
+def test_any_costs_every_batch_within_its_caps_and_in_order(
+    costs: list[tuple[float, int]], cap: float, size: int, cancel: set[int]
+) -> None:
+    s = _cost_settings(max_batch_cost=cap, max_batch_size=size)
+    reqs = []
+    for i, (c, priority) in enumerate(costs):
+        (r,) = _costly(c, priority=priority)
+        r.id = i
+        reqs.append(r)
+    put(s, "m", *reqs)
+    gone = {i for i in cancel if i < len(reqs)}
+    s.cancel(lambda r: r.id in gone)
+    mq = s.models["m"]
+    left = [r for r in reqs if r.id not in gone]
+    assert mq.queued_cost == pytest.approx(sum(r.cost for r in left))
+    served: list[QueuedRequest] = []
+    now = 1.0
+    while s.queued("m"):
+        for b in s.due_batches(now):
+            total = sum(r.cost for r in b.requests)
+            assert len(b.requests) <= size and (total <= cap or len(b.requests) == 1), b.requests
+            served += b.requests
+            s.complete(b.worker, b.batch_id)
+            assert mq.queued_cost == pytest.approx(sum(r.cost for r in left if r not in served))
+        now += 1.0
+    assert served == sorted(left, key=lambda r: (-r.priority, r.seq))  # order kept, none twice
+    assert mq.queued_cost == 0.0
