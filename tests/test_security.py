@@ -59,7 +59,7 @@ def test_curve_admits_listed_keys_only(tmp_path: Path) -> None:
                 "--curve-clients",
                 str(tmp_path / "clients"),
             ],
-            log_level="INFO",
+            log_level="DEBUG",
             stderr=log,
         )
         try:
@@ -93,4 +93,10 @@ def test_curve_admits_listed_keys_only(tmp_path: Path) -> None:
     refusals = [line for line in lines if "refused a connection on the frontend" in line]
     assert any(mallory_public in line for line in refusals), refusals  # the key, by name
     assert len(refusals) == 2, refusals  # mallory's and the throwaway key
-    assert any("refused a handshake on the frontend" in line for line in lines), "plaintext peer not logged"
+    # The plaintext peer: a WARNING when the broker read its greeting, DEBUG when the peer
+    # hung up first (a race, docs/deployment.md); one of them, always.
+    plaintext = (
+        "refused a handshake on the frontend (protocol error",
+        "a handshake on the frontend ended early",
+    )
+    assert any(p in line for line in lines for p in plaintext), "plaintext peer not logged"
