@@ -104,6 +104,12 @@ def load_model(spec: ModelSpec, gpu: int | None, sim: SimSettings | None = None)
         obj = obj(gpu)
     if not callable(obj):
         raise TypeError(f"{spec.target} is not callable")
+    if getattr(obj, "stack", None) not in (None, False):  # it wants batched arrays (numpy)
+        from workers import stacking
+
+        declared = stacking.stacking_of(obj)
+        assert declared is not None
+        return stacking.wrap(obj, declared)
     return obj
 
 

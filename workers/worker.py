@@ -208,6 +208,10 @@ def run_batch(
     errors = len(bad)
     for i, r, out in zip(live, requests, outputs, strict=True):
         req_id = _request_id(r)
+        if isinstance(out, tensor.TensorError):  # its input does not fit the model's batch
+            errors += 1
+            replies[i] = protocol.error_reply(req_id, ErrorCode.BAD_REQUEST, str(out))
+            continue
         if isinstance(out, BaseException):  # the model failed this input alone
             errors += 1
             message = f"{type(out).__name__}: {out}"

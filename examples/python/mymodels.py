@@ -33,3 +33,39 @@ def reciprocal(inputs: list[Any]) -> list[Any]:
         except (TypeError, ZeroDivisionError) as exc:
             outputs.append(exc)
     return outputs
+
+
+class MeanPool:
+    """A stacked, padded model: it gets the whole batch as one array and each request's
+    true length (docs/protocol.md 3.1, "Batched arrays"). A request's input is a tensor of
+    shape (length, dim), its length its own; the worker pads the batch to the longest
+    with zeros, and the model returns one row per request: the mean over its own rows.
+
+        batcher serve --model pool=mymodels:MeanPool --workers 1
+    """
+
+    from workers.stacking import Stack  # here, so that the models above need no numpy
+
+    stack = Stack(pad_axes=(0,), pad_value=0)
+
+    def __init__(self, gpu_id: int | None) -> None:
+        self.gpu_id = gpu_id
+
+    def __call__(self, batch: Any, lengths: Any) -> Any:
+        # batch: (n, longest, dim), zeros past each request's length; lengths: (n, 1)
+        return batch.sum(axis=1) / lengths
+
+
+class TokenDoubler:
+    """Padded in, cut back out: a (length,) tensor of token ids comes back doubled, its own
+    length again (`unpad_axes`), though the model saw the batch padded to the longest."""
+
+    from workers.stacking import Stack
+
+    stack = Stack(pad_axes=(0,), pad_value=-1, unpad_axes=(0,))
+
+    def __init__(self, gpu_id: int | None) -> None:
+        self.gpu_id = gpu_id
+
+    def __call__(self, tokens: Any, lengths: Any) -> Any:
+        return tokens * 2

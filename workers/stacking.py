@@ -1,0 +1,182 @@
+"""Batched arrays for models: the worker stacks a batch's tensors, pads what differs,
+and splits the model's output back into one reply per request.
+
+A model asks for it with an attribute (docs/protocol.md, "Tensors"; examples/python):
+
+    class Tagger:
+        stack = Stack(pad_axes=(0,), pad_value=0, unpad_axes=(0,))
+        def __call__(self, tokens, lengths): ...   # tokens: (n, longest); lengths: (n, 1)
+
+Without padding (`stack = True`, or `Stack()`) the model is called with one array of
+shape (n, ...), or a dict of them when each input is a map of named tensors, and every
+request's tensors must have the same dtype and shape. With `pad_axes`, the shapes may
+differ along those axes of a request's tensor (axis 0 is the first axis after the batch
+axis): each is padded with `pad_value` to the batch's longest, and the model gets a
+second argument, `lengths`, an int64 array (n, len(pad_axes)) of each request's true
+lengths. The model returns an array (or a dict of arrays) whose first axis is the
+batch; each request gets its row, cut back to its own length along `unpad_axes` (the
+output axes matching `pad_axes`, one for one).
+
+A request whose input cannot join the batch (not a tensor, another dtype or rank, or a
+shape that differs outside `pad_axes`) is answered `bad_request` on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from batcher.tensor import TensorError
+
+
+class BadInput(TensorError):
+    """An input that does not fit the model's declared batch: answered bad_request."""
+
+
+@dataclass(frozen=True)
+class Stack:
+    """How a model wants its batch: stacked, and padded along `pad_axes`."""
+
+    pad_axes: tuple[int, ...] = ()
+    pad_value: float = 0
+    unpad_axes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("pad_axes", "unpad_axes"):
+            axes = getattr(self, name)
+            if not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in axes):
+                raise ValueError(f"{name} must be axes >= 0, got {axes!r}")
+            if len(set(axes)) != len(axes):
+                raise ValueError(f"{name} must not repeat an axis, got {axes!r}")
+        if self.unpad_axes and len(self.unpad_axes) != len(self.pad_axes):
+            raise ValueError(
+                f"unpad_axes must match pad_axes one for one, got {self.unpad_axes!r} for {self.pad_axes!r}"
+            )
+
+
+def stacking_of(model: object) -> Stack | None:
+    """The Stack a model declares (its `stack` attribute), or None."""
+    declared = getattr(model, "stack", None)
+    if declared is None or declared is False:
+        return None
+    if declared is True:
+        return Stack()
+    if not isinstance(declared, Stack):
+        raise TypeError(f"a model's `stack` must be True or a Stack, got {declared!r}")
+    return declared
+
+
+def misfit(array: np.ndarray, first: np.ndarray, axes: tuple[int, ...]) -> str | None:
+    """Why `array` cannot be stacked with `first` (padding only along `axes`), or None."""
+    if array.dtype != first.dtype or array.ndim != first.ndim:
+        return f"{array.dtype} of rank {array.ndim}, the batch is {first.dtype} of rank {first.ndim}"
+    if any(d >= array.ndim for d in axes):
+        return f"the padded axes {list(axes)} do not fit a tensor of rank {array.ndim}"
+    if any(array.shape[d] != first.shape[d] for d in range(array.ndim) if d not in axes):
+        padded = f" outside the padded axes {list(axes)}" if axes else ""
+        return f"shape {list(array.shape)} differs from the batch's {list(first.shape)}{padded}"
+    return None
+
+
+def pad(arrays: list[np.ndarray], axes: tuple[int, ...], value: float) -> tuple[np.ndarray, np.ndarray]:
+    """Stack `arrays` (each fits the first: `misfit`) into one array, each padded with
+    `value` to the largest along `axes`; and their lengths along `axes`, (n, len(axes))."""
+    first = arrays[0]
+    lengths = np.array([[a.shape[d] for d in axes] for a in arrays], dtype=np.int64)
+    lengths = lengths.reshape(len(arrays), len(axes))
+    shape = list(first.shape)
+    for k, d in enumerate(axes):
+        shape[d] = int(lengths[:, k].max())
+    out = np.full((len(arrays), *shape), value, dtype=first.dtype)
+    for i, a in enumerate(arrays):
+        index: tuple[Any, ...] = (i, *[slice(0, n) for n in a.shape])
+        out[index] = a
+    return out, lengths
+
+
+def unpad(batch: np.ndarray, lengths: np.ndarray, axes: tuple[int, ...]) -> list[np.ndarray]:
+    """Each row of `batch`, cut back along `axes` to that row's `lengths`."""
+    rows = []
+    for i in range(batch.shape[0]):
+        index: list[slice] = [slice(None)] * (batch.ndim - 1)
+        for k, d in enumerate(axes):
+            index[d] = slice(0, int(lengths[i, k]))
+        rows.append(batch[i][tuple(index)])
+    return rows
+
+
+def wrap(model: Callable[..., Any], stack: Stack) -> Callable[[list[Any]], list[Any]]:
+    """A list-in, list-out model (what the worker calls) around a model that takes and
+    returns batched arrays; inputs that cannot join the batch get BadInput instances."""
+
+    def run(inputs: list[Any]) -> list[Any]:
+        out: list[Any] = [None] * len(inputs)
+        # The batch takes the form of its first input that is a tensor or a map of them.
+        first = next((x for x in inputs if _is_tensors(x)), None)
+        live = []
+        for i, x in enumerate(inputs):
+            why = _why_not(x, first, stack.pad_axes)
+            if why is None:
+                live.append(i)
+            else:
+                out[i] = BadInput(why)
+        if not live:
+            return out
+        lengths: np.ndarray | None = None
+        if isinstance(first, dict):
+            batch: Any = {}
+            for k in first:
+                batch[k], lengths = pad([inputs[i][k] for i in live], stack.pad_axes, stack.pad_value)
+        else:
+            batch, lengths = pad([inputs[i] for i in live], stack.pad_axes, stack.pad_value)
+        result = model(batch, lengths) if stack.pad_axes else model(batch)
+        for i, row in zip(live, _split(result, len(live), lengths, stack.unpad_axes), strict=True):
+            out[i] = row
+        return out
+
+    return run
+
+
+def _is_tensors(x: object) -> bool:
+    """A tensor, or a non-empty map of them."""
+    if isinstance(x, dict):
+        return bool(x) and all(isinstance(v, np.ndarray) for v in x.values())
+    return isinstance(x, np.ndarray)
+
+
+def _why_not(x: Any, first: Any, axes: tuple[int, ...]) -> str | None:
+    """Why input `x` cannot join a batch whose first input is `first`, or None. Named
+    tensors need the first's names, and equal lengths along the padded axes."""
+    if isinstance(first, dict):
+        if not isinstance(x, dict) or x.keys() != first.keys():
+            return f"input must be a map of the tensors {list(first)}, as the batch's first is"
+        whys = [_why_not(x[k], first[k], axes) for k in first]
+        if any(whys):
+            return next(f"tensor {k!r}: {w}" for k, w in zip(first, whys, strict=True) if w)
+        lengths = {tuple(x[k].shape[d] for d in axes) for k in x}
+        return (
+            None if len(lengths) == 1 else f"its tensors differ in length along the padded axes {list(axes)}"
+        )
+    if not isinstance(x, np.ndarray):
+        return f"input must be a tensor or a map of tensors, got {type(x).__name__}"
+    if not isinstance(first, np.ndarray):
+        return "input must be a map of tensors, as the batch's first is"
+    return misfit(x, first, axes)
+
+
+def _split(result: Any, n: int, lengths: np.ndarray | None, axes: tuple[int, ...]) -> list[Any]:
+    """The model's batched output as one value per request."""
+    if isinstance(result, dict):
+        parts = {k: _split(v, n, lengths, axes) for k, v in result.items()}
+        return [{k: parts[k][i] for k in parts} for i in range(n)]
+    batch = np.asarray(result)
+    if batch.ndim == 0 or batch.shape[0] != n:
+        raise ValueError(
+            f"a stacked model must return a batch of {n} along axis 0, got shape {list(batch.shape)}"
+        )
+    if axes and lengths is not None:
+        return unpad(batch, lengths, axes)
+    return list(batch)
