@@ -61,6 +61,8 @@ class BrokerSettings:
     max_message_bytes: int = 16 * 1024 * 1024
     curve: CurveServerKeys | None = None
     metrics_port: int | None = None
+    #: Where the metrics endpoint listens: loopback unless asked (it has no authentication).
+    metrics_host: str = "127.0.0.1"
     shutdown_grace_s: float = 10.0
     #: A request for a model that has had no worker this long is answered `unavailable`
     #: (and so is every later one, until a worker joins); 0 waits forever.
@@ -155,7 +157,9 @@ class Broker:
             bind(self.frontend, settings.frontend)
             bind(self.backend, settings.backend)
             if settings.metrics_port is not None:
-                self.stats.metrics = serve_metrics(settings.metrics_port, self.scheduler)
+                self.stats.metrics = serve_metrics(
+                    settings.metrics_host, settings.metrics_port, self.scheduler
+                )
         except BaseException:
             self.close()
             raise
@@ -417,8 +421,8 @@ def bind(sock: zmq.Socket[Any], address: str) -> None:
         raise BindError(f"cannot bind {address}: {exc.strerror}") from None
 
 
-def serve_metrics(port: int, scheduler: Scheduler) -> PrometheusMetrics:
-    """Prometheus metrics on 127.0.0.1:`port`, gauges read from the scheduler's views at
+def serve_metrics(host: str, port: int, scheduler: Scheduler) -> PrometheusMetrics:
+    """Prometheus metrics on `host`:`port`, gauges read from the scheduler's views at
     scrape time (from prometheus_client's thread: retried if the loop changed a dict
     under it)."""
 
@@ -431,11 +435,12 @@ def serve_metrics(port: int, scheduler: Scheduler) -> PrometheusMetrics:
         return {}
 
     prom = PrometheusMetrics(read_gauges)
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        prom.serve(port)
-    except OSError as exc:
-        raise BindError(f"cannot serve metrics on 127.0.0.1:{port}: {exc.strerror or exc}") from None
-    log.info("metrics at http://127.0.0.1:%d/metrics", port)
+        prom.serve(port, host)
+    except OSError as exc:  # socket.gaierror too: a host name that does not resolve
+        raise BindError(f"cannot serve metrics on {where}: {exc.strerror or exc}") from None
+    log.info("metrics at http://%s/metrics", where)
     return prom
 
 

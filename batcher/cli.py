@@ -553,6 +553,7 @@ class BrokerOptions:
     max_message_bytes: int
     no_worker_timeout_ms: float
     metrics_port: int | None
+    metrics_host: str
 
 
 _BROKER = (
@@ -592,7 +593,13 @@ _BROKER = (
         "--metrics-port",
         type=int_range(1, 65535),
         default=BrokerSettings().metrics_port,
-        help="Serve Prometheus metrics at http://127.0.0.1:PORT/metrics.",
+        help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST: --metrics-host).",
+    ),
+    option(
+        "--metrics-host",
+        default=BrokerSettings().metrics_host,
+        help="The address the metrics endpoint listens on: 0.0.0.0 (or ::) for every "
+        "interface. It has no authentication, so expose it only where that is fine.",
     ),
 )
 
@@ -673,6 +680,7 @@ def broker_settings(
             max_message_bytes=broker_opts.max_message_bytes,
             curve=curve,
             metrics_port=broker_opts.metrics_port,
+            metrics_host=broker_opts.metrics_host,
             no_worker_timeout_ms=broker_opts.no_worker_timeout_ms,
         )
     except (ValueError, ConfigError) as exc:

@@ -350,3 +350,25 @@ def test_max_batch_cost_caps_what_a_batch_sums_to(serve, connect, zctx):
     (big,) = recv_replies(sock, 1)
     assert big["ok"] and big["batch_size"] == 1
     assert broker_stats(s.frontend, zctx)["models"]["echo"]["max_batch_cost"] == 4.0
+
+
+@pytest.mark.integration
+def test_metrics_host_names_the_address_the_endpoint_listens_on(spawn):
+    """--metrics-host localhost (127.0.0.1 here: tests bind nothing else) reaches the
+    endpoint, and the log says where it is."""
+    port = free_port()
+    proc = spawn(
+        "broker", "--frontend", free_tcp_address(), "--backend", free_tcp_address(),
+        "--metrics-port", str(port), "--metrics-host", "localhost",
+    )  # fmt: skip
+    wait_until(lambda: _scraped(port), 20, "metrics served")
+    wait_until(
+        lambda: f"metrics at http://localhost:{port}/metrics" in proc.stderr_path.read_text(), 10, "logged"
+    )
+
+
+def _scraped(port: int) -> bool:
+    try:
+        return bool(scrape(port))
+    except OSError:
+        return False
