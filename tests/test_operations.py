@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import time
 import tomllib
@@ -372,3 +373,45 @@ def _scraped(port: int) -> bool:
         return bool(scrape(port))
     except OSError:
         return False
+
+
+# --- the Grafana dashboard ---------------------------------------------------------------------------
+
+DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json"
+
+
+def test_grafana_dashboard_is_an_importable_dashboard_with_the_promised_panels():
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["__inputs"][0]["pluginId"] == "prometheus"  # Grafana asks for the data source
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    titles = " | ".join(p["title"] for p in panels).lower()
+    for wanted in (
+        "outcome",
+        "latency",
+        "queue wait",
+        "batch size",
+        "queue depth",
+        "workers",
+        "worker events",
+    ):
+        assert wanted in titles, wanted
+    for p in panels:
+        assert p["targets"] and all(
+            t["expr"] and t["datasource"]["uid"] == "${DS_PROMETHEUS}" for t in p["targets"]
+        )
+
+
+@pytest.mark.integration
+def test_every_metric_the_dashboard_uses_is_served(serve, client):
+    """The names in the dashboard's queries, against a live broker's /metrics."""
+    port = free_port()
+    sp = serve("--workers", "1", "--model", "sim", *FLAT_SIM, "--metrics-port", str(port), workers=1)
+    c = client(sp.frontend)
+    assert len(c.request_many(range(10))) == 10
+    with pytest.raises(BatcherError):
+        c.request("x", model="nope")
+    served = {name for name, _ in scrape(port)}
+    exprs = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
+    used = set(re.findall(r"\b(batcher_[a-z_]+)", " ".join(exprs)))
+    assert used and used <= served, sorted(used - served)
