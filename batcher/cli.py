@@ -530,6 +530,13 @@ _BATCHING = (
         help="Queued requests per model.",
     ),
     option(
+        "--priority-aging-ms",
+        type=float_range(0, MAX_TIMEOUT_MS),
+        default=BatchSettings().priority_aging_ms,
+        help="A waiting request gains one priority level each this many ms, so a flood of "
+        "higher priorities cannot starve the rest (0: strict priority).",
+    ),
+    option(
         "--max-batch-cost",
         type=float_range(0, MAX_BATCH_COST, min_open=True),
         default=None,

@@ -56,6 +56,7 @@ MODEL_KINDS = {
     "batch_sizes": Kind.INT_LIST,
     "max_queue": Kind.INT,
     "max_batch_cost": Kind.NUMBER,
+    "priority_aging_ms": Kind.NUMBER,
     "policy": Kind.STR,
     "gpus": Kind.INT_LIST,
     "workers": Kind.INT,

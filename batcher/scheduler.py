@@ -7,7 +7,10 @@ imports zmq or reads a clock, so every rule is tested with a fake clock
 (tests/test_scheduler.py, tests/test_scheduler_policy.py).
 
 Rules, per model:
-- order: higher `priority` first, then earliest deadline, then arrival;
+- order: higher `priority` first, then earliest deadline, then arrival; with
+  `priority_aging_ms` A, a request's priority grows by one every A ms it waits, so
+  requests are ordered by priority - arrival / A (then deadline, then arrival) and no
+  flood of higher priorities starves the rest;
 - a queued request whose deadline passes is expired (never sent to a worker);
 - the queue holds at most `max_queue` requests; one more is QueueFull;
 - a batch never exceeds `max_batch_size`, and with `batch_sizes` it is cut to the
@@ -81,6 +84,7 @@ class BatchSettings:
     max_queue: int = 10_000
     policy: Policy = Policy.ADAPTIVE
     max_batch_cost: float | None = None
+    priority_aging_ms: float = 0.0  # 0: priority is strict
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_queue"):
@@ -97,6 +101,9 @@ class BatchSettings:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         object.__setattr__(self, "policy", Policy(self.policy))  # a plain str is accepted
+        aging = self.priority_aging_ms
+        if isinstance(aging, bool) or not isinstance(aging, int | float) or not 0 <= aging < math.inf:
+            raise ValueError(f"priority_aging_ms must be a finite number >= 0, got {aging!r}")
         cap = self.max_batch_cost
         if cap is not None and (
             isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 < cap < math.inf
@@ -148,6 +155,7 @@ class QueuedRequest:
     attempts: int = 0  # batches it was sent in whose worker failed
     handbacks: int = 0  # batches it was sent in whose worker left and handed it back
     cost: float = 1.0  # its share of max_batch_cost (tokens, pixels, bytes...)
+    rank: float = 0.0  # its place by priority: lower first (set when it is queued)
 
 
 @dataclass(slots=True, eq=False)
@@ -296,7 +304,7 @@ class ModelQueue:
             fifo.popleft()
         while heap and heap[0][3].state != QUEUED:
             heapq.heappop(heap)
-        return bool(heap) and (not fifo or _heap_first(heap[0], fifo[0].seq))
+        return bool(heap) and (not fifo or _heap_first(heap[0], fifo[0]))
 
     def peek(self) -> QueuedRequest:
         """The next request in scheduling order, left in the queue."""
@@ -389,12 +397,14 @@ class ModelQueue:
         return list(held) if isinstance(held, list) else [held]
 
 
-def _heap_first(entry: tuple[float, float, int, QueuedRequest], fifo_seq: int) -> bool:
-    """Whether a heap entry comes before the fifo head, whose key is (0, inf, fifo_seq)."""
-    neg_priority, deadline, seq, _ = entry
-    if neg_priority != 0:
-        return neg_priority < 0
-    return deadline < math.inf or seq < fifo_seq
+def _heap_first(entry: tuple[float, float, int, QueuedRequest], head: QueuedRequest) -> bool:
+    """Whether a heap entry comes before the fifo lane's head, whose key is (its rank, inf,
+    its seq): the fifo lane holds requests without deadline in arrival order, of priority
+    0 (rank 0) or, with aging, of ranks that grow with arrival."""
+    rank, deadline, seq, _ = entry
+    if rank != head.rank:
+        return rank < head.rank
+    return deadline < math.inf or seq < head.seq
 
 
 class WorkerView(NamedTuple):
@@ -517,6 +527,8 @@ class Scheduler:
         if mq.size >= mq.settings.max_queue:
             raise QueueFull(model)
         request.seq = next(self._seq)
+        aging_ms = mq.settings.priority_aging_ms
+        request.rank = -request.priority + (request.arrived_at * 1000.0 / aging_ms if aging_ms else 0.0)
         if request.priority == 0 and request.deadline_at is None:
             mq.fifo.append(request)  # in seq order, like the heap would keep it
             mq.added(request)
@@ -544,7 +556,7 @@ class Scheduler:
     @staticmethod
     def _push(mq: ModelQueue, req: QueuedRequest) -> None:
         deadline = req.deadline_at
-        heapq.heappush(mq.heap, (-req.priority, math.inf if deadline is None else deadline, req.seq, req))
+        heapq.heappush(mq.heap, (req.rank, math.inf if deadline is None else deadline, req.seq, req))
         if deadline is not None:
             heapq.heappush(mq.deadlines, (deadline, req.seq, req))
         mq.added(req)

@@ -130,6 +130,7 @@ class BrokerStats:
             "policy": str(settings.policy),
             "max_queue": settings.max_queue,
             "max_batch_cost": settings.max_batch_cost,
+            "priority_aging_ms": settings.priority_aging_ms,
             "batch_cost_ms": None if cost is None else [cost[0] * 1000, cost[1] * 1000],
         }
 

@@ -415,3 +415,14 @@ def test_every_metric_the_dashboard_uses_is_served(serve, client):
     exprs = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
     used = set(re.findall(r"\b(batcher_[a-z_]+)", " ".join(exprs)))
     assert used and used <= served, sorted(used - served)
+
+
+@pytest.mark.integration
+def test_priority_aging_reaches_the_broker_from_the_file_and_a_model_table(serve, zctx, tmp_path):
+    config = tmp_path / "batcher.toml"
+    config.write_text("priority_aging_ms = 100\n[models.echo]\npriority_aging_ms = 25\n")
+    s = serve(
+        "--model", "echo", "--model", "sim", *FLAT_SIM, "--workers", "1", "--config", str(config), workers=2,
+    )  # fmt: skip
+    models = broker_stats(s.frontend, zctx, timeout_s=5)["models"]
+    assert models["echo"]["priority_aging_ms"] == 25.0 and models["sim"]["priority_aging_ms"] == 100.0

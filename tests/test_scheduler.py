@@ -436,6 +436,8 @@ def test_default_settings() -> None:
         ({"batch_sizes": (1, True, 4)}, "batch_sizes must be ints, got [1, True, 4]"),
         ({"max_queue": 0}, "max_queue must be >= 1, got 0"),
         ({"policy": "fastest"}, "policy must be one of adaptive, window, got 'fastest'"),
+        ({"priority_aging_ms": -1}, "priority_aging_ms must be a finite number >= 0, got -1"),
+        ({"priority_aging_ms": math.inf}, "priority_aging_ms must be a finite number >= 0, got inf"),
     ],
 )
 def test_batch_settings_rejects_bad_values(kwargs: dict[str, object], message: str) -> None:
