@@ -146,7 +146,9 @@ class Broker:
         self._stopping_since: float | None = None
         self.signals = StopSignals()
         self.timers = TimerHeap()
-        self.frontend = router(self.ctx, settings.max_message_bytes)
+        # libzmq drops a sender's connection past the hard limit; between the two limits
+        # the broker reads the message's head and answers too_large.
+        self.frontend = router(self.ctx, hard_limit(settings.max_message_bytes))
         self.backend = router(self.ctx, -1)
         self._auth = None
         self._handshakes: HandshakeWatch | None = None
@@ -444,19 +446,30 @@ def serve_metrics(host: str, port: int, scheduler: Scheduler) -> PrometheusMetri
     return prom
 
 
-def oversized(frames: list[bytes], max_bytes: int) -> tuple[list[bytes], None, ErrorCode, str]:
-    """The refusal of a message over MAX_FRAMES frames or `max_bytes` in all: on its
-    envelope as far as it was kept, never parsed."""
+#: libzmq's own limit on a frontend frame, as a multiple of --max-message-bytes: past it
+#: the sender's connection is dropped unanswered (protection against abuse); below it an
+#: oversized request is answered too_large.
+HARD_LIMIT_FACTOR = 4
+
+
+def hard_limit(max_message_bytes: int) -> int:
+    """The frame size past which libzmq itself drops a frontend connection."""
+    return max_message_bytes * HARD_LIMIT_FACTOR
+
+
+def oversized(frames: list[bytes], max_bytes: int) -> tuple[list[bytes], int | str | None, ErrorCode, str]:
+    """The refusal of a message over MAX_FRAMES frames (bad_request) or over `max_bytes`
+    in all (too_large, with the body's id when its head holds one): on its envelope as far
+    as it was kept, never parsed past the id."""
     try:
         end = frames.index(b"", 1) + 1
     except ValueError:
         end = 1
-    limit = (
-        f"more than {MAX_FRAMES} frames"
-        if len(frames) >= MAX_FRAMES
-        else f"more than {max_bytes} bytes in all (the broker's --max-message-bytes)"
-    )
-    return frames[:end], None, ErrorCode.BAD_REQUEST, f"message too large: {limit}"
+    if len(frames) >= MAX_FRAMES:
+        return frames[:end], None, ErrorCode.BAD_REQUEST, f"message too large: more than {MAX_FRAMES} frames"
+    req_id = protocol.id_of_refused(frames[end]) if len(frames) > end else None
+    message = f"request too large: more than {max_bytes} bytes (the broker's --max-message-bytes)"
+    return frames[:end], req_id, ErrorCode.TOO_LARGE, message
 
 
 def run_broker(settings: BrokerSettings) -> None:

@@ -105,6 +105,10 @@ class Unavailable(BatcherError, code=ErrorCode.UNAVAILABLE):
     """The model has had no live worker for the broker's --no-worker-timeout-ms."""
 
 
+class TooLarge(BatcherError, code=ErrorCode.TOO_LARGE):
+    """The request is larger than the broker's --max-message-bytes; it was not queued."""
+
+
 class InternalError(BatcherError, code=ErrorCode.INTERNAL):
     """The broker hit a bug of its own handling this request (and logged it)."""
 

@@ -69,6 +69,7 @@ class ErrorCode(StrEnum):
     WORKER_FAILED = "worker_failed"
     SHUTTING_DOWN = "shutting_down"
     UNAVAILABLE = "unavailable"
+    TOO_LARGE = "too_large"
     INTERNAL = "internal_error"
 
 
@@ -143,6 +144,16 @@ def _describe(exc: Exception) -> str:
     """An exception as a message that never ends in an empty colon."""
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+#: How much of a too-large body is read for its id (an id after a big input is not found).
+ID_PREFIX_BYTES = 64 * 1024
+
+
+def id_of_refused(body: bytes) -> int | str | None:
+    """The `id` of a body the broker refuses unread (too large), if its first
+    ID_PREFIX_BYTES hold it: no copy of the rest is made."""
+    return _id_of_undecodable(body[:ID_PREFIX_BYTES])
 
 
 def _id_of_undecodable(body: bytes) -> int | str | None:

@@ -227,7 +227,34 @@ def test_backend_survives_20000_malformed_messages(echo_broker, zctx):
     assert growth < RSS_GROWTH_LIMIT, f"broker RSS grew {growth / 2**20:.1f} MiB"
 
 
-def test_message_over_max_message_bytes_disconnects_its_sender_only(echo_broker, zctx):
+def test_a_request_over_max_message_bytes_is_answered_too_large_on_a_live_connection(echo_broker, zctx):
+    """Between --max-message-bytes and the hard limit (4x), a request is answered
+    too_large, with its id when the body's head holds it, and its sender stays connected."""
+    s = echo_broker
+    sock = dealer(zctx, None)
+    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    sock.connect(s.frontend)
+    try:
+        assert monitor.poll(30_000) and recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECTED
+        big = b"x" * (LIMIT + 1)
+        sock.send_multipart([b"", pack({"id": "first", "input": big})])
+        sock.send_multipart([b"", pack({"input": big, "id": "after-the-input"})])  # id past the head
+        sock.send_multipart([b"", pack({"id": "ok", "input": "small"})])
+        replies = [recv_reply(sock, 30) for _ in range(3)]
+        why = f"request too large: more than {LIMIT} bytes (the broker's --max-message-bytes)"
+        assert replies[:2] == [
+            {"id": "first", "ok": False, "error": {"code": "too_large", "message": why}},
+            {"id": None, "ok": False, "error": {"code": "too_large", "message": why}},
+        ]
+        assert replies[2]["id"] == "ok" and replies[2]["output"] == "small"
+        assert not monitor.poll(0), "the sender was disconnected"
+        assert broker_stats(s.frontend, zctx, 5)["refused_without_model"] == {"too_large": 2}
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+
+
+def test_message_over_the_hard_limit_disconnects_its_sender_only(echo_broker, zctx):
     s = echo_broker
     bystander = Client(s.frontend, timeout_s=10, context=zctx)
     assert bystander.request("before") == "before"
@@ -239,7 +266,7 @@ def test_message_over_max_message_bytes_disconnects_its_sender_only(echo_broker,
         assert recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECTED
         for _ in range(3):
             sock.send_multipart(
-                [b"", b"\x81\xa5input\xc6" + (LIMIT + 1).to_bytes(4, "big") + b"x" * (LIMIT + 1)]
+                [b"", b"\x81\xa5input\xc6" + (4 * LIMIT + 1).to_bytes(4, "big") + b"x" * (4 * LIMIT + 1)]
             )
             events = []
             while zmq.EVENT_DISCONNECTED not in events:

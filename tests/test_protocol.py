@@ -409,6 +409,7 @@ def test_error_codes_are_the_documented_strings() -> None:
         "WORKER_FAILED": "worker_failed",
         "SHUTTING_DOWN": "shutting_down",
         "UNAVAILABLE": "unavailable",
+        "TOO_LARGE": "too_large",
         "INTERNAL": "internal_error",
     }
 

@@ -472,3 +472,15 @@ def test_tensors_from_empty_to_the_message_size_limit_round_trip(serve, client):
         assert len(protocol.pack({"id": 1, "input": sent})) <= limit
         got = c.request(sent)
         assert got.dtype == np.uint8 and np.array_equal(got, sent), size
+
+
+@pytest.mark.integration
+def test_a_tensor_over_the_limit_raises_too_large_and_the_client_goes_on(serve, client):
+    from batcher.client import TooLarge
+
+    limit = 1 << 20
+    s = serve("--model", "echo", "--workers", "1", "--max-message-bytes", str(limit), workers=1)
+    c = client(s.frontend, timeout_s=30)
+    with pytest.raises(TooLarge, match=f"more than {limit} bytes"):
+        c.request(np.zeros(limit, np.uint8))
+    assert c.request(np.arange(3, dtype=np.uint8)).tolist() == [0, 1, 2]
