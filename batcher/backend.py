@@ -111,6 +111,9 @@ class Backend:
         self.pool.joined(worker_id, info, raw.get("slots"), time.monotonic())
         self.stats.metrics.worker_event(info.model, "joined")
         log.info("worker joined: %s", self.pool.name(worker_id))
+        # At once, not at the next tick: a worker started with other heartbeat flags
+        # adopts the broker's before its silence could be taken for death.
+        self.send(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT, self.pool.heartbeat_frame])
 
     def _on_reply(self, worker_id: bytes, header_frame: bytes, blob: bytes) -> None:
         try:
@@ -167,8 +170,9 @@ class Backend:
         for worker_id, silent_s in self.pool.silent():
             log.warning("worker %s silent for %.1fs: taken for dead", self.pool.name(worker_id), silent_s)
             self.lost(worker_id, f"worker silent for {silent_s:.1f}s")
+        beat = [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT, self.pool.heartbeat_frame]
         for worker_id in self.pool.ids():
-            if not self.send(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT]):
+            if not self.send(worker_id, beat):
                 # ROUTER_MANDATORY: the connection is gone, so the process is (a crash)
                 log.warning("worker %s disconnected: taken for dead", self.pool.name(worker_id))
                 self.lost(worker_id, "worker disconnected")

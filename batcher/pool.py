@@ -49,6 +49,7 @@ class WorkerPool:
     def __init__(self, scheduler: Scheduler, heartbeat: Heartbeat, max_retries: int, now: float) -> None:
         self.scheduler = scheduler
         self.heartbeat = heartbeat
+        self.heartbeat_frame = heartbeat.frame()  # what every HEARTBEAT to a worker carries
         self.max_retries = max_retries
         self._heard_at: dict[bytes, float] = {}  # worker -> when it last said anything
         self._info: dict[bytes, WorkerInfo] = {}

@@ -51,6 +51,30 @@ class Heartbeat:
     def interval_s(self) -> float:
         return self.interval_ms / 1000.0
 
+    def frame(self) -> bytes:
+        """The settings as the broker's HEARTBEAT carries them (6.6), for workers to adopt."""
+        return _packer_pack({"heartbeat_ms": self.interval_ms, "liveness": self.liveness})
+
+    @classmethod
+    def from_frame(cls, frame: bytes) -> Heartbeat:
+        """The settings a broker's HEARTBEAT carries; ValueError for anything else."""
+        try:
+            fields = unpack(frame)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise ValueError(f"heartbeat settings are not msgpack: {exc!r}") from None
+        if not isinstance(fields, dict):
+            raise ValueError(f"heartbeat settings must be a map, got {fields!r}")
+        interval, liveness = fields.get("heartbeat_ms"), fields.get("liveness")
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, int | float)
+            or not interval <= MAX_REPORTED_MS
+        ):
+            raise ValueError(f"heartbeat_ms must be a number up to one day, got {interval!r}")
+        if isinstance(liveness, bool) or not isinstance(liveness, int) or liveness > 1000:
+            raise ValueError(f"liveness must be an int up to 1000, got {liveness!r}")
+        return cls(float(interval), liveness)
+
     @property
     def expiry_s(self) -> float:
         """Silence after which the peer is taken for dead."""

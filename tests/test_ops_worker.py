@@ -409,3 +409,23 @@ def test_example_doubler_uses_the_cpu_without_a_gpu(monkeypatch, clean_import_pa
     finally:
         sys.modules.pop("mymodels", None)
     assert out[0] == 0.5 and isinstance(out[1], ZeroDivisionError) and isinstance(out[2], TypeError)
+
+
+# --- heartbeat settings come from the broker ------------------------------------------------------
+
+
+def test_a_worker_started_with_another_heartbeat_adopts_the_brokers(spawn, zctx):
+    """Broker 200 ms x 3; worker started with 5 s: without agreeing it would beat every 5 s
+    and be taken for dead after 0.6 s. It adopts the broker's at once and stays."""
+    frontend, backend = start_broker(spawn, zctx, "--model", "echo", "--heartbeat-ms", "200")
+    worker = spawn("worker", "--connect", backend, "--model", "echo", "--heartbeat-ms", "5000")
+    adopted = "using the broker's heartbeat, 200 ms x 3 (was 5000 ms x 3)"
+    wait_until(lambda: adopted in worker.stderr_path.read_text(), 20, "the worker adopting it")
+    # Idle (no batch, whose reply would count as a sign of life too) for over 3 times the
+    # broker's 0.6 s expiry: only its heartbeats keep it; the broker is watched throughout.
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        stats = broker_stats(frontend, zctx, timeout_s=5)
+        assert stats["workers_lost"] == 0 and stats["models"]["echo"]["workers"] == 1, stats
+    with Client(frontend, timeout_s=10, context=zctx) as c:
+        assert c.request("x", model="echo") == "x"

@@ -657,3 +657,18 @@ def test_parse_reads_cost_and_defaults_it_to_1(cost: object, parsed: float) -> N
 def test_a_bad_cost_is_a_bad_request_with_the_id(cost: object, message: str) -> None:
     error = bad_request(body({"id": 5, "input": 0, "cost": cost}))
     assert (error.message, error.req_id) == (message, 5)
+
+
+def test_heartbeat_settings_frame_round_trips_and_refuses_garbage() -> None:
+    hb = Heartbeat(250.0, 4)
+    assert Heartbeat.from_frame(hb.frame()) == hb
+    for frame, message in [
+        (b"\xc1", "heartbeat settings are not msgpack"),
+        (protocol.pack([1, 2]), "heartbeat settings must be a map"),
+        (protocol.pack({"heartbeat_ms": "5", "liveness": 3}), "heartbeat_ms must be a number up to one day"),
+        (protocol.pack({"heartbeat_ms": 5.0, "liveness": 2.5}), "liveness must be an int up to 1000"),
+        (protocol.pack({"heartbeat_ms": 0, "liveness": 3}), "heartbeat_ms must be > 0, got 0.0"),
+        (protocol.pack({"heartbeat_ms": 5, "liveness": 0}), "heartbeat_liveness must be >= 1, got 0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Heartbeat.from_frame(frame)

@@ -279,6 +279,9 @@ class Worker:
         control_fd: int | None = None,
     ) -> None:
         self.settings = settings
+        # The broker's heartbeat once it says it (every HEARTBEAT it sends carries it);
+        # this worker's own flags until then.
+        self.heartbeat = settings.heartbeat
         self.control_fd = control_fd
         self._released = False  # end of file on control_fd
         if control_fd is not None:
@@ -348,7 +351,6 @@ class Worker:
         log.info("worker %s stopped after %d batches", self.name, self.batches)
 
     def _serve(self) -> None:
-        hb = self.settings.heartbeat
         self._poller.register(self.signals.fd, zmq.POLLIN)
         if self.control_fd is not None:
             self._poller.register(self.control_fd, zmq.POLLIN)
@@ -357,7 +359,7 @@ class Worker:
             return
         self._connect()
         now = time.monotonic()
-        next_beat, heard_at = now + hb.interval_s, now
+        next_beat, heard_at = now + self.heartbeat.interval_s, now
         backoff_s, reconnect_at = RECONNECT_MIN_S, None
         while not self.stop_requested():
             wake = next_beat if reconnect_at is None else min(next_beat, reconnect_at)
@@ -371,6 +373,7 @@ class Worker:
                 self.signals.clear()
             if self.control_fd is not None and self.control_fd in events and self._read_control():
                 break
+            hb = self.heartbeat  # the broker's, once it said it
             if self._pending:
                 self._run_pending()
                 continue  # poll again first: what the broker sent meanwhile is news of it
@@ -378,7 +381,9 @@ class Worker:
                 self._log_refusal(self._refused, now, backoff_s)
                 self._disconnect()  # libzmq may never reconnect it: a fresh socket will
                 reconnect_at, backoff_s = now + backoff_s, min(RECONNECT_MAX_S, backoff_s * 2)
-            elif self._sock is not None and (self._told_to_reconnect or now - heard_at > hb.expiry_s):
+            elif self._sock is not None and (
+                self._told_to_reconnect or now - heard_at > self.heartbeat.expiry_s
+            ):
                 log.warning("worker %s: lost the broker; reconnecting in %.1fs", self.name, backoff_s)
                 self._disconnect()
                 reconnect_at, backoff_s = now + backoff_s, min(RECONNECT_MAX_S, backoff_s * 2)
@@ -388,6 +393,7 @@ class Worker:
             if self._sock is not None and now >= next_beat:
                 self._send([protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
                 next_beat = now + hb.interval_s
+            next_beat = min(next_beat, now + hb.interval_s)  # the broker's may be shorter
         if self.signals.count:
             log.info("worker %s stopping", self.name)
         elif self._released:
@@ -435,8 +441,7 @@ class Worker:
 
     def _beat_while_in_model(self) -> None:
         """Heartbeat while the main thread is inside the model and cannot."""
-        interval = self.settings.heartbeat.interval_s
-        while not self._stopped.wait(interval):
+        while not self._stopped.wait(self.heartbeat.interval_s):
             if not self._in_model:
                 continue
             with self._socket_lock:
@@ -556,8 +561,26 @@ class Worker:
                 self._told_to_reconnect = True
                 self._pending.clear()
                 return heard
-            elif frames[1] != protocol.CMD_HEARTBEAT:
+            elif frames[1] == protocol.CMD_HEARTBEAT:
+                if len(frames) >= 3:
+                    self._adopt_heartbeat(frames[2])
+            else:
                 log.warning("ignored broker command %r", frames[1])
+
+    def _adopt_heartbeat(self, frame: bytes) -> None:
+        """Beat and judge the broker as it says (6.6), whatever this worker's own flags."""
+        try:
+            said = protocol.Heartbeat.from_frame(frame)
+        except ValueError as exc:
+            log.warning("worker %s: ignored the broker's heartbeat settings: %s", self.name, exc)
+            return
+        if said != self.heartbeat:
+            was = self.heartbeat
+            log.info(
+                "worker %s: using the broker's heartbeat, %g ms x %d (was %g ms x %d)",
+                self.name, said.interval_ms, said.liveness, was.interval_ms, was.liveness,
+            )  # fmt: skip
+            self.heartbeat = said
 
     def _parent_alive(self) -> bool:
         """Without a control pipe, a worker given --parent-pid polls for its parent instead."""
