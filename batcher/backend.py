@@ -184,6 +184,19 @@ class Backend:
         except zmq.ZMQError:
             return False
 
+    def process_exited(self, pid: int, code: int | None) -> None:
+        """`serve` saw the process of one of its workers exit: take that worker for dead now,
+        so its batches move on without waiting for its silence to be noticed."""
+        for worker_id in self.pool.ids():
+            info = self.pool.info(worker_id)
+            if info is not None and info.pid == pid:
+                log.warning(
+                    "worker %s: its process exited with code %s: taken for dead",
+                    self.pool.name(worker_id),
+                    code,
+                )
+                self.lost(worker_id, f"the worker's process exited with code {code}")
+
     def lost(self, worker_id: bytes, why: str, failed: bool = True) -> None:
         """Forget a worker: the pool decides which of its requests go back to their queue
         and which have used up their retries (answered worker_failed)."""

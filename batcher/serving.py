@@ -63,6 +63,7 @@ def run_serve(
             broker.model_failed(model, f"every worker of model {model!r} failed to start (see serve's log)")
 
     supervisor.on_event = on_worker_event
+    supervisor.on_exit = broker.workers.process_exited  # its batches move on at once
     rollouts = Rollouts(broker.controls, supervisor)
     broker.controls.on_reload = lambda model, reply: rollouts.start(model, reply, time.monotonic())
     names = tuple(dict.fromkeys(ModelSpec.parse(m).name for m in pool.models))

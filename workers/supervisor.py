@@ -136,6 +136,10 @@ class Supervisor:
         self.settings = settings
         self.workers: list[WorkerProcess] = []
         self.on_event = on_event or (lambda model, event: None)  # (model, "respawned"|"given_up")
+        #: (pid, exit code) of each worker process found exited, once: `serve` tells its
+        #: broker, which then takes that worker for dead at once.
+        self.on_exit: Callable[[int, int | None], None] = lambda pid, code: None
+        self._exits_told: set[int] = set()
 
     def command(self, model: str, gpu: int | None) -> list[str]:
         """The command line of one worker process."""
@@ -250,6 +254,7 @@ class Supervisor:
         """Respawn dead workers with back-off; give up on one that keeps dying at start-up;
         start the workers waiting for a start slot. Called from the broker's loop (its
         timer heap, also while it drains), so it never blocks."""
+        self._tell_exits()
         self.workers = [w for w in self.workers if not (w.retired and not self.running(w))]
         for w in self.workers:
             if w.retired or w.given_up or w.respawn_at is not None or w.process is None:
@@ -290,6 +295,13 @@ class Supervisor:
                 delay,
             )
         self._start_due(now)
+
+    def _tell_exits(self) -> None:
+        for w in self.workers:
+            proc = w.process
+            if proc is not None and proc.pid not in self._exits_told and proc.poll() is not None:
+                self._exits_told.add(proc.pid)
+                self.on_exit(proc.pid, proc.returncode)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Close every worker's pipe (each finishes its batch and exits), SIGKILL those
