@@ -177,6 +177,13 @@ class Broker:
         self.controls = Controls(self.scheduler, self.pool, self.stats, self._configured, self._state)
         self.call_every(settings.heartbeat.interval_s, self.workers.heartbeat)
 
+    def reload_allow_lists(self) -> None:
+        """SIGHUP: the CURVE allow-lists read again (nothing to do without them)."""
+        if self._auth is not None:
+            self._auth.reload()
+        else:
+            log.info("SIGHUP: no CURVE allow-list to read again")
+
     def _state(self) -> dict[str, Any]:
         """What `stats` reports of the loop itself."""
         watch = self._handshakes
@@ -446,6 +453,9 @@ def serve_metrics(host: str, port: int, scheduler: Scheduler) -> PrometheusMetri
     return prom
 
 
+#: How often a plain broker looks for a SIGHUP (serve looks on its supervision tick).
+HANGUP_CHECK_S = 0.2
+
 #: libzmq's own limit on a frontend frame, as a multiple of --max-message-bytes: past it
 #: the sender's connection is dropped unanswered (protection against abuse); below it an
 #: oversized request is answered too_large.
@@ -473,9 +483,19 @@ def oversized(frames: list[bytes], max_bytes: int) -> tuple[list[bytes], int | s
 
 
 def run_broker(settings: BrokerSettings) -> None:
-    """Bind, serve until SIGINT/SIGTERM, then drain and close: the `batcher broker` body."""
+    """Bind, serve until SIGINT/SIGTERM, then drain and close: the `batcher broker` body.
+    SIGHUP reads the CURVE allow-lists again."""
     broker = Broker(settings)
     broker.signals.install()
+    broker.signals.install_hangup()
+    seen = [0]
+
+    def on_tick(now: float) -> None:
+        if broker.signals.hangups != seen[0]:
+            seen[0] = broker.signals.hangups
+            broker.reload_allow_lists()
+
+    broker.call_every(HANGUP_CHECK_S, on_tick)
     try:
         broker.run()
     finally:

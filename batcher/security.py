@@ -155,7 +155,7 @@ class _RoleCheck:
 
 def secure_server(
     ctx: zmq.Context[Any], keys: CurveServerKeys, frontend: zmq.Socket[Any], backend: zmq.Socket[Any]
-) -> ThreadAuthenticator | None:
+) -> CurveGate | None:
     """Make both sockets CURVE servers with ZAP domains of their own (before they bind).
     With an allow-list, start the authenticator, which checks each socket against its
     role's list; the broker's own public key is admitted on both (`serve`'s workers,
@@ -168,34 +168,72 @@ def secure_server(
         sock.zap_domain = domain.encode()
     if keys.clients_dir is None and keys.workers_dir is None:
         return None
-    clients = load_allow_list(keys.clients_dir, "--curve-clients") if keys.clients_dir else set()
-    workers = load_allow_list(keys.workers_dir, "--curve-workers") if keys.workers_dir else set()
-    both = sorted(k.decode() for k in clients & workers)
-    if both:
-        log.warning(
-            "%d keys are in both --curve-clients and --curve-workers, so admitted as either: %s",
-            len(both),
-            ", ".join(both[:5]) + (", ..." if len(both) > 5 else ""),
+    front = _RoleCheck("frontend", None, "--curve-clients", set(), "worker")
+    back = _RoleCheck("backend", None, "--curve-workers", set(), "client")
+    gate = CurveGate(keys, public, front, back)
+    says = gate.load()
+    gate.auth = ThreadAuthenticator(ctx, log=logging.getLogger("batcher.zap"))
+    gate.auth.start()
+    gate.auth.configure_curve_callback(domain=FRONTEND_DOMAIN, credentials_provider=front)
+    gate.auth.configure_curve_callback(domain=BACKEND_DOMAIN, credentials_provider=back)
+    log.info("CURVE on; %s", says)
+    return gate
+
+
+@dataclass
+class CurveGate:
+    """The broker's two allow-lists, checked by a ZAP authenticator, and read again on
+    SIGHUP (`reload`): an added key is admitted, a removed one refused at its next
+    handshake (a connection already admitted stays up)."""
+
+    keys: CurveServerKeys
+    public: bytes
+    front: _RoleCheck
+    back: _RoleCheck
+    auth: ThreadAuthenticator | None = None
+
+    def load(self) -> str:
+        """Read both directories and swap the checks' key sets (each swap is one
+        assignment, so the authenticator's thread sees the old set or the new one);
+        KeyFileError, changing nothing, when a directory cannot be read."""
+        keys, public = self.keys, self.public
+        clients = load_allow_list(keys.clients_dir, "--curve-clients") if keys.clients_dir else set()
+        workers = load_allow_list(keys.workers_dir, "--curve-workers") if keys.workers_dir else set()
+        both = sorted(k.decode() for k in clients & workers)
+        if both:
+            log.warning(
+                "%d keys are in both --curve-clients and --curve-workers, so admitted as either: %s",
+                len(both),
+                ", ".join(both[:5]) + (", ..." if len(both) > 5 else ""),
+            )
+        if keys.clients_dir:
+            self.front.allowed = clients | {public}
+            front_says = f"{len(clients)} client keys from {keys.clients_dir}"
+        else:
+            front_says = "any key (no --curve-clients)"
+        self.front.other = workers - clients
+        # Without --curve-workers but with --curve-clients, only the broker's own key may serve.
+        self.back.allowed = workers | {public}
+        self.back.other = clients - workers
+        back_says = (
+            f"{len(workers)} worker keys from {keys.workers_dir}"
+            if keys.workers_dir
+            else "only the broker's own key (no --curve-workers)"
         )
-    if keys.clients_dir:
-        front_allowed: set[bytes] | None = clients | {public}
-        front_says = f"{len(clients)} client keys from {keys.clients_dir}"
-    else:
-        front_allowed, front_says = None, "any key (no --curve-clients)"
-    # Without --curve-workers but with --curve-clients, only the broker's own key may serve.
-    back_says = (
-        f"{len(workers)} worker keys from {keys.workers_dir}"
-        if keys.workers_dir
-        else "only the broker's own key (no --curve-workers)"
-    )
-    front = _RoleCheck("frontend", front_allowed, "--curve-clients", workers - clients, "worker")
-    back = _RoleCheck("backend", workers | {public}, "--curve-workers", clients - workers, "client")
-    auth = ThreadAuthenticator(ctx, log=logging.getLogger("batcher.zap"))
-    auth.start()
-    auth.configure_curve_callback(domain=FRONTEND_DOMAIN, credentials_provider=front)
-    auth.configure_curve_callback(domain=BACKEND_DOMAIN, credentials_provider=back)
-    log.info("CURVE on; frontend admits %s; backend admits %s", front_says, back_says)
-    return auth
+        return f"frontend admits {front_says}; backend admits {back_says}"
+
+    def reload(self) -> None:
+        """SIGHUP: read the allow-lists again; on an error keep the current ones."""
+        try:
+            says = self.load()
+        except KeyFileError as exc:
+            log.error("SIGHUP: %s; the allow-lists are unchanged", exc)
+            return
+        log.info("SIGHUP: allow-lists read again; %s", says)
+
+    def stop(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()
 
 
 def secure_client(sock: zmq.Socket[Any], server_key_file: str, secret_key_file: str | None) -> None:

@@ -69,7 +69,9 @@ def run_serve(
     names = tuple(dict.fromkeys(ModelSpec.parse(m).name for m in pool.models))
 
     def on_hangup(now: float) -> None:
-        """SIGHUP: apply the batching settings read again, then reload every model."""
+        """SIGHUP: read the CURVE allow-lists and the batching settings again, then reload
+        every model."""
+        broker.reload_allow_lists()
         if reread_batching is not None:
             try:
                 broker.controls.apply_model_settings(reread_batching())

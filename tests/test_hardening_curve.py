@@ -10,7 +10,9 @@ own, the allow-lists holding copies of public keys only.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -265,3 +267,36 @@ def test_curve_refusals_are_logged_at_a_bounded_rate(caplog):
     )
     assert len(warnings) == security.MAX_REMEMBERED_REFUSALS
     assert len(check.refused) == security.MAX_REMEMBERED_REFUSALS
+
+
+# --- SIGHUP reads the allow-lists again (issue 14) -------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["broker", "serve"])
+def test_sighup_reads_the_allow_list_again(spawn, keys, zctx, command):
+    """A key added to --curve-clients is admitted after SIGHUP; a removed one is refused
+    at its next connection; a directory that cannot be read keeps the lists as they were."""
+    clients = keys.allow("allowed-clients", "alice")
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    args = ["--frontend", frontend, "--backend", backend, "--model", "echo"]
+    if command == "serve":
+        args += ["--workers", "1"]
+    proc = spawn(
+        command, *args, "--curve-secret-key", str(keys.secret_file("broker")), "--curve-clients", str(clients)
+    )
+    wait_until(lambda: stats_as(frontend, keys, "alice", zctx).get("models"), 20, "alice admitted")
+    assert stats_as(frontend, keys, "stranger", zctx) == {}  # not listed yet
+
+    shutil.copy(keys.public_file("stranger"), clients)
+    (clients / "alice.key").unlink()
+    os.kill(proc.pid, signal.SIGHUP)
+    wait_until(lambda: stats_as(frontend, keys, "stranger", zctx).get("models"), 20, "stranger admitted")
+    assert stats_as(frontend, keys, "alice", zctx) == {}  # a fresh connection of alice's: refused
+    assert "SIGHUP: allow-lists read again; frontend admits 1 client keys" in proc.stderr_path.read_text()
+
+    shutil.rmtree(clients)
+    os.kill(proc.pid, signal.SIGHUP)
+    wait_until(
+        lambda: "the allow-lists are unchanged" in proc.stderr_path.read_text(), 20, "the error logged"
+    )
+    assert stats_as(frontend, keys, "stranger", zctx).get("models")  # still admitted
