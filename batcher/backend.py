@@ -48,6 +48,8 @@ class Backend:
         self.deliver = deliver
         self.reply_error = reply_error
         self.fail_batch = fail_batch
+        #: Set by `serve`: kill the local worker process of this pid (a hung model).
+        self.on_hung: Callable[[int], None] = lambda pid: None
 
     def drain(self) -> None:
         sock = self.sock
@@ -122,7 +124,7 @@ class Backend:
             self._bad_reply(worker_id, exc)
             raise
         batch_id, infer_ms, lengths, model_errors, wait_ms = header
-        batch = self.scheduler.complete(worker_id, batch_id, infer_ms / 1000.0)
+        batch = self.scheduler.complete(worker_id, batch_id, infer_ms / 1000.0, time.monotonic())
         if batch is None:
             self.stats.dropped_backend += 1
             log.warning("dropped a reply for unknown batch %r from %s", batch_id, self.pool.name(worker_id))
@@ -184,6 +186,30 @@ class Backend:
         except zmq.ZMQError:
             return False
 
+    def check_time_limits(self, now: float, limit_s: float | None) -> None:
+        """Take every worker whose batch ran past its time limit for hung (its heartbeats
+        prove only that the process lives): it is told to exit (`serve` also kills its
+        own), and its requests go back to their queue within their retries, each marked
+        so that it runs alone from then on."""
+        for batch, limit in self.scheduler.hung_batches(now, limit_s):
+            worker_id = batch.worker
+            if worker_id not in self.pool:
+                continue  # lost already, with another of its batches
+            limit_ms = 1000.0 * limit
+            for req in batch.requests:
+                req.hung += 1
+            info = self.pool.info(worker_id)
+            log.warning(
+                "worker %s: a batch of %d ran past its time limit (%.0f ms): taken for hung, told to exit",
+                self.pool.name(worker_id), len(batch.requests), limit_ms,
+            )  # fmt: skip
+            self.stats.batches_timed_out += 1
+            self.send(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_EXIT])
+            if info is not None and isinstance(info.pid, int):
+                self.on_hung(info.pid)
+            why = f"its batch ran past the time limit of {limit_ms:.0f} ms (--batch-timeout-ms)"
+            self.lost(worker_id, why, blame=batch.batch_id)  # the batches behind it never began
+
     def process_exited(self, pid: int, code: int | None) -> None:
         """`serve` saw the process of one of its workers exit: take that worker for dead now,
         so its batches move on without waiting for its silence to be noticed."""
@@ -197,14 +223,14 @@ class Backend:
                 )
                 self.lost(worker_id, f"the worker's process exited with code {code}")
 
-    def lost(self, worker_id: bytes, why: str, failed: bool = True) -> None:
+    def lost(self, worker_id: bytes, why: str, failed: bool = True, blame: int | None = None) -> None:
         """Forget a worker: the pool decides which of its requests go back to their queue
         and which have used up their retries (answered worker_failed)."""
         info = self.pool.info(worker_id)
         if info is not None:
             self.stats.metrics.worker_event(info.model, "died" if failed else "left")
         self.stats.workers_lost += failed
-        lost = self.pool.lose(worker_id, failed)
+        lost = self.pool.lose(worker_id, failed, blame)
         self.stats.batches_retried += lost.batches_requeued
         for model, req in lost.failed:
             self.reply_error(req, model, ErrorCode.WORKER_FAILED, why)

@@ -61,6 +61,9 @@ class BrokerSettings:
     max_message_bytes: int = 16 * 1024 * 1024
     curve: CurveServerKeys | None = None
     metrics_port: int | None = None
+    #: A batch running longer than this is taken for hung (its worker stopped, its requests
+    #: retried); None: max(10 x the model's learned t(n), 1 s).
+    batch_timeout_ms: float | None = None
     #: Where the metrics endpoint listens: loopback unless asked (it has no authentication).
     metrics_host: str = "127.0.0.1"
     shutdown_grace_s: float = 10.0
@@ -84,6 +87,8 @@ class BrokerSettings:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.batch_timeout_ms is not None and not 0 < self.batch_timeout_ms < math.inf:
+            raise ValueError(f"batch_timeout_ms must be a finite number > 0, got {self.batch_timeout_ms}")
         if not 0 <= self.no_worker_timeout_ms < math.inf:
             raise ValueError(
                 f"no_worker_timeout_ms must be a finite number >= 0, got {self.no_worker_timeout_ms}"
@@ -176,6 +181,8 @@ class Broker:
         )
         self.controls = Controls(self.scheduler, self.pool, self.stats, self._configured, self._state)
         self.call_every(settings.heartbeat.interval_s, self.workers.heartbeat)
+        limit_s = None if settings.batch_timeout_ms is None else settings.batch_timeout_ms / 1000.0
+        self.call_every(TIME_LIMIT_CHECK_S, lambda now: self.workers.check_time_limits(now, limit_s))
 
     def reload_allow_lists(self) -> None:
         """SIGHUP: the CURVE allow-lists read again (nothing to do without them)."""
@@ -453,6 +460,8 @@ def serve_metrics(host: str, port: int, scheduler: Scheduler) -> PrometheusMetri
     return prom
 
 
+#: How often batches are checked against their time limit.
+TIME_LIMIT_CHECK_S = 0.1
 #: How often a plain broker looks for a SIGHUP (serve looks on its supervision tick).
 HANGUP_CHECK_S = 0.2
 

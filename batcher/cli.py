@@ -561,6 +561,7 @@ class BrokerOptions:
     no_worker_timeout_ms: float
     metrics_port: int | None
     metrics_host: str
+    batch_timeout_ms: float | None
 
 
 _BROKER = (
@@ -601,6 +602,14 @@ _BROKER = (
         type=int_range(1, 65535),
         default=BrokerSettings().metrics_port,
         help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST: --metrics-host).",
+    ),
+    option(
+        "--batch-timeout-ms",
+        type=float_range(0, MAX_TIMEOUT_MS, min_open=True),
+        default=None,
+        help="A batch running longer is taken for hung: its worker is stopped (serve kills and "
+        "respawns its own) and its requests are retried within --max-retries. Default: "
+        "max(10 x the model's learned batch time, 1 s).",
     ),
     option(
         "--metrics-host",
@@ -688,6 +697,7 @@ def broker_settings(
             curve=curve,
             metrics_port=broker_opts.metrics_port,
             metrics_host=broker_opts.metrics_host,
+            batch_timeout_ms=broker_opts.batch_timeout_ms,
             no_worker_timeout_ms=broker_opts.no_worker_timeout_ms,
         )
     except (ValueError, ConfigError) as exc:

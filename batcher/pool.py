@@ -99,13 +99,15 @@ class WorkerPool:
         read_at, expiry = self._backend_read_at, self.heartbeat.expiry_s
         return [(w, read_at - at) for w, at in self._heard_at.items() if read_at - at > expiry]
 
-    def lose(self, worker_id: bytes, failed: bool) -> Lost:
-        """Forget a worker; requeue its batches' requests or fail them (module docstring)."""
+    def lose(self, worker_id: bytes, failed: bool, blame: int | None = None) -> Lost:
+        """Forget a worker; requeue its batches' requests or fail them (module docstring).
+        With `blame`, the one batch that failed it (a hung one): the others, which it had
+        not begun, are handed back as by a worker that left."""
         self._heard_at.pop(worker_id, None)
         self._info.pop(worker_id, None)
         lost = Lost()
         for batch in self.scheduler.remove_worker(worker_id):
-            self._hand_back(batch, failed, lost)
+            self._hand_back(batch, failed and (blame is None or batch.batch_id == blame), lost)
         return lost
 
     def _hand_back(self, batch: Batch, failed: bool, lost: Lost) -> None:

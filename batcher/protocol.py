@@ -26,6 +26,7 @@ CMD_BATCH = b"\x02"
 CMD_REPLY = b"\x03"
 CMD_HEARTBEAT = b"\x04"
 CMD_DISCONNECT = b"\x05"
+CMD_EXIT = b"\x06"  # broker -> worker: your batch ran past its time limit; exit now
 
 #: The types a request `id` may have (everything else in a body is forwarded untouched).
 ID_TYPES = (int, str)

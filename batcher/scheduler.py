@@ -72,6 +72,8 @@ DEADLINE_MARGIN_S = 0.001
 #: adaptive: a partial batch waits for a busy worker's prefetch slot until that worker is
 #: expected to be done plus this much (its reply's trip back), not just max_wait_ms.
 PREFETCH_GRACE_S = 0.0005
+#: The shortest time limit a batch gets by default (before t(n) is learned, and for fast models).
+MIN_BATCH_LIMIT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +157,7 @@ class QueuedRequest:
     attempts: int = 0  # batches it was sent in whose worker failed
     handbacks: int = 0  # batches it was sent in whose worker left and handed it back
     cost: float = 1.0  # its share of max_batch_cost (tokens, pixels, bytes...)
+    hung: int = 0  # batches it was in that ran past their time limit: it then runs alone
     rank: float = 0.0  # its place by priority: lower first (set when it is queued)
 
 
@@ -168,6 +171,7 @@ class Batch:
     requests: list[QueuedRequest]
     dispatched_at: float
     expected_done_at: float = 0.0
+    expected_start: float = 0.0  # when its worker should begin it (after the batches ahead)
 
 
 @dataclass(slots=True, eq=False)
@@ -269,6 +273,7 @@ class ModelQueue:
     by_client: dict[bytes, dict[object, QueuedRequest | list[QueuedRequest]]] = field(default_factory=dict)
     size: int = 0
     queued_cost: float = 0.0  # the sum of the queued requests' costs
+    suspects: int = 0  # queued requests whose batch hung before (each runs alone)
     workers: dict[bytes, None] = field(default_factory=dict)  # an ordered set
     cost: CostModel = field(default_factory=CostModel)
     rate: ArrivalRate = field(default_factory=ArrivalRate)
@@ -321,10 +326,12 @@ class ModelQueue:
         """Count a request just put in a lane."""
         self.size += 1
         self.queued_cost += req.cost
+        self.suspects += req.hung > 0
 
     def _forget(self, req: QueuedRequest) -> None:
         self.size -= 1
         self.queued_cost = self.queued_cost - req.cost if self.size else 0.0  # no drift when empty
+        self.suspects -= req.hung > 0
 
     def full(self) -> bool:
         """Whether the queue holds a whole batch: max_batch_size requests, or costs that
@@ -659,9 +666,13 @@ class Scheduler:
         self._models[w.model].workers.pop(worker_id, None)
         return list(w.in_flight.values())
 
-    def complete(self, worker_id: bytes, batch_id: int, infer_s: float | None = None) -> Batch | None:
+    def complete(
+        self, worker_id: bytes, batch_id: int, infer_s: float | None = None, now: float | None = None
+    ) -> Batch | None:
         """A worker answered a batch; frees its slot and teaches the cost model. None for
-        an unknown batch (a late or forged reply), which the broker must not deliver."""
+        an unknown batch (a late or forged reply), which the broker must not deliver. With
+        `now`, the worker's next batch is known to begin no sooner (its time limit counts
+        from then)."""
         w = self._workers.get(worker_id)
         if w is None:
             return None
@@ -670,6 +681,9 @@ class Scheduler:
             return None
         if infer_s is not None and infer_s >= 0:
             self._models[batch.model].cost.observe(len(batch.requests), infer_s)
+        if now is not None and w.in_flight:
+            following = next(iter(w.in_flight.values()))  # batches run in the order sent
+            following.expected_start = max(following.expected_start, now)
         return batch
 
     # --- decisions --------------------------------------------------------------------------
@@ -826,6 +840,7 @@ class Scheduler:
         mq.compact()
         start = max(now, worker.busy_until())
         batch = Batch(self._next_batch_id, name, worker.worker_id, requests, now)
+        batch.expected_start = start
         batch.expected_done_at = start + mq.cost.predict(n)
         self._next_batch_id += 1
         worker.in_flight[batch.batch_id] = batch
@@ -834,15 +849,23 @@ class Scheduler:
 
     def _take(self, name: str, mq: ModelQueue) -> list[QueuedRequest]:
         """The next batch's requests, in scheduling order: cut_size of them, fewer when
-        their costs would pass max_batch_cost (the first is always taken)."""
+        their costs would pass max_batch_cost (the first is always taken), or before a
+        request whose batch hung before: such a suspect runs alone, so that a poison
+        request takes none of its batch-mates down with it again."""
         s = mq.settings
         n = s.cut_size(mq.size)
         cap = s.max_batch_cost
-        if cap is None:
+        if cap is None and not mq.suspects:
             return [mq.pop() for _ in range(n)]
+        if mq.peek().hung:
+            return [mq.pop()]
         requests: list[QueuedRequest] = []
         total = 0.0
-        while len(requests) < n and (not requests or total + mq.peek().cost <= cap):
+        while len(requests) < n:
+            if requests:
+                following = mq.peek()
+                if following.hung or (cap is not None and total + following.cost > cap):
+                    break
             requests.append(mq.pop())
             total += requests[-1].cost
         allowed = s.cut_size(len(requests))  # with batch_sizes: round down to one of them
@@ -851,6 +874,21 @@ class Scheduler:
             del requests[allowed:]
             self.requeue(name, back, count_attempt=False)
         return requests
+
+    def hung_batches(self, now: float, limit_s: float | None) -> list[tuple[Batch, float]]:
+        """(batch, its limit) of each batch run past its time limit: `limit_s` from when its
+        worker should have begun it, or, with None, max(10 x the learned t(n),
+        MIN_BATCH_LIMIT_S)."""
+        out = []
+        for w in self._workers.values():
+            for batch in w.in_flight.values():
+                limit = limit_s
+                if limit is None:
+                    predicted = self._models[batch.model].cost.predict(len(batch.requests))
+                    limit = max(10.0 * predicted, MIN_BATCH_LIMIT_S)
+                if now > batch.expected_start + limit:
+                    out.append((batch, limit))
+        return out
 
 
 def _least_recently_used(w: WorkerState) -> int:

@@ -36,6 +36,7 @@ class BrokerStats:
     dropped_backend: int = 0
     workers_lost: int = 0
     batches_retried: int = 0
+    batches_timed_out: int = 0  # batches that ran past their time limit (their worker is stopped)
 
     def model(self, name: str) -> ModelStats:
         st = self.models.get(name)
@@ -86,6 +87,7 @@ class BrokerStats:
             "refused_without_model": dict(self.refused),
             "workers_lost": self.workers_lost,
             "batches_retried": self.batches_retried,
+            "batches_timed_out": self.batches_timed_out,
             "dropped_backend_messages": self.dropped_backend,
             "undeliverable": self.undeliverable,
             **extra,

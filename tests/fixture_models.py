@@ -28,3 +28,14 @@ def crash(inputs: list[Any]) -> list[Any]:
     if "crash" in inputs:
         os._exit(3)
     return list(inputs)
+
+
+def hang_on(inputs: list[Any]) -> list[Any]:
+    """A model that hangs (for an hour) on a batch holding "hang", its heartbeat thread
+    alive all the while; any other batch is echoed with the worker's pid."""
+    import os
+    import time
+
+    if "hang" in inputs:
+        time.sleep(3600)
+    return [{"input": x, "pid": os.getpid()} for x in inputs]

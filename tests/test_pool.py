@@ -243,3 +243,18 @@ def test_pool_names_and_lists_workers_by_model() -> None:
     assert p.name(b"\x09") == "id09"  # not (or no longer) in the pool
     assert p.workers_of("m") == [(b"\x01", WorkerInfo("m", 0, 11))]
     assert p.workers_of("x") == []
+
+
+def test_losing_a_hung_worker_charges_only_the_batch_that_hung() -> None:
+    """The batches behind a hung one never began: handed back as by a worker that left."""
+    s = Scheduler(per_model={"m": BatchSettings(max_batch_size=1, max_wait_ms=0.0)}, worker_prefetch=2)
+    p = WorkerPool(s, HEARTBEAT, 1, now=0.0)
+    p.joined(b"w", WorkerInfo("m", 0, 1), 2, 0.0)
+    hung, behind = request(1), request(2)
+    s.enqueue("m", hung)
+    s.enqueue("m", behind)
+    first, _ = s.due_batches(0.0)
+    assert first.requests == [hung]
+    lost = p.lose(b"w", failed=True, blame=first.batch_id)
+    assert lost.failed == [] and lost.batches_requeued == 2
+    assert (hung.attempts, behind.attempts, behind.handbacks) == (1, 0, 1)

@@ -423,6 +423,7 @@ def test_backend_commands_are_the_documented_bytes() -> None:
         b"\x04",
     ]
     assert protocol.CMD_DISCONNECT == b"\x05"
+    assert protocol.CMD_EXIT == b"\x06"
 
 
 def test_every_error_code_is_documented_in_protocol_md() -> None:

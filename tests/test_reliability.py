@@ -35,6 +35,7 @@ from tests.helpers import (
     broker_stats,
     model_stats,
     pack,
+    recv_replies,
     recv_reply,
     start_broker,
     unpack,
@@ -487,3 +488,63 @@ def test_overload_refuses_the_11th_and_loses_none_of_the_first_10(spawn, zctx, c
     assert sorted(replies) == list(range(10))
     for i, reply in replies.items():
         assert reply["ok"] and reply["output"]["echo"] == i, reply
+
+
+# --- a hung model: the batch time limit (issue 14) ---------------------------------------------------
+
+HANG = "hangs=tests.fixture_models:hang_on"
+
+
+def test_a_poison_request_takes_down_at_most_max_retries_plus_one_workers_and_its_mates_are_served(
+    served, zctx, connect
+):
+    """A batch of 4 holding one request on which the model hangs (its heartbeats go on):
+    past --batch-timeout-ms 1000 its worker is killed by serve and respawned, and the four
+    are retried each alone. The three others are served; the poison hangs a second worker
+    and, its retries (--max-retries 1) used, is answered worker_failed naming the limit.
+    Meanwhile requests on the other worker are served."""
+    s = served(
+        "--workers", "2", "--model", HANG, "--batch-timeout-ms", "1000", "--max-retries", "1",
+        "--max-batch-size", "4", "--max-wait-ms", "100", "--policy", "window",
+        workers=2,
+    )  # fmt: skip
+    before = s.worker_pids()
+    sock = connect(zmq.DEALER, s.frontend)
+    for i, x in enumerate(["a", "hang", "b", "c"]):
+        sock.send_multipart([b"", pack({"id": i, "model": "hangs", "input": x})])
+    wait_until(lambda: model_stats(s.frontend, zctx, "hangs").get("busy_workers") == 1, 10, "the batch out")
+    for i in range(4, 8):  # while that batch hangs, other requests go to the other worker
+        sock.send_multipart([b"", pack({"id": i, "model": "hangs", "input": f"x{i}"})])
+    received = recv_replies(sock, 8, timeout_s=60)
+    replies = {r["id"]: r for r in received}
+    assert [r["id"] for r in received][:4] == [4, 5, 6, 7]  # served long before the retries end
+    assert all(replies[i]["output"]["input"] == f"x{i}" for i in range(4, 8))
+    assert [replies[i]["output"]["input"] for i in (0, 2, 3)] == ["a", "b", "c"]
+    assert all(replies[i]["batch_size"] == 1 for i in (0, 2, 3))  # retried alone
+    assert replies[1]["error"] == {
+        "code": "worker_failed",
+        "message": "its batch ran past the time limit of 1000 ms (--batch-timeout-ms)",
+    }
+    stats = broker_stats(s.frontend, zctx, timeout_s=5)
+    assert stats["batches_timed_out"] == 2 and stats["workers_lost"] == 2, stats  # max_retries + 1
+    wait_until(lambda: model_stats(s.frontend, zctx, "hangs").get("workers") == 2, 30, "respawned")
+    assert len(s.worker_pids() - before) == 2  # both hung ones replaced
+    assert "its model hung" in s.log()
+
+
+def test_a_remote_worker_whose_batch_hangs_is_told_to_exit(spawn, zctx, connect):
+    frontend, backend = start_broker(spawn, zctx, "--model", "hangs", "--batch-timeout-ms", "300")
+    hung = spawn("worker", "--connect", backend, "--model", HANG)
+    wait_until(lambda: model_stats(frontend, zctx, "hangs").get("workers") == 1, 30, "the worker joined")
+    sock = connect(zmq.DEALER, frontend)
+    sock.send_multipart([b"", pack({"id": 1, "model": "hangs", "input": "hang"})])
+    assert hung.process.wait(timeout=30) == 75  # told to exit, from its heartbeat thread
+    assert "the broker took a batch of ours for hung" in hung.stderr_path.read_text()
+    spare = spawn("worker", "--connect", backend, "--model", HANG)  # the request is retried on it...
+    (reply,) = recv_replies(sock, 1, timeout_s=30)
+    assert reply["error"] == {  # ...hangs it too, and has used its one retry (--max-retries 1)
+        "code": "worker_failed",
+        "message": "its batch ran past the time limit of 300 ms (--batch-timeout-ms)",
+    }
+    assert spare.process.wait(timeout=30) == 75
+    assert broker_stats(frontend, zctx, timeout_s=5)["batches_timed_out"] == 2

@@ -1873,3 +1873,53 @@ def test_without_aging_the_same_flood_starves_priority_zero() -> None:
     strict, aged = _flood(0.0, 5, 0.95), _flood(10.0, 5, 0.95)
     assert max(aged) <= 5 * 0.010 + 0.060
     assert max(strict) > 0.5
+
+
+# --- batch time limits: hung batches, and suspects run alone ------------------------------------
+
+
+def test_a_batch_is_hung_past_its_limit_from_when_its_worker_should_begin_it() -> None:
+    s = make(size=1, wait_ms=0.0, workers=1, slots=2)
+    enqueue_many(s, "m", 2, 0.0)
+    b1, b2 = s.due_batches(0.0)
+    assert s.hung_batches(0.5, 0.5) == []
+    assert s.hung_batches(0.51, 0.5) == [(b1, 0.5), (b2, 0.5)]  # nothing learned: both start at 0
+    s.complete(b1.worker, b1.batch_id, infer_s=0.4, now=0.4)  # b2 begins only now
+    assert s.hung_batches(0.85, 0.5) == []
+    assert s.hung_batches(0.91, 0.5) == [(b2, 0.5)]
+
+
+def test_the_default_limit_is_ten_times_the_learned_cost_and_at_least_a_second() -> None:
+    s = make(size=8, wait_ms=0.0, workers=1)
+    now = teach(s, [(1, 0.2), (8, 0.2), (1, 0.2), (8, 0.2)], now=0.0)  # t(n) = 200 ms
+    enqueue_many(s, "m", 1, now)
+    (b,) = s.due_batches(now)
+    assert s.hung_batches(now + 2.0, None) == []
+    assert s.hung_batches(now + 2.01, None) == [(b, pytest.approx(2.0))]
+    fast = make(size=8, wait_ms=0.0, workers=1)
+    now = teach(fast, [(1, 0.001), (8, 0.001), (1, 0.001), (8, 0.001)], now=0.0)
+    enqueue_many(fast, "m", 1, now)
+    (b,) = fast.due_batches(now)
+    assert fast.hung_batches(now + 1.0, None) == [] and fast.hung_batches(now + 1.01, None) == [(b, 1.0)]
+
+
+def test_requests_of_a_hung_batch_run_alone_and_never_with_others_again() -> None:
+    s = make(size=4, wait_ms=0.0, workers=1, max_queue=100)
+    reqs = enqueue_many(s, "m", 4, 0.0)
+    (b,) = s.due_batches(0.0)
+    for r in b.requests:
+        r.hung += 1
+    (lost,) = s.remove_worker(b"w0")
+    s.requeue("m", lost.requests)
+    enqueue_many(s, "m", 2, 0.1)
+    assert s.models["m"].suspects == 4
+    s.add_worker(b"w1", "m")
+    sizes = []
+    now = 1.0
+    while s.queued("m"):
+        for batch in s.due_batches(now):
+            sizes.append([r in reqs for r in batch.requests])
+            s.complete(batch.worker, batch.batch_id)
+        now += 1.0
+    assert sizes == [[True], [True], [True], [True], [False, False]]  # suspects alone, in order
+    assert s.models["m"].suspects == 0

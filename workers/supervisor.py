@@ -296,6 +296,16 @@ class Supervisor:
             )
         self._start_due(now)
 
+    def kill(self, pid: int) -> None:
+        """SIGKILL the worker process `pid` (its model hung); it is respawned as after a
+        crash."""
+        for w in self.workers:
+            if w.process is not None and w.process.pid == pid and w.process.poll() is None:
+                log.warning(
+                    "killing worker for model %s on gpu %s (pid %d): its model hung", w.model, w.gpu, pid
+                )
+                w.process.kill()
+
     def _tell_exits(self) -> None:
         for w in self.workers:
             proc = w.process

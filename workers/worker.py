@@ -62,6 +62,10 @@ class WorkerSettings:
             raise ValueError(f"gpu must be >= 0, got {self.gpu}")
 
 
+#: The exit code of a worker the broker told to exit, its batch past its time limit.
+EXIT_HUNG = 75  # sysexits.h EX_TEMPFAIL: serve respawns it
+
+
 class MalformedBatch(ValueError):
     """A BATCH message the worker cannot run. `batch_id` is None when even the header is
     unreadable: then there is nobody to answer, and the batch is dropped."""
@@ -299,6 +303,7 @@ class Worker:
         self._pending: deque[tuple[float, list[bytes]]] = deque()  # (arrived at, BATCH frames) not run yet
         self._poller = zmq.Poller()
         self._told_to_reconnect = False
+        self._heard_at = 0.0  # when the broker last said anything (set again on connecting)
         self._ready_sent = False
         self._refused: str | None = None  # why the current connection's handshake failed
         self._refusals = 0  # handshakes failed in a row
@@ -359,7 +364,7 @@ class Worker:
             return
         self._connect()
         now = time.monotonic()
-        next_beat, heard_at = now + self.heartbeat.interval_s, now
+        next_beat, self._heard_at = now + self.heartbeat.interval_s, now
         backoff_s, reconnect_at = RECONNECT_MIN_S, None
         while not self.stop_requested():
             wake = next_beat if reconnect_at is None else min(next_beat, reconnect_at)
@@ -368,7 +373,7 @@ class Worker:
             if self._watch is not None and self._watch.monitor in events:
                 self._read_monitor()
             if self._sock is not None and self._sock in events and self._drain(now):
-                heard_at, backoff_s = now, RECONNECT_MIN_S
+                backoff_s = RECONNECT_MIN_S
             if self.signals.fd in events:
                 self.signals.clear()
             if self.control_fd is not None and self.control_fd in events and self._read_control():
@@ -382,14 +387,14 @@ class Worker:
                 self._disconnect()  # libzmq may never reconnect it: a fresh socket will
                 reconnect_at, backoff_s = now + backoff_s, min(RECONNECT_MAX_S, backoff_s * 2)
             elif self._sock is not None and (
-                self._told_to_reconnect or now - heard_at > self.heartbeat.expiry_s
+                self._told_to_reconnect or now - self._heard_at > self.heartbeat.expiry_s
             ):
                 log.warning("worker %s: lost the broker; reconnecting in %.1fs", self.name, backoff_s)
                 self._disconnect()
                 reconnect_at, backoff_s = now + backoff_s, min(RECONNECT_MAX_S, backoff_s * 2)
             if reconnect_at is not None and now >= reconnect_at:
                 self._connect()
-                heard_at, reconnect_at = now, None
+                self._heard_at, reconnect_at = now, None
             if self._sock is not None and now >= next_beat:
                 self._send([protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
                 next_beat = now + hb.interval_s
@@ -447,6 +452,10 @@ class Worker:
             with self._socket_lock:
                 if self._in_model:
                     self._send([protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
+                    # Read what came meanwhile: above all an EXIT, if the batch at hand ran
+                    # past the broker's time limit (the model may never return).
+                    if self._sock is not None and self._sock.poll(0, zmq.POLLIN):
+                        self._drain(time.monotonic())
 
     def _connect(self) -> None:
         """A fresh DEALER (and so a fresh identity at the broker), announced with READY,
@@ -552,6 +561,7 @@ class Worker:
             except zmq.Again:
                 return heard
             heard = True
+            self._heard_at = now
             if len(frames) < 2 or frames[0] != protocol.WORKER_PROTOCOL:
                 log.warning("ignored a broker message of %d frames", len(frames))
             elif frames[1] == protocol.CMD_BATCH and len(frames) == 4:
@@ -564,6 +574,13 @@ class Worker:
             elif frames[1] == protocol.CMD_HEARTBEAT:
                 if len(frames) >= 3:
                     self._adopt_heartbeat(frames[2])
+            elif frames[1] == protocol.CMD_EXIT:
+                log.error(
+                    "worker %s: the broker took a batch of ours for hung (past its time limit); exiting",
+                    self.name,
+                )
+                logging.shutdown()
+                os._exit(EXIT_HUNG)  # from any thread: the model may never return
             else:
                 log.warning("ignored broker command %r", frames[1])
 
