@@ -24,8 +24,11 @@ from batcher.launcher import free_tcp_address
 FAST_SIM = ("--sim-base-ms", "5", "--sim-per-item-ms", "0.5")
 #: The same with no per-item cost, for tests that count batches and not their cost.
 FLAT_SIM = ("--sim-base-ms", "5", "--sim-per-item-ms", "0")
-#: A heartbeat short enough that losing a worker is seen within a second.
-HEARTBEAT = ("--heartbeat-ms", "100")
+#: A heartbeat short enough that losing a worker is seen within a second (3 x 250 ms of
+#: silence, found on the next 250 ms tick), and long enough that a live worker starved of
+#: CPU on a loaded 2-core machine is not taken for dead (at 100 ms it now and then was:
+#: the chaos and multihost tests' exact loss counts broke).
+HEARTBEAT = ("--heartbeat-ms", "250")
 
 
 def pack(obj: object) -> bytes:

@@ -22,7 +22,7 @@ import zmq
 
 from batcher.client import BatcherError, Client
 from batcher.launcher import free_tcp_address
-from tests.helpers import broker_stats, model_stats, wait_until
+from tests.helpers import HEARTBEAT, broker_stats, model_stats, wait_until
 from tests.reliability_models import MARKS_ENV, DealerLoad, read_marks, stop_inside_a_batch
 
 pytestmark = pytest.mark.integration
@@ -31,10 +31,6 @@ WORKERS = 4
 MODEL = "sleepy"
 SLEEPY = f"{MODEL}=tests.reliability_models:Sleepy"
 BATCH_S = 0.05  # each batch's run time: long enough to be caught inside
-#: A stopped worker is taken for dead after 3 x 250 ms of silence: soon enough for a short
-#: test, and far from what a live worker on a loaded 2-core machine stays silent for (the
-#: exact loss counts below would break on a false death).
-HEARTBEAT = ("--heartbeat-ms", "250")
 
 
 def _calls(client: Client, prefix: str, count: int, out: list[Any]) -> None:

@@ -3,7 +3,7 @@ restarts, SIGTERM), and the client-facing guarantees around them.
 
 The guarantee checked throughout: every request a client sent gets exactly one reply,
 its result or an explicit error code, whatever happens to the workers. The heartbeat
-is 100 ms (x 3 liveness) here to keep the tests fast; benchmarks/reliability.py
+is 250 ms (x 3 liveness) here to keep the tests fast; benchmarks/reliability.py
 measures the same faults with the defaults (500 ms x 3).
 """
 
