@@ -258,3 +258,7 @@ def test_losing_a_hung_worker_charges_only_the_batch_that_hung() -> None:
     lost = p.lose(b"w", failed=True, blame=first.batch_id)
     assert lost.failed == [] and lost.batches_requeued == 2
     assert (hung.attempts, behind.attempts, behind.handbacks) == (1, 0, 1)
+
+
+def test_the_pool_tells_workers_its_heartbeat_settings() -> None:
+    assert Heartbeat.from_frame(pool().heartbeat_frame) == HEARTBEAT

@@ -673,3 +673,20 @@ def test_heartbeat_settings_frame_round_trips_and_refuses_garbage() -> None:
     ]:
         with pytest.raises(ValueError, match=message):
             Heartbeat.from_frame(frame)
+
+
+def test_heartbeat_settings_at_their_limits() -> None:
+    day = Heartbeat(86_400_000.0, 1000)
+    assert Heartbeat.from_frame(day.frame()) == day
+    with pytest.raises(ValueError, match="liveness must be an int up to 1000, got 1001"):
+        Heartbeat.from_frame(protocol.pack({"heartbeat_ms": 5.0, "liveness": 1001}))
+    with pytest.raises(ValueError, match="heartbeat_ms must be a number up to one day"):
+        Heartbeat.from_frame(protocol.pack({"heartbeat_ms": 86_400_000.5, "liveness": 3}))
+
+
+def test_the_id_of_a_too_large_body_is_read_from_its_head_only() -> None:
+    head_id = protocol.pack({"id": "early", "input": b"\0" * 100_000})
+    late_id = protocol.pack({"input": b"\0" * 100_000, "id": "late"})
+    assert protocol.id_of_refused(head_id) == "early"
+    assert protocol.id_of_refused(late_id) is None  # past the first 64 KiB
+    assert protocol.id_of_refused(protocol.pack({"input": b"\0" * 100, "id": 4})) == 4
