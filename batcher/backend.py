@@ -213,6 +213,7 @@ class Backend:
     def process_exited(self, pid: int, code: int | None) -> None:
         """`serve` saw the process of one of its workers exit: take that worker for dead now,
         so its batches move on without waiting for its silence to be noticed."""
+        self.drain()  # its last REPLY or DISCONNECT may be waiting: read them first
         for worker_id in self.pool.ids():
             info = self.pool.info(worker_id)
             if info is not None and info.pid == pid:
@@ -221,7 +222,7 @@ class Backend:
                     self.pool.name(worker_id),
                     code,
                 )
-                self.lost(worker_id, f"the worker's process exited with code {code}")
+                self.lost(worker_id, f"the worker's process exited with code {code}", failed=code != 0)
 
     def lost(self, worker_id: bytes, why: str, failed: bool = True, blame: int | None = None) -> None:
         """Forget a worker: the pool decides which of its requests go back to their queue

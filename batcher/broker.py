@@ -62,7 +62,7 @@ class BrokerSettings:
     curve: CurveServerKeys | None = None
     metrics_port: int | None = None
     #: A batch running longer than this is taken for hung (its worker stopped, its requests
-    #: retried); None: max(10 x the model's learned t(n), 1 s).
+    #: retried); None: 10 x n x the learned t(1), at least 1 s (60 s for a model's first batch).
     batch_timeout_ms: float | None = None
     #: Where the metrics endpoint listens: loopback unless asked (it has no authentication).
     metrics_host: str = "127.0.0.1"
@@ -454,8 +454,8 @@ def serve_metrics(host: str, port: int, scheduler: Scheduler) -> PrometheusMetri
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         prom.serve(port, host)
-    except OSError as exc:  # socket.gaierror too: a host name that does not resolve
-        raise BindError(f"cannot serve metrics on {where}: {exc.strerror or exc}") from None
+    except (OSError, UnicodeError) as exc:  # a name that does not resolve, or cannot be one
+        raise BindError(f"cannot serve metrics on {where}: {getattr(exc, 'strerror', None) or exc}") from None
     log.info("metrics at http://%s/metrics", where)
     return prom
 

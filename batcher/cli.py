@@ -609,7 +609,8 @@ _BROKER = (
         default=None,
         help="A batch running longer is taken for hung: its worker is stopped (serve kills and "
         "respawns its own) and its requests are retried within --max-retries. Default: "
-        "max(10 x the model's learned batch time, 1 s).",
+        "10 x n x the model's learned time for one request, at least 1 s (60 s before its "
+        "first batch was answered).",
     ),
     option(
         "--metrics-host",

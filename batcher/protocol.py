@@ -7,7 +7,6 @@ version of this module.
 
 from __future__ import annotations
 
-import math
 import struct
 from dataclasses import dataclass
 from enum import StrEnum
@@ -27,6 +26,9 @@ CMD_REPLY = b"\x03"
 CMD_HEARTBEAT = b"\x04"
 CMD_DISCONNECT = b"\x05"
 CMD_EXIT = b"\x06"  # broker -> worker: your batch ran past its time limit; exit now
+
+#: The largest `cost` a request may carry (as --max-batch-cost's largest): sums of many stay exact.
+MAX_COST = 1e15
 
 #: The types a request `id` may have (everything else in a body is forwarded untouched).
 ID_TYPES = (int, str)
@@ -246,8 +248,8 @@ def parse_request(body: bytes) -> tuple[RequestHeader, dict[str, Any]]:
     if priority != priority:  # NaN
         raise bad("priority must be a number, got NaN")
     cost = msg.get("cost", 1.0)
-    if isinstance(cost, bool) or not isinstance(cost, int | float) or not 0 < cost < math.inf:
-        raise bad(f"cost must be a finite number > 0, got {cost!r}")
+    if isinstance(cost, bool) or not isinstance(cost, int | float) or not 0 < cost <= MAX_COST:
+        raise bad(f"cost must be a number in (0, {MAX_COST:.0e}], got {cost!r}")
     return RequestHeader(req_id, model, timeout_ms, priority, op, cost), msg
 
 

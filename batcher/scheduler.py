@@ -72,8 +72,10 @@ DEADLINE_MARGIN_S = 0.001
 #: adaptive: a partial batch waits for a busy worker's prefetch slot until that worker is
 #: expected to be done plus this much (its reply's trip back), not just max_wait_ms.
 PREFETCH_GRACE_S = 0.0005
-#: The shortest time limit a batch gets by default (before t(n) is learned, and for fast models).
+#: The shortest time limit a batch gets by default (fast models).
 MIN_BATCH_LIMIT_S = 1.0
+#: The default time limit of a model's batches before any of them was answered.
+FIRST_BATCH_LIMIT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -534,8 +536,7 @@ class Scheduler:
         if mq.size >= mq.settings.max_queue:
             raise QueueFull(model)
         request.seq = next(self._seq)
-        aging_ms = mq.settings.priority_aging_ms
-        request.rank = -request.priority + (request.arrived_at * 1000.0 / aging_ms if aging_ms else 0.0)
+        request.rank = self._rank(mq, request)
         if request.priority == 0 and request.deadline_at is None:
             mq.fifo.append(request)  # in seq order, like the heap would keep it
             mq.added(request)
@@ -559,6 +560,12 @@ class Scheduler:
         # requests older than the requeued ones may still be queued there.
         queued = {id(r): r for r in [*requests, *mq.heap_arrivals] if r.state == QUEUED}
         mq.heap_arrivals = deque(sorted(queued.values(), key=lambda r: r.seq))
+
+    @staticmethod
+    def _rank(mq: ModelQueue, req: QueuedRequest) -> float:
+        """Its place by priority, lower first: priority less its wait in aging intervals."""
+        aging_ms = mq.settings.priority_aging_ms
+        return -req.priority + (req.arrived_at * 1000.0 / aging_ms if aging_ms else 0.0)
 
     @staticmethod
     def _push(mq: ModelQueue, req: QueuedRequest) -> None:
@@ -604,8 +611,23 @@ class Scheduler:
         return out
 
     def set_settings(self, model: str, settings: BatchSettings) -> None:
-        """New batching settings for a model (a reloaded config); queued requests stay."""
-        self._model(model).settings = settings
+        """New batching settings for a model (a reloaded config); queued requests stay, ranked
+        again if the priority aging changed."""
+        mq = self._model(model)
+        aging_changed = mq.settings.priority_aging_ms != settings.priority_aging_ms
+        mq.settings = settings
+        if aging_changed and mq.size:
+            self._rerank(mq)
+
+    def _rerank(self, mq: ModelQueue) -> None:
+        """Rank every queued request by the model's current aging, all in the heap lane (the
+        fifo lane's order may no longer be rank order)."""
+        queued = sorted(mq.queued(), key=lambda r: r.seq)
+        mq.fifo, mq.heap, mq.heap_arrivals, mq.deadlines = deque(), [], deque(queued), []
+        mq.size, mq.queued_cost, mq.suspects = 0, 0.0, 0
+        for req in queued:
+            req.rank = self._rank(mq, req)
+            self._push(mq, req)
 
     def unavailable(self, now: float) -> list[tuple[str, QueuedRequest, float]]:
         """Remove and return, with how long their model has had no worker, the queued
@@ -876,19 +898,28 @@ class Scheduler:
         return requests
 
     def hung_batches(self, now: float, limit_s: float | None) -> list[tuple[Batch, float]]:
-        """(batch, its limit) of each batch run past its time limit: `limit_s` from when its
-        worker should have begun it, or, with None, max(10 x the learned t(n),
-        MIN_BATCH_LIMIT_S)."""
+        """(batch, its limit) of each worker's running batch (its first: batches run in the
+        order sent) that ran past its time limit, counted from when the worker should have
+        begun it: `limit_s`, or by default `default_limit_s`."""
         out = []
         for w in self._workers.values():
-            for batch in w.in_flight.values():
-                limit = limit_s
-                if limit is None:
-                    predicted = self._models[batch.model].cost.predict(len(batch.requests))
-                    limit = max(10.0 * predicted, MIN_BATCH_LIMIT_S)
-                if now > batch.expected_start + limit:
-                    out.append((batch, limit))
+            if not w.in_flight:
+                continue
+            batch = next(iter(w.in_flight.values()))
+            limit = limit_s if limit_s is not None else self.default_limit_s(batch)
+            if now > batch.expected_start + limit:
+                out.append((batch, limit))
         return out
+
+    def default_limit_s(self, batch: Batch) -> float:
+        """10 x a batch's cost bound n x t(1) (no model takes longer per item in a batch
+        than alone; t(n) = a + b*n extrapolated from one batch size could say much less),
+        at least MIN_BATCH_LIMIT_S; FIRST_BATCH_LIMIT_S before any batch of the model was
+        answered (a first batch may load weights or compile kernels)."""
+        cost = self._models[batch.model].cost
+        if not cost.known:
+            return FIRST_BATCH_LIMIT_S
+        return max(10.0 * len(batch.requests) * cost.predict(1), MIN_BATCH_LIMIT_S)
 
 
 def _least_recently_used(w: WorkerState) -> int:

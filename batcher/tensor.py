@@ -63,6 +63,8 @@ def check_header(datatype: object, shape: object) -> tuple[str, tuple[int, ...]]
     for dim in shape:
         if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
             raise TensorError(f"tensor shape must hold ints >= 0, got {list(shape)!r}")
+        if dim > MAX_ELEMENTS:  # even beside a 0 (an empty tensor), no array has such an axis
+            raise TensorError(f"tensor shape {list(shape)} has an axis of more than {MAX_ELEMENTS}")
     elements = math.prod(shape)
     if elements > MAX_ELEMENTS:
         raise TensorError(f"tensor shape {list(shape)} has {elements} elements, more than {MAX_ELEMENTS}")
@@ -111,8 +113,8 @@ def from_array(array: Any) -> dict[str, Any]:
     if datatype is None:
         names = ", ".join(DATATYPES)
         raise TypeError(f"arrays of dtype {array.dtype} have no tensor datatype (one of {names})")
-    array = np.asarray(array, dtype=dtype)  # swaps the bytes of a big-endian one
-    data = memoryview(array.reshape(-1).view(np.uint8))  # C order: copies only a non-C-ordered one
+    array = np.asarray(array, dtype=dtype, order="C")  # a copy only if not C-ordered little-endian
+    data = memoryview(array.reshape(-1).view(np.uint8))  # the array's own bytes
     return {"datatype": datatype, "shape": list(array.shape), "data": data}
 
 
@@ -137,7 +139,7 @@ def arrays_hook(value: dict[Any, Any]) -> Any:
     if is_tensor(value):
         try:
             return to_array(value)
-        except (TensorError, ImportError):
+        except (TensorError, ImportError, ValueError):
             return value
     return value
 

@@ -387,3 +387,28 @@ def test_malformed_batches_are_answered_or_dropped_and_the_worker_serves_on(
     with contextlib.suppress(subprocess.TimeoutExpired):
         worker.process.wait(10)
     assert worker.process.returncode == 0
+
+
+def test_a_worker_killed_for_a_hung_model_is_not_a_start_up_death(supervisors: Any) -> None:
+    """Killed again and again soon after it started (a poison request resent), a worker is
+    respawned each time and never given up on; each exit is told once."""
+    events: list[tuple[str, str]] = []
+    exits: list[tuple[int, int | None]] = []
+    sup = supervisors(1)
+    sup.on_event = lambda model, event: events.append((model, event))
+    sup.on_exit = lambda pid, code: exits.append((pid, code))
+    now = 100.0
+    sup.start(now=now)
+    for _ in range(8):
+        (w,) = sup.workers
+        assert w.process is not None
+        pid = w.process.pid
+        sup.kill(pid)
+        w.process.wait(timeout=10)
+        now += 1.0  # within EARLY_DEATH_S of its start: would count as an early death
+        sup.check(now)
+        now += 10.0  # past any back-off
+        sup.check(now)
+        assert exits[-1] == (pid, -9)
+    assert ("sim", "given_up") not in events and sup.workers[0].early_deaths == 0
+    assert len(exits) == 8 and len({pid for pid, _ in exits}) == 8

@@ -646,13 +646,14 @@ def test_parse_reads_cost_and_defaults_it_to_1(cost: object, parsed: float) -> N
 @pytest.mark.parametrize(
     ("cost", "message"),
     [
-        (0, "cost must be a finite number > 0, got 0"),
-        (-2, "cost must be a finite number > 0, got -2"),
-        (math.inf, "cost must be a finite number > 0, got inf"),
-        (math.nan, "cost must be a finite number > 0, got nan"),
-        (True, "cost must be a finite number > 0, got True"),
-        ("3", "cost must be a finite number > 0, got '3'"),
-        (None, "cost must be a finite number > 0, got None"),
+        (0, "cost must be a number in (0, 1e+15], got 0"),
+        (-2, "cost must be a number in (0, 1e+15], got -2"),
+        (math.inf, "cost must be a number in (0, 1e+15], got inf"),
+        (math.nan, "cost must be a number in (0, 1e+15], got nan"),
+        (True, "cost must be a number in (0, 1e+15], got True"),
+        ("3", "cost must be a number in (0, 1e+15], got '3'"),
+        (None, "cost must be a number in (0, 1e+15], got None"),
+        (2e15, "cost must be a number in (0, 1e+15], got 2000000000000000.0"),
     ],
 )
 def test_a_bad_cost_is_a_bad_request_with_the_id(cost: object, message: str) -> None:

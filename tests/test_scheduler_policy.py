@@ -1883,10 +1883,24 @@ def test_a_batch_is_hung_past_its_limit_from_when_its_worker_should_begin_it() -
     enqueue_many(s, "m", 2, 0.0)
     b1, b2 = s.due_batches(0.0)
     assert s.hung_batches(0.5, 0.5) == []
-    assert s.hung_batches(0.51, 0.5) == [(b1, 0.5), (b2, 0.5)]  # nothing learned: both start at 0
+    assert s.hung_batches(0.51, 0.5) == [(b1, 0.5)]  # the running one: b2 waits behind it
     s.complete(b1.worker, b1.batch_id, infer_s=0.4, now=0.4)  # b2 begins only now
     assert s.hung_batches(0.85, 0.5) == []
     assert s.hung_batches(0.91, 0.5) == [(b2, 0.5)]
+
+
+def test_the_default_limit_bounds_a_batch_by_n_times_t1_and_waits_a_minute_for_a_first_batch() -> None:
+    """t(1) = 60 ms learned from lone requests only (so b = 0): a burst of 32 gets 10 x 32 x
+    60 ms, not 10 x t(32) extrapolated as 60 ms; before any answer, a first batch gets 60 s."""
+    s = make(size=32, wait_ms=0.0, workers=1)
+    enqueue_many(s, "m", 1, 0.0)
+    (first,) = s.due_batches(0.0)
+    assert s.default_limit_s(first) == 60.0 and s.hung_batches(59.9, None) == []
+    s.complete(first.worker, first.batch_id, infer_s=0.06, now=0.06)
+    enqueue_many(s, "m", 32, 1.0)
+    (burst,) = s.due_batches(1.0)
+    assert s.default_limit_s(burst) == pytest.approx(19.2)
+    assert s.hung_batches(1.0 + 19.1, None) == [] and s.hung_batches(1.0 + 19.3, None)
 
 
 def test_the_default_limit_is_ten_times_the_learned_cost_and_at_least_a_second() -> None:
@@ -1923,3 +1937,20 @@ def test_requests_of_a_hung_batch_run_alone_and_never_with_others_again() -> Non
         now += 1.0
     assert sizes == [[True], [True], [True], [True], [False, False]]  # suspects alone, in order
     assert s.models["m"].suspects == 0
+
+
+def test_changing_the_aging_ranks_queued_requests_again() -> None:
+    """Queued under 100 ms aging, then strict priority (a reload): the waiting priority-0
+    request no longer outranks a later priority-1 one, and nothing is lost or doubled."""
+    s = Scheduler(per_model={"m": BatchSettings(1, 0.0, policy="window", priority_aging_ms=100.0)})
+    put(s, "m", rq(0.0, 0, rid="old-low"), rq(0.0, 0, deadline=50.0, rid="old-deadline"))
+    s.set_settings("m", BatchSettings(1, 0.0, policy="window"))
+    put(s, "m", rq(10.0, 1, rid="new-high"))
+    s.add_worker(b"w", "m")
+    served = []
+    for now in (10.0, 10.1, 10.2):
+        (b,) = s.due_batches(now)
+        served += ids(b)
+        s.complete(b.worker, b.batch_id)
+    assert served == ["new-high", "old-deadline", "old-low"]  # strict again: priority, deadline
+    assert s.queued("m") == 0 and s.models["m"].queued_cost == 0.0

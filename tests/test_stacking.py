@@ -178,3 +178,18 @@ def test_example_mean_pool_and_token_doubler_through_serve(serve, connect):
         sock.send_multipart([b"", protocol.pack({"id": i, "model": "tokens", "input": t})])
     got = {r["id"]: r for r in recv_replies(sock, 2)}
     assert [tensor.to_array(got[i]["output"]).tolist() for i in range(2)] == [[10, 12, 14], [2]]
+
+
+def test_an_odd_input_first_in_the_batch_is_the_one_refused() -> None:
+    out = wrap(lambda b: b + 1, Stack())(
+        [np.zeros(2, np.float64), np.zeros(2, np.float32), np.ones(2, np.float32)]
+    )
+    assert isinstance(out[0], BadInput) and str(out[0]) == "float64 of rank 1, the batch is float32 of rank 1"
+    assert [o.tolist() for o in out[1:]] == [[1, 1], [2, 2]]
+
+
+def test_a_model_returning_a_tuple_fails_rather_than_mixing_requests() -> None:
+    two = [tensor.from_array(np.zeros(2)), tensor.from_array(np.ones(2))]
+    out = replies_of(run_batch(wrap(lambda b: (b, b), Stack()), *batch(*two), "w"))
+    assert {r["error"]["code"] for r in out} == {"model_error"}
+    assert "a stacked model must return an array or a dict of arrays, got tuple" in out[0]["error"]["message"]

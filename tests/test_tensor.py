@@ -484,3 +484,11 @@ def test_a_tensor_over_the_limit_raises_too_large_and_the_client_goes_on(serve, 
     with pytest.raises(TooLarge, match=f"more than {limit} bytes"):
         c.request(np.zeros(limit, np.uint8))
     assert c.request(np.arange(3, dtype=np.uint8)).tolist() == [0, 1, 2]
+
+
+def test_a_huge_axis_beside_a_zero_is_refused_and_strided_arrays_go_whole() -> None:
+    with pytest.raises(TensorError, match="has an axis of more than"):
+        tensor.check(t(shape=[2**64 - 1, 0], data=b""))
+    for sent in (np.arange(10, dtype=np.uint8)[::2], np.asfortranarray(np.eye(3, dtype=np.bool_))[:, 1:]):
+        got = round_trip(sent)
+        assert got.dtype == sent.dtype and np.array_equal(got, sent)

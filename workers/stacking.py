@@ -23,6 +23,7 @@ shape that differs outside `pad_axes`) is answered `bad_request` on its own.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -114,8 +115,11 @@ def wrap(model: Callable[..., Any], stack: Stack) -> Callable[[list[Any]], list[
 
     def run(inputs: list[Any]) -> list[Any]:
         out: list[Any] = [None] * len(inputs)
-        # The batch takes the form of its first input that is a tensor or a map of them.
-        first = next((x for x in inputs if _is_tensors(x)), None)
+        # The batch takes the form most of its inputs share (the earliest on a tie), so one
+        # odd request is answered alone, whatever its place in the batch.
+        forms = Counter(_form(x, stack.pad_axes) for x in inputs if _is_tensors(x))
+        common = max(forms, key=forms.__getitem__) if forms else None
+        first = next((x for x in inputs if _is_tensors(x) and _form(x, stack.pad_axes) == common), None)
         live = []
         for i, x in enumerate(inputs):
             why = _why_not(x, first, stack.pad_axes)
@@ -138,6 +142,14 @@ def wrap(model: Callable[..., Any], stack: Stack) -> Callable[[list[Any]], list[
         return out
 
     return run
+
+
+def _form(x: Any, axes: tuple[int, ...]) -> object:
+    """What inputs must share to be stacked together: dtype, rank and the shape outside the
+    padded axes (per name, for a map of tensors)."""
+    if isinstance(x, dict):
+        return tuple(sorted(((repr(k), _form(v, axes)) for k, v in x.items()), key=repr))
+    return (x.dtype.str, x.ndim, tuple(n for d, n in enumerate(x.shape) if d not in axes))
 
 
 def _is_tensors(x: object) -> bool:
@@ -172,7 +184,11 @@ def _split(result: Any, n: int, lengths: np.ndarray | None, axes: tuple[int, ...
     if isinstance(result, dict):
         parts = {k: _split(v, n, lengths, axes) for k, v in result.items()}
         return [{k: parts[k][i] for k in parts} for i in range(n)]
-    batch = np.asarray(result)
+    if not isinstance(result, np.ndarray):  # a tuple would be stacked along a new first axis
+        raise TypeError(
+            f"a stacked model must return an array or a dict of arrays, got {type(result).__name__}"
+        )
+    batch = result
     if batch.ndim == 0 or batch.shape[0] != n:
         raise ValueError(
             f"a stacked model must return a batch of {n} along axis 0, got shape {list(batch.shape)}"

@@ -24,6 +24,7 @@ from batcher.protocol import Heartbeat
 from batcher.stopping import stop_signals_blocked
 from workers.models import ModelSpec, SimSettings
 from workers.placement import place_workers, visible_gpus
+from workers.worker import EXIT_HUNG
 
 log = logging.getLogger("batcher.supervisor")
 
@@ -140,6 +141,7 @@ class Supervisor:
         #: broker, which then takes that worker for dead at once.
         self.on_exit: Callable[[int, int | None], None] = lambda pid, code: None
         self._exits_told: set[int] = set()
+        self._killed_hung: set[int] = set()  # pids killed for a hung model: not start-up deaths
 
     def command(self, model: str, gpu: int | None) -> list[str]:
         """The command line of one worker process."""
@@ -269,7 +271,10 @@ class Supervisor:
                 w.given_up = True
                 self.on_event(w.name, "load_failed")
                 continue
-            w.early_deaths = w.early_deaths + 1 if lived_s < EARLY_DEATH_S else 0
+            hung = w.process.pid in self._killed_hung or code == EXIT_HUNG
+            self._killed_hung.discard(w.process.pid)
+            # A worker stopped for a hung model (a poison request) did start: not a start-up death.
+            w.early_deaths = w.early_deaths + 1 if lived_s < EARLY_DEATH_S and not hung else 0
             if w.early_deaths >= MAX_EARLY_DEATHS:
                 w.given_up = True
                 self.on_event(w.name, "given_up")
@@ -301,17 +306,23 @@ class Supervisor:
         crash."""
         for w in self.workers:
             if w.process is not None and w.process.pid == pid and w.process.poll() is None:
+                self._killed_hung.add(pid)
                 log.warning(
                     "killing worker for model %s on gpu %s (pid %d): its model hung", w.model, w.gpu, pid
                 )
                 w.process.kill()
 
     def _tell_exits(self) -> None:
+        live = set()
         for w in self.workers:
             proc = w.process
-            if proc is not None and proc.pid not in self._exits_told and proc.poll() is not None:
+            if proc is None:
+                continue
+            live.add(proc.pid)
+            if proc.pid not in self._exits_told and proc.poll() is not None:
                 self._exits_told.add(proc.pid)
                 self.on_exit(proc.pid, proc.returncode)
+        self._exits_told &= live  # only the current processes' (a pid may be reused)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Close every worker's pipe (each finishes its batch and exits), SIGKILL those

@@ -113,7 +113,7 @@ def _decode_requests(batch_id: int, batch_frame: bytes) -> tuple[list[dict[str, 
             return value
         try:
             return tensor.to_array(value)
-        except tensor.TensorError as exc:
+        except (tensor.TensorError, ValueError) as exc:  # ValueError: numpy refused the shape
             malformed.append(str(exc))
         except ImportError:
             malformed.append("this worker takes no tensors: numpy is not installed here")
@@ -234,7 +234,7 @@ def run_batch(
         meta["infer_ms"] = infer_ms
         try:
             replies[i] = protocol.ok_reply(req_id, out, meta)
-        except (TypeError, ValueError, OverflowError) as exc:
+        except (TypeError, ValueError, OverflowError, BufferError) as exc:
             errors += 1
             replies[i] = protocol.error_reply(
                 req_id, ErrorCode.MODEL_ERROR, f"output cannot be encoded: {exc}"
