@@ -4,6 +4,7 @@ includes the wait in a worker's prefetch, refused handshakes logged, rolling rel
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any
@@ -33,8 +34,12 @@ def test_model_without_worker_is_answered_unavailable_then_served_once_a_worker_
     (reply,) = recv_replies(client, 1)
     waited = time.monotonic() - started
     assert reply["id"] == 1 and reply["error"]["code"] == "unavailable", reply
-    assert "model 'double' has had no worker for" in reply["error"]["message"]
-    assert 0.2 < waited < 5.0, waited  # after the timeout, not at once and not never
+    # The 300 ms count from when the broker first found the model without a worker (at its
+    # start, maybe well before this request), so the wait itself is no measure of it: the
+    # message says how long the model has had none.
+    without_s = float(re.search(r"has had no worker for ([0-9.]+)s", reply["error"]["message"])[1])
+    assert without_s >= 0.3, reply
+    assert waited < 5.0, waited  # and not never
     # Past the timeout, a new request is answered at once.
     client.send_multipart([b"", pack({"id": 2, "input": 2, "model": "double"})])
     assert recv_replies(client, 1, timeout_s=2)[0]["error"]["code"] == "unavailable"
