@@ -437,6 +437,7 @@ def test_default_settings() -> None:
         ({"max_queue": 0}, "max_queue must be >= 1, got 0"),
         ({"policy": "fastest"}, "policy must be one of adaptive, window, got 'fastest'"),
         ({"priority_aging_ms": -1}, "priority_aging_ms must be a finite number >= 0, got -1"),
+        ({"priority_aging_ms": True}, "priority_aging_ms must be a finite number >= 0, got True"),
         ({"priority_aging_ms": math.inf}, "priority_aging_ms must be a finite number >= 0, got inf"),
     ],
 )

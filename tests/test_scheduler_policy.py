@@ -1954,3 +1954,33 @@ def test_changing_the_aging_ranks_queued_requests_again() -> None:
         s.complete(b.worker, b.batch_id)
     assert served == ["new-high", "old-deadline", "old-low"]  # strict again: priority, deadline
     assert s.queued("m") == 0 and s.models["m"].queued_cost == 0.0
+
+
+def test_suspects_stay_alone_when_a_higher_priority_request_goes_first() -> None:
+    """The count of queued suspects survives another request leaving the queue first."""
+    s = make(size=4, wait_ms=0.0, workers=1, max_queue=100)
+    enqueue_many(s, "m", 3, 0.0)
+    (hung,) = s.due_batches(0.0)
+    for r in hung.requests:
+        r.hung += 1
+    (lost,) = s.remove_worker(b"w0")
+    s.requeue("m", lost.requests)
+    put(s, "m", rq(0.1, priority=5))  # goes before the suspects
+    s.add_worker(b"w1", "m")
+    sizes = []
+    now = 1.0
+    while s.queued("m"):
+        for b in s.due_batches(now):
+            sizes.append(len(b.requests))
+            s.complete(b.worker, b.batch_id)
+        now += 1.0
+    assert sizes == [1, 1, 1, 1]  # the other one (no suspect joins it), then each suspect alone
+    assert s.models["m"].suspects == 0
+
+
+def test_a_priority_0_request_with_a_deadline_goes_before_one_without() -> None:
+    s = make(size=1, wait_ms=0.0, workers=0)
+    put(s, "m", rq(0.0, rid="no-deadline"), rq(0.1, deadline=50.0, rid="deadline"))
+    s.add_worker(b"w", "m")
+    (b,) = s.due_batches(0.2)
+    assert ids(b) == ["deadline"]
