@@ -172,10 +172,19 @@ class Backend:
         for worker_id, silent_s in self.pool.silent():
             log.warning("worker %s silent for %.1fs: taken for dead", self.pool.name(worker_id), silent_s)
             self.lost(worker_id, f"worker silent for {silent_s:.1f}s")
+        self.beat()
+
+    def beat(self) -> None:
+        """Send every worker a heartbeat; one whose connection is gone is taken for dead,
+        unless its goodbye was waiting: libzmq refuses sends to a peer that closed its
+        socket while that peer's last messages (a DISCONNECT, a REPLY) are still unread,
+        so those are read before the peer is judged."""
         beat = [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT, self.pool.heartbeat_frame]
-        for worker_id in self.pool.ids():
-            if not self.send(worker_id, beat):
-                # ROUTER_MANDATORY: the connection is gone, so the process is (a crash)
+        unreachable = [worker_id for worker_id in self.pool.ids() if not self.send(worker_id, beat)]
+        if unreachable:
+            self.drain()
+        for worker_id in unreachable:
+            if worker_id in self.pool:  # ROUTER_MANDATORY: the connection is gone (a crash)
                 log.warning("worker %s disconnected: taken for dead", self.pool.name(worker_id))
                 self.lost(worker_id, "worker disconnected")
 

@@ -24,6 +24,8 @@ import pytest
 import zmq
 
 from batcher import protocol
+from batcher.allocator import heap_trimmer
+from batcher.broker import Broker, BrokerSettings
 from batcher.client import BadRequest, Client, reply_key
 from batcher.launcher import free_tcp_address
 from batcher.protocol import pack, unpack
@@ -320,3 +322,45 @@ def test_broker_rss_stays_flat_under_saturation_with_and_without_priorities_and_
         assert r["growth_mb"] < 10, r
         assert r["unanswered_after_drain"] == 0
     assert results[1]["outcomes"].get("deadline_exceeded", 0) > 0  # deadlines did pass in the queue
+
+
+def test_a_worker_whose_goodbye_waits_unread_is_taken_as_left_not_dead(zctx: zmq.Context[Any]) -> None:
+    """libzmq refuses a send to a peer that closed its socket while its last message is
+    still unread: a heartbeat at that moment must read the DISCONNECT before judging."""
+    settings = BrokerSettings(frontend=free_tcp_address(), backend=free_tcp_address(), models=("echo",))
+    broker = Broker(settings, context=zctx)
+    peer: zmq.Socket[Any] = zctx.socket(zmq.DEALER)
+    try:
+        peer.connect(settings.backend)
+        peer.send_multipart([protocol.WORKER_PROTOCOL, protocol.CMD_READY, pack({"model": "echo", "pid": 1})])
+        wait_until(lambda: broker.workers.drain() or broker.pool.ids(), 10, "the worker joined")
+        peer.send_multipart([protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
+        peer.close(linger=5000)
+        wait_until(lambda: broker.backend.poll(0), 10, "the DISCONNECT arrived")
+        (worker,) = broker.pool.ids()
+        probe = [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT, broker.pool.heartbeat_frame]
+        wait_until(lambda: not broker.workers.send(worker, probe), 10, "sends to the worker refused")
+        broker.workers.beat()
+        assert broker.pool.ids() == []
+        assert broker.stats.workers_lost == 0, "a worker that said goodbye was counted as lost"
+    finally:
+        peer.close(linger=0)
+        broker.close()
+
+
+@pytest.mark.skipif(heap_trimmer() is None, reason="malloc_trim is glibc's; this C library has none")
+def test_heap_trim_gives_freed_pages_back_after_a_burst() -> None:
+    """What the broker's periodic trim is for: pages freed in the middle of the heap stay
+    resident until trimmed (every tenth block kept, so the heap cannot just shrink)."""
+    trim = heap_trimmer()
+    assert trim is not None
+    me = psutil.Process()
+    del bytearray(4 << 20)[:]  # raise glibc's mmap threshold: 1 MiB blocks now come from the heap
+    blocks = [bytearray(b"x" * (1 << 20)) for _ in range(100)]
+    kept = blocks[::10]
+    del blocks
+    before = me.memory_info().rss
+    trim()
+    after = me.memory_info().rss
+    assert before - after > 40 << 20, f"trim gave back {(before - after) >> 20} MiB of ~90 freed"
+    assert len(kept) == 10
