@@ -23,6 +23,7 @@ from typing import Any
 import zmq
 
 from batcher import protocol
+from batcher.allocator import TRIM_INTERVAL_S, heap_trimmer
 from batcher.backend import DRAIN_BUDGET_S, DRAIN_LIMIT, Backend
 from batcher.control import Controls
 from batcher.metrics import PrometheusMetrics
@@ -183,6 +184,8 @@ class Broker:
         self.call_every(settings.heartbeat.interval_s, self.workers.heartbeat)
         limit_s = None if settings.batch_timeout_ms is None else settings.batch_timeout_ms / 1000.0
         self.call_every(TIME_LIMIT_CHECK_S, lambda now: self.workers.check_time_limits(now, limit_s))
+        if (trim := heap_trimmer()) is not None:
+            self.call_every(TRIM_INTERVAL_S, lambda now: trim())
 
     def reload_allow_lists(self) -> None:
         """SIGHUP: the CURVE allow-lists read again (nothing to do without them)."""
