@@ -1,5 +1,6 @@
-"""Fault-injection helpers of benchmarks/reliability.py: a model that crashes its worker,
-a `batcher serve` whose log is kept, steady DEALER load, and malformed messages.
+"""Fault-injection helpers of benchmarks/reliability.py and benchmarks/soak.py: a model that
+crashes its worker, the soak's model, a `batcher serve` whose log is kept, steady DEALER
+load, and malformed messages.
 
 reliability.py imports this module by name (`from faults import ...`, this folder is
 first on sys.path when it runs); its workers load `benchmarks.faults:CrashAtStartup`,
@@ -43,6 +44,20 @@ class CrashAtStartup:
 
     def __call__(self, inputs: list[Any]) -> list[Any]:  # pragma: no cover - never built
         return list(inputs)
+
+
+#: The soak model's cost (benchmarks/soak.py): a batch of n takes 20 ms + 2.5 ms x n.
+SOAK_BASE_S, SOAK_PER_ITEM_S = 0.020, 0.0025
+
+
+def soak_model(inputs: list[Any]) -> list[Any]:
+    """The soak's model: costs like `sim`, answers each input {"tag", "payload"} with its tag
+    and the payload's length (so a reply proves it belongs to its request without sending
+    a megabyte back), and hangs, heartbeat thread alive, on a batch holding {"hang": true}."""
+    if any(isinstance(x, dict) and x.get("hang") for x in inputs):
+        time.sleep(3600)
+    time.sleep(SOAK_BASE_S + SOAK_PER_ITEM_S * len(inputs))
+    return [{"tag": x.get("tag"), "bytes": len(x.get("payload", b""))} for x in inputs]
 
 
 # --- a `batcher serve` whose log is kept --------------------------------------------------------
