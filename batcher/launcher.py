@@ -9,23 +9,54 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from batcher.client import BatcherError, Client
 from workers.supervisor import child_environment
 
+#: How many ports below the kernel's ephemeral range free_tcp_address draws from.
+PICKED_PORTS = 12_000
+
 
 def free_tcp_address() -> str:
-    """A loopback TCP address whose port was free a moment ago."""
+    """A loopback TCP address whose port was free a moment ago, drawn from below the
+    kernel's ephemeral range: a port found by binding to 0 lies inside that range, where
+    any process's outgoing connection may take it before the process we start binds it
+    (seen as `Address already in use` when tests ran beside a busy load)."""
+    low = _ephemeral_low()
+    if low - PICKED_PORTS >= 1024:
+        for _ in range(100):
+            port = random.randrange(low - PICKED_PORTS, low)
+            if _bindable(port):
+                return f"tcp://127.0.0.1:{port}"
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives outgoing connections (Linux; 0 where unknown)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 class ServeProcess:

@@ -19,7 +19,7 @@ import click
 import pytest
 
 import batcher.cli
-from batcher.launcher import free_tcp_address
+from batcher.launcher import PICKED_PORTS, free_tcp_address
 from batcher.stats_table import format_stats
 
 #: Every test here runs the CLI or a worker as a process of its own.
@@ -308,3 +308,20 @@ def test_metrics_host_that_does_not_resolve_is_a_one_line_error(cli, host):
     assert "Traceback" not in result.stderr, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and f"cannot serve metrics on {host}:9" in lines[0], lines
+
+
+# --- ports for the processes we start -----------------------------------------------------------
+
+EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+@pytest.mark.skipif(not EPHEMERAL.exists(), reason="no /proc/sys/net/ipv4/ip_local_port_range here")
+def test_picked_ports_lie_below_the_ephemeral_range_where_no_connection_can_take_them() -> None:
+    low = int(EPHEMERAL.read_text().split()[0])
+    if low - PICKED_PORTS < 1024:
+        pytest.skip(f"the ephemeral range starts at {low}: too low to pick below it")
+    ports = {int(free_tcp_address().rsplit(":", 1)[1]) for _ in range(50)}
+    assert all(low - PICKED_PORTS <= p < low for p in ports), sorted(ports)
+    assert len(ports) > 40, "picks should spread over the range, not repeat"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", ports.pop()))  # and each was free
