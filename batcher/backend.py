@@ -25,6 +25,8 @@ log = logging.getLogger("batcher.broker")
 DRAIN_LIMIT = 2000
 #: ...or this much time, whichever comes first (see batcher.broker).
 DRAIN_BUDGET_S = 0.005
+#: Budgets read before taking an unreachable worker for dead (its goodbye may be queued).
+GOODBYE_READS = 10
 
 
 class Backend:
@@ -51,7 +53,8 @@ class Backend:
         #: Set by `serve`: kill the local worker process of this pid (a hung model).
         self.on_hung: Callable[[int], None] = lambda pid: None
 
-    def drain(self) -> None:
+    def drain(self) -> bool:
+        """Handle what the workers sent, within one budget; True once read to the end."""
         sock = self.sock
         start = time.monotonic()
         budget_end = start + DRAIN_BUDGET_S
@@ -60,7 +63,7 @@ class Backend:
                 frames = recv_frames(sock)
             except zmq.Again:
                 self.pool.backend_read(start)
-                return
+                return True
             try:
                 self._on_worker_message(frames)
             except WorkerProtocolError as exc:  # a peer that is not a worker, or a broken one
@@ -70,7 +73,8 @@ class Backend:
                 self.stats.dropped_backend += 1
                 log.exception("unexpected error handling a backend message (the broker goes on)")
             if time.monotonic() >= budget_end:
-                return
+                return False
+        return False
 
     def _on_worker_message(self, frames: list[bytes]) -> None:
         if len(frames) < 3 or frames[1] != protocol.WORKER_PROTOCOL:
@@ -181,8 +185,9 @@ class Backend:
         so those are read before the peer is judged."""
         beat = [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT, self.pool.heartbeat_frame]
         unreachable = [worker_id for worker_id in self.pool.ids() if not self.send(worker_id, beat)]
-        if unreachable:
-            self.drain()
+        for _ in range(GOODBYE_READS if unreachable else 0):
+            if self.drain():  # a goodbye may wait behind other workers' replies
+                break
         for worker_id in unreachable:
             if worker_id in self.pool:  # ROUTER_MANDATORY: the connection is gone (a crash)
                 log.warning("worker %s disconnected: taken for dead", self.pool.name(worker_id))

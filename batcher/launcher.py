@@ -24,6 +24,8 @@ from workers.supervisor import child_environment
 
 #: How many ports below the kernel's ephemeral range free_tcp_address draws from.
 PICKED_PORTS = 12_000
+_PICK = random.SystemRandom()  # unaffected by random.seed, and different in every process
+_handed_out: set[int] = set()
 
 
 def free_tcp_address() -> str:
@@ -34,8 +36,9 @@ def free_tcp_address() -> str:
     low = _ephemeral_low()
     if low - PICKED_PORTS >= 1024:
         for _ in range(100):
-            port = random.randrange(low - PICKED_PORTS, low)
-            if _bindable(port):
+            port = _PICK.randrange(low - PICKED_PORTS, low)
+            if port not in _handed_out and _bindable(port):
+                _handed_out.add(port)  # not twice from one process: the first may not be bound yet
                 return f"tcp://127.0.0.1:{port}"
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -333,7 +333,7 @@ def test_a_worker_whose_goodbye_waits_unread_is_taken_as_left_not_dead(zctx: zmq
     try:
         peer.connect(settings.backend)
         peer.send_multipart([protocol.WORKER_PROTOCOL, protocol.CMD_READY, pack({"model": "echo", "pid": 1})])
-        wait_until(lambda: broker.workers.drain() or broker.pool.ids(), 10, "the worker joined")
+        wait_until(lambda: broker.workers.drain() and broker.pool.ids(), 10, "the worker joined")
         peer.send_multipart([protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
         peer.close(linger=5000)
         wait_until(lambda: broker.backend.poll(0), 10, "the DISCONNECT arrived")
