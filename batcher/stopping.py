@@ -1,8 +1,9 @@
 """SIGINT/SIGTERM as an event that a zmq.Poller can wait on.
 
 pyzmq retries an interrupted poll after running Python's signal handlers, so a flag
-set by a handler would go unseen until the poll times out. A socketpair written by
-the handler and registered in the poller wakes the loop at once instead.
+set by a handler would go unseen until the poll times out. A socketpair registered in
+the poller, written by the C-level handler (`signal.set_wakeup_fd`, whichever thread
+the signal reached) and by ours, wakes the loop at once instead.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class StopSignals:
     def __init__(self) -> None:
         self.count = 0
         self.hangups = 0  # SIGHUPs: "reload", never "stop"
+        self._installed = False
         self._r, self._w = socket.socketpair()
         self._r.setblocking(False)
         self._w.setblocking(False)
@@ -62,6 +64,12 @@ class StopSignals:
         case they were inherited blocked (see `stop_signals_blocked`)."""
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
+        # Python runs a handler in the main thread only once that thread runs Python code
+        # again; a signal the kernel gave to another thread (a heartbeat or metrics thread)
+        # leaves the main thread asleep in its poll. The wake-up fd is written by the C
+        # handler in whatever thread took the signal, so the poll wakes at once.
+        signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
+        self._installed = True
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         return self
 
@@ -88,6 +96,11 @@ class StopSignals:
             self._r.recv(4096)
 
     def close(self) -> None:
+        if self._installed:
+            with contextlib.suppress(ValueError):  # not the main thread: nothing to undo there
+                previous = signal.set_wakeup_fd(-1)
+                if previous != self._w.fileno():
+                    signal.set_wakeup_fd(previous)  # another's since: it stays
         self._r.close()
         self._w.close()
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +30,7 @@ import zmq
 
 from batcher import protocol
 from batcher.launcher import ServeProcess, free_tcp_address
+from batcher.stopping import StopSignals
 from tests.helpers import broker_stats, pack, recv_reply, start_broker, unpack, wait_until
 from workers.supervisor import STARTING_S, PoolSettings, Supervisor
 from workers.worker import EXIT_BAD_ADDRESS
@@ -412,3 +415,27 @@ def test_a_worker_killed_for_a_hung_model_is_not_a_start_up_death(supervisors: A
         assert exits[-1] == (pid, -9)
     assert ("sim", "given_up") not in events and sup.workers[0].early_deaths == 0
     assert len(exits) == 8 and len({pid for pid, _ in exits}) == 8
+
+
+def test_a_stop_signal_taken_by_another_thread_wakes_the_sleeping_loop_at_once() -> None:
+    """The kernel may give SIGTERM to any thread that does not block it (a worker's
+    heartbeat thread, the metrics server's), while the main thread sleeps in its poll:
+    a worker with a 10 s heartbeat then took 10 s to notice SIGTERM."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signals = StopSignals()
+    done = threading.Event()
+    other = threading.Thread(target=done.wait, args=(10,), name="not the main thread")
+    try:
+        signals.install()
+        other.start()
+        assert other.ident is not None
+        signal.pthread_kill(other.ident, signal.SIGTERM)
+        readable, _, _ = select.select([signals.fd], [], [], 5.0)  # asleep in C, as in zmq_poll
+        assert readable == [signals.fd], "the loop slept through a SIGTERM another thread took"
+        assert signals.count == 1
+    finally:
+        done.set()
+        other.join(5)
+        signals.close()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
