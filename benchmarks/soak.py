@@ -785,6 +785,59 @@ def verdict(
     }
 
 
+def fault_summary(faults: list[dict[str, Any]]) -> str:
+    """One row per kind of fault: how many, how many as promised, and how long until every
+    worker was back in the pool (median and worst)."""
+    rows = []
+    for kind in FAULTS:
+        runs = [f for f in faults if f["fault"] == kind]
+        if not runs:
+            continue
+        back = sorted(b for f in runs if (b := f["detail"].get("all_workers_back_after_s")) is not None)
+        rows.append(
+            [
+                f"`{kind}`",
+                len(runs),
+                sum(1 for f in runs if f["ok"]),
+                statistics.median(back) if back else "-",
+                back[-1] if back else "-",
+                _fault_note(kind, runs),
+            ]
+        )
+    headers = ["fault", "times", "as promised", "workers back (s, median)", "worst", "what happened"]
+    return md_table(headers, rows)
+
+
+def _fault_note(kind: str, runs: list[dict[str, Any]]) -> str:
+    details = [f["detail"] for f in runs]
+    if kind == "worker_sigstop":
+        outcomes = Counter(str(d.get("after_sigcont")) for d in details)
+        return "; ".join(f"{v}x {k}" for k, v in outcomes.items())
+    if kind == "broker_restart":
+        up = sorted(d["new_broker_answering_after_s"] for d in details if "new_broker_answering_after_s" in d)
+        return f"new broker answering after {statistics.median(up)} s (median)" if up else "-"
+    if kind == "hung_batch":
+        codes = Counter(str(d.get("code")) for d in details)
+        took = sorted(d["answered_after_s"] for d in details if "answered_after_s" in d)
+        stopped = Counter(d.get("workers_stopped") for d in details)
+        return (
+            f"poison request answered {', '.join(f'`{c}` {n}x' for c, n in codes.items())} after "
+            f"{statistics.median(took) if took else '-'} s (median); workers stopped per poison: "
+            + ", ".join(f"{k} ({v}x)" for k, v in sorted(stopped.items(), key=str))
+        )
+    if kind == "oversized_request":
+        codes = Counter(str(d.get("code")) for d in details)
+        after = sum(1 for d in details if d.get("next_request_ok"))
+        return f"{', '.join(f'`{c}` {n}x' for c, n in codes.items())}; next request on the socket ok {after}x"
+    if kind == "garbage_burst":
+        replies: Counter[str] = Counter()
+        for d in details:
+            replies.update(d.get("replies", {}))
+        took = sorted(d["seconds"] for d in details if "seconds" in d)
+        return f"replies {dict(replies)}; {statistics.median(took) if took else '-'} s a burst (median)"
+    return ""
+
+
 def markdown(result: dict[str, Any]) -> str:
     req = result["requests"]
     s = result["settings"]
@@ -832,6 +885,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"First broker after warm-up to last broker at the end: "
         f"{result['rss']['first_after_warmup_to_last_at_end']}; peak {result['rss']['peak_mib']} MiB.",
+        "",
+        fault_summary(result["faults"]),
         "",
         md_table(
             ["fault", "at (s)", "as promised", "detail"],
