@@ -50,6 +50,7 @@ import msgpack
 import psutil
 import zmq
 from common import environment, fmt, handle_sigterm, md_table, write_results
+from zmq.utils.monitor import recv_monitor_message
 
 from batcher.client import BatcherError, Client
 from batcher.launcher import free_tcp_address
@@ -71,8 +72,7 @@ MAX_MESSAGE_BYTES = 2 << 20  # room for a 1 MiB payload; the oversized request i
 GARBAGE_MESSAGES = 10_000
 SIGSTOP_S = 3.0  # past the default liveness (500 ms x 3)
 RSS_GROWTH_LIMIT = 0.10
-KILL_EXCUSE_S = 30.0  # a request this much older than a broker kill was lost before it
-RECONNECT_EXCUSE_S = 10.0  # a client socket reaches a new broker within this, or is stuck
+KILL_EXCUSE_S = 10.0  # a request this much older than a broker kill was lost before it
 RSS_WINDOW_S = 30  # RSS is the median of this many 1-s samples: large requests in flight move it
 PID_IN_NAME = re.compile(r"/pid(\d+)/")
 
@@ -236,6 +236,12 @@ class Load:
             sock.connect(address)
             self.socks.append(sock)
             self.poller.register(sock, zmq.POLLIN)
+        # When each socket saw its connection drop: what it sent between a broker's death
+        # and then went into a dead connection; what it sent after is queued for the next.
+        self.monitors = [sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) for sock in self.socks]
+        for monitor in self.monitors:
+            self.poller.register(monitor, zmq.POLLIN)
+        self.disconnected_at: list[list[float]] = [[] for _ in self.socks]
         self.codes: list[str] = ["ok", "wrong result"]
         self.sent_at = array("d")
         self.answered_at = array("d")
@@ -266,12 +272,23 @@ class Load:
 
     def receive(self, timeout_ms: int) -> None:
         for sock, _ in self.poller.poll(timeout_ms):
+            if sock in self.monitors:
+                self._disconnected(self.monitors.index(sock))
+                continue
             while True:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 self._record(frames[-1])
+
+    def _disconnected(self, i: int) -> None:
+        while True:
+            try:
+                recv_monitor_message(self.monitors[i], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.disconnected_at[i].append(time.monotonic())
 
     def _record(self, body: bytes) -> None:
         now = time.monotonic()
@@ -323,7 +340,9 @@ class Load:
             self.receive(100)
 
     def close(self) -> None:
-        for sock in self.socks:
+        for sock, monitor in zip(self.socks, self.monitors, strict=True):
+            sock.disable_monitor()
+            monitor.close(0)
             sock.close(0)
 
 
@@ -367,22 +386,27 @@ class Faults:
     def run(self) -> None:
         try:
             k = 1
+            half = self.settings.fault_every_s / 2
             while not self.stop.is_set():
                 due = self.load_start + k * self.settings.fault_every_s
-                while not self.stop.is_set() and time.monotonic() < due:
-                    self.housekeep()
-                    self.stop.wait(0.2)
-                if self.stop.is_set() or due + self.settings.fault_every_s / 2 > self.end:
+                self.housekeep_until(min(due, self.end))
+                if self.stop.is_set() or max(due, time.monotonic()) + half > self.end:
                     break  # no time left for it to finish before the load stops
                 name = self.faults[(k - 1) % len(self.faults)]
                 record = FaultRecord(name, round(time.monotonic() - self.load_start, 1))
                 self.records.append(record)
                 getattr(self, name)(record)
                 k += 1
+            self.housekeep_until(self.end)  # respawns and RSS samples until the load stops
         except BaseException as e:  # reported, and fails the run
             self.error = e
         finally:
             self._stats.close()
+
+    def housekeep_until(self, when: float) -> None:
+        while not self.stop.is_set() and time.monotonic() < when:
+            self.housekeep()
+            self.stop.wait(0.2)
 
     def housekeep(self) -> None:
         self.fleet.respawn_exited()
@@ -415,7 +439,8 @@ class Faults:
     def all_workers_joined(self) -> bool:
         """Every worker process the fleet runs, and no other, is in the broker's pool."""
         pids = sorted(int(m.group(1)) for n in self.worker_names() if (m := PID_IN_NAME.search(n)))
-        return pids == sorted(self.fleet.worker_pids())
+        expected = self.settings.workers_per_model * len(MODELS)
+        return len(pids) == expected and pids == sorted(self.fleet.worker_pids())
 
     def _absent(self, pid: int) -> bool:
         names = self.worker_names()
@@ -497,7 +522,7 @@ class Faults:
 
     def hung_batch(self, record: FaultRecord) -> None:
         """One request that hangs every worker it reaches, among the load's requests."""
-        model = MODELS[len(self.records) // len(FAULTS) % len(MODELS)]
+        model = MODELS[len(self.records) // len(self.faults) % len(MODELS)]
         exits_before = self.fleet.worker_exits[75]
         started = time.monotonic()
         with contextlib.closing(self._socket()) as sock:
@@ -562,36 +587,33 @@ class Faults:
 
 def classify(load: Load, restarts: list[tuple[float, float]]) -> dict[str, Any]:
     """Unanswered requests by why. Excused: one sent at most KILL_EXCUSE_S before a broker
-    kill (outstanding in it), or after the kill on a socket that had not yet heard from the
-    new broker (its first reply after the new broker answered, at most RECONNECT_EXCUSE_S
-    later). Anything else is lost, and so is the run if a socket never heard from a new
-    broker."""
-    windows: list[list[float]] = []
-    deaf = 0  # (restart, socket) pairs with no reply within RECONNECT_EXCUSE_S of the new broker
-    for _, up in restarts:
-        firsts = [math.inf] * len(load.socks)
-        for n, at in enumerate(load.answered_at):
-            if at > up and at < firsts[load.sock_of[n]]:
-                firsts[load.sock_of[n]] = at
-        deaf += sum(1 for first in firsts if first > up + RECONNECT_EXCUSE_S)
-        windows.append([min(first, up + RECONNECT_EXCUSE_S) for first in firsts])
+    kill (outstanding in it), or after the kill but before its socket saw the connection
+    drop (it went into the dead connection). What a socket sends after that is queued for
+    the new broker and must be answered. Anything else is lost, and so is the run if a
+    socket never saw a killed broker's connection drop."""
+    ends: list[list[float]] = []
+    deaf = 0  # (restart, socket) pairs that never saw the killed broker's connection drop
+    for killed, _ in restarts:
+        drops = [min((t for t in times if t >= killed), default=math.inf) for times in load.disconnected_at]
+        deaf += sum(1 for t in drops if t == math.inf)
+        ends.append(drops)
     out = Counter[str]()
     oldest_at_kill = 0.0
     for n, at in enumerate(load.answered_at):
         if at:
             continue
         sent, why = load.sent_at[n], "lost"
-        for (killed, _), ends in zip(restarts, windows, strict=True):
+        for (killed, _), drops in zip(restarts, ends, strict=True):
             if killed - KILL_EXCUSE_S <= sent <= killed:
                 why = "outstanding at a broker kill"
                 oldest_at_kill = max(oldest_at_kill, killed - sent)
-            elif killed < sent < ends[load.sock_of[n]]:
-                why = "sent before its socket reached the new broker"
+            elif killed < sent <= drops[load.sock_of[n]]:
+                why = "sent into the killed broker's connection"
         out[why] += 1
     return {
         **out,
         "oldest_outstanding_at_a_kill_ms": round(oldest_at_kill * 1000),
-        "sockets_not_heard_from_a_new_broker": deaf,
+        "sockets_that_missed_a_broker_kill": deaf,
     }
 
 
@@ -703,8 +725,7 @@ def soak(settings: SoakSettings, workdir: Path) -> dict[str, Any]:
                 )
 
         load.run_open(rate, start + settings.duration_s, tick)
-        runner.stop.set()
-        faults_thread.join(180)
+        faults_thread.join(300)  # starts no fault it cannot finish; the one at hand ends by itself
         load.drain(30)
         fleet.respawn_exited()
         return verdict(settings, fleet, load, runner, start, capacity, rate, calibration_sent)
@@ -750,7 +771,7 @@ def verdict(
         "every fault answered as promised": bool(runner.records)
         and all(r.ok for r in runner.records)
         and runner.error is None,
-        "every client socket reached each new broker": unanswered["sockets_not_heard_from_a_new_broker"] == 0,
+        "every client socket saw each broker kill": unanswered["sockets_that_missed_a_broker_kill"] == 0,
         "errors only worker_failed, under 0.1% of requests": set(outcomes)
         <= {"ok", "worker_failed", "unanswered"}
         and outcomes["worker_failed"] <= 0.001 * len(load.sent_at),
@@ -868,7 +889,7 @@ def markdown(result: dict[str, Any]) -> str:
                     req["duplicated"],
                     req["errors"].get("wrong result", 0),
                     req["unanswered"].get("outstanding at a broker kill", 0)
-                    + req["unanswered"].get("sent before its socket reached the new broker", 0),
+                    + req["unanswered"].get("sent into the killed broker's connection", 0),
                 ]
             ],
         ),
