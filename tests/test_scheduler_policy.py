@@ -1799,17 +1799,23 @@ def test_any_costs_every_batch_within_its_caps_and_in_order(
 # --- priority aging: no flood of higher priorities starves the rest --------------------------------
 
 
+def serve_one_by_one(s: Scheduler, times: tuple[float, ...]) -> list[object]:
+    """The ids served, one batch of one at each time (a single worker, max batch 1)."""
+    served: list[object] = []
+    for now in times:
+        (b,) = s.due_batches(now)
+        served += ids(b)
+        s.complete(b.worker, b.batch_id)
+    return served
+
+
 def test_aging_orders_by_priority_less_waiting_time() -> None:
     """With 10 ms aging, a priority-1 request that arrives 20 ms after a priority-0 one
     ranks below it (1 - 2 levels), one that arrives 5 ms after ranks above it."""
     s = Scheduler(per_model={"m": BatchSettings(1, 0.0, policy="window", priority_aging_ms=10.0)})
     put(s, "m", rq(0.000, 0, rid="old-low"), rq(0.020, 1, rid="late-high"), rq(0.005, 1, rid="soon-high"))
     s.add_worker(b"w", "m")
-    served = []
-    for now in (0.03, 0.04, 0.05):
-        (b,) = s.due_batches(now)
-        served += ids(b)
-        s.complete(b.worker, b.batch_id)
+    served = serve_one_by_one(s, (0.03, 0.04, 0.05))
     assert served == ["soon-high", "old-low", "late-high"]
 
 
@@ -1947,11 +1953,7 @@ def test_changing_the_aging_ranks_queued_requests_again() -> None:
     s.set_settings("m", BatchSettings(1, 0.0, policy="window"))
     put(s, "m", rq(10.0, 1, rid="new-high"))
     s.add_worker(b"w", "m")
-    served = []
-    for now in (10.0, 10.1, 10.2):
-        (b,) = s.due_batches(now)
-        served += ids(b)
-        s.complete(b.worker, b.batch_id)
+    served = serve_one_by_one(s, (10.0, 10.1, 10.2))
     assert served == ["new-high", "old-deadline", "old-low"]  # strict again: priority, deadline
     assert s.queued("m") == 0 and s.models["m"].queued_cost == 0.0
 
