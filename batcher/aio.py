@@ -37,6 +37,7 @@ from batcher.client import (
     request_body,
     timeout_reply,
 )
+from batcher.protocol import ZERO_COPY_BYTES
 
 log = logging.getLogger("batcher.aio")
 
@@ -119,7 +120,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         """The one task that receives: each reply resolves the future of its id."""
         try:
             while True:
-                frames = await self._sock.recv_multipart()
+                frames = await self._sock.recv_multipart(copy=False)  # no copy of a large reply
                 try:
                     reply = tensor.unpack_arrays(frames[-1])
                     fut = self._match(reply)  # None: dropped as a duplicate, and counted
@@ -165,7 +166,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
                     # The send counts against the timeout too: it waits for ever on a
                     # socket whose handshake was refused (libzmq gives such a one up).
                     async with asyncio.timeout(wait_s):
-                        await self._sock.send_multipart([b"", body])
+                        await self._sock.send_multipart([b"", body], copy=len(body) < ZERO_COPY_BYTES)
                         if on_sent is not None:
                             on_sent()
                         # shield: a timed-out wait must leave the future for a retry's reply

@@ -60,7 +60,7 @@ class Backend:
         budget_end = start + DRAIN_BUDGET_S
         for _ in range(DRAIN_LIMIT):
             try:
-                frames = recv_frames(sock)
+                frames = recv_frames(sock, copied=4)
             except zmq.Again:
                 self.pool.backend_read(start)
                 return True
@@ -92,11 +92,11 @@ class Backend:
             return
         self.pool.heard(worker_id, time.monotonic())
         if command == protocol.CMD_REPLY:
-            if len(frames) != 5:
-                exc = WorkerProtocolError(f"REPLY must have 5 frames, got {len(frames)}")
+            if len(frames) < 4:
+                exc = WorkerProtocolError(f"REPLY must have a header, got {len(frames) - 1} frames")
                 self._bad_reply(worker_id, exc)
                 raise exc
-            self._on_reply(worker_id, frames[3], frames[4])
+            self._on_reply(worker_id, frames[3], frames[4:])
         elif command == protocol.CMD_DISCONNECT:
             log.info("worker %s left", self.pool.name(worker_id))
             self.lost(worker_id, "worker left", failed=False)
@@ -121,13 +121,13 @@ class Backend:
         # adopts the broker's before its silence could be taken for death.
         self.send(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT, self.pool.heartbeat_frame])
 
-    def _on_reply(self, worker_id: bytes, header_frame: bytes, blob: bytes) -> None:
+    def _on_reply(self, worker_id: bytes, header_frame: bytes, bodies: list[Any]) -> None:
         try:
             header = protocol.parse_reply_header(header_frame)
         except WorkerProtocolError as exc:
             self._bad_reply(worker_id, exc)
             raise
-        batch_id, infer_ms, lengths, model_errors, wait_ms = header
+        batch_id, infer_ms, lengths, model_errors, wait_ms, padding = header
         batch = self.scheduler.complete(worker_id, batch_id, infer_ms / 1000.0, time.monotonic())
         if batch is None:
             self.stats.dropped_backend += 1
@@ -142,11 +142,11 @@ class Backend:
         sent_at = batch.dispatched_at
         in_worker_ms = max(wait_ms or 0.0, (time.monotonic() - sent_at) * 1000.0 - infer_ms)
         queue_ms = (round((sent_at - r.arrived_at) * 1000.0 + in_worker_ms, 3) for r in batch.requests)
-        self.stats.batch_done(batch.model, queue_ms, infer_ms, in_worker_ms, len(batch.requests))
+        self.stats.batch_done(batch.model, queue_ms, infer_ms, in_worker_ms, len(batch.requests), padding)
         try:
             if len(lengths) != len(batch.requests):
                 raise ValueError(f"{len(lengths)} replies for {len(batch.requests)} requests")
-            replies = protocol.split_replies(lengths, blob)
+            replies = protocol.split_bodies(lengths, bodies)
         except ValueError as exc:
             log.warning("malformed reply from worker %s: %s", self.pool.name(worker_id), exc)
             self.fail_batch(batch, ErrorCode.WORKER_FAILED, f"the worker sent a malformed reply: {exc}")

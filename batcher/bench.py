@@ -43,10 +43,12 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import IO, Any
 
 import msgpack
+import msgspec
 import zmq
 from hdrh.histogram import HdrHistogram
 
 from batcher import protocol
+from batcher.allocator import heap_trimmer, keep_freed_memory
 from batcher.security import load_keypair, load_public_key, secure_client
 from batcher.zmqio import recv_frames, send_frames
 from workers.supervisor import child_environment
@@ -211,6 +213,33 @@ def _body_prefix(settings: LoadSettings) -> bytes:
     return b"".join(parts)
 
 
+class ReplyHead(msgspec.Struct):
+    """What the load generator reads of a reply: its output is skipped, never decoded."""
+
+    id: Any = None
+    ok: Any = None
+    batch_size: Any = None
+    error: Any = None
+
+
+_read_reply_head = msgspec.msgpack.Decoder(ReplyHead).decode
+
+
+def read_head(body: Any) -> ReplyHead:
+    """A reply's head; a reply msgspec cannot read as a map of str keys is decoded whole."""
+    try:
+        return _read_reply_head(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        pass
+    try:
+        reply = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception:  # msgpack raises several unrelated types
+        return ReplyHead()
+    if not isinstance(reply, dict):
+        return ReplyHead()
+    return ReplyHead(reply.get("id"), reply.get("ok"), reply.get("batch_size"), reply.get("error"))
+
+
 def run_shard(
     settings: LoadSettings,
     progress: Callable[[int], None] | None = None,
@@ -220,6 +249,7 @@ def run_shard(
 
     `start()` is called once connected and returns when the load may begin (so that all
     shards begin together); `progress(replies)` is called every PROGRESS_INTERVAL_S or so."""
+    trim = heap_trimmer() if keep_freed_memory() else None  # large payloads: batcher.allocator
     ctx: zmq.Context[Any] = zmq.Context()
     sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -235,6 +265,8 @@ def run_shard(
     finally:
         sock.close(0)
         ctx.term()
+        if trim is not None:
+            trim()
 
 
 class _Generator:
@@ -276,21 +308,20 @@ class _Generator:
         got = 0
         sock = self.sock
         hist, res = self.hist, self.result
-        unpackb = msgpack.unpackb
         window_from, window_to = self.window_from, self.window_to
         now = 0.0
         while True:
             try:
-                frames = recv_frames(sock)
+                frames = recv_frames(sock, copied=1)  # a large reply stays a zmq.Frame
             except zmq.Again:
                 break
             now = time.perf_counter()
-            reply = unpackb(frames[-1], raw=False)
-            due_at = self.due.pop(reply.get("id"), None)
+            reply = read_head(frames[-1])
+            due_at = self.due.pop(reply.id, None)
             if due_at is None:
                 continue  # not a request of this run
             got += 1
-            ok = bool(reply.get("ok"))
+            ok = reply.ok is True
             if now < window_from:
                 res.replies_before_window += 1
             elif now < window_to:
@@ -303,11 +334,12 @@ class _Generator:
             if ok:
                 res.ok += 1
                 hist.record_value(max(1, int((now - due_at) * 1e6)))
-                size = reply.get("batch_size")
+                size = reply.batch_size
                 if isinstance(size, int):
                     res.batch_sizes[size] += 1
             else:
-                res.errors[str((reply.get("error") or {}).get("code", "unknown"))] += 1
+                error = reply.error if isinstance(reply.error, dict) else {}
+                res.errors[str(error.get("code", "unknown"))] += 1
         if got:
             res.replies += got
             res.last_reply_s = now - self.t0

@@ -23,7 +23,7 @@ from typing import Any
 import zmq
 
 from batcher import protocol
-from batcher.allocator import TRIM_INTERVAL_S, heap_trimmer
+from batcher.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
 from batcher.backend import DRAIN_BUDGET_S, DRAIN_LIMIT, Backend
 from batcher.control import Controls
 from batcher.metrics import PrometheusMetrics
@@ -185,6 +185,7 @@ class Broker:
         limit_s = None if settings.batch_timeout_ms is None else settings.batch_timeout_ms / 1000.0
         self.call_every(TIME_LIMIT_CHECK_S, lambda now: self.workers.check_time_limits(now, limit_s))
         if (trim := heap_trimmer()) is not None:
+            keep_freed_memory()
             self.call_every(TRIM_INTERVAL_S, lambda now: trim())
 
     def reload_allow_lists(self) -> None:
@@ -329,7 +330,7 @@ class Broker:
                 self._refuse(exc.envelope, None, exc.code, exc.message)
                 return
         try:
-            header, _ = protocol.parse_request(body)
+            header = protocol.read_header(body)
         except ProtocolError as exc:
             self._refuse(envelope, exc.req_id, exc.code, exc.message)
             return
@@ -350,6 +351,13 @@ class Broker:
             envelope, body, header.id, now, header.priority, now + timeout_s if timeout_s else None
         )
         request.cost = header.cost
+        settings = self.scheduler.settings_of(model)
+        if settings is not None and settings.bucket_by is not None:
+            try:
+                request.bucket = settings.bucket(protocol.input_length(body, header.id))
+            except ProtocolError as exc:
+                self._refuse(envelope, exc.req_id, exc.code, exc.message, model)
+                return
         try:
             self.scheduler.enqueue(model, request)
         except NoSuchModel:

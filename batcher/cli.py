@@ -40,7 +40,7 @@ from batcher.config import COMMA_LIST_OPTIONS, Config, ConfigError, Kind, load_c
 from batcher.demo import DEMO_POLICY, DEMO_WORKERS, run_demo
 from batcher.logs import FORMATS, setup_logging
 from batcher.protocol import Heartbeat
-from batcher.scheduler import POLICIES, BatchSettings
+from batcher.scheduler import BUCKET_BY, POLICIES, BatchSettings
 from batcher.security import CurveServerKeys, KeyFileError
 from batcher.serving import ModelLoadFailed, run_serve
 from workers.models import ModelSpec, SimSettings
@@ -62,6 +62,8 @@ MAX_TIMEOUT_MS = 86_400_000.0  # request deadlines: one day
 MAX_BATCH_COST = 1e15  # a batch's summed request costs (tokens, pixels, bytes)
 MAX_TIMEOUT_S = MAX_TIMEOUT_MS / 1000  # a client's wait for a reply: one day
 MAX_BATCH_SIZE = 4096
+#: The largest length bucket bound (--length-buckets).
+MAX_LENGTH = 2**31
 MAX_QUEUE = 10_000_000  # requests per model
 MAX_WORKERS = 256  # worker processes per model
 MAX_WORKERS_PER_GPU = 64
@@ -308,6 +310,8 @@ def _check_config(ctx: click.Context, config: Config) -> None:
             try:
                 if name == "batch_sizes":
                     _parse_batch_sizes(text)
+                elif name == "length_buckets":
+                    _parse_length_buckets(text)
                 elif name == "gpus":
                     _parse_gpus(text)
                 elif name == "workers" and model is not None:  # whether this command has --workers or not
@@ -330,6 +334,28 @@ def _parse_batch_sizes(value: str) -> tuple[int, ...]:
         if not 1 <= size <= MAX_BATCH_SIZE:
             raise ValueError(f"batch sizes must be within 1..{MAX_BATCH_SIZE}, got {size}")
     return sizes
+
+
+def _parse_length_buckets(value: str) -> tuple[int, ...]:
+    """`16,32,64` as a tuple of increasing bounds >= 1 (ValueError if not)."""
+    try:
+        bounds = tuple(int(v) for v in value.replace(" ", "").split(","))
+    except ValueError:
+        raise ValueError(f"expected lengths like 16,32,64,128, got {value!r}") from None
+    if list(bounds) != sorted(set(bounds)) or bounds[0] < 1 or bounds[-1] > MAX_LENGTH:
+        raise ValueError(
+            f"length buckets must be increasing, without repeats, within 1..{MAX_LENGTH}, got {value!r}"
+        )
+    return bounds
+
+
+def _length_buckets(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    if not value:
+        return None
+    try:
+        return _parse_length_buckets(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def _parse_gpus(value: str) -> tuple[int, ...]:
@@ -542,6 +568,21 @@ _BATCHING = (
         default=None,
         help="Largest sum of the requests' `cost` (tokens, pixels, bytes; 1 when a request "
         "gives none) in one batch; a lone request over it runs alone. Default: no cap.",
+    ),
+    option(
+        "--bucket-by",
+        type=click.Choice(BUCKET_BY),
+        default=None,
+        help="Group requests so that padding stays small: `length` reads each request's "
+        "length (the first axis of its input tensor) and never batches requests of different "
+        "--length-buckets together.",
+    ),
+    option(
+        "--length-buckets",
+        callback=_length_buckets,
+        default=None,
+        help="Upper bounds of the length buckets, e.g. 16,32,64,128 (with --bucket-by length): "
+        "a request of length 20 joins the 32 bucket; one longer than the last has a bucket of its own.",
     ),
 )
 

@@ -29,7 +29,7 @@ from zmq.utils.monitor import parse_monitor_message
 from batcher import protocol, tensor
 from batcher.protocol import ErrorCode
 from batcher.security import load_public_key, secure_client
-from batcher.zmqio import recv_frames
+from batcher.zmqio import recv_frames, send_frames
 
 log = logging.getLogger("batcher.client")
 
@@ -605,7 +605,7 @@ class Client(BaseClient[PendingReply]):
         answered: list[PendingReply] = []
         while True:
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                frames = recv_frames(self._sock, copied=1)  # a large body stays a zmq.Frame
             except zmq.Again:
                 return answered
             try:
@@ -625,7 +625,7 @@ class Client(BaseClient[PendingReply]):
         frames = [b"", body]
         while True:
             try:
-                self._sock.send_multipart(frames, zmq.NOBLOCK)
+                send_frames(self._sock, frames)  # a large body goes without a copy
                 return True
             except zmq.Again:
                 pass

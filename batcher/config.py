@@ -47,7 +47,7 @@ class Kind(Enum):
 
 
 #: Options whose flag takes a comma-separated list and whose file value is a TOML list.
-COMMA_LIST_OPTIONS = ("batch_sizes", "gpus")
+COMMA_LIST_OPTIONS = ("batch_sizes", "gpus", "length_buckets")
 
 #: The type of each [models.NAME] key (a key missing here is left to BatchSettings).
 MODEL_KINDS = {
@@ -58,6 +58,8 @@ MODEL_KINDS = {
     "max_batch_cost": Kind.NUMBER,
     "priority_aging_ms": Kind.NUMBER,
     "policy": Kind.STR,
+    "bucket_by": Kind.STR,
+    "length_buckets": Kind.INT_LIST,
     "gpus": Kind.INT_LIST,
     "workers": Kind.INT,
 }
@@ -143,8 +145,9 @@ class Config:
         out = {}
         for name, table in self.models.items():
             values = {k: v for k, v in table.items() if k not in fixed and k not in PLACEMENT_KEYS}
-            if "batch_sizes" in values and values["batch_sizes"] is not None:
-                values["batch_sizes"] = tuple(values["batch_sizes"])
+            for key in ("batch_sizes", "length_buckets"):
+                if values.get(key) is not None:
+                    values[key] = tuple(values[key])
             if isinstance(values.get("max_wait_ms"), int):
                 values["max_wait_ms"] = float(values["max_wait_ms"])
             try:

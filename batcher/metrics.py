@@ -55,13 +55,16 @@ class NoMetrics:
     def worker_event(self, model: str, event: str) -> None:
         pass
 
+    def padding(self, model: str, padded: int, real: int, waste: float | None) -> None:
+        pass
+
 
 class PrometheusMetrics(NoMetrics):
     """Prometheus metrics in a registry of their own, served over HTTP by
     prometheus_client's server thread; gauges are read from the broker at scrape time."""
 
     def __init__(self, gauges: Callable[[], dict[str, dict[str, float]]]) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
         from prometheus_client.core import GaugeMetricFamily
 
         self.registry = CollectorRegistry()
@@ -106,6 +109,18 @@ class PrometheusMetrics(NoMetrics):
             ["model", "event"],
             registry=self.registry,
         )
+        self.elements = Counter(
+            "batcher_stacked_elements",
+            "Elements of stacked batches' inputs: padded (added to fit the longest) or real",
+            ["model", "kind"],
+            registry=self.registry,
+        )
+        self.padding_waste = Gauge(
+            "batcher_padding_waste_ratio",
+            "Padded elements / real elements of the stacked batches so far",
+            ["model"],
+            registry=self.registry,
+        )
 
         class Gauges:
             def collect(self) -> Any:
@@ -146,3 +161,9 @@ class PrometheusMetrics(NoMetrics):
 
     def worker_event(self, model: str, event: str) -> None:
         self.worker_events.labels(model, event).inc()
+
+    def padding(self, model: str, padded: int, real: int, waste: float | None) -> None:
+        self.elements.labels(model, "padded").inc(padded)
+        self.elements.labels(model, "real").inc(real)
+        if waste is not None:
+            self.padding_waste.labels(model).set(waste)

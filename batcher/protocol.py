@@ -7,17 +7,18 @@ version of this module.
 
 from __future__ import annotations
 
-import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, NamedTuple
 
 import msgpack
+import msgspec
 
 from batcher import tensor
 
 #: First frame of every backend message, so a peer speaking anything else is spotted.
-WORKER_PROTOCOL = b"BATCHER-W1"
+WORKER_PROTOCOL = b"BATCHER-W2"
 
 #: Backend commands (second frame of every backend message).
 CMD_READY = b"\x01"
@@ -29,6 +30,10 @@ CMD_EXIT = b"\x06"  # broker -> worker: your batch ran past its time limit; exit
 
 #: The largest `cost` a request may carry (as --max-batch-cost's largest): sums of many stay exact.
 MAX_COST = 1e15
+
+#: A body or frame this large is passed on by reference, never copied (zero copy);
+#: smaller ones are copied, which costs them less (docs/benchmarks.md, "Copies").
+ZERO_COPY_BYTES = 64 * 1024
 
 #: The types a request `id` may have (everything else in a body is forwarded untouched).
 ID_TYPES = (int, str)
@@ -122,6 +127,104 @@ class RequestHeader(NamedTuple):
     cost: float = 1.0  # its share of the model's max_batch_cost
 
 
+class _Header(msgspec.Struct):
+    """The request fields the broker reads, typed for msgspec: every other key, `input`'s
+    value included, is skipped without being decoded or copied."""
+
+    id: int | str | None = None
+    model: str | None = None
+    timeout_ms: int | float | None = None
+    priority: int | float = 0
+    op: str = "infer"
+    cost: int | float = 1.0
+    input: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+_read_header = msgspec.msgpack.Decoder(_Header).decode
+
+
+def read_header(body: Any) -> RequestHeader:
+    """The broker's view of a request body (bytes, or any buffer such as a zmq.Frame):
+    the header fields, read without decoding or copying `input` (a 1 MiB tensor costs
+    what a 16-byte string does). Anything the fast reader does not take as it is (a
+    wrong type, a non-str key, broken msgpack) goes through `parse_request`, which
+    raises the ProtocolError with the precise message, or accepts what it may.
+
+    A body accepted here may still hold something only a full decode refuses inside
+    `input` (a map key that is an array, invalid UTF-8): the worker decodes each body on
+    its own and answers such a request `bad_request`, alone."""
+    try:
+        h = _read_header(body)
+    except (msgspec.DecodeError, RecursionError):
+        return parse_request(bytes(body))[0]
+    timeout_ms, priority, cost = h.timeout_ms, h.priority, h.cost
+    if (
+        (h.op == "infer" and h.input is msgspec.UNSET)
+        or (timeout_ms is not None and not timeout_ms >= 0)
+        or priority != priority
+        or not 0 < cost <= MAX_COST
+    ):
+        return parse_request(bytes(body))[0]  # raises with the precise message
+    return RequestHeader(h.id, h.model, timeout_ms, priority, h.op, cost)
+
+
+class _TensorHeader(msgspec.Struct):
+    """A tensor's shape, its data skipped unread."""
+
+    shape: Any
+
+
+class _OneTensorInput(msgspec.Struct):
+    input: _TensorHeader
+
+
+class _NamedTensorsInput(msgspec.Struct):
+    input: dict[str, _TensorHeader]
+
+
+class _TensorListInput(msgspec.Struct):
+    input: list[_TensorHeader]
+
+
+_SHAPE_READERS: list[Callable[[Any], _OneTensorInput | _NamedTensorsInput | _TensorListInput]] = [
+    msgspec.msgpack.Decoder(_OneTensorInput).decode,
+    msgspec.msgpack.Decoder(_NamedTensorsInput).decode,
+    msgspec.msgpack.Decoder(_TensorListInput).decode,
+]
+
+
+def input_length(body: Any, req_id: int | str | None = None) -> int:
+    """A request's length for `--bucket-by length`: the first axis of its input tensor
+    (of the longest, for a map or a list of tensors), read from the tensor headers alone.
+    ProtocolError (bad_request) when the input has no such tensor."""
+    for read in _SHAPE_READERS:
+        try:
+            given = read(body).input
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+            continue
+        if isinstance(given, _TensorHeader):
+            headers = [given]
+        elif isinstance(given, dict):
+            headers = list(given.values())
+        else:
+            headers = given
+        lengths = [_first_axis(h.shape) for h in headers]
+        if lengths and all(n is not None for n in lengths):
+            return max(n for n in lengths if n is not None)
+    raise ProtocolError(
+        ErrorCode.BAD_REQUEST,
+        "this model groups requests by length (--bucket-by length): the input must be a tensor, "
+        "a map of tensors or a list of tensors, each with a first axis (its length)",
+        req_id,
+    )
+
+
+def _first_axis(shape: object) -> int | None:
+    if isinstance(shape, list) and shape and type(shape[0]) is int and shape[0] >= 0:
+        return shape[0]
+    return None
+
+
 def split_envelope(frames: list[bytes]) -> tuple[list[bytes], bytes]:
     """Split a ROUTER message into (envelope, body).
 
@@ -180,10 +283,10 @@ ID_PREFIX_BYTES = 64 * 1024
 def id_of_refused(body: bytes) -> int | str | None:
     """The `id` of a body the broker refuses unread (too large), if its first
     ID_PREFIX_BYTES hold it: no copy of the rest is made."""
-    return _id_of_undecodable(body[:ID_PREFIX_BYTES])
+    return _id_of_undecodable(memoryview(body)[:ID_PREFIX_BYTES])
 
 
-def _id_of_undecodable(body: bytes) -> int | str | None:
+def _id_of_undecodable(body: Any) -> int | str | None:
     """The `id` of a body the broker refuses, read as far as the body allows: key by key,
     with maps decoded as lists of pairs (so no key needs to be hashable), stopping at the
     first fault. A body broken only after its id still has the id echoed."""
@@ -256,11 +359,20 @@ def parse_request(body: bytes) -> tuple[RequestHeader, dict[str, Any]]:
 # --- replies -------------------------------------------------------------------------------
 
 # numpy arrays and scalars (from clients and models) go as tensors; the broker has none.
-_packer = msgpack.Packer(use_bin_type=True, default=tensor.msgpack_default)
+# msgspec writes a value's bytes once (msgpack's Packer copies them twice: into its
+# buffer, then out to bytes), a tensor's data included.
+_encode = msgspec.msgpack.Encoder(enc_hook=tensor.msgpack_default).encode
+# msgspec's nesting is bounded by Python's recursion limit less the caller's depth;
+# msgpack's Packer nests as deep as msgpack's decoder does, so what a worker could
+# decode it can encode back.
+_deep_packer = msgpack.Packer(use_bin_type=True, default=tensor.msgpack_default)
 
 
 def _packer_pack(obj: object) -> bytes:
-    return _packer.pack(obj)  # type: ignore[no-any-return]
+    try:
+        return _encode(obj)
+    except RecursionError:
+        return _deep_packer.pack(obj)  # type: ignore[no-any-return]
 
 
 def error_reply(req_id: object, code: str, message: str) -> bytes:
@@ -290,32 +402,54 @@ def unpack(data: bytes) -> Any:
 # --- backend framing -----------------------------------------------------------------------
 
 
-def array_header(n: int) -> bytes:
-    """msgpack array header for n elements, so already-encoded bodies can be joined into
-    one msgpack array without re-encoding any of them."""
-    if n < 16:
-        return bytes((0x90 | n,))
-    if n < 0x10000:
-        return b"\xdc" + struct.pack(">H", n)
-    return b"\xdd" + struct.pack(">I", n)
+def body_frames(bodies: list[Any]) -> list[Any]:
+    """The bodies of a BATCH or REPLY as frames: one frame holding them all when every
+    one is small (one send, one copy of little), or one frame each when any is a large
+    zmq.Frame or bytes (sent on by reference, never copied). docs/benchmarks.md
+    ("One frame per batch or per request") has the measurement behind the size."""
+    if any(len(b) >= ZERO_COPY_BYTES for b in bodies):
+        return bodies
+    return [b"".join(bodies)]
 
 
-def batch_frames(batch_id: int, queue_ms: list[float], bodies: list[bytes]) -> list[bytes]:
-    """Backend BATCH message (after the worker's routing id): a header, then the request
-    bodies joined into one msgpack array, one frame for the whole batch."""
-    return [
-        WORKER_PROTOCOL,
-        CMD_BATCH,
-        _packer_pack([batch_id, queue_ms]),
-        array_header(len(bodies)) + b"".join(bodies),
-    ]
+def batch_frames(batch_id: int, queue_ms: list[float], bodies: list[Any]) -> list[Any]:
+    """Backend BATCH message (after the worker's routing id): a header with each body's
+    length, then the bodies, joined in one frame or one frame each (`body_frames`)."""
+    header = _packer_pack([batch_id, queue_ms, [len(b) for b in bodies]])
+    return [WORKER_PROTOCOL, CMD_BATCH, header, *body_frames(bodies)]
 
 
-def reply_frames(batch_id: int, infer_ms: float, replies: list[bytes], errors: int = 0) -> list[bytes]:
-    """Backend REPLY message: a header with each reply's length (and how many replies are
-    errors, for the broker's counters), then the replies joined."""
-    header = _packer_pack([batch_id, infer_ms, [len(r) for r in replies], errors])
-    return [WORKER_PROTOCOL, CMD_REPLY, header, b"".join(replies)]
+def reply_frames(
+    batch_id: int,
+    infer_ms: float,
+    replies: list[bytes],
+    errors: int = 0,
+    wait_ms: float | None = None,
+    padding: tuple[int, int] | None = None,
+) -> list[Any]:
+    """Backend REPLY message: a header with each reply's length (how many replies are
+    errors, for the broker's counters, the batch's wait in the worker and its padding
+    when known), then the replies, joined in one frame or one frame each (`body_frames`)."""
+    fields: list[Any] = [batch_id, infer_ms, [len(r) for r in replies], errors]
+    if wait_ms is not None or padding is not None:
+        fields.append(wait_ms)
+    if padding is not None:
+        fields.append(list(padding))
+    return [WORKER_PROTOCOL, CMD_REPLY, _packer_pack(fields), *body_frames(replies)]
+
+
+def split_bodies(lengths: list[int], frames: list[Any]) -> list[Any]:
+    """The bodies of a BATCH or REPLY, one per length: `frames` is one frame holding them
+    all (cut into memoryviews, not copied) or one frame each. ValueError when the frames
+    do not match the lengths."""
+    if len(frames) == 1 and len(lengths) != 1:
+        return split_replies(lengths, frames[0])
+    if len(frames) != len(lengths):
+        raise ValueError(f"{len(frames)} body frames for {len(lengths)} lengths")
+    for length, frame in zip(lengths, frames, strict=True):
+        if len(frame) != length:
+            raise ValueError(f"a body frame of {len(frame)} bytes where the header says {length}")
+    return frames
 
 
 class WorkerProtocolError(ValueError):
@@ -335,6 +469,7 @@ class ReplyHeader(NamedTuple):
     lengths: list[int]
     errors: int
     wait_ms: float | None  # how long the batch waited in the worker before its model ran
+    padding: tuple[int, int] | None = None  # (padded, real) elements of a stacked batch
 
 
 def _is_int(value: object) -> bool:
@@ -342,8 +477,8 @@ def _is_int(value: object) -> bool:
 
 
 def parse_reply_header(frame: bytes) -> ReplyHeader:
-    """Decode and check `[batch_id, infer_ms, lengths, errors, wait_ms]` (errors and
-    wait_ms may be absent).
+    """Decode and check `[batch_id, infer_ms, lengths, errors, wait_ms, padding]` (errors,
+    wait_ms and padding may be absent, wait_ms and padding nil).
 
     Raises WorkerProtocolError for anything else: a batch id that is not an int in
     [0, 2**63), an infer_ms or wait_ms that is not a number in [0, one day], a length that is not an
@@ -353,7 +488,7 @@ def parse_reply_header(frame: bytes) -> ReplyHeader:
         header = unpack(frame)
     except Exception as exc:  # msgpack raises several unrelated types
         raise WorkerProtocolError(f"REPLY header is not valid msgpack: {_describe(exc)}") from None
-    if not isinstance(header, list) or len(header) not in (3, 4, 5):
+    if not isinstance(header, list) or len(header) not in (3, 4, 5, 6):
         raise WorkerProtocolError(
             f"REPLY header must be [batch_id, infer_ms, lengths, errors], got {header!r}"
         )
@@ -371,12 +506,24 @@ def parse_reply_header(frame: bytes) -> ReplyHeader:
     errors = header[3] if len(header) >= 4 else 0
     if not _is_int(errors) or not 0 <= errors <= len(lengths):
         raise bad(f"REPLY errors must be an int in [0, {len(lengths)}], got {errors!r}")
-    if len(header) < 5:
-        return ReplyHeader(batch_id, float(infer_ms), lengths, errors, None)
-    wait_ms = header[4]
-    if not _is_finite_ms(wait_ms):
-        raise bad(f"REPLY wait_ms must be a number in [0, {MAX_REPORTED_MS:.0f}], got {wait_ms!r}")
-    return ReplyHeader(batch_id, float(infer_ms), lengths, errors, float(wait_ms))
+    wait_ms = header[4] if len(header) >= 5 else None
+    if wait_ms is not None and not _is_finite_ms(wait_ms):
+        raise bad(f"REPLY wait_ms must be a number in [0, {MAX_REPORTED_MS:.0f}] or nil, got {wait_ms!r}")
+    padding = header[5] if len(header) >= 6 else None
+    if padding is not None and not (
+        isinstance(padding, list)
+        and len(padding) == 2
+        and all(_is_int(n) and 0 <= n < 2**63 for n in padding)
+    ):
+        raise bad(f"REPLY padding must be [padded, real] ints >= 0 or nil, got {padding!r}")
+    return ReplyHeader(
+        batch_id,
+        float(infer_ms),
+        lengths,
+        errors,
+        None if wait_ms is None else float(wait_ms),
+        None if padding is None else (padding[0], padding[1]),
+    )
 
 
 #: The longest time a worker may report (one day): past it, a number is a lie that would
@@ -388,15 +535,17 @@ def _is_finite_ms(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= MAX_REPORTED_MS
 
 
-def split_replies(lengths: list[int], blob: bytes) -> list[bytes]:
-    """Cut a REPLY message's joined replies back into one body per request."""
+def split_replies(lengths: list[int], blob: Any) -> list[bytes]:
+    """Cut a frame of joined bodies (bytes, or a zmq.Frame) back into one bytes per
+    length. Only small bodies are ever joined (`body_frames`), so the copies are small."""
     out = []
     pos = 0
+    view = blob if isinstance(blob, bytes) else memoryview(blob)
     for length in lengths:
         end = pos + length
         if length < 0 or end > len(blob):
             raise ValueError(f"reply length {length} does not fit a {len(blob)}-byte frame")
-        out.append(blob[pos:end])
+        out.append(bytes(view[pos:end]))
         pos = end
     if pos != len(blob):
         raise ValueError(f"reply lengths add up to {pos} bytes, frame has {len(blob)}")

@@ -29,6 +29,7 @@ Rules, per model:
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -47,6 +48,8 @@ class Policy(StrEnum):
 
 
 POLICIES = tuple(p.value for p in Policy)
+#: What requests may be grouped by (`--bucket-by`): the first axis of the input tensor.
+BUCKET_BY = ("length",)
 
 
 class RequestState(IntEnum):
@@ -89,6 +92,8 @@ class BatchSettings:
     policy: Policy = Policy.ADAPTIVE
     max_batch_cost: float | None = None
     priority_aging_ms: float = 0.0  # 0: priority is strict
+    bucket_by: str | None = None  # "length": requests of different length buckets never share a batch
+    length_buckets: tuple[int, ...] | None = None  # the buckets' upper bounds, e.g. (16, 32, 64, 128)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_queue"):
@@ -127,6 +132,31 @@ class BatchSettings:
                     f"batch_sizes must not exceed max_batch_size {self.max_batch_size}, got {list(sizes)}"
                 )
 
+        self._check_buckets()
+
+    def _check_buckets(self) -> None:
+        if self.bucket_by not in (None, *BUCKET_BY):
+            raise ValueError(f"bucket_by must be one of {', '.join(BUCKET_BY)}, got {self.bucket_by!r}")
+        bounds = self.length_buckets
+        if bounds is not None:
+            if not all(type(n) is int for n in bounds):
+                raise ValueError(f"length_buckets must be ints, got {list(bounds)}")
+            if not bounds or list(bounds) != sorted(set(bounds)) or bounds[0] < 1:
+                raise ValueError(
+                    f"length_buckets must be increasing ints >= 1, without repeats, got {list(bounds)}"
+                )
+        if (self.bucket_by is None) != (bounds is None):
+            raise ValueError(
+                "bucket_by and length_buckets go together (--bucket-by length --length-buckets 16,32,64), "
+                f"got bucket_by={self.bucket_by!r} and length_buckets={bounds!r}"
+            )
+
+    def bucket(self, length: int) -> int:
+        """The length bucket of a request: the index of the first bound >= `length`, or
+        len(length_buckets) for a request longer than the last (a bucket of its own)."""
+        assert self.length_buckets is not None
+        return bisect.bisect_left(self.length_buckets, length)
+
     @property
     def max_wait_s(self) -> float:
         """The wait window in seconds, the unit the scheduler's clock uses."""
@@ -161,6 +191,7 @@ class QueuedRequest:
     cost: float = 1.0  # its share of max_batch_cost (tokens, pixels, bytes...)
     hung: int = 0  # batches it was in that ran past their time limit: it then runs alone
     rank: float = 0.0  # its place by priority: lower first (set when it is queued)
+    bucket: int | None = None  # its length bucket, with --bucket-by: batches never mix buckets
 
 
 @dataclass(slots=True, eq=False)
@@ -195,41 +226,100 @@ class WorkerState:
         return max((b.expected_done_at for b in self.in_flight.values()), default=0.0)
 
 
-class CostModel:
-    """The batch cost t(n) = a + b*n of one model, learned online from worker reports
-    by exponentially weighted least squares (recent batches count most)."""
+class _LinearFit:
+    """y = a + b*x by exponentially weighted least squares (recent points count most)."""
 
     DECAY = 0.97
 
     def __init__(self) -> None:
-        self._w = self._n = self._nn = self._t = self._nt = 0.0
+        self._w = self._x = self._xx = self._y = self._xy = 0.0
 
-    def observe(self, n: int, seconds: float) -> None:
+    def add(self, x: float, y: float) -> None:
         d = self.DECAY
         self._w = self._w * d + 1.0
-        self._n = self._n * d + n
-        self._nn = self._nn * d + n * n
-        self._t = self._t * d + seconds
-        self._nt = self._nt * d + n * seconds
+        self._x = self._x * d + x
+        self._xx = self._xx * d + x * x
+        self._y = self._y * d + y
+        self._xy = self._xy * d + x * y
 
     @property
     def known(self) -> bool:
         return self._w > 0
 
     def coefficients(self) -> tuple[float, float]:
-        """(a, b) in seconds; with a single batch size seen so far, b = 0 and a = mean."""
+        """(a, b); with a single x seen so far, b = 0 and a = the mean y."""
         w = self._w
         if w == 0:
             return 0.0, 0.0
-        mean_n, mean_t = self._n / w, self._t / w
-        var_n = self._nn / w - mean_n * mean_n
-        if var_n < 1e-6:
-            return mean_t, 0.0
-        b = max(0.0, (self._nt / w - mean_n * mean_t) / var_n)
-        a = max(0.0, mean_t - b * mean_n)
+        mean_x, mean_y = self._x / w, self._y / w
+        var_x = self._xx / w - mean_x * mean_x
+        if var_x < 1e-6 * max(1.0, mean_x * mean_x):
+            return mean_y, 0.0
+        b = max(0.0, (self._xy / w - mean_x * mean_y) / var_x)
+        a = max(0.0, mean_y - b * mean_x)
         return a, b
 
-    def predict(self, n: int) -> float:
+
+class CostModel:
+    """The batch cost of one model, learned online from worker reports: t(n) = a + b*n
+    over the request count, and t(c) = a + b*c over the batch's summed request `cost`.
+    Each fit's recent prediction error is kept; the cost fit is used once it predicts
+    clearly better (requests of one model that differ in size: tokens, pixels)."""
+
+    DECAY = 0.97
+    #: The cost fit must err this much less than the count fit to be used.
+    BETTER = 0.8
+    #: Batches seen before the fits are judged.
+    MIN_BATCHES = 8
+
+    def __init__(self) -> None:
+        self._count = _LinearFit()
+        self._cost = _LinearFit()
+        self._err_count = self._err_cost = 0.0
+        self._batches = 0
+        self._cost_per_request = 1.0  # recent mean of a request's cost
+
+    def observe(self, n: int, seconds: float, cost: float | None = None) -> None:
+        """A batch of `n` requests (of summed `cost`, when known) took `seconds`."""
+        if cost is None:
+            cost = float(n)
+        d = self.DECAY
+        if self._batches:
+            self._err_count = self._err_count * d + (self._predict(self._count, n) - seconds) ** 2
+            self._err_cost = self._err_cost * d + (self._predict(self._cost, cost) - seconds) ** 2
+            self._cost_per_request = self._cost_per_request * d + (1 - d) * (cost / n if n else 1.0)
+        else:
+            self._cost_per_request = cost / n if n else 1.0
+        self._batches += 1
+        self._count.add(n, seconds)
+        self._cost.add(cost, seconds)
+
+    @staticmethod
+    def _predict(fit: _LinearFit, x: float) -> float:
+        a, b = fit.coefficients()
+        return a + b * x
+
+    @property
+    def known(self) -> bool:
+        return self._batches > 0
+
+    @property
+    def by_cost(self) -> bool:
+        """Whether the cost fit predicts clearly better than the count fit (and is used)."""
+        return self._batches >= self.MIN_BATCHES and self._err_cost < self.BETTER * self._err_count
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b) in seconds of t(n) = a + b*n: from the count fit, or from the cost fit at
+        the recent mean cost of a request, when that fit is used."""
+        if self.by_cost:
+            a, b = self._cost.coefficients()
+            return a, b * self._cost_per_request
+        return self._count.coefficients()
+
+    def predict(self, n: int, cost: float | None = None) -> float:
+        """The expected time of a batch of `n` requests of summed `cost` (when known)."""
+        if cost is not None and self.by_cost:
+            return self._predict(self._cost, cost)
         a, b = self.coefficients()
         return a + b * n
 
@@ -283,6 +373,26 @@ class ModelQueue:
     # Since when the model has had no worker (stamped at the first turn that finds it so,
     # cleared when one joins); None while it has one.
     no_worker_since: float | None = None
+    # With --bucket-by: a queue per length bucket, sharing this one's workers and cost
+    # model; their requests are never batched with this queue's or each other's.
+    buckets: dict[int, ModelQueue] = field(default_factory=dict)
+
+    def lanes(self) -> list[ModelQueue]:
+        """This queue and its bucket queues: every queue of the model."""
+        return [self, *self.buckets.values()] if self.buckets else [self]
+
+    def total(self) -> int:
+        """Requests waiting in all of the model's queues."""
+        return self.size + sum(b.size for b in self.buckets.values()) if self.buckets else self.size
+
+    def bucket_queue(self, bucket: int | None) -> ModelQueue:
+        """The queue of a length bucket (this one for None), made on first use."""
+        if bucket is None:
+            return self
+        q = self.buckets.get(bucket)
+        if q is None:
+            q = self.buckets[bucket] = ModelQueue(self.settings, workers=self.workers, cost=self.cost)
+        return q
 
     def oldest(self) -> QueuedRequest | None:
         """The earliest-arrived request still queued: the older of the two lanes' oldest."""
@@ -431,6 +541,7 @@ class ModelView(NamedTuple):
     settings: BatchSettings
     cost: tuple[float, float] | None  # the learned (a, b) of t(n) = a + b*n in seconds
     no_worker_since: float | None
+    cost_basis: str = "count"  # what t() is learned over: "count", or "cost" when that predicts better
 
     @property
     def batches_in_flight(self) -> int:
@@ -493,7 +604,8 @@ class Scheduler:
     def _view(self, mq: ModelQueue) -> ModelView:
         workers = tuple(WorkerView(w, len(self._workers[w].in_flight)) for w in mq.workers)
         cost = mq.cost.coefficients() if mq.cost.known else None
-        return ModelView(mq.size, workers, mq.settings, cost, mq.no_worker_since)
+        basis = "cost" if mq.cost.by_cost else "count"
+        return ModelView(mq.total(), workers, mq.settings, cost, mq.no_worker_since, basis)
 
     def held(self, worker_id: bytes) -> int:
         """Batches a worker holds (0 for one the scheduler does not know)."""
@@ -506,19 +618,24 @@ class Scheduler:
 
     def busy(self) -> bool:
         """Whether any request is queued or in a batch (a draining broker waits for none)."""
-        return any(mq.size for mq in self._models.values()) or any(
+        return any(mq.total() for mq in self._models.values()) or any(
             w.in_flight for w in self._workers.values()
         )
 
     def queued(self, model: str) -> int:
         """Requests of `model` waiting for a batch."""
         mq = self._models.get(model)
-        return mq.size if mq else 0
+        return mq.total() if mq else 0
 
     def in_flight(self) -> Iterator[Batch]:
         """Every batch that a worker holds now."""
         for w in self._workers.values():
             yield from w.in_flight.values()
+
+    def settings_of(self, model: str) -> BatchSettings | None:
+        """A known model's batching settings (None for one the scheduler does not know)."""
+        mq = self._models.get(model)
+        return mq.settings if mq else None
 
     def cost(self, model: str) -> tuple[float, float] | None:
         """The learned (a, b) of t(n) = a + b*n in seconds, None before any report."""
@@ -530,11 +647,12 @@ class Scheduler:
     def enqueue(self, model: str, request: QueuedRequest) -> None:
         """Queue an accepted request. Raises NoSuchModel for a model nobody serves and
         QueueFull when the model's queue is full."""
-        mq = self._models.get(model)
-        if mq is None:
+        model_queue = self._models.get(model)
+        if model_queue is None:
             raise NoSuchModel(model)
-        if mq.size >= mq.settings.max_queue:
+        if model_queue.total() >= model_queue.settings.max_queue:
             raise QueueFull(model)
+        mq = model_queue.bucket_queue(request.bucket)
         request.seq = next(self._seq)
         request.rank = self._rank(mq, request)
         if request.priority == 0 and request.deadline_at is None:
@@ -550,16 +668,20 @@ class Scheduler:
         """Put the requests of a batch whose worker failed (or left) back in their queue,
         where their original arrival keeps them ahead of later requests. The queue limit
         does not apply: they were accepted already."""
-        mq = self._models[model]
+        model_queue = self._models[model]
+        by_queue: dict[int, tuple[ModelQueue, list[QueuedRequest]]] = {}
         for req in requests:
+            mq = model_queue.bucket_queue(req.bucket)
             req.state = QUEUED
             req.attempts += count_attempt
             self._push(mq, req)
             mq.index(req)
-        # Rebuild the heap lane's arrival order (rare: only after a worker failure), since
-        # requests older than the requeued ones may still be queued there.
-        queued = {id(r): r for r in [*requests, *mq.heap_arrivals] if r.state == QUEUED}
-        mq.heap_arrivals = deque(sorted(queued.values(), key=lambda r: r.seq))
+            by_queue.setdefault(id(mq), (mq, []))[1].append(req)
+        for mq, back in by_queue.values():
+            # Rebuild the heap lane's arrival order (rare: only after a worker failure),
+            # since requests older than the requeued ones may still be queued there.
+            queued = {id(r): r for r in [*back, *mq.heap_arrivals] if r.state == QUEUED}
+            mq.heap_arrivals = deque(sorted(queued.values(), key=lambda r: r.seq))
 
     @staticmethod
     def _rank(mq: ModelQueue, req: QueuedRequest) -> float:
@@ -581,7 +703,7 @@ class Scheduler:
         """Remove the queued requests (of `model`, or of all) for which `match(request)` is
         true; returns them with their model. Requests already in a batch are not touched."""
         out = []
-        for name, mq in self._models.items():
+        for name, mq in self._queues():
             if model is not None and name != model:
                 continue
             for req in [r for r in mq.queued() if match(r)]:
@@ -593,7 +715,7 @@ class Scheduler:
         """Remove the queued requests that `client` (the first envelope frame) sent with
         `req_id`; a look-up, whatever the queue's length. Requests in a batch stay."""
         out = []
-        for name, mq in self._models.items():
+        for name, mq in self._queues():
             for req in mq.find(client, req_id):
                 mq.discard(req)
                 out.append((name, req))
@@ -602,7 +724,7 @@ class Scheduler:
     def expire(self, now: float) -> list[tuple[str, QueuedRequest]]:
         """Remove and return the queued requests whose deadline is at or before `now`."""
         out = []
-        for name, mq in self._models.items():
+        for name, mq in self._queues():
             while mq.deadlines and (mq.deadlines[0][2].state != QUEUED or mq.deadlines[0][0] <= now):
                 _, _, req = heapq.heappop(mq.deadlines)  # (discard may rebuild the list)
                 if req.state == QUEUED:
@@ -613,11 +735,12 @@ class Scheduler:
     def set_settings(self, model: str, settings: BatchSettings) -> None:
         """New batching settings for a model (a reloaded config); queued requests stay, ranked
         again if the priority aging changed."""
-        mq = self._model(model)
-        aging_changed = mq.settings.priority_aging_ms != settings.priority_aging_ms
-        mq.settings = settings
-        if aging_changed and mq.size:
-            self._rerank(mq)
+        model_queue = self._model(model)
+        aging_changed = model_queue.settings.priority_aging_ms != settings.priority_aging_ms
+        for mq in model_queue.lanes():
+            mq.settings = settings
+            if aging_changed and mq.size:
+                self._rerank(mq)
 
     def _rerank(self, mq: ModelQueue) -> None:
         """Rank every queued request by the model's current aging, all in the heap lane (the
@@ -641,10 +764,11 @@ class Scheduler:
             if mq.no_worker_since is None:
                 mq.no_worker_since = now
             without_s = now - mq.no_worker_since
-            if mq.size and self.no_worker_timeout_s and without_s >= self.no_worker_timeout_s:
-                for req in list(mq.queued()):
-                    mq.discard(req)
-                    out.append((name, req, without_s))
+            if mq.total() and self.no_worker_timeout_s and without_s >= self.no_worker_timeout_s:
+                for lane in mq.lanes():
+                    for req in list(lane.queued()):
+                        lane.discard(req)
+                        out.append((name, req, without_s))
         return out
 
     def without_worker_s(self, model: str, now: float) -> float | None:
@@ -702,7 +826,8 @@ class Scheduler:
         if batch is None:
             return None
         if infer_s is not None and infer_s >= 0:
-            self._models[batch.model].cost.observe(len(batch.requests), infer_s)
+            cost = sum(r.cost for r in batch.requests)
+            self._models[batch.model].cost.observe(len(batch.requests), infer_s, cost)
         if now is not None and w.in_flight:
             following = next(iter(w.in_flight.values()))  # batches run in the order sent
             following.expected_start = max(following.expected_start, now)
@@ -713,26 +838,29 @@ class Scheduler:
     def due_batches(self, now: float) -> list[Batch]:
         """Cut every batch that is due at `now` and assign each to a worker."""
         out: list[Batch] = []
-        for name, mq in self._models.items():
-            while mq.size:
-                worker = self._pick_worker(mq, now)
-                if worker is None:
-                    break
-                out.append(self._cut(name, mq, worker, now))
+        for name, model_queue in self._models.items():
+            for mq in _oldest_first(model_queue):
+                while mq.size:
+                    worker = self._pick_worker(mq, now)
+                    if worker is None:
+                        break
+                    out.append(self._cut(name, mq, worker, now))
         return out
 
     def next_wakeup(self) -> float | None:
         """The earliest time at which something may become due without any new event."""
         best = math.inf
-        for mq in self._models.values():
-            if mq.deadlines:
-                dl = mq.earliest_deadline()
-                if dl is not None:
-                    best = min(best, dl)
-            if mq.size and not mq.workers and mq.no_worker_since is not None and self.no_worker_timeout_s:
-                best = min(best, mq.no_worker_since + self.no_worker_timeout_s)
-            if mq.size:
-                best = min(best, self._due_at(mq))
+        for model_queue in self._models.values():
+            since = model_queue.no_worker_since
+            for mq in model_queue.lanes():
+                if mq.deadlines:
+                    dl = mq.earliest_deadline()
+                    if dl is not None:
+                        best = min(best, dl)
+                if mq.size and not mq.workers and since is not None and self.no_worker_timeout_s:
+                    best = min(best, since + self.no_worker_timeout_s)
+                if mq.size:
+                    best = min(best, self._due_at(mq))
         return None if best == math.inf else best
 
     def _due_at(self, mq: ModelQueue) -> float:
@@ -749,6 +877,12 @@ class Scheduler:
         return min(due, mq.recheck_at)
 
     # --- internals --------------------------------------------------------------------------
+
+    def _queues(self) -> Iterator[tuple[str, ModelQueue]]:
+        """(model, queue) of every queue: each model's, and its bucket queues."""
+        for name, model_queue in self._models.items():
+            for mq in model_queue.lanes():
+                yield name, mq
 
     def _model(self, name: str) -> ModelQueue:
         mq = self._models.get(name)
@@ -863,7 +997,7 @@ class Scheduler:
         start = max(now, worker.busy_until())
         batch = Batch(self._next_batch_id, name, worker.worker_id, requests, now)
         batch.expected_start = start
-        batch.expected_done_at = start + mq.cost.predict(n)
+        batch.expected_done_at = start + mq.cost.predict(n, sum(r.cost for r in requests))
         self._next_batch_id += 1
         worker.in_flight[batch.batch_id] = batch
         worker.last_used = batch.batch_id
@@ -920,6 +1054,15 @@ class Scheduler:
         if not cost.known:
             return FIRST_BATCH_LIMIT_S
         return max(10.0 * len(batch.requests) * cost.predict(1), MIN_BATCH_LIMIT_S)
+
+
+def _oldest_first(model_queue: ModelQueue) -> list[ModelQueue]:
+    """A model's queues in the order they get workers: the one whose oldest request came
+    first leads, so that no length bucket starves the others."""
+    if not model_queue.buckets:
+        return [model_queue]
+    waiting = [(oldest.seq, mq) for mq in model_queue.lanes() if (oldest := mq.oldest()) is not None]
+    return [mq for _, mq in sorted(waiting, key=lambda entry: entry[0])]
 
 
 def _least_recently_used(w: WorkerState) -> int:

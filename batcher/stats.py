@@ -23,6 +23,13 @@ class ModelStats:
     requests: int = 0  # in completed batches
     outcomes: Counter[str] = field(default_factory=Counter)  # "ok" or an error code -> replies
     recent: Recent = field(default_factory=Recent)
+    padded_elements: int = 0  # of stacked batches' inputs, added to fit the longest
+    real_elements: int = 0  # of stacked batches' inputs, the requests' own
+
+    @property
+    def padding_waste(self) -> float | None:
+        """Padded elements / real elements of the stacked batches so far (None before any)."""
+        return self.padded_elements / self.real_elements if self.real_elements else None
 
 
 @dataclass
@@ -56,11 +63,22 @@ class BrokerStats:
             self.metrics.request_done(model, outcome, n)
 
     def batch_done(
-        self, model: str, queue_ms: Iterable[float], infer_ms: float, wait_ms: float | None, size: int
+        self,
+        model: str,
+        queue_ms: Iterable[float],
+        infer_ms: float,
+        wait_ms: float | None,
+        size: int,
+        padding: tuple[int, int] | None = None,
     ) -> None:
         """A worker answered a batch: its requests' queue times (broker and worker), the
-        worker's wait before the model began, and its model time."""
+        worker's wait before the model began, its model time and, for a stacked batch,
+        its (padded, real) input elements."""
         st = self.model(model)
+        if padding is not None:
+            st.padded_elements += padding[0]
+            st.real_elements += padding[1]
+            self.metrics.padding(model, padding[0], padding[1], st.padding_waste)
         st.batches += 1
         st.requests += size
         st.recent.infer_ms.append(infer_ms)
@@ -120,6 +138,9 @@ class BrokerStats:
             "batches": st.batches,
             "requests": st.requests,
             "mean_batch_size": st.requests / st.batches if st.batches else 0.0,
+            "padded_elements": st.padded_elements,
+            "real_elements": st.real_elements,
+            "padding_waste": st.padding_waste,
             "outcomes": dict(st.outcomes),
             "queue_ms_p50": percentile(recent.queue_ms, 50),
             "queue_ms_p99": percentile(recent.queue_ms, 99),
@@ -133,7 +154,10 @@ class BrokerStats:
             "max_queue": settings.max_queue,
             "max_batch_cost": settings.max_batch_cost,
             "priority_aging_ms": settings.priority_aging_ms,
+            "bucket_by": settings.bucket_by,
+            "length_buckets": None if settings.length_buckets is None else list(settings.length_buckets),
             "batch_cost_ms": None if cost is None else [cost[0] * 1000, cost[1] * 1000],
+            "batch_cost_basis": view.cost_basis,
         }
 
 

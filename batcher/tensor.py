@@ -16,7 +16,10 @@ numpy on first use, so only code that meets an array or wants one back needs it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 #: Open Inference Protocol datatype -> the numpy dtype string (little-endian).
 DATATYPES: dict[str, str] = {
@@ -144,11 +147,79 @@ def arrays_hook(value: dict[Any, Any]) -> Any:
     return value
 
 
-def unpack_arrays(data: bytes) -> Any:
-    """protocol.unpack, with tensors as numpy arrays (a client's replies)."""
+#: A reply this large has its output's tensors viewed in place (unpack_viewing).
+VIEW_BYTES = 64 * 1024
+
+
+def unpack_arrays(data: Any) -> Any:
+    """protocol.unpack, with tensors as numpy arrays (a client's replies); a large
+    reply's output tensors view the received bytes (`unpack_viewing`)."""
     import msgpack
 
+    if len(data) >= VIEW_BYTES:
+        try:
+            return unpack_viewing(data, "output", arrays_hook)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            pass  # not a map of str keys: the plain decode says what is wrong
     return msgpack.unpackb(data, raw=False, strict_map_key=False, object_hook=arrays_hook)
+
+
+# --- large bodies: tensors read in place -------------------------------------------------------
+
+
+class _Tensor(msgspec.Struct, forbid_unknown_fields=True):
+    """A tensor map whose `data` msgspec gives as a memoryview of the body, not a copy."""
+
+    datatype: Any
+    shape: Any
+    data: memoryview
+
+
+_read_fields = msgspec.msgpack.Decoder(dict[str, msgspec.Raw]).decode
+_read_one = msgspec.msgpack.Decoder(_Tensor).decode
+_read_named = msgspec.msgpack.Decoder(dict[str, _Tensor]).decode
+_read_list = msgspec.msgpack.Decoder(list[_Tensor]).decode
+
+
+def unpack_viewing(body: Any, key: str, object_hook: Callable[[dict[Any, Any]], Any]) -> dict[str, Any]:
+    """A body (a map with str keys) decoded as protocol.unpack with `object_hook` would,
+    except that the tensors of its `key` value (a tensor, a map of named tensors or a
+    list of tensors) get their `data` as a memoryview of `body` itself: a large input or
+    output is never copied. Raises what msgspec raises for a body that is no such map
+    (decode it the usual way then)."""
+    import msgpack
+
+    def plain(raw: msgspec.Raw) -> Any:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False, object_hook=object_hook)
+
+    def hook(t: _Tensor) -> Any:
+        return object_hook({"datatype": t.datatype, "shape": t.shape, "data": t.data})
+
+    out: dict[str, Any] = {}
+    for name, raw in _read_fields(body).items():
+        out[name] = _viewed(raw, hook) if name == key else plain(raw)
+        if out[name] is _NOT_VIEWED:
+            out[name] = plain(raw)
+    return out
+
+
+_NOT_VIEWED = object()
+
+
+def _viewed(raw: msgspec.Raw, hook: Callable[[_Tensor], Any]) -> Any:
+    """The tensors of `raw`, in one of the three usual forms, through `hook`; else _NOT_VIEWED."""
+    try:
+        return hook(_read_one(raw))
+    except msgspec.ValidationError:
+        pass
+    try:
+        return {name: hook(t) for name, t in _read_named(raw).items()}
+    except msgspec.ValidationError:
+        pass
+    try:
+        return [hook(t) for t in _read_list(raw)]
+    except msgspec.ValidationError:
+        return _NOT_VIEWED
 
 
 # --- JSON form, for `batcher send` (no numpy needed) ---------------------------------------------

@@ -32,6 +32,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 ECHO_LOOP = BENCH_DIR / "echo_loop.py"
+FORWARDER = BENCH_DIR / "forwarder.py"
 
 #: The sim model's cost (workers/models.py): a batch of n takes 20 ms + 2.5 ms * n.
 SIM_BASE_MS = 20.0
@@ -258,10 +259,20 @@ def default_policy_note() -> str:
 
 
 class EchoLoop:
-    """benchmarks/echo_loop.py in a subprocess: the ceiling for one Python process."""
+    """benchmarks/echo_loop.py in a subprocess: the ceiling for one Python process (or
+    another floor script speaking the frontend protocol, given its extra arguments)."""
 
-    def __init__(self, address: str | None = None) -> None:
+    def __init__(
+        self,
+        address: str | None = None,
+        script: Path = ECHO_LOOP,
+        extra: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.address = address or free_tcp_address()
+        self.script = script
+        self.extra = list(extra)
+        self.env = None if env is None else {**os.environ, **env}
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -270,7 +281,10 @@ class EchoLoop:
 
     def start(self, timeout_s: float = 30.0) -> EchoLoop:
         self.process = subprocess.Popen(
-            [sys.executable, str(ECHO_LOOP), self.address], start_new_session=True, cwd=REPO_ROOT
+            [sys.executable, str(self.script), self.address, *self.extra],
+            start_new_session=True,
+            cwd=REPO_ROOT,
+            env=self.env,
         )
         self._wait_ready(timeout_s)
         return self
@@ -285,29 +299,32 @@ class EchoLoop:
         try:
             while time.monotonic() < deadline:
                 if self.process is not None and self.process.poll() is not None:
-                    raise RuntimeError(f"echo loop exited with {self.process.returncode}")
+                    raise RuntimeError(f"{self.script.name} exited with {self.process.returncode}")
                 sock.send_multipart([b"", msgpack.packb({"id": 0, "input": b""})])
                 if sock.poll(200):
                     sock.recv_multipart()
                     return
-            raise TimeoutError(f"echo loop not answering at {self.address} within {timeout_s}s")
+            raise TimeoutError(f"{self.script.name} not answering at {self.address} within {timeout_s}s")
         finally:
             sock.close(0)
             ctx.term()
 
     def stop(self, timeout_s: float = 5.0) -> int | None:
-        """SIGTERM by PID, then SIGKILL if it lingers; returns its exit code."""
+        """SIGTERM to its process group, then SIGKILL if it lingers; returns its exit code."""
         p = self.process
         if p is None:
             return None
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGTERM)
+                os.killpg(p.pid, signal.SIGTERM)
             try:
                 p.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                p.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        with contextlib.suppress(ProcessLookupError):  # a child it left behind
+            os.killpg(p.pid, signal.SIGKILL)
         return p.returncode
 
     def __enter__(self) -> EchoLoop:

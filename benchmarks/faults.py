@@ -274,7 +274,7 @@ class DealerLoad:
 
 # Protocol constants, spelled out rather than imported, so the generators encode the documented
 # wire format (docs/protocol.md) and not whatever batcher.protocol happens to say.
-WORKER_PROTOCOL = b"BATCHER-W1"
+WORKER_PROTOCOL = b"BATCHER-W2"
 READY, BATCH, REPLY, HEARTBEAT, DISCONNECT = b"\x01", b"\x02", b"\x03", b"\x04", b"\x05"
 
 

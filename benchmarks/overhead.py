@@ -39,8 +39,8 @@ from common import (
     write_results,
 )
 
-TARGET_RATIO = 0.7
-TARGET_ADDED_MS = 0.3
+TARGET_RATIO = 1.0
+TARGET_ADDED_MS = 0.15
 
 
 @dataclass

@@ -25,7 +25,17 @@ RESULTS_DIR = BENCH_DIR / "results"
 DOCS = REPO_ROOT / "docs" / "benchmarks.md"
 
 #: In the order they run and appear in the docs.
-SCRIPTS = ("capacity", "overhead", "batching_gain", "latency", "memory", "ray_serve")
+SCRIPTS = (
+    "capacity",
+    "overhead",
+    "lone_request",
+    "large_bodies",
+    "frames",
+    "batching_gain",
+    "latency",
+    "memory",
+    "ray_serve",
+)
 
 INTRO_START = "<!-- intro -->"
 INTRO_END = "<!-- /intro -->"

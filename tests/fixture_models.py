@@ -39,3 +39,21 @@ def hang_on(inputs: list[Any]) -> list[Any]:
     if "hang" in inputs:
         time.sleep(3600)
     return [{"input": x, "pid": os.getpid()} for x in inputs]
+
+
+class LengthSpan:
+    """A stacked model padded along axis 0: each request gets the shortest and longest
+    true length of the batch it ran in, so a test sees which lengths shared a batch."""
+
+    from workers.stacking import Stack  # here, so that the models above need no numpy
+
+    stack = Stack(pad_axes=(0,), pad_value=0)
+
+    def __init__(self, gpu_id: int | None) -> None:
+        self.gpu_id = gpu_id
+
+    def __call__(self, batch: Any, lengths: Any) -> Any:
+        import numpy as np
+
+        span = np.array([lengths[:, 0].min(), lengths[:, 0].max()], dtype=np.int64)
+        return np.tile(span, (batch.shape[0], 1))

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from fnmatch import fnmatchcase
@@ -370,3 +371,43 @@ def test_example_file_filter_reads_the_gitignore_patterns() -> None:
         assert _is_ignored(PurePosixPath(path), patterns), path
     for path in kept:
         assert not _is_ignored(PurePosixPath(path), patterns), path
+
+
+# --- the minimal worker of docs/protocol.md 6.9 ------------------------------------------------------
+
+
+def _minimal_worker_source(backend: str) -> str:
+    """The Python block of docs/protocol.md's "6.9 A minimal worker", pointed at `backend`."""
+    text = PROTOCOL_MD.read_text()
+    section = text[text.index("### 6.9 A minimal worker") :]
+    code = section[section.index("```python\n") + len("```python\n") :]
+    code = code[: code.index("```")]
+    assert 'BROKER, MODEL = "tcp://127.0.0.1:5556", "upper"' in code
+    return code.replace('"tcp://127.0.0.1:5556"', repr(backend))
+
+
+@integration
+def test_the_minimal_worker_of_protocol_md_serves_small_and_large_bodies(spawn, zctx, tmp_path) -> None:
+    from tests.conftest import _GROUPS, kill_group
+    from tests.helpers import start_broker
+
+    frontend, backend = start_broker(spawn, zctx, "--model", "upper", "--max-wait-ms", "20")
+    script = tmp_path / "minimal_worker.py"
+    script.write_text(_minimal_worker_source(backend))
+    worker = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    _GROUPS.add(worker.pid)
+    try:
+        inputs = ["abc", "x" * 70_000, "déjà", "y" * 10]  # one over 64 KiB: the batch comes one frame each
+        with Client(frontend, timeout_s=20, context=zctx) as client:
+            pending = [client.submit(x, model="upper") for x in inputs]
+            outputs = [p.result() for p in pending]
+            assert outputs == [x.upper() for x in inputs]
+            assert client.request("small", model="upper") == "SMALL"
+    finally:
+        kill_group(worker.pid)
+        worker.wait(5)

@@ -59,7 +59,8 @@ class FakeWorker:
             assert left_ms > 0 and self.sock.poll(left_ms), "no batch"
             frames = self.sock.recv_multipart()
             if frames[1] == protocol.CMD_BATCH:
-                return unpack(frames[2])[0], unpack(frames[3])
+                batch_id, _, lengths = unpack(frames[2])
+                return batch_id, [unpack(b) for b in protocol.split_bodies(lengths, frames[3:])]
 
     def reply(self, header: list[Any], blob: bytes = b"") -> None:
         self.sock.send_multipart([W1, protocol.CMD_REPLY, pack(header), blob])

@@ -326,12 +326,9 @@ class FakeBackend:
                 return frames
             assert frames[2] == protocol.CMD_HEARTBEAT, frames
 
-    def send_batch(self, worker: bytes, header: bytes, body: bytes) -> None:
-        self.sock.send_multipart([worker, protocol.WORKER_PROTOCOL, protocol.CMD_BATCH, header, body])
-
-
-def batch_body(*items: bytes) -> bytes:
-    return protocol.array_header(len(items)) + b"".join(items)
+    def send_batch(self, worker: bytes, header: bytes, bodies: list[bytes]) -> None:
+        frames = [worker, protocol.WORKER_PROTOCOL, protocol.CMD_BATCH, header, b"".join(bodies)]
+        self.sock.send_multipart(frames)
 
 
 def test_malformed_batches_are_answered_or_dropped_and_the_worker_serves_on(
@@ -340,28 +337,32 @@ def test_malformed_batches_are_answered_or_dropped_and_the_worker_serves_on(
     fb = FakeBackend(zctx)
     worker = spawn("worker", "--connect", fb.address, "--model", "echo", "--heartbeat-ms", "10000")
     ident = fb.next(protocol.CMD_READY, 20)[0]
-    one = batch_body(pack({"id": "a", "input": 1}))
-    three = batch_body(*(pack({"id": i, "input": i}) for i in range(3)))
-    cases = [
+    one = pack({"id": "a", "input": 1})
+    three = [pack({"id": i, "input": i}) for i in range(3)]
+    n1 = [len(one)]
+    odd_id = pack({"id": [1, 2], "input": 2})
+    cases: list[tuple[bytes, list[bytes]]] = [
         # No batch id can be read: nobody to answer, dropped.
-        (b"\xc1", one),
-        (b"\x91" * 100_000, one),
-        (pack("header"), one),
-        (pack([]), one),
-        (pack(["7", [0.0]]), one),
-        (pack([True, [0.0]]), one),
-        # A batch id but no readable requests: an empty REPLY (the broker fails them all).
-        (pack([101, [0.0]]), b"\xc1"),
-        (pack([102, [0.0]]), pack({"id": 1, "input": 1})),
-        (pack([103, [0.0, 0.0]]), batch_body(pack({"id": 1, "input": 1}), pack(5))),
+        (b"\xc1", [one]),
+        (b"\x91" * 100_000, [one]),
+        (pack("header"), [one]),
+        (pack([]), [one]),
+        (pack(["7", [0.0], n1]), [one]),
+        (pack([True, [0.0], n1]), [one]),
+        # A batch id but no bodies that can be told apart: an empty REPLY (the broker fails them all).
+        (pack([101, [0.0]]), [one]),
+        (pack([102, [0.0], [len(one) + 1]]), [one]),
+        (pack([103, [0.0, 0.0], ["x", 1]]), [one]),
         # Requests fine, metadata not: answered, without queue_ms.
-        (pack([104, [1.5]]), three),
-        (pack([105]), one),
-        (pack([106, "x"]), one),
-        (pack([107, [[[1]]]]), one),
-        (pack([108, [0.5]]), batch_body(pack({"id": [1, 2], "input": 2}))),
+        (pack([104, [1.5], [len(b) for b in three]]), three),
+        (pack([105, None, n1]), [one]),
+        (pack([106, "x", n1]), [one]),
+        (pack([107, [[[1]]], n1]), [one]),
+        (pack([108, [0.5], [len(odd_id)]]), [odd_id]),
+        # A body that is not a request map is answered bad_request alone; its batch-mate is served.
+        (pack([110, [0.0, 0.0, 0.0], [1, 1, len(one)]]), [b"\xc1", pack(5), one]),
         # And a good one.
-        (pack([109, [2.5]]), one),
+        (pack([109, [2.5], n1]), [one]),
     ]
     for header, body in cases:
         fb.send_batch(ident, header, body)
@@ -369,8 +370,8 @@ def test_malformed_batches_are_answered_or_dropped_and_the_worker_serves_on(
     while 109 not in got:
         frames = fb.next(protocol.CMD_REPLY, 10)
         batch_id, _, lengths, *_ = unpack(frames[3])
-        got[batch_id] = [unpack(r) for r in protocol.split_replies(lengths, frames[4])]
-    assert sorted(got) == list(range(101, 110)), "a dropped batch was answered, or a readable one was not"
+        got[batch_id] = [unpack(r) for r in protocol.split_bodies(lengths, frames[4:])]
+    assert sorted(got) == list(range(101, 111)), "a dropped batch was answered, or a readable one was not"
     assert got[101] == got[102] == got[103] == []
     assert [(r["id"], r["output"], r["queue_ms"]) for r in got[104]] == [
         (0, 0, None),
@@ -380,6 +381,11 @@ def test_malformed_batches_are_answered_or_dropped_and_the_worker_serves_on(
     for batch_id in (105, 106, 107):
         assert [(r["id"], r["output"], r["queue_ms"]) for r in got[batch_id]] == [("a", 1, None)]
     assert [(r["id"], r["output"]) for r in got[108]] == [(None, 2)]
+    bad, not_a_map, fine = got[110]
+    assert (bad["ok"], bad["error"]["code"]) == (False, "bad_request")
+    assert bad["error"]["message"].startswith("body cannot be decoded: "), bad
+    assert not_a_map["error"] == {"code": "bad_request", "message": "body must be a msgpack map, got int"}
+    assert (fine["id"], fine["ok"], fine["output"]) == ("a", True, 1)
     wait_ms = got[109][0]["worker_wait_ms"]  # queue_ms counts the wait inside the worker too
     assert [(r["id"], r["ok"], r["queue_ms"]) for r in got[109]] == [("a", True, round(2.5 + wait_ms, 3))]
     assert worker.process.poll() is None, "the worker died"

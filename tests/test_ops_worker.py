@@ -291,9 +291,9 @@ def run(model: Any, inputs: list[Any], arrived_at: float | None = None) -> tuple
     """(REPLY header, decoded replies) of `inputs` run as one BATCH with queue_ms 1.5 each."""
     bodies = [protocol.pack({"id": i, "input": x}) for i, x in enumerate(inputs)]
     frames = protocol.batch_frames(9, [1.5] * len(inputs), bodies)
-    out = run_batch(model, frames[2], frames[3], WORKER, arrived_at)
+    out = run_batch(model, frames[2], frames[3:], WORKER, arrived_at)
     header = protocol.unpack(out[2])
-    return header, [protocol.unpack(r) for r in protocol.split_replies(header[2], out[3])]
+    return header, [protocol.unpack(r) for r in protocol.split_bodies(header[2], out[3:])]
 
 
 def test_an_exception_in_place_of_an_output_fails_that_item_alone(caplog) -> None:

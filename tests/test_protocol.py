@@ -309,53 +309,122 @@ def test_pack_unpack_round_trip(value: Any) -> None:
     assert protocol.unpack(protocol.pack(value)) == value
 
 
+# --- read_header: the broker's fast reader agrees with parse_request -----------------------------
+
+_ANY_VALUE = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3)
+    ),
+    max_leaves=6,
+)
+_FIELDS = ["id", "model", "timeout_ms", "priority", "op", "cost", "input", "extra"]
+
+
+@given(
+    st.dictionaries(st.sampled_from(_FIELDS), _ANY_VALUE | st.sampled_from(["infer", "stats", 5, 0.5, -1]))
+)
+def test_read_header_agrees_with_parse_request(fields: dict[str, Any]) -> None:
+    raw = body(fields)
+    try:
+        expected: RequestHeader | ProtocolError = protocol.parse_request(raw)[0]
+    except ProtocolError as exc:
+        expected = exc
+    try:
+        got: RequestHeader | ProtocolError = protocol.read_header(raw)
+    except ProtocolError as exc:
+        got = exc
+    if isinstance(expected, ProtocolError):
+        assert isinstance(got, ProtocolError)
+        assert (got.code, got.message, got.req_id) == (expected.code, expected.message, expected.req_id)
+    else:
+        assert got == expected
+        assert [type(v) for v in got] == [type(v) for v in expected]
+
+
+def test_read_header_never_decodes_input_so_a_bad_input_is_the_workers_to_refuse() -> None:
+    # A map key that is an array, deep inside input: only a full decode refuses it.
+    raw = b"\x82\xa2id\x07\xa5input\x81\x91\x01\x01"
+    assert protocol.read_header(raw) == RequestHeader(7, None, None, 0, "infer", 1.0)
+    assert bad_request(raw).req_id == 7
+
+
+def test_read_header_reads_from_any_buffer_without_copying_input() -> None:
+    raw = body({"id": "t", "model": "m", "input": b"\0" * (1 << 20), "cost": 3})
+    assert protocol.read_header(memoryview(raw)) == RequestHeader("t", "m", None, 0, "infer", 3)
+
+
 # --- backend framing ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("n", "header_len"), [(0, 1), (1, 1), (15, 1), (16, 3), (65535, 3), (65536, 5)])
-def test_array_header_joins_encoded_items_without_reencoding(n: int, header_len: int) -> None:
-    items = [{"id": i, "input": i % 7} for i in range(n)]
-    encoded = [body(item) for item in items]
-    header = protocol.array_header(n)
-    assert len(header) == header_len
-    assert protocol.unpack(header + b"".join(encoded)) == items
-    # Byte-identical to encoding the whole list in one go.
-    assert header + b"".join(encoded) == body(items)
-
-
-def test_batch_frames_layout_and_round_trip() -> None:
+def test_batch_frames_join_small_bodies_in_one_frame_byte_for_byte() -> None:
     bodies = [body({"id": i, "input": [i] * i, "extra": "kept"}) for i in range(5)]
     queue_ms = [0.5, 1.0, 1.5, 2.0, 2.5]
     frames = protocol.batch_frames(17, queue_ms, bodies)
     assert frames[:2] == [protocol.WORKER_PROTOCOL, protocol.CMD_BATCH]
     assert len(frames) == 4
-    assert protocol.unpack(frames[2]) == [17, queue_ms]
-    assert protocol.unpack(frames[3]) == [protocol.unpack(b) for b in bodies]
-    assert frames[3].endswith(b"".join(bodies))  # bodies forwarded byte for byte
+    assert protocol.unpack(frames[2]) == [17, queue_ms, [len(b) for b in bodies]]
+    assert frames[3] == b"".join(bodies)  # forwarded byte for byte
+    assert [bytes(b) for b in protocol.split_bodies([len(b) for b in bodies], frames[3:])] == bodies
+
+
+def test_a_batch_with_a_large_body_goes_one_frame_per_body_uncopied() -> None:
+    large = body({"id": 1, "input": b"x" * protocol.ZERO_COPY_BYTES})
+    bodies = [body({"id": 0, "input": 1}), large, body({"id": 2, "input": 2})]
+    frames = protocol.batch_frames(3, [0.0] * 3, bodies)
+    assert len(frames) == 3 + 3
+    assert all(f is b for f, b in zip(frames[3:], bodies, strict=True))  # the same objects
+    assert protocol.split_bodies(protocol.unpack(frames[2])[2], frames[3:]) == bodies
 
 
 def test_batch_frames_empty_batch() -> None:
     frames = protocol.batch_frames(1, [], [])
-    assert protocol.unpack(frames[3]) == []
+    assert protocol.unpack(frames[2]) == [1, [], []]
+    assert protocol.split_bodies([], frames[3:]) == []
 
 
 def test_reply_frames_split_replies_round_trip() -> None:
     replies = [protocol.ok_reply(i, "x" * i) for i in range(20)]
-    frames = protocol.reply_frames(3, 12.5, replies)
+    frames = protocol.reply_frames(3, 12.5, replies, wait_ms=0.25)
     assert frames[:2] == [protocol.WORKER_PROTOCOL, protocol.CMD_REPLY]
     assert len(frames) == 4
-    batch_id, infer_ms, lengths, errors = protocol.unpack(frames[2])
-    assert errors == 0
-    assert (batch_id, infer_ms) == (3, 12.5)
+    batch_id, infer_ms, lengths, errors, wait_ms = protocol.unpack(frames[2])
+    assert (batch_id, infer_ms, errors, wait_ms) == (3, 12.5, 0, 0.25)
     assert lengths == [len(r) for r in replies]
-    assert protocol.split_replies(lengths, frames[3]) == replies
+    assert protocol.split_bodies(lengths, frames[3:]) == replies
 
 
-@given(st.lists(st.binary(max_size=40), max_size=20))
-def test_split_replies_inverts_reply_frames(replies: list[bytes]) -> None:
+@given(
+    st.lists(st.sampled_from([0, 1, 40, protocol.ZERO_COPY_BYTES - 1, protocol.ZERO_COPY_BYTES]), max_size=8)
+)
+def test_split_bodies_inverts_reply_frames_whatever_the_sizes(sizes: list[int]) -> None:
+    replies = [bytes([i % 256]) * n for i, n in enumerate(sizes)]
     frames = protocol.reply_frames(1, 0.0, replies)
     _, _, lengths, _ = protocol.unpack(frames[2])
-    assert protocol.split_replies(lengths, frames[3]) == replies
+    one_frame_each = any(n >= protocol.ZERO_COPY_BYTES for n in sizes)
+    assert len(frames) - 3 == (len(sizes) if one_frame_each else 1)
+    assert [bytes(r) for r in protocol.split_bodies(lengths, frames[3:])] == replies
+
+
+@pytest.mark.parametrize(
+    ("lengths", "frames", "message"),
+    [
+        pytest.param([1, 2, 3], [b"a", b"bb"], "2 body frames for 3 lengths", id="too-few-frames"),
+        pytest.param([1, 2], [b"a", b"bbb"], "a body frame of 3 bytes where the header says 2", id="length"),
+        pytest.param([1], [b"a", b""], "2 body frames for 1 lengths", id="one-length-two-frames"),
+    ],
+)
+def test_split_bodies_rejects_frames_that_do_not_match(
+    lengths: list[int], frames: list[bytes], message: str
+) -> None:
+    with pytest.raises(ValueError) as raised:
+        protocol.split_bodies(lengths, frames)
+    assert str(raised.value) == message
 
 
 @pytest.mark.parametrize(
@@ -415,7 +484,7 @@ def test_error_codes_are_the_documented_strings() -> None:
 
 
 def test_backend_commands_are_the_documented_bytes() -> None:
-    assert protocol.WORKER_PROTOCOL == b"BATCHER-W1"
+    assert protocol.WORKER_PROTOCOL == b"BATCHER-W2"
     assert [protocol.CMD_READY, protocol.CMD_BATCH, protocol.CMD_REPLY, protocol.CMD_HEARTBEAT] == [
         b"\x01",
         b"\x02",
@@ -540,11 +609,6 @@ def test_a_map_key_that_is_an_array_is_refused_echoing_the_id() -> None:
     assert error.req_id == 8
 
 
-def test_array_header_up_to_the_largest_msgpack_array() -> None:
-    assert protocol.array_header(2**32 - 1) == b"\xdd\xff\xff\xff\xff"
-    assert protocol.array_header(2**31) == b"\xdd\x80\x00\x00\x00"
-
-
 def test_frames_without_a_delimiter_are_refused_saying_how_to_send_them() -> None:
     with pytest.raises(EnvelopeError) as raised:
         protocol.split_envelope([b"id", b"a", b"b"])
@@ -559,6 +623,8 @@ def test_frames_without_a_delimiter_are_refused_saying_how_to_send_them() -> Non
 
 
 SHAPE = "REPLY header must be [batch_id, infer_ms, lengths, errors], got "
+WAIT_MS = "REPLY wait_ms must be a number in [0, 86400000] or nil, got "
+PADDING = "REPLY padding must be [padded, real] ints >= 0 or nil, got "
 INFER_MS = "REPLY infer_ms must be a number in [0, 86400000], got "
 
 
@@ -567,11 +633,15 @@ def reply_header(*fields: object) -> bytes:
 
 
 def test_reply_header_with_and_without_the_optional_fields() -> None:
-    assert protocol.parse_reply_header(reply_header(7, 2.5, [3, 4])) == (7, 2.5, [3, 4], 0, None)
-    assert protocol.parse_reply_header(reply_header(7, 2, [3, 4], 1)) == (7, 2.0, [3, 4], 1, None)
+    assert protocol.parse_reply_header(reply_header(7, 2.5, [3, 4])) == (7, 2.5, [3, 4], 0, None, None)
+    assert protocol.parse_reply_header(reply_header(7, 2, [3, 4], 1)) == (7, 2.0, [3, 4], 1, None, None)
     got = protocol.parse_reply_header(reply_header(2**63 - 1, 0, [], 0, 86_400_000))
-    assert got == (2**63 - 1, 0.0, [], 0, 86_400_000.0)
+    assert got == (2**63 - 1, 0.0, [], 0, 86_400_000.0, None)
     assert isinstance(got.infer_ms, float) and isinstance(got.wait_ms, float)
+    padded = protocol.parse_reply_header(reply_header(7, 1, [3], 0, None, [12, 40]))
+    assert (padded.wait_ms, padded.padding) == (None, (12, 40))
+    frames = protocol.reply_frames(7, 1.0, [b"abc"], padding=(0, 5))
+    assert protocol.parse_reply_header(frames[2]).padding == (0, 5)
 
 
 @pytest.mark.parametrize(
@@ -585,10 +655,15 @@ def test_reply_header_with_and_without_the_optional_fields() -> None:
             None,
         ),
         (
-            reply_header(1, 0, [], 0, 0, 0),
-            SHAPE + "[1, 0, [], 0, 0, 0]",
+            reply_header(1, 0, [], 0, 0, [0, 0], 0),
+            SHAPE + "[1, 0, [], 0, 0, [0, 0], 0]",
             None,
         ),
+        (reply_header(5, 1, [1], 0, 0, [1]), PADDING + "[1]", 5),
+        (reply_header(5, 1, [1], 0, 0, [-1, 2]), PADDING + "[-1, 2]", 5),
+        (reply_header(5, 1, [1], 0, 0, [1, True]), PADDING + "[1, True]", 5),
+        (reply_header(5, 1, [1], 0, 0, [2**63, 1]), PADDING + f"[{2**63}, 1]", 5),
+        (reply_header(5, 1, [1], 0, 0, 3), PADDING + "3", 5),
         (reply_header(-1, 0, []), "REPLY batch id must be an int in [0, 2**63), got -1", None),
         (reply_header(2**63, 0, []), f"REPLY batch id must be an int in [0, 2**63), got {2**63}", None),
         (reply_header(True, 0, []), "REPLY batch id must be an int in [0, 2**63), got True", None),
@@ -608,9 +683,9 @@ def test_reply_header_with_and_without_the_optional_fields() -> None:
         (reply_header(5, 1, [1, 2], 3), "REPLY errors must be an int in [0, 2], got 3", 5),
         (reply_header(5, 1, [1, 2], -1), "REPLY errors must be an int in [0, 2], got -1", 5),
         (reply_header(5, 1, [1, 2], True), "REPLY errors must be an int in [0, 2], got True", 5),
-        (reply_header(5, 1, [1], 0, -1), "REPLY wait_ms must be a number in [0, 86400000], got -1", 5),
-        (reply_header(5, 1, [1], 0, math.inf), "REPLY wait_ms must be a number in [0, 86400000], got inf", 5),
-        (reply_header(5, 1, [1], 0, None), "REPLY wait_ms must be a number in [0, 86400000], got None", 5),
+        (reply_header(5, 1, [1], 0, -1), WAIT_MS + "-1", 5),
+        (reply_header(5, 1, [1], 0, math.inf), WAIT_MS + "inf", 5),
+        (reply_header(5, 1, [1], 0, "1"), WAIT_MS + "'1'", 5),
     ],
 )
 def test_reply_header_refuses_what_no_worker_sends_naming_the_batch_when_it_can(
@@ -623,7 +698,7 @@ def test_reply_header_refuses_what_no_worker_sends_naming_the_batch_when_it_can(
 
 
 def test_reply_header_takes_batch_id_zero_and_empty_replies() -> None:
-    assert protocol.parse_reply_header(reply_header(0, 0, [0, 3, 0])) == (0, 0.0, [0, 3, 0], 0, None)
+    assert protocol.parse_reply_header(reply_header(0, 0, [0, 3, 0])) == (0, 0.0, [0, 3, 0], 0, None, None)
 
 
 def test_a_broken_body_over_100_mib_still_has_its_id_echoed() -> None:
@@ -691,3 +766,80 @@ def test_the_id_of_a_too_large_body_is_read_from_its_head_only() -> None:
     assert protocol.id_of_refused(head_id) == "early"
     assert protocol.id_of_refused(late_id) is None  # past the first 64 KiB
     assert protocol.id_of_refused(protocol.pack({"input": b"\0" * 100, "id": 4})) == 4
+
+
+# --- input_length: the broker's only look inside a tensor (--bucket-by length) ------------------
+
+
+def _tensor_like(shape: Any) -> dict[str, Any]:
+    return {"datatype": "FP32", "shape": shape, "data": b""}
+
+
+@pytest.mark.parametrize(
+    ("given", "length"),
+    [
+        (_tensor_like([7, 3]), 7),
+        (_tensor_like([0]), 0),
+        ({"a": _tensor_like([4]), "b": _tensor_like([9, 1])}, 9),
+        ([_tensor_like([2]), _tensor_like([5, 5])], 5),
+    ],
+)
+def test_input_length_is_the_longest_first_axis(given: Any, length: int) -> None:
+    assert protocol.input_length(body({"id": 1, "input": given})) == length
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        [1, 2, 3],
+        "text",
+        _tensor_like([]),
+        _tensor_like(["7"]),
+        _tensor_like([-1]),
+        _tensor_like([True]),
+        {"a": _tensor_like([3]), "b": 5},
+        [],
+        {},
+    ],
+)
+def test_input_length_refuses_an_input_without_a_first_axis(given: Any) -> None:
+    with pytest.raises(ProtocolError) as raised:
+        protocol.input_length(body({"id": "x", "input": given}), "x")
+    assert raised.value.code == ErrorCode.BAD_REQUEST and raised.value.req_id == "x"
+    assert "groups requests by length" in raised.value.message
+
+
+@given(st.binary(max_size=200) | _ANY_VALUE.map(lambda v: body({"input": v})))
+def test_input_length_of_any_bytes_is_a_length_or_bad_request(raw: bytes) -> None:
+    try:
+        length = protocol.input_length(raw)
+    except ProtocolError as exc:
+        assert exc.code == ErrorCode.BAD_REQUEST
+    else:
+        assert isinstance(length, int) and length >= 0
+
+
+_FUZZED_TENSOR = st.fixed_dictionaries(
+    {
+        "datatype": st.sampled_from(["FP32", "X", 3]),
+        "shape": st.lists(st.integers(-(2**63), 2**64 - 1) | st.booleans() | st.text(max_size=2), max_size=4)
+        | _ANY_VALUE,
+        "data": st.binary(max_size=8) | _ANY_VALUE,
+    }
+)
+
+
+@given(
+    _FUZZED_TENSOR
+    | st.lists(_FUZZED_TENSOR, max_size=3)
+    | st.dictionaries(st.text(max_size=3), _FUZZED_TENSOR)
+)
+def test_input_length_of_fuzzed_tensor_headers_is_their_first_axis_or_bad_request(given: Any) -> None:
+    try:
+        length = protocol.input_length(body({"input": given}))
+    except ProtocolError as exc:
+        assert exc.code == ErrorCode.BAD_REQUEST
+        return
+    tensors = [given] if "shape" in given else list(given.values()) if isinstance(given, dict) else given
+    firsts = [t["shape"][0] for t in tensors]
+    assert length == max(firsts) and all(type(n) is int and n >= 0 for n in firsts)

@@ -9,6 +9,7 @@ both policies. Every `now` is a plain float; nothing sleeps.
 from __future__ import annotations
 
 import math
+import random
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -728,6 +729,53 @@ def test_cost_model_with_one_batch_size_has_no_slope_despite_rounding(n: int) ->
     a, b = cm.coefficients()
     assert a == pytest.approx(mean)
     assert b == 0.0
+
+
+def _batches_of_varied_size(seed: int) -> list[tuple[int, float]]:
+    """(n, summed cost) of batches whose request sizes vary independently of their count."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(60):
+        n = rng.randint(1, 8)
+        out.append((n, float(sum(rng.randint(1, 200) for _ in range(n)))))
+    return out
+
+
+def test_cost_model_learns_over_cost_when_time_follows_the_requests_sizes() -> None:
+    cm = CostModel()
+    for n, cost in _batches_of_varied_size(1):
+        cm.observe(n, 0.002 + 0.0001 * cost, cost)
+    assert cm.by_cost
+    assert cm.predict(3, 500.0) == pytest.approx(0.002 + 0.05)
+    a, b = cm.coefficients()  # per request: b at the recent mean cost of a request
+    assert a == pytest.approx(0.002) and 0.0001 * 1 < b < 0.0001 * 200
+
+
+def test_cost_model_keeps_the_count_when_time_follows_the_count() -> None:
+    cm = CostModel()
+    for n, cost in _batches_of_varied_size(2):
+        cm.observe(n, 0.020 + 0.0025 * n, cost)
+    assert not cm.by_cost
+    assert cm.predict(4, 10_000.0) == pytest.approx(0.030)
+
+
+def test_without_costs_the_cost_fit_is_never_used() -> None:
+    cm = CostModel()
+    for n in [1, 2, 3, 4, 5, 6, 7, 8] * 3:
+        cm.observe(n, 0.01 + 0.001 * n)
+    assert not cm.by_cost
+
+
+def test_the_scheduler_expects_a_batch_to_take_what_its_cost_predicts() -> None:
+    s = make(size=8, wait_ms=0.0)
+    for n, cost in _batches_of_varied_size(3):
+        reqs = _costly(*([cost / n] * n))
+        put(s, "m", *reqs)
+        (batch,) = s.due_batches(0.0)
+        s.complete(batch.worker, batch.batch_id, infer_s=0.001 + 0.0001 * cost)
+    put(s, "m", *_costly(300.0))
+    (batch,) = s.due_batches(5.0)
+    assert batch.expected_done_at - 5.0 == pytest.approx(0.001 + 0.03)
 
 
 def test_cost_model_knows_nothing_before_a_report_and_ignores_missing_or_negative_times() -> None:
@@ -1794,6 +1842,116 @@ def test_any_costs_every_batch_within_its_caps_and_in_order(
         now += 1.0
     assert served == sorted(left, key=lambda r: (-r.priority, r.seq))  # order kept, none twice
     assert mq.queued_cost == 0.0
+
+
+# --- length buckets: requests of different buckets never share a batch -----------------------------
+
+BOUNDS = (16, 32, 64, 128)
+
+
+def _bucketed(**kwargs: object) -> Scheduler:
+    settings = BatchSettings(
+        **{"max_batch_size": 4, "max_wait_ms": 10.0, "policy": "window", "bucket_by": "length",
+           "length_buckets": BOUNDS, **kwargs}  # type: ignore[arg-type]
+    )  # fmt: skip
+    s = Scheduler(per_model={"m": settings}, worker_prefetch=2)
+    s.add_worker(b"w0", "m", 2)
+    return s
+
+
+def _of_length(*lengths: int, t: float = 0.0) -> list[QueuedRequest]:
+    settings = BatchSettings(bucket_by="length", length_buckets=BOUNDS)
+    out = []
+    for n in lengths:
+        r = rq(t)
+        r.id, r.bucket = n, settings.bucket(n)
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("length", "bucket"),
+    [(0, 0), (1, 0), (16, 0), (17, 1), (32, 1), (100, 3), (128, 3), (129, 4), (10**9, 4)],
+)
+def test_a_length_joins_the_first_bucket_whose_bound_holds_it(length: int, bucket: int) -> None:
+    assert BatchSettings(bucket_by="length", length_buckets=BOUNDS).bucket(length) == bucket
+
+
+def test_a_full_bucket_goes_at_once_and_never_takes_another_buckets_requests() -> None:
+    s = _bucketed(max_wait_ms=1000.0)
+    put(s, "m", *_of_length(3, 40, 5, 40, 7, 40, 9))
+    assert s.queued("m") == 7
+    (batch,) = s.due_batches(0.0)  # the 16 bucket is full (4); the 64 bucket (3) waits
+    assert [r.id for r in batch.requests] == [3, 5, 7, 9]
+    assert s.due_batches(0.0) == []
+    (late,) = s.due_batches(1.0)  # its window passed: the 64 bucket goes, alone
+    assert [r.id for r in late.requests] == [40, 40, 40]
+
+
+def test_the_bucket_waiting_longest_gets_the_worker_first() -> None:
+    s = _bucketed(max_wait_ms=0.0)
+    s.remove_worker(b"w0")
+    s.add_worker(b"w0", "m", 1)  # one batch at a time
+    put(s, "m", *_of_length(1, t=0.0))  # the 16 bucket's queue is made first...
+    (warm,) = s.due_batches(0.0)
+    s.complete(warm.worker, warm.batch_id)
+    put(s, "m", *_of_length(50, t=1.0))  # ...but now the 64 bucket holds the oldest request
+    put(s, "m", *_of_length(2, t=1.5))
+    assert [[r.id for r in b.requests] for b in s.due_batches(2.0)] == [[50]]
+
+
+def test_bucket_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="bucket_by and length_buckets go together"):
+        BatchSettings(bucket_by="length")
+    with pytest.raises(ValueError, match="bucket_by and length_buckets go together"):
+        BatchSettings(length_buckets=(8,))
+    with pytest.raises(ValueError, match="length_buckets must be increasing ints >= 1"):
+        BatchSettings(bucket_by="length", length_buckets=(32, 16))
+    with pytest.raises(ValueError, match="length_buckets must be increasing ints >= 1"):
+        BatchSettings(bucket_by="length", length_buckets=(0, 16))
+    with pytest.raises(ValueError, match="bucket_by must be one of length, got 'shape'"):
+        BatchSettings(bucket_by="shape", length_buckets=(16,))
+
+
+@given(
+    lengths=st.lists(st.integers(0, 200), min_size=1, max_size=60),
+    size=st.integers(1, 6),
+    cancel=st.sets(st.integers(0, 59)),
+    fail_every=st.integers(2, 5),
+    cap=st.none() | st.floats(1.0, 10.0),
+)
+def test_any_lengths_no_batch_mixes_buckets_and_every_request_is_served_once(
+    lengths: list[int], size: int, cancel: set[int], fail_every: int, cap: float | None
+) -> None:
+    s = _bucketed(max_batch_size=size, max_batch_cost=cap)
+    reqs = []
+    for i, n in enumerate(lengths):
+        (r,) = _of_length(n, t=i * 0.001)
+        r.id, r.cost = i, 1.0 + n % 3
+        reqs.append(r)
+    put(s, "m", *reqs)
+    gone = {i for i in cancel if i < len(reqs)}
+    s.cancel(lambda r: r.id in gone)
+    assert s.queued("m") == len(reqs) - len(gone)
+    served: list[int] = []
+    now, turns = 1.0, 0
+    while s.queued("m") or any(True for _ in s.in_flight()):
+        for b in s.due_batches(now):
+            buckets = {r.bucket for r in b.requests}
+            assert len(buckets) == 1, [(r.id, r.bucket) for r in b.requests]
+            assert len(b.requests) <= size
+            assert cap is None or len(b.requests) == 1 or sum(r.cost for r in b.requests) <= cap
+            turns += 1
+            if turns % fail_every == 0:  # its worker died: the batch goes back to its buckets
+                s.remove_worker(b.worker)
+                s.requeue("m", b.requests)
+                s.add_worker(b.worker, "m", 2)
+                continue
+            served += [r.id for r in b.requests]
+            s.complete(b.worker, b.batch_id)
+        now += 1.0
+        assert now < 10_000, "the queue never emptied"
+    assert sorted(served) == sorted(set(range(len(reqs))) - gone)
 
 
 # --- priority aging: no flood of higher priorities starves the rest --------------------------------

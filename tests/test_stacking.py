@@ -193,3 +193,19 @@ def test_a_model_returning_a_tuple_fails_rather_than_mixing_requests() -> None:
     out = replies_of(run_batch(wrap(lambda b: (b, b), Stack()), *batch(*two), "w"))
     assert {r["error"]["code"] for r in out} == {"model_error"}
     assert "a stacked model must return an array or a dict of arrays, got tuple" in out[0]["error"]["message"]
+
+
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=6), st.integers(1, 3))
+def test_a_padded_batch_reports_its_padded_and_real_elements(lengths: list[int], width: int) -> None:
+    arrays = [np.ones((n, width), np.float32) for n in lengths]
+    model = wrap(lambda b, lengths: b.sum(axis=1), Stack(pad_axes=(0,)))
+    frames = run_batch(model, *batch(*map(tensor.from_array, arrays)), "w")
+    real = sum(lengths) * width
+    padded = len(lengths) * max(lengths) * width - real
+    assert model.last_padding == (padded, real)
+    assert protocol.parse_reply_header(frames[2]).padding == (padded, real)
+
+
+def test_a_model_that_does_not_stack_reports_no_padding() -> None:
+    frames = run_batch(lambda xs: xs, *batch(1, 2), "w")
+    assert protocol.parse_reply_header(frames[2]).padding is None

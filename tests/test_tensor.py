@@ -183,14 +183,16 @@ def test_any_tensor_header_is_either_valid_or_refused_with_a_message(value: dict
 # --- the worker: arrays for the model, a malformed tensor answered alone ---------------------------
 
 
-def batch(*inputs: object) -> tuple[bytes, bytes]:
+def batch(*inputs: object) -> tuple[bytes, list[Any]]:
+    """(header, body frames) of a BATCH of `inputs`, as the broker frames them."""
     bodies = [pack({"id": i, "input": x}) for i, x in enumerate(inputs)]
-    return pack([1, [0.0] * len(bodies)]), protocol.array_header(len(bodies)) + b"".join(bodies)
+    frames = protocol.batch_frames(1, [0.0] * len(bodies), bodies)
+    return frames[2], frames[3:]
 
 
-def replies_of(frames: list[bytes]) -> list[dict[str, Any]]:
+def replies_of(frames: list[Any]) -> list[dict[str, Any]]:
     _, _, lengths, *_ = unpack(frames[2])
-    return [tensor.unpack_arrays(r) for r in protocol.split_replies(lengths, frames[3])]
+    return [tensor.unpack_arrays(r) for r in protocol.split_bodies(lengths, frames[3:])]
 
 
 def test_the_model_gets_arrays_and_its_arrays_go_back_as_tensors() -> None:
@@ -235,6 +237,64 @@ def test_a_batch_of_only_malformed_tensors_never_calls_the_model() -> None:
 
     out = replies_of(run_batch(never, *batch(t(datatype="X"), t(shape=[-1])), "w"))
     assert [r["error"]["code"] for r in out] == ["bad_request", "bad_request"]
+
+
+LARGE = protocol.ZERO_COPY_BYTES // 4  # FP32 elements: a body past the zero-copy size
+
+
+def _address_range(buffer: Any) -> tuple[int, int]:
+    start = np.frombuffer(buffer, np.uint8).ctypes.data
+    return start, start + len(buffer)
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        pytest.param(lambda a: a, id="alone"),
+        pytest.param(lambda a: {"x": a, "y": a[:3]}, id="named"),
+        pytest.param(lambda a: [a, a[:2]], id="list"),
+    ],
+)
+def test_a_large_requests_tensors_reach_the_model_as_views_of_the_received_frame(form: Any) -> None:
+    seen: list[Any] = []
+
+    def keep(inputs: list[Any]) -> list[Any]:
+        seen.extend(inputs)
+        return inputs
+
+    sent = np.arange(LARGE, dtype=np.float32)
+    body = protocol.pack({"id": 1, "input": form(sent)})
+    frames = protocol.batch_frames(1, [0.0], [body])
+    assert frames[3] is body  # one frame per body: what the worker receives as a zmq.Frame
+    out = replies_of(run_batch(keep, frames[2], frames[3:], "w"))
+    start, end = _address_range(body)
+    got = seen[0]
+    arrays = [got] if isinstance(got, np.ndarray) else list(got.values()) if isinstance(got, dict) else got
+    for array in arrays:
+        assert isinstance(array, np.ndarray) and not array.flags.writeable
+        assert start <= array.ctypes.data and array.ctypes.data + array.nbytes <= end, "the tensor was copied"
+    assert out[0]["ok"]
+    echoed = out[0]["output"]
+    if isinstance(echoed, np.ndarray):
+        np.testing.assert_array_equal(echoed, sent)
+    else:
+        np.testing.assert_array_equal(echoed["x"] if isinstance(echoed, dict) else echoed[0], sent)
+
+
+def test_a_large_requests_malformed_tensor_is_answered_alone_whatever_the_form() -> None:
+    good = protocol.pack({"id": 0, "input": np.zeros(LARGE, np.float32)})
+    short = protocol.pack(
+        {"id": 1, "input": {"a": t(datatype="FP32", shape=[LARGE + 1], data=b"\0" * LARGE * 4)}}
+    )
+    unknown = protocol.pack({"id": 2, "input": [t(datatype="FP128", shape=[LARGE], data=b"\0" * LARGE * 4)]})
+    frames = protocol.batch_frames(1, [0.0] * 3, [good, short, unknown])
+    out = replies_of(run_batch(lambda xs: xs, frames[2], frames[3:], "w"))
+    assert out[0]["ok"] and out[0]["output"].shape == (LARGE,)
+    assert out[1]["error"] == {
+        "code": "bad_request",
+        "message": f"tensor data has {LARGE * 4} bytes, but FP32 [{LARGE + 1}] needs {(LARGE + 1) * 4}",
+    }
+    assert out[2]["error"]["code"] == "bad_request" and "FP128" in out[2]["error"]["message"]
 
 
 def test_the_broker_side_never_needs_numpy_to_read_a_tensor_request() -> None:

@@ -109,11 +109,25 @@ def unpad(batch: np.ndarray, lengths: np.ndarray, axes: tuple[int, ...]) -> list
     return rows
 
 
-def wrap(model: Callable[..., Any], stack: Stack) -> Callable[[list[Any]], list[Any]]:
+def wrap(model: Callable[..., Any], stack: Stack) -> Stacked:
     """A list-in, list-out model (what the worker calls) around a model that takes and
     returns batched arrays; inputs that cannot join the batch get BadInput instances."""
+    return Stacked(model, stack)
 
-    def run(inputs: list[Any]) -> list[Any]:
+
+class Stacked:
+    """A stacked model as the worker calls it. After each batch, `last_padding` holds
+    (padded elements, real elements) of its inputs, which the worker reports to the
+    broker (stats and Prometheus show padded / real as the padding waste)."""
+
+    def __init__(self, model: Callable[..., Any], stack: Stack) -> None:
+        self.model = model
+        self.stack = stack
+        self.last_padding: tuple[int, int] | None = None
+
+    def __call__(self, inputs: list[Any]) -> list[Any]:
+        stack = self.stack
+        self.last_padding = None
         out: list[Any] = [None] * len(inputs)
         # The batch takes the form most of its inputs share (the earliest on a tie), so one
         # odd request is answered alone, whatever its place in the batch.
@@ -130,18 +144,24 @@ def wrap(model: Callable[..., Any], stack: Stack) -> Callable[[list[Any]], list[
         if not live:
             return out
         lengths: np.ndarray | None = None
+        real = 0
         if isinstance(first, dict):
             batch: Any = {}
             for k in first:
-                batch[k], lengths = pad([inputs[i][k] for i in live], stack.pad_axes, stack.pad_value)
+                arrays = [inputs[i][k] for i in live]
+                batch[k], lengths = pad(arrays, stack.pad_axes, stack.pad_value)
+                real += sum(a.size for a in arrays)
+            padded = sum(b.size for b in batch.values()) - real
         else:
-            batch, lengths = pad([inputs[i] for i in live], stack.pad_axes, stack.pad_value)
-        result = model(batch, lengths) if stack.pad_axes else model(batch)
+            arrays = [inputs[i] for i in live]
+            batch, lengths = pad(arrays, stack.pad_axes, stack.pad_value)
+            real = sum(a.size for a in arrays)
+            padded = batch.size - real
+        self.last_padding = (int(padded), int(real))
+        result = self.model(batch, lengths) if stack.pad_axes else self.model(batch)
         for i, row in zip(live, _split(result, len(live), lengths, stack.unpad_axes), strict=True):
             out[i] = row
         return out
-
-    return run
 
 
 def _form(x: Any, axes: tuple[int, ...]) -> object:

@@ -19,12 +19,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 import msgpack
+import msgspec
 import zmq
 
 from batcher import protocol, tensor
+from batcher.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
 from batcher.client import HANDSHAKE_FAILED, ConnectionWatch
 from batcher.protocol import ErrorCode, Heartbeat
 from batcher.security import secure_client
@@ -75,77 +77,87 @@ class MalformedBatch(ValueError):
         self.batch_id = batch_id
 
 
-def _decode_header(header_frame: bytes) -> tuple[int, list[Any] | None]:
-    """(batch id, queue_ms list or None when unusable) from a BATCH header; MalformedBatch
-    without an id when no integer batch id can be read."""
+def _decode_header(header_frame: bytes) -> tuple[int, list[Any] | None, list[int]]:
+    """(batch id, queue_ms list or None when unusable, each body's length) from a BATCH
+    header; MalformedBatch without an id when no integer batch id can be read, with it
+    when the lengths cannot."""
     try:
         header = protocol.unpack(header_frame)
     except Exception as exc:  # msgpack raises several unrelated types
         raise MalformedBatch(f"header is not msgpack: {type(exc).__name__}: {exc}", None) from None
     if not isinstance(header, list) or not header or type(header[0]) is not int:
-        raise MalformedBatch(f"header must be [batch_id, queue_ms], got {_clip(header)}", None)
-    queue_ms = header[1] if len(header) > 1 and isinstance(header[1], list) else None
-    return header[0], queue_ms
+        raise MalformedBatch(f"header must be [batch_id, queue_ms, lengths], got {_clip(header)}", None)
+    lengths = header[2] if len(header) > 2 else None
+    if not isinstance(lengths, list) or not all(type(n) is int and n >= 0 for n in lengths):
+        raise MalformedBatch(f"header must hold the bodies' lengths, got {_clip(header)}", header[0])
+    queue_ms = header[1] if isinstance(header[1], list) else None
+    return header[0], queue_ms, lengths
 
 
-#: First bytes of a msgpack array (fixarray, array 16, array 32).
-_ARRAY_HEADERS = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
-
-
-def _decode_requests(batch_id: int, batch_frame: bytes) -> tuple[list[dict[str, Any]], dict[int, str]]:
-    """The batch's request maps, tensors in them as numpy arrays (docs/protocol.md,
-    "Tensors"); and, by position, why a request's tensor is malformed: that request is
-    answered `bad_request` and never reaches the model."""
-    if not batch_frame or batch_frame[0] not in _ARRAY_HEADERS:
-        _refuse_batch(batch_id, batch_frame)
-    if b"datatype" not in batch_frame:  # no tensor anywhere: the plain decode (a C-speed scan)
-        try:
-            plain = protocol.unpack(batch_frame)
-        except Exception:  # msgpack raises several unrelated types
-            _refuse_batch(batch_id, batch_frame)
-        if not all(isinstance(r, dict) for r in plain):
-            _refuse_batch(batch_id, batch_frame)
-        return plain, {}
-    malformed: list[str] = []
-
-    def arrays(value: dict[Any, Any]) -> Any:
-        if not tensor.is_tensor(value):
-            return value
-        try:
-            return tensor.to_array(value)
-        except (tensor.TensorError, ValueError) as exc:  # ValueError: numpy refused the shape
-            malformed.append(str(exc))
-        except ImportError:
-            malformed.append("this worker takes no tensors: numpy is not installed here")
-        return value
-
-    unpacker = msgpack.Unpacker(
-        raw=False, strict_map_key=False, object_hook=arrays, max_buffer_size=len(batch_frame)
-    )
-    unpacker.feed(batch_frame)
+def _decode_requests(bodies: list[Any]) -> tuple[list[dict[str, Any]], dict[int, str]]:
+    """The batch's request maps, tensors in them as numpy arrays viewing the bytes
+    msgpack decoded (docs/protocol.md, "Tensors"); and, by position, why a request cannot
+    be run: a body that is not a msgpack map (the broker reads only its header), or a
+    malformed tensor. That request is answered `bad_request` and never reaches the model."""
     requests: list[dict[str, Any]] = []
     bad: dict[int, str] = {}
-    try:
-        for i in range(unpacker.read_array_header()):
-            requests.append(unpacker.unpack())
-            if malformed:
-                bad[i] = malformed[0]
-                malformed.clear()
-        complete = unpacker.tell() == len(batch_frame)
-    except Exception:  # msgpack raises several unrelated types
-        complete = False
-    if not complete or not all(isinstance(r, dict) for r in requests):
-        _refuse_batch(batch_id, batch_frame)
+    for i, body in enumerate(bodies):
+        try:
+            request, why = _decode_request(body)
+        except TypeError as exc:  # valid msgpack, but a map key that is an array or a map
+            request = {"id": protocol.id_of_refused(body)}
+            why = f"body has a map key that is an array or a map, which is not supported ({exc})"
+        except Exception as exc:  # msgpack raises several unrelated types
+            request, why = {"id": protocol.id_of_refused(body)}, f"body cannot be decoded: {_describe(exc)}"
+        if not isinstance(request, dict):
+            request, why = {}, f"body must be a msgpack map, got {type(request).__name__}"
+        requests.append(request)
+        if why is not None:
+            bad[i] = why
     return requests, bad
 
 
-def _refuse_batch(batch_id: int, batch_frame: bytes) -> NoReturn:
-    """Raise MalformedBatch saying what is wrong with a batch body."""
+def _decode_request(body: Any) -> tuple[Any, str | None]:
+    """One request body decoded, and why one of its tensors is malformed (None if none is).
+    A large body's input tensors, in the usual forms, are arrays viewing the received
+    frame (tensor.unpack_viewing); any other tensor is an array viewing the bytes
+    msgpack decoded it into."""
+    if len(body) < protocol.ZERO_COPY_BYTES and b"datatype" not in body:
+        return protocol.unpack(body), None  # no tensor: the plain decode (a C-speed scan)
+    malformed: list[str] = []
+
+    def arrays(value: dict[Any, Any]) -> Any:
+        array, why = _array(value)
+        if why is not None:
+            malformed.append(why)
+        return array
+
+    if len(body) >= protocol.ZERO_COPY_BYTES:
+        try:
+            request = tensor.unpack_viewing(body, "input", arrays)
+            return request, malformed[0] if malformed else None
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            malformed.clear()  # not a map of str keys: the plain decode says what is wrong
+    request = msgpack.unpackb(body, raw=False, strict_map_key=False, object_hook=arrays)
+    return request, malformed[0] if malformed else None
+
+
+def _array(value: dict[Any, Any]) -> tuple[Any, str | None]:
+    """A tensor map as a numpy array (and None), a malformed one as itself and why; any
+    other map as itself."""
+    if not tensor.is_tensor(value):
+        return value, None
     try:
-        requests = protocol.unpack(batch_frame)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise MalformedBatch(f"body is not msgpack: {type(exc).__name__}: {exc}", batch_id) from None
-    raise MalformedBatch(f"body must be an array of request maps, got {_clip(requests)}", batch_id)
+        return tensor.to_array(value), None
+    except (tensor.TensorError, ValueError) as exc:  # ValueError: numpy refused the shape
+        return value, str(exc)
+    except ImportError:
+        return value, "this worker takes no tensors: numpy is not installed here"
+
+
+def _describe(exc: Exception) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _clip(value: object, limit: int = 80) -> str:
@@ -162,10 +174,10 @@ def _request_id(request: dict[str, Any]) -> int | str | None:
 def run_batch(
     model: ModelFn,
     header_frame: bytes,
-    batch_frame: bytes,
+    body_frames: list[Any],
     worker_name: str,
     arrived_at: float | None = None,
-) -> list[bytes]:
+) -> list[Any]:
     """Run one BATCH message through the model; returns the REPLY frames.
 
     Whatever the model does, every request of the batch gets a reply: its output, or
@@ -177,8 +189,12 @@ def run_batch(
     as the REPLY header's 5th element. Raises MalformedBatch for a message that cannot
     be run (see `_run_safely`).
     """
-    batch_id, queue_ms = _decode_header(header_frame)
-    everything, bad = _decode_requests(batch_id, batch_frame)
+    batch_id, queue_ms, lengths = _decode_header(header_frame)
+    try:
+        bodies = protocol.split_bodies(lengths, body_frames)
+    except ValueError as exc:
+        raise MalformedBatch(f"the bodies do not match the header: {exc}", batch_id) from None
+    everything, bad = _decode_requests(bodies)
     if queue_ms is None or len(queue_ms) != len(everything):
         # Only metadata: the requests themselves are fine, so they are answered.
         log.warning(
@@ -207,8 +223,9 @@ def run_batch(
         log.debug("batch %d: the model's traceback", batch_id, exc_info=True)
         for i in live:
             replies[i] = protocol.error_reply(_request_id(everything[i]), ErrorCode.MODEL_ERROR, message)
-        return _reply_frames(batch_id, infer_ms, _all(replies), len(everything), wait_ms)
+        return protocol.reply_frames(batch_id, infer_ms, _all(replies), len(everything), wait_ms)
     infer_ms = round((time.perf_counter() - t0) * 1000.0, 3)
+    padding = _padding_of(model)
     errors = len(bad)
     for i, r, out in zip(live, requests, outputs, strict=True):
         req_id = _request_id(r)
@@ -234,29 +251,27 @@ def run_batch(
         meta["infer_ms"] = infer_ms
         try:
             replies[i] = protocol.ok_reply(req_id, out, meta)
-        except (TypeError, ValueError, OverflowError, BufferError) as exc:
+        except (TypeError, ValueError, OverflowError, BufferError, RecursionError) as exc:
             errors += 1
             replies[i] = protocol.error_reply(
                 req_id, ErrorCode.MODEL_ERROR, f"output cannot be encoded: {exc}"
             )
-    return _reply_frames(batch_id, infer_ms, _all(replies), errors, wait_ms)
+    return protocol.reply_frames(batch_id, infer_ms, _all(replies), errors, wait_ms, padding)
+
+
+def _padding_of(model: ModelFn) -> tuple[int, int] | None:
+    """(padded, real) elements of the batch the model just ran, when it says (a stacked
+    model does: workers.stacking.Stacked.last_padding; any model may set it)."""
+    padding = getattr(model, "last_padding", None)
+    if isinstance(padding, tuple) and len(padding) == 2 and all(type(n) is int and n >= 0 for n in padding):
+        return padding[0], padding[1]
+    return None
 
 
 def _all(replies: list[bytes | None]) -> list[bytes]:
     """Every reply of a batch, once each position has one."""
     assert all(r is not None for r in replies)
     return [r for r in replies if r is not None]
-
-
-def _reply_frames(
-    batch_id: int, infer_ms: float, replies: list[bytes], errors: int, wait_ms: float | None
-) -> list[bytes]:
-    """protocol.reply_frames, with the batch's wait in the worker as the header's 5th
-    element when it is known (the broker counts it in its queue-time stats)."""
-    frames = protocol.reply_frames(batch_id, infer_ms, replies, errors)
-    if wait_ms is not None:
-        frames[2] = protocol.pack([batch_id, infer_ms, [len(r) for r in replies], errors, wait_ms])
-    return frames
 
 
 class Worker:
@@ -300,7 +315,7 @@ class Worker:
         self.reconnects = 0
         self._sock: zmq.Socket[Any] | None = None
         self._watch: ConnectionWatch | None = None  # the socket's monitor
-        self._pending: deque[tuple[float, list[bytes]]] = deque()  # (arrived at, BATCH frames) not run yet
+        self._pending: deque[tuple[float, list[Any]]] = deque()  # (arrived at, BATCH frames) not run yet
         self._poller = zmq.Poller()
         self._told_to_reconnect = False
         self._heard_at = 0.0  # when the broker last said anything (set again on connecting)
@@ -366,6 +381,8 @@ class Worker:
         now = time.monotonic()
         next_beat, self._heard_at = now + self.heartbeat.interval_s, now
         backoff_s, reconnect_at = RECONNECT_MIN_S, None
+        trim = heap_trimmer() if keep_freed_memory() else None
+        next_trim = now + TRIM_INTERVAL_S
         while not self.stop_requested():
             wake = next_beat if reconnect_at is None else min(next_beat, reconnect_at)
             events = dict(self._poller.poll(max(0, math.ceil((wake - time.monotonic()) * 1000))))
@@ -398,6 +415,9 @@ class Worker:
             if self._sock is not None and now >= next_beat:
                 self._send([protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
                 next_beat = now + hb.interval_s
+            if trim is not None and now >= next_trim:  # idle: what a burst took goes back
+                trim()
+                next_trim = now + TRIM_INTERVAL_S
             next_beat = min(next_beat, now + hb.interval_s)  # the broker's may be shorter
         if self.signals.count:
             log.info("worker %s stopping", self.name)
@@ -417,7 +437,7 @@ class Worker:
             self._in_model = True
             self._socket_lock.release()  # the heartbeat thread may use the socket meanwhile
             try:
-                reply = _run_safely(self.model, frames[2], frames[3], self.name, arrived_at)
+                reply = _run_safely(self.model, frames[2], frames[3:], self.name, arrived_at)
             finally:
                 self._socket_lock.acquire()
                 self._in_model = False
@@ -557,14 +577,14 @@ class Worker:
         heard = False
         while True:
             try:
-                frames = recv_frames(self._sock)
+                frames = recv_frames(self._sock, copied=3)  # large bodies stay zmq.Frames
             except zmq.Again:
                 return heard
             heard = True
             self._heard_at = now
             if len(frames) < 2 or frames[0] != protocol.WORKER_PROTOCOL:
                 log.warning("ignored a broker message of %d frames", len(frames))
-            elif frames[1] == protocol.CMD_BATCH and len(frames) == 4:
+            elif frames[1] == protocol.CMD_BATCH and len(frames) >= 4:
                 self._pending.append((now, frames))
             elif frames[1] == protocol.CMD_DISCONNECT:
                 log.info("worker %s: the broker does not know us; announcing again", self.name)
@@ -606,13 +626,13 @@ class Worker:
 
 
 def _run_safely(
-    model: ModelFn, header_frame: bytes, batch_frame: bytes, name: str, arrived_at: float | None = None
-) -> list[bytes] | None:
+    model: ModelFn, header_frame: bytes, body_frames: list[Any], name: str, arrived_at: float | None = None
+) -> list[Any] | None:
     """run_batch that never raises: a batch whose body cannot be read gets an empty REPLY
     (the broker fails all its requests); one without a readable batch id is dropped
     (None: nothing to answer; its broker re-dispatches it when it loses this worker)."""
     try:
-        return run_batch(model, header_frame, batch_frame, name, arrived_at)
+        return run_batch(model, header_frame, body_frames, name, arrived_at)
     except MalformedBatch as exc:
         if exc.batch_id is None:
             log.warning("dropped a batch whose header cannot be read: %s", exc)
