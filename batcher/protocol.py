@@ -32,7 +32,8 @@ CMD_EXIT = b"\x06"  # broker -> worker: your batch ran past its time limit; exit
 MAX_COST = 1e15
 
 #: A body or frame this large is passed on by reference, never copied (zero copy);
-#: smaller ones are copied, which costs them less (docs/benchmarks.md, "Copies").
+#: smaller ones are copied, which costs them less (measured: docs/benchmarks.md,
+#: "One frame per batch or one frame per request").
 ZERO_COPY_BYTES = 64 * 1024
 
 #: The types a request `id` may have (everything else in a body is forwarded untouched).

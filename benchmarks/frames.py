@@ -40,6 +40,7 @@ def receiver(address: str) -> None:
     sock.send(b"hello")
     try:
         while True:
+            sock.poll()  # recv_frames never blocks
             frames = recv_frames(sock, copied=3)
             if frames[0] == b"stop":
                 return
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     proc.start()
     results: dict[int, dict[str, list[float]]] = {s: {"joined": [], "per_frame": []} for s in SIZES}
     try:
+        if not sock.poll(30_000):
+            raise SystemExit("the receiver did not connect within 30 s")
         peer = sock.recv_multipart()[0]
         for i in range(runs):
             for size in SIZES:

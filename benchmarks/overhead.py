@@ -1,9 +1,12 @@
 """Overhead: the broker against the plain pyzmq echo loop, the ceiling for one Python process.
 
-Three kinds of server answer the same requests, all up at once and loaded in turn
+Four kinds of server answer the same requests, all up at once and loaded in turn
 (A B C A B C ... for --runs rounds, so drift on a noisy machine hits them alike):
 
 - the echo loop (benchmarks/echo_loop.py): decode, encode, reply; nothing else;
+- the minimal three-process chain (benchmarks/forwarder.py): a zero-copy forwarder and
+  one DEALER echo worker, no batching: what the hops of any client -> broker -> worker
+  design cost before any broker logic;
 - the broker with one `echo` worker, batching on (max-batch-size 32, for each
   --max-wait-ms given: 0 dispatches a lone request at once, 1 waits up to 1 ms);
 - the broker with one `echo` worker, batching off (max-batch-size 1).
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common import (
+    FORWARDER,
     EchoLoop,
     client_note,
     closed_loop,
@@ -39,6 +43,8 @@ from common import (
     write_results,
 )
 
+from batcher.launcher import free_tcp_address
+
 TARGET_RATIO = 1.0
 TARGET_ADDED_MS = 0.15
 
@@ -49,7 +55,8 @@ class Config:
 
     name: str
     settings: str
-    serve: list[str] | None  # `batcher serve` arguments; None for the echo loop
+    serve: list[str] | None  # `batcher serve` arguments; None for the echo loop or the chain
+    chain: bool = False  # the minimal three-process chain (benchmarks/forwarder.py)
 
 
 def float_list(text: str) -> list[float]:
@@ -79,7 +86,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def configs(args: argparse.Namespace) -> list[Config]:
-    out = [Config("echo loop", "plain pyzmq ROUTER", None)]
+    out = [
+        Config("echo loop", "plain pyzmq ROUTER", None),
+        Config(
+            "three-process chain",
+            "benchmarks/forwarder.py: zero-copy ROUTER -> ROUTER forwarder, one DEALER echo worker",
+            None,
+            chain=True,
+        ),
+    ]
     for wait in args.max_wait_ms:
         out.append(
             Config(
@@ -107,7 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.ExitStack() as stack:
         addresses: dict[str, str] = {}
         for c in cfgs:
-            if c.serve is None:
+            if c.chain:
+                chain = EchoLoop(script=FORWARDER, extra=[free_tcp_address()])
+                addresses[c.name] = stack.enter_context(chain).frontend
+            elif c.serve is None:
                 addresses[c.name] = stack.enter_context(EchoLoop()).frontend
             else:
                 addresses[c.name] = stack.enter_context(running_serve(c.serve, 1)).frontend
@@ -153,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     def verdict(row: dict[str, Any]) -> str:
         if row["config"] == base:
             return "(baseline)"
+        if row["config"] == "three-process chain":
+            return "(the floor of any client -> broker -> worker design)"
         ok_ratio = row["ratio_to_echo_loop"] >= TARGET_RATIO
         ok_added = row["added_p50_ms"] < TARGET_ADDED_MS
         return f"ratio {'met' if ok_ratio else 'MISSED'}, round trip {'met' if ok_added else 'MISSED'}"

@@ -552,3 +552,14 @@ def test_a_huge_axis_beside_a_zero_is_refused_and_strided_arrays_go_whole() -> N
     for sent in (np.arange(10, dtype=np.uint8)[::2], np.asfortranarray(np.eye(3, dtype=np.bool_))[:, 1:]):
         got = round_trip(sent)
         assert got.dtype == sent.dtype and np.array_equal(got, sent)
+
+
+def test_a_large_replys_tensors_come_back_as_views_of_the_received_bytes() -> None:
+    sent = np.arange(LARGE, dtype=np.float32)
+    reply = protocol.ok_reply(3, {"a": sent, "b": sent[:5]}, {"batch_size": 1})
+    got = tensor.unpack_arrays(reply)
+    start, end = _address_range(reply)
+    for array in (got["output"]["a"], got["output"]["b"]):
+        assert start <= array.ctypes.data and array.ctypes.data + array.nbytes <= end, "the tensor was copied"
+    np.testing.assert_array_equal(got["output"]["a"], sent)
+    assert (got["id"], got["ok"], got["batch_size"]) == (3, True, 1)
