@@ -155,7 +155,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         self.watch.poll()  # keeps the monitor's queue short, so no event is dropped
         if request_id is None:
             request_id = next(self._ids)
-        body = protocol.pack({"id": request_id, **fields})
+        body = protocol.pack_carrying({"id": request_id, **fields}, fields.get("input"))
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = fut
         attempts = 0

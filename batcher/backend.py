@@ -127,7 +127,7 @@ class Backend:
         except WorkerProtocolError as exc:
             self._bad_reply(worker_id, exc)
             raise
-        batch_id, infer_ms, lengths, model_errors, wait_ms, padding = header
+        batch_id, infer_ms, lengths, errors, wait_ms, padding, refused = header
         batch = self.scheduler.complete(worker_id, batch_id, infer_ms / 1000.0, time.monotonic())
         if batch is None:
             self.stats.dropped_backend += 1
@@ -142,7 +142,6 @@ class Backend:
         sent_at = batch.dispatched_at
         in_worker_ms = max(wait_ms or 0.0, (time.monotonic() - sent_at) * 1000.0 - infer_ms)
         queue_ms = (round((sent_at - r.arrived_at) * 1000.0 + in_worker_ms, 3) for r in batch.requests)
-        self.stats.batch_done(batch.model, queue_ms, infer_ms, in_worker_ms, len(batch.requests), padding)
         try:
             if len(lengths) != len(batch.requests):
                 raise ValueError(f"{len(lengths)} replies for {len(batch.requests)} requests")
@@ -151,8 +150,10 @@ class Backend:
             log.warning("malformed reply from worker %s: %s", self.pool.name(worker_id), exc)
             self.fail_batch(batch, ErrorCode.WORKER_FAILED, f"the worker sent a malformed reply: {exc}")
             return
-        self.stats.count(batch.model, "ok", len(replies) - model_errors)
-        self.stats.count(batch.model, ErrorCode.MODEL_ERROR, model_errors)
+        self.stats.batch_done(batch.model, queue_ms, infer_ms, in_worker_ms, len(batch.requests), padding)
+        self.stats.count(batch.model, "ok", len(replies) - errors)
+        self.stats.count(batch.model, ErrorCode.MODEL_ERROR, errors - refused)
+        self.stats.count(batch.model, ErrorCode.BAD_REQUEST, refused)
         deliver = self.deliver
         for req, reply in zip(batch.requests, replies, strict=True):
             deliver(req.envelope, reply)

@@ -586,7 +586,7 @@ class Client(BaseClient[PendingReply]):
         (None: never). Its reply is taken by whoever waits on this client next, or by
         `receive_ready`; `PendingReply.result()` waits for it and retries as configured."""
         request_id = next(self._ids)
-        body = protocol.pack({"id": request_id, **fields})
+        body = protocol.pack_carrying({"id": request_id, **fields}, fields.get("input"))
         pending = PendingReply(self, request_id, body, wait_s)
         self._pending[request_id] = pending
         self._send_body(body, pending.deadline)

@@ -287,6 +287,12 @@ def id_of_refused(body: bytes) -> int | str | None:
     return _id_of_undecodable(memoryview(body)[:ID_PREFIX_BYTES])
 
 
+def id_of(body: Any) -> int | str | None:
+    """The `id` of a body that cannot be decoded whole (a worker's bad_request), read key
+    by key from the whole body, values skipped: wherever the id stands, it is echoed."""
+    return _id_of_undecodable(body)
+
+
 def _id_of_undecodable(body: Any) -> int | str | None:
     """The `id` of a body the broker refuses, read as far as the body allows: key by key,
     with maps decoded as lists of pairs (so no key needs to be hashable), stopping at the
@@ -360,20 +366,46 @@ def parse_request(body: bytes) -> tuple[RequestHeader, dict[str, Any]]:
 # --- replies -------------------------------------------------------------------------------
 
 # numpy arrays and scalars (from clients and models) go as tensors; the broker has none.
+_packer = msgpack.Packer(use_bin_type=True, default=tensor.msgpack_default)
 # msgspec writes a value's bytes once (msgpack's Packer copies them twice: into its
-# buffer, then out to bytes), a tensor's data included.
+# buffer, then out to bytes). It encodes some values otherwise (msgpack.ExtType as an
+# array, no Timestamp, no str or float subclasses), so it is used only for the maps
+# whose payload it encodes exactly as the Packer does: `_plain_payload`.
 _encode = msgspec.msgpack.Encoder(enc_hook=tensor.msgpack_default).encode
-# msgspec's nesting is bounded by Python's recursion limit less the caller's depth;
-# msgpack's Packer nests as deep as msgpack's decoder does, so what a worker could
-# decode it can encode back.
-_deep_packer = msgpack.Packer(use_bin_type=True, default=tensor.msgpack_default)
 
 
 def _packer_pack(obj: object) -> bytes:
-    try:
-        return _encode(obj)
-    except RecursionError:
-        return _deep_packer.pack(obj)  # type: ignore[no-any-return]
+    return _packer.pack(obj)  # type: ignore[no-any-return]
+
+
+def _plain_payload(value: object) -> bool:
+    """Whether `value` is bytes, a numpy array, or a flat map (str keys) or list of them:
+    the large payloads, which msgspec encodes exactly as the Packer would."""
+    kind = type(value)
+    if kind is bytes or kind is bytearray or kind is memoryview or tensor.is_array(value):
+        return True
+    if kind is dict:
+        return all(type(k) is str and _plain_leaf(v) for k, v in value.items())  # type: ignore[attr-defined]
+    if kind is list:
+        return all(_plain_leaf(v) for v in value)  # type: ignore[attr-defined]
+    return False
+
+
+def _plain_leaf(value: object) -> bool:
+    kind = type(value)
+    return kind is bytes or kind is bytearray or kind is memoryview or tensor.is_array(value)
+
+
+def pack_carrying(fields: dict[str, Any], payload: object) -> bytes:
+    """A request or reply map whose `input` or `output` is `payload`, encoded: by msgspec,
+    with one copy of a tensor's bytes, when the payload is plain (`_plain_payload`; the
+    other fields are the protocol's own scalars); by msgpack's Packer otherwise."""
+    if _plain_payload(payload):
+        try:
+            return _encode(fields)
+        except (TypeError, ValueError, OverflowError, RecursionError):
+            pass  # the Packer says what is wrong, as for any other payload
+    return _packer_pack(fields)
 
 
 def error_reply(req_id: object, code: str, message: str) -> bytes:
@@ -386,7 +418,7 @@ def ok_reply(req_id: object, output: object, meta: dict[str, Any] | None = None)
     reply: dict[str, Any] = {"id": req_id, "ok": True, "output": output}
     if meta:
         reply.update(meta)
-    return _packer_pack(reply)
+    return pack_carrying(reply, output)
 
 
 def pack(obj: object) -> bytes:
@@ -420,11 +452,23 @@ def batch_frames(batch_id: int, queue_ms: list[float], bodies: list[Any]) -> lis
     return [WORKER_PROTOCOL, CMD_BATCH, header, *body_frames(bodies)]
 
 
+def error_counts(model_errors: int, refused: int) -> int | dict[str, int]:
+    """A REPLY header's `errors`: the count of model_error replies, or, when the worker
+    also refused requests itself (bad_request), the count of each."""
+    if not refused:
+        return model_errors
+    return {str(ErrorCode.MODEL_ERROR): model_errors, str(ErrorCode.BAD_REQUEST): refused}
+
+
+#: The error codes a worker's REPLY header may count.
+WORKER_ERROR_CODES = (str(ErrorCode.MODEL_ERROR), str(ErrorCode.BAD_REQUEST))
+
+
 def reply_frames(
     batch_id: int,
     infer_ms: float,
     replies: list[bytes],
-    errors: int = 0,
+    errors: int | dict[str, int] = 0,
     wait_ms: float | None = None,
     padding: tuple[int, int] | None = None,
 ) -> list[Any]:
@@ -471,6 +515,7 @@ class ReplyHeader(NamedTuple):
     errors: int
     wait_ms: float | None  # how long the batch waited in the worker before its model ran
     padding: tuple[int, int] | None = None  # (padded, real) elements of a stacked batch
+    refused: int = 0  # of the `errors`, replies the worker refused itself (bad_request)
 
 
 def _is_int(value: object) -> bool:
@@ -504,9 +549,7 @@ def parse_reply_header(frame: bytes) -> ReplyHeader:
         raise bad(f"REPLY infer_ms must be a number in [0, {MAX_REPORTED_MS:.0f}], got {infer_ms!r}")
     if not isinstance(lengths, list) or not all(_is_int(n) and n >= 0 for n in lengths):
         raise bad(f"REPLY lengths must be a list of ints >= 0, got {lengths!r}")
-    errors = header[3] if len(header) >= 4 else 0
-    if not _is_int(errors) or not 0 <= errors <= len(lengths):
-        raise bad(f"REPLY errors must be an int in [0, {len(lengths)}], got {errors!r}")
+    errors, refused = _errors(header[3] if len(header) >= 4 else 0, len(lengths), bad)
     wait_ms = header[4] if len(header) >= 5 else None
     if wait_ms is not None and not _is_finite_ms(wait_ms):
         raise bad(f"REPLY wait_ms must be a number in [0, {MAX_REPORTED_MS:.0f}] or nil, got {wait_ms!r}")
@@ -524,6 +567,25 @@ def parse_reply_header(frame: bytes) -> ReplyHeader:
         errors,
         None if wait_ms is None else float(wait_ms),
         None if padding is None else (padding[0], padding[1]),
+        refused,
+    )
+
+
+def _errors(value: object, n: int, bad: Callable[[str], WorkerProtocolError]) -> tuple[int, int]:
+    """(errors, of them refused) from a REPLY header's `errors`: an int in [0, n], or a map
+    of model_error and bad_request counts adding up to at most n."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= n:
+        return value, 0
+    if (
+        isinstance(value, dict)
+        and all(k in WORKER_ERROR_CODES and _is_int(v) and v >= 0 for k, v in value.items())
+        and sum(value.values()) <= n
+    ):
+        refused = value.get(str(ErrorCode.BAD_REQUEST), 0)
+        return value.get(str(ErrorCode.MODEL_ERROR), 0) + refused, refused
+    raise bad(
+        f"REPLY errors must be an int in [0, {n}] or a map of model_error and bad_request counts "
+        f"adding up to at most {n}, got {value!r}"
     )
 
 

@@ -1048,20 +1048,30 @@ class Scheduler:
     def default_limit_s(self, batch: Batch) -> float:
         """10 x a batch's cost bound n x t(1) (no model takes longer per item in a batch
         than alone; t(n) = a + b*n extrapolated from one batch size could say much less),
-        at least MIN_BATCH_LIMIT_S; FIRST_BATCH_LIMIT_S before any batch of the model was
-        answered (a first batch may load weights or compile kernels)."""
+        or 10 x its expected time from its summed request cost when the model's time is
+        learned over cost (a costly request takes longer than an average one), at least
+        MIN_BATCH_LIMIT_S; FIRST_BATCH_LIMIT_S before any batch of the model was answered
+        (a first batch may load weights or compile kernels)."""
         cost = self._models[batch.model].cost
         if not cost.known:
             return FIRST_BATCH_LIMIT_S
-        return max(10.0 * len(batch.requests) * cost.predict(1), MIN_BATCH_LIMIT_S)
+        n = len(batch.requests)
+        expected = max(n * cost.predict(1), cost.predict(n, sum(r.cost for r in batch.requests)))
+        return max(10.0 * expected, MIN_BATCH_LIMIT_S)
 
 
 def _oldest_first(model_queue: ModelQueue) -> list[ModelQueue]:
-    """A model's queues in the order they get workers: the one whose oldest request came
-    first leads, so that no length bucket starves the others."""
+    """A model's queues in the order they get workers: by their next requests, in the
+    order one queue would keep them (priority, then deadline, then arrival), so that
+    priorities and deadlines hold across length buckets and no bucket starves."""
     if not model_queue.buckets:
         return [model_queue]
-    waiting = [(oldest.seq, mq) for mq in model_queue.lanes() if (oldest := mq.oldest()) is not None]
+    waiting = []
+    for mq in model_queue.lanes():
+        if mq.size:
+            head = mq.peek()
+            deadline = math.inf if head.deadline_at is None else head.deadline_at
+            waiting.append(((head.rank, deadline, head.seq), mq))
     return [mq for _, mq in sorted(waiting, key=lambda entry: entry[0])]
 
 

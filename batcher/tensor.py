@@ -193,7 +193,11 @@ def unpack_viewing(body: Any, key: str, object_hook: Callable[[dict[Any, Any]], 
         return msgpack.unpackb(raw, raw=False, strict_map_key=False, object_hook=object_hook)
 
     def hook(t: _Tensor) -> Any:
-        return object_hook({"datatype": t.datatype, "shape": t.shape, "data": t.data})
+        value = {"datatype": t.datatype, "shape": t.shape, "data": t.data}
+        converted = object_hook(value)
+        if converted is value:  # left a map (not a valid tensor, or no numpy): bytes, as below 64 KiB
+            value["data"] = t.data.tobytes()
+        return converted
 
     out: dict[str, Any] = {}
     for name, raw in _read_fields(body).items():

@@ -625,6 +625,10 @@ def test_frames_without_a_delimiter_are_refused_saying_how_to_send_them() -> Non
 SHAPE = "REPLY header must be [batch_id, infer_ms, lengths, errors], got "
 WAIT_MS = "REPLY wait_ms must be a number in [0, 86400000] or nil, got "
 PADDING = "REPLY padding must be [padded, real] ints >= 0 or nil, got "
+ERRORS = (
+    "REPLY errors must be an int in [0, 2] or a map of model_error and bad_request counts "
+    "adding up to at most 2, got "
+)
 INFER_MS = "REPLY infer_ms must be a number in [0, 86400000], got "
 
 
@@ -633,10 +637,12 @@ def reply_header(*fields: object) -> bytes:
 
 
 def test_reply_header_with_and_without_the_optional_fields() -> None:
-    assert protocol.parse_reply_header(reply_header(7, 2.5, [3, 4])) == (7, 2.5, [3, 4], 0, None, None)
-    assert protocol.parse_reply_header(reply_header(7, 2, [3, 4], 1)) == (7, 2.0, [3, 4], 1, None, None)
+    assert protocol.parse_reply_header(reply_header(7, 2.5, [3, 4])) == (7, 2.5, [3, 4], 0, None, None, 0)
+    assert protocol.parse_reply_header(reply_header(7, 2, [3, 4], 1)) == (7, 2.0, [3, 4], 1, None, None, 0)
     got = protocol.parse_reply_header(reply_header(2**63 - 1, 0, [], 0, 86_400_000))
-    assert got == (2**63 - 1, 0.0, [], 0, 86_400_000.0, None)
+    assert got == (2**63 - 1, 0.0, [], 0, 86_400_000.0, None, 0)
+    counted = protocol.parse_reply_header(reply_header(7, 1, [3, 4, 5], {"model_error": 1, "bad_request": 2}))
+    assert (counted.errors, counted.refused) == (3, 2)
     assert isinstance(got.infer_ms, float) and isinstance(got.wait_ms, float)
     padded = protocol.parse_reply_header(reply_header(7, 1, [3], 0, None, [12, 40]))
     assert (padded.wait_ms, padded.padding) == (None, (12, 40))
@@ -680,9 +686,13 @@ def test_reply_header_with_and_without_the_optional_fields() -> None:
         (reply_header(5, 1, [1, -1]), "REPLY lengths must be a list of ints >= 0, got [1, -1]", 5),
         (reply_header(5, 1, [True]), "REPLY lengths must be a list of ints >= 0, got [True]", 5),
         (reply_header(5, 1, 3), "REPLY lengths must be a list of ints >= 0, got 3", 5),
-        (reply_header(5, 1, [1, 2], 3), "REPLY errors must be an int in [0, 2], got 3", 5),
-        (reply_header(5, 1, [1, 2], -1), "REPLY errors must be an int in [0, 2], got -1", 5),
-        (reply_header(5, 1, [1, 2], True), "REPLY errors must be an int in [0, 2], got True", 5),
+        (reply_header(5, 1, [1, 2], 3), ERRORS + "3", 5),
+        (reply_header(5, 1, [1, 2], -1), ERRORS + "-1", 5),
+        (reply_header(5, 1, [1, 2], True), ERRORS + "True", 5),
+        (reply_header(5, 1, [1, 2], {"bad_request": 3}), ERRORS + "{'bad_request': 3}", 5),
+        (reply_header(5, 1, [1, 2], {"model_error": -1}), ERRORS + "{'model_error': -1}", 5),
+        (reply_header(5, 1, [1, 2], {"ok": 1}), ERRORS + "{'ok': 1}", 5),
+        (reply_header(5, 1, [1, 2], {"bad_request": True}), ERRORS + "{'bad_request': True}", 5),
         (reply_header(5, 1, [1], 0, -1), WAIT_MS + "-1", 5),
         (reply_header(5, 1, [1], 0, math.inf), WAIT_MS + "inf", 5),
         (reply_header(5, 1, [1], 0, "1"), WAIT_MS + "'1'", 5),
@@ -698,7 +708,7 @@ def test_reply_header_refuses_what_no_worker_sends_naming_the_batch_when_it_can(
 
 
 def test_reply_header_takes_batch_id_zero_and_empty_replies() -> None:
-    assert protocol.parse_reply_header(reply_header(0, 0, [0, 3, 0])) == (0, 0.0, [0, 3, 0], 0, None, None)
+    assert protocol.parse_reply_header(reply_header(0, 0, [0, 3, 0])) == (0, 0.0, [0, 3, 0], 0, None, None, 0)
 
 
 def test_a_broken_body_over_100_mib_still_has_its_id_echoed() -> None:

@@ -2144,3 +2144,33 @@ def test_a_priority_0_request_with_a_deadline_goes_before_one_without() -> None:
     s.add_worker(b"w", "m")
     (b,) = s.due_batches(0.2)
     assert ids(b) == ["deadline"]
+
+
+def test_priority_and_deadlines_hold_across_length_buckets() -> None:
+    s = _bucketed(max_wait_ms=0.0, max_batch_size=1)
+    s.remove_worker(b"w0")
+    s.add_worker(b"w0", "m", 1)
+    low = _of_length(1, 2, 3, t=0.0)  # the 16 bucket, priority 0
+    (urgent,) = _of_length(50, t=0.5)
+    urgent.priority = 100
+    (due,) = _of_length(40, t=0.6)
+    due.deadline_at = 5.0
+    put(s, "m", *low, urgent, due)
+    order = []
+    for now in range(1, 10):
+        for b in s.due_batches(float(now)):
+            order.append(b.requests[0].id)
+            s.complete(b.worker, b.batch_id)
+    assert order == [50, 40, 1, 2, 3]  # as one queue would order them
+
+
+def test_a_costly_requests_time_limit_follows_its_cost() -> None:
+    s = make(size=1, wait_ms=0.0)
+    for _, cost in _batches_of_varied_size(4):
+        put(s, "m", *_costly(cost))
+        (batch,) = s.due_batches(0.0)
+        s.complete(batch.worker, batch.batch_id, infer_s=0.001 + 0.0001 * cost)
+    assert s.models["m"].cost.by_cost
+    put(s, "m", *_costly(100_000.0))  # expected 10 s
+    (batch,) = s.due_batches(0.0)
+    assert s.default_limit_s(batch) == pytest.approx(10 * (0.001 + 10.0))

@@ -209,3 +209,21 @@ def test_a_padded_batch_reports_its_padded_and_real_elements(lengths: list[int],
 def test_a_model_that_does_not_stack_reports_no_padding() -> None:
     frames = run_batch(lambda xs: xs, *batch(1, 2), "w")
     assert protocol.parse_reply_header(frames[2]).padding is None
+
+
+def test_padding_a_model_reported_once_is_not_reported_again_for_later_batches() -> None:
+    class Once:
+        last_padding: tuple[int, int] | None = None
+        calls = 0
+
+        def __call__(self, inputs: list[Any]) -> list[Any]:
+            self.calls += 1
+            if self.calls == 1:
+                self.last_padding = (4, 6)
+            return inputs
+
+    model = Once()
+    first = run_batch(model, *batch(1, 2), "w")
+    second = run_batch(model, *batch(1, 2), "w")
+    assert protocol.parse_reply_header(first[2]).padding == (4, 6)
+    assert protocol.parse_reply_header(second[2]).padding is None

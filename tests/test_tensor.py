@@ -228,7 +228,7 @@ def test_a_malformed_tensor_is_answered_bad_request_and_its_batch_mates_are_serv
     }
     assert len(seen) == 2 and seen[1] == "plain"  # the malformed one never reached the model
     assert out[0]["batch_size"] == 2
-    assert unpack(frames[2])[3] == 1  # one error counted for the broker
+    assert unpack(frames[2])[3] == {"model_error": 0, "bad_request": 1}  # counted for the broker
 
 
 def test_a_batch_of_only_malformed_tensors_never_calls_the_model() -> None:
@@ -349,7 +349,7 @@ def test_client_async_client_and_multiclient_send_and_receive_arrays(serve, clie
 
 
 @pytest.mark.integration
-def test_a_malformed_tensor_gets_bad_request_with_its_id_and_the_rest_are_served(serve, connect):
+def test_a_malformed_tensor_gets_bad_request_with_its_id_and_the_rest_are_served(serve, connect, client):
     s = serve("--model", "echo", "--workers", "1", "--max-batch-size", "8", "--max-wait-ms", "50", workers=1)
     sock = connect(zmq.DEALER, s.frontend)
     good = tensor.from_array(np.arange(3, dtype=np.int16))
@@ -362,6 +362,9 @@ def test_a_malformed_tensor_gets_bad_request_with_its_id_and_the_rest_are_served
     }
     assert replies[0]["ok"] and replies[2]["ok"]
     assert tensor.to_array(replies[0]["output"]).tolist() == [0, 1, 2]
+    # Counted as the client saw it: a bad request, not a model error.
+    outcomes = client(s.frontend).control("stats")["models"]["echo"]["outcomes"]
+    assert outcomes == {"ok": 2, "bad_request": 1}
 
 
 @pytest.mark.integration
@@ -563,3 +566,9 @@ def test_a_large_replys_tensors_come_back_as_views_of_the_received_bytes() -> No
         assert start <= array.ctypes.data and array.ctypes.data + array.nbytes <= end, "the tensor was copied"
     np.testing.assert_array_equal(got["output"]["a"], sent)
     assert (got["id"], got["ok"], got["batch_size"]) == (3, True, 1)
+
+
+def test_a_large_replys_map_that_is_no_valid_tensor_keeps_bytes_not_a_view() -> None:
+    odd = {"datatype": "BF16", "shape": [LARGE], "data": b"\0" * (2 * LARGE)}
+    got = tensor.unpack_arrays(protocol.ok_reply(1, odd))
+    assert got["output"] == odd and type(got["output"]["data"]) is bytes

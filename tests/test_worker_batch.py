@@ -336,3 +336,32 @@ def test_small_tensors_joined_in_a_large_frame_still_reach_the_model_as_arrays()
     seen: list[object] = []
     run_batch(lambda xs: seen.extend(xs) or xs, frames[2], frames[3:], WORKER)
     assert all(isinstance(x, np.ndarray) for x in seen), [type(x) for x in seen]
+
+
+class _Label(str):
+    """A str subclass, as user models return (enum members, tagged strings)."""
+
+
+def test_outputs_msgpack_encodes_go_back_unchanged_ext_types_and_subclasses_too() -> None:
+    import msgpack
+
+    stamp = msgpack.Timestamp(1_700_000_000, 5)
+    outputs = [msgpack.ExtType(5, b"abc"), stamp, _Label("tag"), b"x" * 70_000, [b"a", b"b"]]
+    _, replies = run(lambda xs: outputs, [{"id": i, "input": i} for i in range(len(outputs))])
+    got = [r["output"] for r in replies]
+    assert got[0] == msgpack.ExtType(5, b"abc")  # an ext, not the array [5, b"abc"]
+    assert got[1] == stamp
+    assert got[2] == "tag" and got[3] == b"x" * 70_000 and got[4] == [b"a", b"b"]
+
+
+def test_a_large_body_refused_by_the_worker_echoes_its_id_wherever_it_stands() -> None:
+    import msgpack
+
+    # 70 KB of input before the id, then invalid UTF-8: only a full decode refuses it.
+    body = b"\x83" + msgpack.packb("input") + msgpack.packb(bytes(70_000)) + msgpack.packb("id")
+    body += msgpack.packb(5) + msgpack.packb("meta") + b"\xa2\xff\xfe"
+    assert protocol.read_header(body).id == 5  # what the broker saw
+    frames = protocol.batch_frames(1, [0.0], [body])
+    out = run_batch(lambda xs: xs, frames[2], frames[3:], WORKER)
+    (reply,) = [protocol.unpack(r) for r in protocol.split_bodies(protocol.unpack(out[2])[2], out[3:])]
+    assert (reply["id"], reply["error"]["code"]) == (5, "bad_request")

@@ -9,6 +9,7 @@ then says why, and tries again with back-off.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -105,10 +106,10 @@ def _decode_requests(bodies: list[Any]) -> tuple[list[dict[str, Any]], dict[int,
         try:
             request, why = _decode_request(body)
         except TypeError as exc:  # valid msgpack, but a map key that is an array or a map
-            request = {"id": protocol.id_of_refused(body)}
+            request = {"id": protocol.id_of(body)}
             why = f"body has a map key that is an array or a map, which is not supported ({exc})"
         except Exception as exc:  # msgpack raises several unrelated types
-            request, why = {"id": protocol.id_of_refused(body)}, f"body cannot be decoded: {_describe(exc)}"
+            request, why = {"id": protocol.id_of(body)}, f"body cannot be decoded: {_describe(exc)}"
         if not isinstance(request, dict):
             request, why = {}, f"body must be a msgpack map, got {type(request).__name__}"
         requests.append(request)
@@ -210,6 +211,9 @@ def run_batch(
     live = [i for i in range(len(everything)) if i not in bad]
     requests = [everything[i] for i in live]
     n = len(requests)
+    if getattr(model, "last_padding", None) is not None:
+        with contextlib.suppress(AttributeError, TypeError):
+            model.last_padding = None  # type: ignore[attr-defined]  # only this batch's counts
     t0 = time.perf_counter()
     try:
         outputs = model([r.get("input") for r in requests]) if requests else []
@@ -223,18 +227,19 @@ def run_batch(
         log.debug("batch %d: the model's traceback", batch_id, exc_info=True)
         for i in live:
             replies[i] = protocol.error_reply(_request_id(everything[i]), ErrorCode.MODEL_ERROR, message)
-        return protocol.reply_frames(batch_id, infer_ms, _all(replies), len(everything), wait_ms)
+        errors = protocol.error_counts(len(live), len(bad))
+        return protocol.reply_frames(batch_id, infer_ms, _all(replies), errors, wait_ms)
     infer_ms = round((time.perf_counter() - t0) * 1000.0, 3)
     padding = _padding_of(model)
-    errors = len(bad)
+    refused, model_errors = len(bad), 0
     for i, r, out in zip(live, requests, outputs, strict=True):
         req_id = _request_id(r)
         if isinstance(out, tensor.TensorError):  # its input does not fit the model's batch
-            errors += 1
+            refused += 1
             replies[i] = protocol.error_reply(req_id, ErrorCode.BAD_REQUEST, str(out))
             continue
         if isinstance(out, BaseException):  # the model failed this input alone
-            errors += 1
+            model_errors += 1
             message = f"{type(out).__name__}: {out}"
             trace = out if out.__traceback__ is not None else None
             log.debug("batch %d: the model failed item %d: %s", batch_id, i, message, exc_info=trace)
@@ -252,10 +257,11 @@ def run_batch(
         try:
             replies[i] = protocol.ok_reply(req_id, out, meta)
         except (TypeError, ValueError, OverflowError, BufferError, RecursionError) as exc:
-            errors += 1
+            model_errors += 1
             replies[i] = protocol.error_reply(
                 req_id, ErrorCode.MODEL_ERROR, f"output cannot be encoded: {exc}"
             )
+    errors = protocol.error_counts(model_errors, refused)
     return protocol.reply_frames(batch_id, infer_ms, _all(replies), errors, wait_ms, padding)
 
 
