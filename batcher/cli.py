@@ -349,15 +349,6 @@ def _parse_length_buckets(value: str) -> tuple[int, ...]:
     return bounds
 
 
-def _length_buckets(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
-    if not value:
-        return None
-    try:
-        return _parse_length_buckets(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
-
-
 def _parse_gpus(value: str) -> tuple[int, ...]:
     """`0,1` as a tuple of device ids, each within 0..MAX_GPU, none twice (ValueError if not)."""
     if not value.strip():
@@ -384,13 +375,18 @@ def _gpus(ctx: click.Context, param: click.Parameter, value: str | None) -> tupl
         raise click.BadParameter(str(exc)) from None
 
 
-def _batch_sizes(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
-    if not value:
-        return None
-    try:
-        return _parse_batch_sizes(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+def _int_list(parse: Callable[[str], tuple[int, ...]]) -> Callable[..., tuple[int, ...] | None]:
+    """A click callback: an option's `1,2,4` through `parse`, its ValueError a usage error."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+        if not value:
+            return None
+        try:
+            return parse(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+
+    return callback
 
 
 config_option = option(
@@ -544,7 +540,7 @@ _BATCHING = (
     ),
     option(
         "--batch-sizes",
-        callback=_batch_sizes,
+        callback=_int_list(_parse_batch_sizes),
         default=None,
         help=f"Allowed batch sizes, e.g. 1,2,4,8 (must start at 1; each 1..{MAX_BATCH_SIZE}); "
         "a batch is cut to the largest the queue fills.",
@@ -579,7 +575,7 @@ _BATCHING = (
     ),
     option(
         "--length-buckets",
-        callback=_length_buckets,
+        callback=_int_list(_parse_length_buckets),
         default=None,
         help="Upper bounds of the length buckets, e.g. 16,32,64,128 (with --bucket-by length): "
         "a request of length 20 joins the 32 bucket; one longer than the last has a bucket of its own.",
