@@ -271,7 +271,7 @@ def _type_name(value: object) -> str:
     return type(value).__name__
 
 
-def _describe(exc: Exception) -> str:
+def describe(exc: Exception) -> str:
     """An exception as a message that never ends in an empty colon."""
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -327,7 +327,7 @@ def parse_request(body: bytes) -> tuple[RequestHeader, dict[str, Any]]:
         ) from None
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(
-            ErrorCode.BAD_REQUEST, f"body is not valid msgpack: {_describe(exc)}", _id_of_undecodable(body)
+            ErrorCode.BAD_REQUEST, f"body is not valid msgpack: {describe(exc)}", _id_of_undecodable(body)
         ) from None
     if not isinstance(msg, dict):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"body must be a msgpack map, got {_type_name(msg)}")
@@ -533,7 +533,7 @@ def parse_reply_header(frame: bytes) -> ReplyHeader:
     try:
         header = unpack(frame)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise WorkerProtocolError(f"REPLY header is not valid msgpack: {_describe(exc)}") from None
+        raise WorkerProtocolError(f"REPLY header is not valid msgpack: {describe(exc)}") from None
     if not isinstance(header, list) or len(header) not in (3, 4, 5, 6):
         raise WorkerProtocolError(
             f"REPLY header must be [batch_id, infer_ms, lengths, errors], got {header!r}"

@@ -109,7 +109,7 @@ def _decode_requests(bodies: list[Any]) -> tuple[list[dict[str, Any]], dict[int,
             request = {"id": protocol.id_of(body)}
             why = f"body has a map key that is an array or a map, which is not supported ({exc})"
         except Exception as exc:  # msgpack raises several unrelated types
-            request, why = {"id": protocol.id_of(body)}, f"body cannot be decoded: {_describe(exc)}"
+            request, why = {"id": protocol.id_of(body)}, f"body cannot be decoded: {protocol.describe(exc)}"
         if not isinstance(request, dict):
             request, why = {}, f"body must be a msgpack map, got {type(request).__name__}"
         requests.append(request)
@@ -154,11 +154,6 @@ def _array(value: dict[Any, Any]) -> tuple[Any, str | None]:
         return value, str(exc)
     except ImportError:
         return value, "this worker takes no tensors: numpy is not installed here"
-
-
-def _describe(exc: Exception) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _clip(value: object, limit: int = 80) -> str:
