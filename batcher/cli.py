@@ -62,6 +62,8 @@ MAX_TIMEOUT_MS = 86_400_000.0  # request deadlines: one day
 MAX_BATCH_COST = 1e15  # a batch's summed request costs (tokens, pixels, bytes)
 MAX_TIMEOUT_S = MAX_TIMEOUT_MS / 1000  # a client's wait for a reply: one day
 MAX_BATCH_SIZE = 4096
+#: The most intra-op threads one worker's session may get (--threads-per-worker).
+MAX_THREADS = 1024
 #: The largest length bucket bound (--length-buckets).
 MAX_LENGTH = 2**31
 MAX_QUEUE = 10_000_000  # requests per model
@@ -753,6 +755,7 @@ def pool_settings(
     workers_per_gpu: int,
     config: str | None,
     logs: LogOptions,
+    threads_per_worker: int | None = None,
 ) -> PoolSettings:
     """serve's PoolSettings from CLI values. The config file's [models.NAME] tables pin
     models to GPUs (`gpus`) and set their worker counts (`workers`, unless --workers came
@@ -779,6 +782,7 @@ def pool_settings(
             workers_per_gpu=workers_per_gpu,
             model_gpus=model_gpus,
             model_workers=model_workers,
+            threads_per_worker=threads_per_worker,
         )
     except (ValueError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
@@ -852,8 +856,16 @@ def main() -> None:
     "models",
     multiple=True,
     default=BrokerSettings().models,
-    help="Model to serve: sim, echo, pkg.module:attr or NAME=SPEC; repeat for several. "
-    "The first is the default for requests that name none.",
+    help="Model to serve: sim, echo, pkg.module:attr, onnx:PATH or NAME=SPEC; repeat for "
+    "several. The first is the default for requests that name none.",
+)
+@option(
+    "--threads-per-worker",
+    type=int_range(1, MAX_THREADS),
+    default=None,
+    show_default=False,
+    help="Intra-op threads of each worker's ONNX session. Default: the cores divided among "
+    "the workers on this machine (workers x threads <= cores).",
 )
 @batching_options
 @broker_options
@@ -869,6 +881,7 @@ def serve(
     gpus: tuple[int, ...] | None,
     workers_per_gpu: int,
     models: tuple[str, ...],
+    threads_per_worker: int | None,
     batching: BatchSettings,
     broker_opts: BrokerOptions,
     heartbeat: Heartbeat,
@@ -905,6 +918,7 @@ def serve(
         workers_per_gpu=workers_per_gpu,
         config=config,
         logs=logs,
+        threads_per_worker=threads_per_worker,
     )
     ctx = click.get_current_context()
     reread = None if config is None else functools.partial(_reread_batching, ctx, config, settings.models)
@@ -973,9 +987,17 @@ def broker(
     envvar="BATCHER_WORKER_MODEL",
     old_envvar="BATCHER_MODEL",
     default=WorkerSettings().model,
-    help="The model to load: sim, echo, pkg.module:attr or NAME=SPEC.",
+    help="The model to load: sim, echo, pkg.module:attr, onnx:PATH or NAME=SPEC.",
 )
 @option("--gpu", type=int_range(0, MAX_GPU), default=None, help="GPU id (sets CUDA_VISIBLE_DEVICES).")
+@option(
+    "--threads-per-worker",
+    type=int_range(1, MAX_THREADS),
+    default=None,
+    show_default=False,
+    help="Intra-op threads of each worker's ONNX session. Default: every core (one worker); "
+    "`serve` divides the cores among its workers.",
+)
 @option("--parent-pid", type=int_range(1, 2**31 - 1), default=None, hidden=True)
 @heartbeat_options
 @curve_worker_options
@@ -985,6 +1007,7 @@ def worker(
     connect: str,
     model: str,
     gpu: int | None,
+    threads_per_worker: int | None,
     parent_pid: int | None,
     heartbeat: Heartbeat,
     curve: ClientKeys,
@@ -1005,6 +1028,7 @@ def worker(
                 heartbeat,
                 curve.curve_server_key,
                 curve.curve_secret_key,
+                threads_per_worker,
             )
         )
     except ModelLoadError as exc:

@@ -25,6 +25,8 @@ from typing import Any
 ModelFn = Callable[[list[Any]], list[Any]]
 
 BUILTIN_MODELS = ("sim", "echo")
+#: The `--model` prefix of an ONNX file (workers/onnx_model.py).
+ONNX_PREFIX = "onnx:"
 
 
 @dataclass(frozen=True)
@@ -73,11 +75,18 @@ class ModelSpec:
 
     @classmethod
     def parse(cls, text: str) -> ModelSpec:
-        """`sim`, `echo`, `pkg.mod:attr`, or `name=<any of those>`."""
+        """`sim`, `echo`, `pkg.mod:attr`, `onnx:PATH` (named after the file), or
+        `name=<any of those>`."""
         name, sep, target = text.partition("=")
         if not sep:
             name, target = text, text
+            if text.strip().startswith(ONNX_PREFIX):
+                name = os.path.splitext(os.path.basename(text.strip()[len(ONNX_PREFIX) :]))[0]
         name, target = name.strip(), target.strip()
+        if target.startswith(ONNX_PREFIX):
+            if not name or not target[len(ONNX_PREFIX) :].strip():
+                raise ValueError(f"an ONNX model is onnx:PATH or NAME=onnx:PATH, got {text!r}")
+            return cls(name, target)
         if not name or not target:
             raise ValueError(f"model must be NAME, NAME=SPEC or pkg.module:attr, got {text!r}")
         module, _, attr = target.partition(":")
@@ -89,12 +98,19 @@ class ModelSpec:
         return cls(name, target)
 
 
-def load_model(spec: ModelSpec, gpu: int | None, sim: SimSettings | None = None) -> ModelFn:
-    """Import and build the model named by `spec`, once, in the worker process."""
+def load_model(
+    spec: ModelSpec, gpu: int | None, sim: SimSettings | None = None, threads: int | None = None
+) -> ModelFn:
+    """Import and build the model named by `spec`, once, in the worker process; an ONNX
+    model's session uses `threads` intra-op threads (None: all cores)."""
     if spec.target == "sim":
         return SimModel(sim)
     if spec.target == "echo":
         return echo
+    if spec.target.startswith(ONNX_PREFIX):
+        from workers.onnx_model import load_onnx
+
+        return load_onnx(spec.target[len(ONNX_PREFIX) :], gpu, threads)
     module_name, _, attr = spec.target.partition(":")
     module = import_user_module(module_name)
     obj = module

@@ -48,6 +48,8 @@ class PoolSettings:
     workers_per_gpu: int = 1
     model_gpus: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # pinned models, by name
     model_workers: Mapping[str, int] = field(default_factory=dict)  # worker counts, by model name
+    #: Intra-op threads of each worker's ONNX session; None: the cores divided among the workers.
+    threads_per_worker: int | None = None
 
     def __post_init__(self) -> None:
         if self.workers_per_model is not None and self.workers_per_model < 0:
@@ -56,6 +58,8 @@ class PoolSettings:
             raise ValueError(f"max_starting must be >= 1, got {self.max_starting}")
         if self.workers_per_gpu < 1:
             raise ValueError(f"workers_per_gpu must be >= 1, got {self.workers_per_gpu}")
+        if self.threads_per_worker is not None and self.threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
         for name, count in self.model_workers.items():
             if count < 0:
                 raise ValueError(f"workers of model {name!r} must be >= 0, got {count}")
@@ -170,10 +174,22 @@ class Supervisor:
             s.log_format,
             "--parent-pid",
             str(os.getpid()),
+            "--threads-per-worker",
+            str(self.threads_per_worker),
         ] + (
             ["--curve-server-key", s.curve_secret_key, "--curve-secret-key", s.curve_secret_key]
             if s.curve_secret_key
             else []
+        )
+
+    @property
+    def threads_per_worker(self) -> int:
+        """--threads-per-worker, or the cores divided among this serve's workers."""
+        given = self.settings.threads_per_worker
+        return (
+            given
+            if given is not None
+            else max(1, (os.cpu_count() or 1) // max(1, len(self.settings.placement())))
         )
 
     @property

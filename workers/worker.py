@@ -58,9 +58,12 @@ class WorkerSettings:
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     curve_server_key: str | None = None  # the broker's public key file: turns CURVE on
     curve_secret_key: str | None = None  # this worker's key pair (.key_secret)
+    threads: int | None = None  # an ONNX session's intra-op threads; None: every core
 
     def __post_init__(self) -> None:
         ModelSpec.parse(self.model)  # raises with a precise message
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads_per_worker must be >= 1, got {self.threads}")
         if self.gpu is not None and self.gpu < 0:
             raise ValueError(f"gpu must be >= 0, got {self.gpu}")
 
@@ -332,7 +335,7 @@ class Worker:
         """Load the model, with CUDA_VISIBLE_DEVICES set first as a real GPU would need."""
         if self.settings.gpu is not None:  # --gpu N means device N, whatever was inherited
             os.environ["CUDA_VISIBLE_DEVICES"] = str(self.settings.gpu)
-        self.model = load_model(self.spec, self.settings.gpu, self.settings.sim)
+        self.model = load_model(self.spec, self.settings.gpu, self.settings.sim, self.settings.threads)
         log.info("model %s loaded (%s) on gpu %s", self.spec.name, self.spec.target, self.settings.gpu)
 
     def check_address(self) -> None:

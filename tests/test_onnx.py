@@ -1,0 +1,143 @@
+"""ONNX models served as they are (`--model onnx:PATH`, workers/onnx_model.py): the served
+outputs are exactly what onnxruntime gives offline, with one input or several named
+inputs and outputs; a file that does not load stops `serve` with its reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+np = pytest.importorskip("numpy")
+ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install 'batcher[onnx]')")
+pytest.importorskip("onnx", reason="the onnx package builds the test models")
+
+from batcher import tensor  # noqa: E402
+from batcher.launcher import free_tcp_address  # noqa: E402
+from tests import onnx_models  # noqa: E402
+from tests.test_tensor import batch, replies_of  # noqa: E402
+from workers.models import ModelSpec, load_model  # noqa: E402
+from workers.onnx_model import OnnxModel, device_index, providers  # noqa: E402
+from workers.worker import run_batch  # noqa: E402
+
+
+def offline(path: Path, feed: dict[str, Any]) -> list[Any]:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, feed)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("text", "name", "target"),
+    [
+        ("onnx:/models/mlp.onnx", "mlp", "onnx:/models/mlp.onnx"),
+        ("digits=onnx:d.onnx", "digits", "onnx:d.onnx"),
+        ("onnx:relative/net.v2.onnx", "net.v2", "onnx:relative/net.v2.onnx"),
+    ],
+)
+def test_an_onnx_model_spec_is_named_after_its_file_unless_named(text: str, name: str, target: str) -> None:
+    spec = ModelSpec.parse(text)
+    assert (spec.name, spec.target) == (name, target)
+
+
+@pytest.mark.parametrize("text", ["onnx:", "m=onnx:", "=onnx:x.onnx"])
+def test_an_onnx_spec_without_a_path_or_name_is_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        ModelSpec.parse(text)
+
+
+def test_one_input_batches_give_exactly_the_offline_outputs(tmp_path: Path) -> None:
+    path = onnx_models.linear(tmp_path / "linear.onnx")
+    model = load_model(ModelSpec.parse(f"onnx:{path}"), None, threads=1)
+    rows = np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32)
+    out = replies_of(run_batch(model, *batch(*map(tensor.from_array, rows)), "w"))
+    (expected,) = offline(path, {"x": rows})
+    assert [r["ok"] for r in out] == [True] * 5
+    for i, r in enumerate(out):
+        assert r["output"].dtype == np.float32 and r["output"].shape == (3,)
+        assert np.array_equal(r["output"], expected[i])  # exactly, not approximately
+
+
+def test_named_inputs_and_outputs_go_by_name(tmp_path: Path) -> None:
+    path = onnx_models.sum_and_product(tmp_path / "sp.onnx")
+    model = load_model(ModelSpec.parse(f"sp=onnx:{path}"), None, threads=1)
+    a = np.arange(6, dtype=np.float32).reshape(3, 2)
+    b = np.full((3, 2), 2.0, np.float32)
+    inputs = [{"a": tensor.from_array(a[i]), "b": tensor.from_array(b[i])} for i in range(3)]
+    out = replies_of(run_batch(model, *batch(*inputs), "w"))
+    sums, prods = offline(path, {"a": a, "b": b})
+    for i, r in enumerate(out):
+        assert set(r["output"]) == {"sum", "prod"}
+        assert np.array_equal(r["output"]["sum"], sums[i]) and np.array_equal(r["output"]["prod"], prods[i])
+
+
+def test_a_request_that_does_not_fit_the_batch_is_refused_alone(tmp_path: Path) -> None:
+    path = onnx_models.linear(tmp_path / "linear.onnx")
+    model = load_model(ModelSpec.parse(f"onnx:{path}"), None, threads=1)
+    good = np.ones(4, np.float32)
+    out = replies_of(
+        run_batch(model, *batch(*map(tensor.from_array, [good, np.ones(4, np.float64), good])), "w")
+    )
+    assert [r["ok"] for r in out] == [True, False, True]
+    assert out[1]["error"]["code"] == "bad_request"
+
+
+def test_missing_named_inputs_fail_the_batch_saying_which(tmp_path: Path) -> None:
+    path = onnx_models.sum_and_product(tmp_path / "sp.onnx")
+    model = load_model(ModelSpec.parse(f"onnx:{path}"), None, threads=1)
+    out = replies_of(run_batch(model, *batch({"a": tensor.from_array(np.ones(2, np.float32))}), "w"))
+    assert out[0]["error"]["code"] == "model_error"
+    assert "the model's inputs are ['a', 'b']; missing ['b']" in out[0]["error"]["message"]
+
+
+def test_the_session_uses_the_threads_it_is_given(tmp_path: Path) -> None:
+    path = onnx_models.linear(tmp_path / "linear.onnx")
+    assert OnnxModel(str(path), None, 1).session.get_session_options().intra_op_num_threads == 1
+    assert OnnxModel(str(path), None, 2).threads == 2
+
+
+def test_cuda_is_asked_for_only_with_a_gpu_and_a_cuda_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = ["CPUExecutionProvider"]
+    assert providers(cpu, 0) == cpu
+    assert providers(["CUDAExecutionProvider", *cpu], None) == cpu
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert providers(["CUDAExecutionProvider", *cpu], 3) == [
+        ("CUDAExecutionProvider", {"device_id": 0}),
+        *cpu,
+    ]
+    assert device_index(1) == 1  # not among the visible ids: taken as CUDA's own index
+
+
+@pytest.mark.integration
+def test_served_outputs_equal_the_offline_ones(serve, client, tmp_path: Path) -> None:
+    path = onnx_models.linear(tmp_path / "linear.onnx", inputs=8, outputs=5, seed=3)
+    s = serve("--model", f"onnx:{path}", "--workers", "1", "--max-wait-ms", "20", workers=1)
+    rows = np.random.default_rng(4).standard_normal((40, 8)).astype(np.float32)
+    c = client(s.frontend)
+    outputs = c.request_many(list(rows), model="linear")
+    (expected,) = offline(path, {"x": rows})
+    assert all(np.array_equal(o, e) for o, e in zip(outputs, expected, strict=True))
+    assert c.control("stats")["models"]["linear"]["mean_batch_size"] > 1  # batched, and still exact
+
+
+@pytest.mark.integration
+def test_serve_stops_with_the_reason_when_the_file_does_not_load(cli, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"not an onnx model")
+    for model, reason in ((broken, f"cannot serve {broken}: "), (tmp_path / "none.onnx", "no such file")):
+        addresses = ["--frontend", free_tcp_address(), "--backend", free_tcp_address()]
+        result = cli("serve", "--model", f"onnx:{model}", "--workers", "1", *addresses, timeout_s=60)
+        assert result.returncode != 0
+        assert reason in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(("workers", "given"), [(1, None), (2, None), (8, None), (2, 3)])
+def test_serve_divides_the_cores_among_its_workers_unless_told(workers: int, given: int | None) -> None:
+    import os
+
+    from workers.supervisor import PoolSettings, Supervisor
+
+    pool = PoolSettings("tcp://127.0.0.1:1", ("sim",), workers, gpus=(), threads_per_worker=given)
+    command = Supervisor(pool).command("sim", None)
+    threads = int(command[command.index("--threads-per-worker") + 1])
+    assert threads == (given if given is not None else max(1, (os.cpu_count() or 1) // workers))
