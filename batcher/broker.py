@@ -351,6 +351,10 @@ class Broker:
             envelope, body, header.id, now, header.priority, now + timeout_s if timeout_s else None
         )
         request.cost = header.cost
+        signature = self.pool.signature(model)
+        if signature is not None and (why := signature.misfit(body)) is not None:
+            self._refuse(envelope, header.id, ErrorCode.BAD_REQUEST, why, model)
+            return
         settings = self.scheduler.settings_of(model)
         if settings is not None and settings.bucket_by is not None:
             try:

@@ -45,6 +45,8 @@ class Controls:
             reply(True, self.snapshot())
         elif op == "reload":
             self._reload(model, reply)
+        elif op == "metadata":
+            self._metadata(model, reply)
         else:
             reply(False, (ErrorCode.BAD_REQUEST, f"unknown op {op!r}"))
 
@@ -59,6 +61,19 @@ class Controls:
             reply(False, (ErrorCode.BAD_REQUEST, message))
         else:
             self.on_reload(model, reply)
+
+    def _metadata(self, model: str | None, reply: Reply) -> None:
+        """A model's name, whether it is ready, and its inputs and outputs (null when no
+        worker of it announced a signature): what an HTTP gateway serves as metadata."""
+        if model is None:
+            reply(False, (ErrorCode.BAD_REQUEST, "metadata needs a 'model'"))
+        elif not self.scheduler.knows_model(model):
+            served = ", ".join(sorted(self.scheduler.views()))
+            reply(False, (ErrorCode.UNKNOWN_MODEL, f"no model {model!r} (models: {served})"))
+        else:
+            signature = self.pool.signature(model)
+            wire = signature.wire() if signature is not None else {"inputs": None, "outputs": None}
+            reply(True, {"name": model, "ready": self.scheduler.has_workers(model), **wire})
 
     def snapshot(self) -> dict[str, Any]:
         """The broker's state for the `stats` control request."""

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from batcher.protocol import ErrorCode, Heartbeat
 from batcher.scheduler import Batch, QueuedRequest, Scheduler
+from batcher.signature import Signature
 
 
 class WorkerInfo(NamedTuple):
@@ -27,6 +28,7 @@ class WorkerInfo(NamedTuple):
     model: str
     gpu: object
     pid: object
+    signature: Signature | None = None
 
     def name(self, worker_id: bytes) -> str:
         """`model/gpuN/pidP/idHEX`: the worker's name in logs and stats."""
@@ -53,6 +55,7 @@ class WorkerPool:
         self.max_retries = max_retries
         self._heard_at: dict[bytes, float] = {}  # worker -> when it last said anything
         self._info: dict[bytes, WorkerInfo] = {}
+        self._signatures: dict[str, Signature] = {}  # per model, its newest worker's
         self._backend_read_at = now
         self._failed_models: dict[str, str] = {}  # model -> why no worker of it can start
 
@@ -60,6 +63,10 @@ class WorkerPool:
 
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self._heard_at
+
+    def signature(self, model: str) -> Signature | None:
+        """The signature the model's newest worker announced, if any did."""
+        return self._signatures.get(model)
 
     def info(self, worker_id: bytes) -> WorkerInfo | None:
         return self._info.get(worker_id)
@@ -83,6 +90,8 @@ class WorkerPool:
         self.scheduler.add_worker(worker_id, info.model, slots)
         self._heard_at[worker_id] = now
         self._info[worker_id] = info
+        if info.signature is not None:  # the newest worker's: a reload may change the model
+            self._signatures[info.model] = info.signature
         self._failed_models.pop(info.model, None)
 
     def heard(self, worker_id: bytes, now: float) -> None:
@@ -151,4 +160,9 @@ def worker_info(info: Any) -> WorkerInfo:
     model, slots = (info.get("model"), info.get("slots")) if isinstance(info, dict) else (None, None)
     if not isinstance(model, str) or not model or not (slots is None or type(slots) is int):
         raise ValueError(f"bad READY info {info!r}")
-    return WorkerInfo(model, info.get("gpu"), info.get("pid"))
+    raw = info.get("signature")
+    try:
+        signature = None if raw is None else Signature.from_wire(raw)
+    except ValueError as exc:
+        raise ValueError(f"bad READY signature: {exc}") from None
+    return WorkerInfo(model, info.get("gpu"), info.get("pid"), signature)

@@ -615,10 +615,15 @@ def split_replies(lengths: list[int], blob: Any) -> list[bytes]:
     return out
 
 
-def ready_frames(model: str, gpu: int | None, pid: int, slots: int | None = None) -> list[bytes]:
+def ready_frames(
+    model: str, gpu: int | None, pid: int, slots: int | None = None, signature: dict[str, Any] | None = None
+) -> list[bytes]:
     """Backend READY message, a worker's first words: what it serves (and, optionally, how
-    many batches it accepts at once; the broker's --worker-prefetch applies otherwise)."""
+    many batches it accepts at once, the broker's --worker-prefetch applying otherwise,
+    and its model's signature in wire form, batcher.signature)."""
     info: dict[str, Any] = {"model": model, "gpu": gpu, "pid": pid}
     if slots is not None:
         info["slots"] = slots
+    if signature is not None:
+        info["signature"] = signature
     return [WORKER_PROTOCOL, CMD_READY, _packer_pack(info)]

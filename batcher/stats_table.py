@@ -47,6 +47,25 @@ def _total(values: Any) -> str:
     return str(sum(n for n in numbers if n is not None))
 
 
+def _signature(value: Any) -> str:
+    """A model's signature as `inputs x FP32 [-1, 4]; outputs y FP32 [-1, 3]` ("" if none)."""
+    if not isinstance(value, dict):
+        return ""
+
+    def specs(key: str) -> str:
+        items = value.get(key)
+        if not isinstance(items, list):
+            return "-"
+        return (
+            ", ".join(
+                f"{t.get('name')} {t.get('datatype')} {t.get('shape')}" for t in items if isinstance(t, dict)
+            )
+            or "-"
+        )
+
+    return f"inputs {specs('inputs')}; outputs {specs('outputs')}"
+
+
 def _models(snapshot: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The snapshot's models, each a dict (an odd entry becomes an empty one)."""
     models = snapshot.get("models")
@@ -167,6 +186,10 @@ def format_stats(snapshot: Mapping[str, Any], rates: Mapping[str, Rates] | None 
         "refused (no model)": _total(snapshot.get("refused_without_model", {})),
     }
     lines.append("  ".join(f"{k}: {v}" for k, v in extras.items()))
+    for name, m in sorted(_models(snapshot).items()):
+        signature = _signature(m.get("signature"))
+        if signature:
+            lines.append(f"{name}: {signature}")
     if snapshot.get("stopping"):
         lines.append("the broker is draining (shutting down)")
     return "\n".join(lines)

@@ -141,3 +141,65 @@ def test_serve_divides_the_cores_among_its_workers_unless_told(workers: int, giv
     command = Supervisor(pool).command("sim", None)
     threads = int(command[command.index("--threads-per-worker") + 1])
     assert threads == (given if given is not None else max(1, (os.cpu_count() or 1) // workers))
+
+
+def test_an_onnx_models_signature_is_read_from_its_session(tmp_path: Path) -> None:
+    linear = OnnxModel(str(onnx_models.linear(tmp_path / "l.onnx")), None, 1)
+    assert linear.signature is not None and linear.signature.wire() == {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 3]}],
+    }
+    sp = OnnxModel(str(onnx_models.sum_and_product(tmp_path / "sp.onnx")), None, 1)
+    assert sp.signature is not None
+    assert [s.name for s in sp.signature.inputs] == ["a", "b"]
+    assert [s.name for s in sp.signature.outputs] == ["sum", "prod"]
+
+
+@pytest.mark.integration
+def test_the_signature_checks_each_request_alone_and_metadata_returns_it(
+    serve, connect, client, cli, tmp_path
+) -> None:
+    import zmq
+
+    from batcher.protocol import pack
+    from tests.helpers import recv_replies
+
+    path = onnx_models.sum_and_product(tmp_path / "sp.onnx")
+    s = serve(
+        "--model", f"sp=onnx:{path}", "--workers", "1", "--max-wait-ms", "50", "--policy", "window", workers=1
+    )
+    c = client(s.frontend)
+    meta = c.control("metadata", model="sp")
+
+    def spec(name: str) -> dict[str, Any]:
+        return {"name": name, "datatype": "FP32", "shape": [-1, 2]}
+
+    assert meta == {
+        "name": "sp",
+        "ready": True,
+        "inputs": [spec("a"), spec("b")],
+        "outputs": [spec("sum"), spec("prod")],
+    }
+    assert c.control("stats")["models"]["sp"]["signature"] == {k: meta[k] for k in ("inputs", "outputs")}
+    table = cli("stats", "--connect", s.frontend).stdout
+    assert "sp: inputs a FP32 [-1, 2], b FP32 [-1, 2]; outputs sum FP32 [-1, 2], prod FP32 [-1, 2]" in table
+    one = np.ones(2, np.float32)
+    inputs = [
+        {"a": one, "b": one},
+        {"a": one},  # missing b
+        {"a": one, "b": np.ones(2, np.float64)},  # wrong datatype
+        {"a": one, "b": np.ones(3, np.float32)},  # wrong size
+        {"a": 2 * one, "b": one},
+    ]
+    sock = connect(zmq.DEALER, s.frontend)
+    for i, x in enumerate(inputs):
+        sock.send_multipart([b"", pack({"id": i, "model": "sp", "input": x})])
+    replies = {r["id"]: r for r in recv_replies(sock, len(inputs))}
+    assert [replies[i]["ok"] for i in range(5)] == [True, False, False, False, True]
+    assert replies[1]["error"]["message"].endswith("missing ['b'], unknown []")
+    assert replies[2]["error"]["message"] == "input 'b' must be FP32, got 'FP64'"
+    assert "input 'b' must have shape [2]" in replies[3]["error"]["message"]
+    assert {replies[i]["error"]["code"] for i in (1, 2, 3)} == {"bad_request"}
+    assert replies[0]["batch_size"] == replies[4]["batch_size"] == 2  # the good ones batched together
+    with pytest.raises(Exception, match="no model 'nope'"):
+        c.control("metadata", model="nope")

@@ -16,7 +16,24 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from batcher.signature import Signature, TensorSpec
 from workers.stacking import Stack, Stacked
+
+#: onnxruntime's element types -> the protocol's datatypes.
+ONNX_DATATYPES = {
+    "tensor(bool)": "BOOL",
+    "tensor(uint8)": "UINT8",
+    "tensor(uint16)": "UINT16",
+    "tensor(uint32)": "UINT32",
+    "tensor(uint64)": "UINT64",
+    "tensor(int8)": "INT8",
+    "tensor(int16)": "INT16",
+    "tensor(int32)": "INT32",
+    "tensor(int64)": "INT64",
+    "tensor(float16)": "FP16",
+    "tensor(float)": "FP32",
+    "tensor(double)": "FP64",
+}
 
 
 class OnnxLoadError(RuntimeError):
@@ -53,6 +70,7 @@ class OnnxModel:
         self.threads = threads
         self.inputs = [i.name for i in self.session.get_inputs()]
         self.outputs = [o.name for o in self.session.get_outputs()]
+        self.signature = onnx_signature(self.session)
 
     def __call__(self, batch: Any) -> Any:
         if isinstance(batch, dict):
@@ -71,6 +89,22 @@ class OnnxModel:
         if len(results) == 1:
             return results[0]
         return dict(zip(self.outputs, results, strict=True))
+
+
+def onnx_signature(session: Any) -> Signature | None:
+    """The session's inputs and outputs as a signature (a dynamic or named axis is -1);
+    None when a tensor has a type the protocol has not (strings, sequences, maps)."""
+
+    def spec(arg: Any) -> TensorSpec | None:
+        datatype = ONNX_DATATYPES.get(arg.type)
+        shape = tuple(d if isinstance(d, int) and d >= 0 else -1 for d in (arg.shape or [-1]))
+        return None if datatype is None else TensorSpec(arg.name, datatype, shape)
+
+    inputs = [spec(i) for i in session.get_inputs()]
+    outputs = [spec(o) for o in session.get_outputs()]
+    if any(s is None for s in (*inputs, *outputs)):
+        return None
+    return Signature(tuple(s for s in inputs if s), tuple(s for s in outputs if s))
 
 
 def providers(available: list[str], gpu: int | None) -> list[Any]:

@@ -125,6 +125,11 @@ class Stacked:
         self.stack = stack
         self.last_padding: tuple[int, int] | None = None
 
+    @property
+    def signature(self) -> Any:
+        """The wrapped model's declared signature (batcher.signature), if any."""
+        return getattr(self.model, "signature", None)
+
     def __call__(self, inputs: list[Any]) -> list[Any]:
         stack = self.stack
         self.last_padding = None

@@ -31,6 +31,7 @@ from batcher.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
 from batcher.client import HANDSHAKE_FAILED, ConnectionWatch
 from batcher.protocol import ErrorCode, Heartbeat
 from batcher.security import secure_client
+from batcher.signature import signature_of
 from batcher.stopping import StopSignals, ignore_stop_signals
 from batcher.zmqio import recv_frames, send_frames
 from workers.models import ModelFn, ModelSpec, SimSettings, load_model
@@ -315,6 +316,7 @@ class Worker:
         self.ctx: zmq.Context[Any] = context or zmq.Context()
         self.signals = StopSignals()
         self.model: ModelFn | None = None
+        self.signature: dict[str, Any] | None = None  # the model's, as READY carries it
         self.batches = 0
         self.reconnects = 0
         self._sock: zmq.Socket[Any] | None = None
@@ -336,6 +338,8 @@ class Worker:
         if self.settings.gpu is not None:  # --gpu N means device N, whatever was inherited
             os.environ["CUDA_VISIBLE_DEVICES"] = str(self.settings.gpu)
         self.model = load_model(self.spec, self.settings.gpu, self.settings.sim, self.settings.threads)
+        declared = signature_of(self.model)  # ValueError for a malformed one: the load fails
+        self.signature = None if declared is None else declared.wire()
         log.info("model %s loaded (%s) on gpu %s", self.spec.name, self.spec.target, self.settings.gpu)
 
     def check_address(self) -> None:
@@ -504,9 +508,12 @@ class Worker:
         self._sock, self._watch = sock, watch
         self._told_to_reconnect = False
         self._refused = None
-        self._ready_sent = self._send(protocol.ready_frames(self.spec.name, self.settings.gpu, os.getpid()))
+        self._ready_sent = self._send(self._ready())
         level = logging.DEBUG if self._refusals else logging.INFO  # retries after a refusal: quiet
         log.log(level, "worker %s ready for model %s at %s", self.name, self.spec.name, self.settings.connect)
+
+    def _ready(self) -> list[bytes]:
+        return protocol.ready_frames(self.spec.name, self.settings.gpu, os.getpid(), signature=self.signature)
 
     def _disconnect(self, linger_ms: int = 0) -> None:
         """Drop the socket. Batches not run yet go too: a broker that lost us re-dispatches
@@ -551,9 +558,7 @@ class Worker:
                     )
                 self._refusals, self._refusal_logged = 0, None
                 if not self._ready_sent:
-                    self._ready_sent = self._send(
-                        protocol.ready_frames(self.spec.name, self.settings.gpu, os.getpid())
-                    )
+                    self._ready_sent = self._send(self._ready())
 
     def _log_refusal(self, why: str, now: float, retry_s: float) -> None:
         """A failed handshake: WARNING the first time, then at most every REFUSAL_LOG_EVERY_S

@@ -1,0 +1,100 @@
+"""Model signatures (batcher/signature.py): their wire form, and the broker's check of a
+request's tensors against them, from the tensor headers alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+
+from batcher.signature import Signature, TensorSpec, signature_of
+
+
+def body(input: Any) -> bytes:
+    return msgpack.packb({"id": 1, "input": input})
+
+
+def t(datatype: str = "FP32", shape: list[int] | None = None, data: bytes = b"") -> dict[str, Any]:
+    return {"datatype": datatype, "shape": [4] if shape is None else shape, "data": data}
+
+
+ONE = Signature((TensorSpec("x", "FP32", (-1, 4)),), (TensorSpec("y", "FP32", (-1, 3)),))
+TWO = Signature(
+    (TensorSpec("tokens", "INT64", (-1, -1)), TensorSpec("mask", "BOOL", (-1, -1))),
+    (TensorSpec("logits", "FP32", (-1, 2)),),
+)
+
+
+@pytest.mark.parametrize(
+    ("signature", "given", "why"),
+    [
+        (ONE, t(), None),
+        (ONE, {"x": t()}, None),
+        (ONE, t("FP64"), "input 'x' must be FP32, got 'FP64'"),
+        (ONE, t(shape=[5]), "input 'x' must have shape [4] (-1: any), without the batch axis; got [5]"),
+        (ONE, t(shape=[1, 4]), "input 'x' must have shape [4] (-1: any), without the batch axis; got [1, 4]"),
+        (ONE, [1, 2, 3, 4], "the input must be a FP32 tensor of shape [4] (or a map of 'x' to it)"),
+        (ONE, {"z": t()}, "the input must be a FP32 tensor of shape [4] (or a map of 'x' to it); "
+                          "missing ['x'], unknown ['z']"),
+        (TWO, {"tokens": t("INT64", [7]), "mask": t("BOOL", [7])}, None),
+        (TWO, {"tokens": t("INT64", [3])}, "the input must be a map of the tensors ['tokens', 'mask']; "
+                                            "missing ['mask'], unknown []"),
+        (TWO, {"tokens": t("INT64", [3]), "mask": t("UINT8", [3])}, "input 'mask' must be BOOL, got 'UINT8'"),
+        (TWO, t("INT64", [3]), "the input must be a map of the tensors ['tokens', 'mask'], got one tensor"),
+    ],
+)  # fmt: skip
+def test_a_request_fits_its_models_signature_or_is_told_why(
+    signature: Signature, given: Any, why: str | None
+) -> None:
+    assert signature.misfit(body(given)) == why
+
+
+def test_the_wire_form_round_trips_and_bad_ones_are_refused() -> None:
+    assert Signature.from_wire(TWO.wire()) == TWO
+    for raw, message in [
+        ({"inputs": []}, "at least one input"),
+        ({"inputs": [{"name": "x", "datatype": "FP128", "shape": [-1]}]}, "datatype must be one of"),
+        ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [-2]}]}, "shape must be 1 to 33 ints >= -1"),
+        ({"inputs": [{"name": "x", "datatype": "FP32", "shape": []}]}, "shape must be 1 to 33 ints >= -1"),
+        ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1]}] * 2}, "input names must differ"),
+        ({"inputs": [{"name": "x", "datatype": "FP32"}]}, "a map of name, datatype and shape"),
+        ({"inputs": [], "extra": 1}, "a map of inputs and outputs"),
+        ("sig", "a map of inputs and outputs"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Signature.from_wire(raw)
+
+
+def test_a_model_declares_a_signature_as_an_attribute_and_nothing_else_counts() -> None:
+    class Declared:
+        signature = ONE.wire()
+
+    class Instance:
+        signature = TWO
+
+    class Method:
+        def signature(self) -> str:
+            return "not a declaration"
+
+    assert signature_of(Declared()) == ONE
+    assert signature_of(Instance()) == TWO
+    assert signature_of(Method()) is None
+    assert signature_of(object()) is None
+
+    class Broken:
+        signature = {"inputs": "x"}
+
+    with pytest.raises(ValueError, match="signature inputs must be a list"):
+        signature_of(Broken())
+
+
+def test_a_ready_with_a_malformed_signature_is_refused_and_a_good_one_kept() -> None:
+    from batcher.pool import worker_info
+
+    info = worker_info({"model": "m", "gpu": None, "pid": 1, "signature": ONE.wire()})
+    assert info.signature == ONE
+    with pytest.raises(ValueError, match=r"bad READY signature: .*datatype must be one of"):
+        worker_info(
+            {"model": "m", "pid": 1, "signature": {"inputs": [{"name": "x", "datatype": "X", "shape": [1]}]}}
+        )
