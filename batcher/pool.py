@@ -54,8 +54,7 @@ class WorkerPool:
         self.heartbeat_frame = heartbeat.frame()  # what every HEARTBEAT to a worker carries
         self.max_retries = max_retries
         self._heard_at: dict[bytes, float] = {}  # worker -> when it last said anything
-        self._info: dict[bytes, WorkerInfo] = {}
-        self._signatures: dict[str, Signature] = {}  # per model, its newest worker's
+        self._info: dict[bytes, WorkerInfo] = {}  # in the order the workers joined
         self._backend_read_at = now
         self._failed_models: dict[str, str] = {}  # model -> why no worker of it can start
 
@@ -65,8 +64,12 @@ class WorkerPool:
         return worker_id in self._heard_at
 
     def signature(self, model: str) -> Signature | None:
-        """The signature the model's newest worker announced, if any did."""
-        return self._signatures.get(model)
+        """The signature the model's newest live worker announced (None if it announced
+        none): a reload may change the model, and a worker gone says nothing any more."""
+        for info in reversed(self._info.values()):
+            if info.model == model:
+                return info.signature
+        return None
 
     def info(self, worker_id: bytes) -> WorkerInfo | None:
         return self._info.get(worker_id)
@@ -90,8 +93,6 @@ class WorkerPool:
         self.scheduler.add_worker(worker_id, info.model, slots)
         self._heard_at[worker_id] = now
         self._info[worker_id] = info
-        if info.signature is not None:  # the newest worker's: a reload may change the model
-            self._signatures[info.model] = info.signature
         self._failed_models.pop(info.model, None)
 
     def heard(self, worker_id: bytes, now: float) -> None:

@@ -16,7 +16,12 @@ from typing import Any
 
 import msgspec
 
-from batcher.tensor import DATATYPES, MAX_RANK
+from batcher.tensor import DATATYPES, MAX_ELEMENTS, MAX_RANK
+
+#: The longest tensor name a signature may hold.
+MAX_NAME = 256
+#: The most inputs (and outputs) a signature may list.
+MAX_TENSORS = 1024
 
 
 @dataclass(frozen=True)
@@ -28,9 +33,12 @@ class TensorSpec:
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"a tensor's name must be a non-empty str, got {self.name!r}")
-        if self.datatype not in DATATYPES:
+        name = self.name
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME or not name.isprintable():
+            raise ValueError(
+                f"a tensor's name must be a printable str of 1 to {MAX_NAME} characters, got {name!r}"[:300]
+            )
+        if not isinstance(self.datatype, str) or self.datatype not in DATATYPES:
             raise ValueError(
                 f"tensor {self.name!r}: datatype must be one of {', '.join(DATATYPES)}, got {self.datatype!r}"
             )
@@ -38,7 +46,7 @@ class TensorSpec:
         if (
             not isinstance(shape, tuple)
             or not 1 <= len(shape) <= MAX_RANK + 1
-            or not all(type(d) is int and d >= -1 for d in shape)
+            or not all(type(d) is int and -1 <= d <= MAX_ELEMENTS for d in shape)
         ):
             raise ValueError(
                 f"tensor {self.name!r}: shape must be 1 to {MAX_RANK + 1} ints >= -1 (the batch axis "
@@ -74,6 +82,8 @@ class Signature:
     def __post_init__(self) -> None:
         if not self.inputs:
             raise ValueError("a signature must name at least one input")
+        if len(self.inputs) > MAX_TENSORS or len(self.outputs) > MAX_TENSORS:
+            raise ValueError(f"a signature has at most {MAX_TENSORS} inputs and {MAX_TENSORS} outputs")
         for kind, specs in (("input", self.inputs), ("output", self.outputs)):
             names = [s.name for s in specs]
             if len(set(names)) != len(names):

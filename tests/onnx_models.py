@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -35,9 +36,31 @@ def sum_and_product(path: Path) -> Path:
     return _save(graph, path)
 
 
-def _save(graph: onnx.GraphProto, path: Path) -> Path:
+def _save(graph: onnx.GraphProto, path: Path, check: bool = True) -> Path:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8  # readable by every onnxruntime the onnx extra allows
-    onnx.checker.check_model(model)
+    if check:  # the checker wants every shape known; onnxruntime does not
+        onnx.checker.check_model(model)
     onnx.save(model, str(path))
     return path
+
+
+def unary(
+    path: Path, op: str, shape: list[Any] | None, elem: int = TensorProto.FLOAT, out_shape: Any = "same"
+) -> Path:
+    """y = op(x) for an input x of `shape` (None: unknown rank); `out_shape` the output's
+    declared shape ("same": as x)."""
+    y_shape = shape if out_shape == "same" else out_shape
+    nodes = [helper.make_node(op, ["x"], ["y"], **({"keepdims": 0} if op == "ReduceSum" else {}))]
+    initializer = []
+    if op == "ReduceSum":  # over the batch axis: an output without one
+        initializer = [numpy_helper.from_array(np.array([0], np.int64), "axes")]
+        nodes = [helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=0)]
+    graph = helper.make_graph(
+        nodes,
+        op.lower(),
+        [helper.make_tensor_value_info("x", elem, shape)],
+        [helper.make_tensor_value_info("y", elem, y_shape)],
+        initializer=initializer,
+    )
+    return _save(graph, path, check=shape is not None)

@@ -4,6 +4,7 @@ inputs and outputs; a file that does not load stops `serve` with its reason."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -71,22 +72,23 @@ def test_named_inputs_and_outputs_go_by_name(tmp_path: Path) -> None:
         assert np.array_equal(r["output"]["sum"], sums[i]) and np.array_equal(r["output"]["prod"], prods[i])
 
 
-def test_a_request_that_does_not_fit_the_batch_is_refused_alone(tmp_path: Path) -> None:
+def test_a_request_the_model_refuses_fails_alone(tmp_path: Path) -> None:
+    # The broker's signature check stops such a request first; the worker must not let it fail its batch.
     path = onnx_models.linear(tmp_path / "linear.onnx")
     model = load_model(ModelSpec.parse(f"onnx:{path}"), None, threads=1)
     good = np.ones(4, np.float32)
-    out = replies_of(
-        run_batch(model, *batch(*map(tensor.from_array, [good, np.ones(4, np.float64), good])), "w")
-    )
+    inputs = [good, np.ones(4, np.float64), good]
+    out = replies_of(run_batch(model, *batch(*map(tensor.from_array, inputs)), "w"))
     assert [r["ok"] for r in out] == [True, False, True]
-    assert out[1]["error"]["code"] == "bad_request"
+    assert out[1]["error"]["code"] == "model_error" and "double" in out[1]["error"]["message"]
+    assert out[0]["batch_size"] == 3 and np.array_equal(out[0]["output"], out[2]["output"])
 
 
-def test_missing_named_inputs_fail_the_batch_saying_which(tmp_path: Path) -> None:
+def test_missing_named_inputs_are_refused_saying_which(tmp_path: Path) -> None:
     path = onnx_models.sum_and_product(tmp_path / "sp.onnx")
     model = load_model(ModelSpec.parse(f"onnx:{path}"), None, threads=1)
     out = replies_of(run_batch(model, *batch({"a": tensor.from_array(np.ones(2, np.float32))}), "w"))
-    assert out[0]["error"]["code"] == "model_error"
+    assert out[0]["error"]["code"] == "bad_request"
     assert "the model's inputs are ['a', 'b']; missing ['b']" in out[0]["error"]["message"]
 
 
@@ -203,3 +205,67 @@ def test_the_signature_checks_each_request_alone_and_metadata_returns_it(
     assert replies[0]["batch_size"] == replies[4]["batch_size"] == 2  # the good ones batched together
     with pytest.raises(Exception, match="no model 'nope'"):
         c.control("metadata", model="nope")
+
+
+def run_rows(model: Any, arrays: list[Any]) -> list[dict[str, Any]]:
+    return replies_of(run_batch(model, *batch(*arrays), "w"))
+
+
+def test_requests_whose_dynamic_axes_differ_are_run_apart_and_all_answered(tmp_path: Path) -> None:
+    model = load_model(
+        ModelSpec.parse(f"onnx:{onnx_models.unary(tmp_path / 'n.onnx', 'Neg', ['b', 'n'])}"), None, 1
+    )
+    arrays = [np.arange(3, dtype=np.float32), np.arange(5, dtype=np.float32), np.ones(3, np.float32)]
+    out = run_rows(model, [tensor.from_array(a) for a in arrays])
+    assert [r["ok"] for r in out] == [True] * 3
+    assert all(np.array_equal(r["output"], -a) for r, a in zip(out, arrays, strict=True))
+
+
+def test_a_tensor_alone_and_in_a_map_under_its_name_share_a_batch(tmp_path: Path) -> None:
+    model = load_model(ModelSpec.parse(f"onnx:{onnx_models.linear(tmp_path / 'l.onnx')}"), None, 1)
+    x = np.ones(4, np.float32)
+    out = run_rows(model, [tensor.from_array(x), {"x": tensor.from_array(x)}])
+    assert [r["ok"] for r in out] == [True, True]
+    assert np.array_equal(out[0]["output"], out[1]["output"])
+
+
+def test_a_model_with_its_batch_axis_fixed_at_1_runs_requests_one_by_one(tmp_path: Path) -> None:
+    model = load_model(
+        ModelSpec.parse(f"onnx:{onnx_models.unary(tmp_path / 'r.onnx', 'Relu', [1, 4])}"), None, 1
+    )
+    arrays = [np.full(4, v, np.float32) for v in (-1.0, 2.0, 3.0)]
+    out = run_rows(model, [tensor.from_array(a) for a in arrays])
+    assert [r["ok"] for r in out] == [True] * 3
+    assert all(np.array_equal(r["output"], np.maximum(a, 0)) for r, a in zip(out, arrays, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("build", "reason"),
+    [
+        (
+            lambda p: onnx_models.unary(p, "ReduceSum", ["b", 4], out_shape=[4]),
+            "output 'y' (shape [4]) does not lead",
+        ),
+        (lambda p: onnx_models.unary(p, "Relu", [8, 4]), "its batch axis is fixed at [8]"),
+        (lambda p: onnx_models.unary(p, "Relu", None), "has no batch axis"),
+        (
+            lambda p: onnx_models.unary(p, "Identity", ["b"], elem=onnx_models.TensorProto.STRING),
+            "tensor(string)",
+        ),
+    ],
+)
+def test_a_model_the_worker_cannot_batch_is_refused_at_load_saying_why(
+    tmp_path: Path, build: Any, reason: str
+) -> None:
+    path = build(tmp_path / "m.onnx")
+    with pytest.raises(Exception, match=re.escape(reason)):
+        load_model(ModelSpec.parse(f"onnx:{path}"), None, 1)
+
+
+@pytest.mark.parametrize(
+    ("text", "name", "target"),
+    [("onnx:/tmp/a=b.onnx", "a=b", "onnx:/tmp/a=b.onnx"), ("onnx: /m/x.onnx", "x", "onnx:/m/x.onnx")],
+)
+def test_an_onnx_path_may_hold_an_equals_sign_and_is_stripped(text: str, name: str, target: str) -> None:
+    spec = ModelSpec.parse(text)
+    assert (spec.name, spec.target) == (name, target)

@@ -98,3 +98,39 @@ def test_a_ready_with_a_malformed_signature_is_refused_and_a_good_one_kept() -> 
         worker_info(
             {"model": "m", "pid": 1, "signature": {"inputs": [{"name": "x", "datatype": "X", "shape": [1]}]}}
         )
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"name": "x\nforged line", "datatype": "FP32", "shape": [-1]}, "a printable str"),
+        ({"name": "x" * 257, "datatype": "FP32", "shape": [-1]}, "1 to 256 characters"),
+        ({"name": "x", "datatype": ["FP32"], "shape": [-1]}, "datatype must be one of"),
+        ({"name": "x", "datatype": {"k": 1}, "shape": [-1]}, "datatype must be one of"),
+        ({"name": "x", "datatype": "FP32", "shape": [-1, 2**64 - 1]}, "ints >= -1"),
+    ],
+)
+def test_what_a_worker_announces_is_bounded_and_typed(spec: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Signature.from_wire({"inputs": [spec]})
+    with pytest.raises(ValueError, match="at most 1024 inputs"):
+        Signature.from_wire(
+            {"inputs": [{"name": f"x{i}", "datatype": "FP32", "shape": [-1]} for i in range(1025)]}
+        )
+
+
+def test_a_models_signature_is_its_newest_live_workers() -> None:
+    from batcher.pool import WorkerInfo, WorkerPool
+    from batcher.protocol import Heartbeat
+    from batcher.scheduler import Scheduler
+
+    pool = WorkerPool(Scheduler(models=["m"]), Heartbeat(), 1, 0.0)
+    pool.joined(b"a", WorkerInfo("m", None, 1, ONE), None, 0.0)
+    assert pool.signature("m") == ONE
+    pool.joined(b"b", WorkerInfo("m", None, 2, TWO), None, 0.0)
+    assert pool.signature("m") == TWO  # a reload's new model
+    pool.lose(b"b", failed=True)
+    assert pool.signature("m") == ONE  # the dead worker's signature went with it
+    pool.joined(b"c", WorkerInfo("m", None, 3, None), None, 0.0)
+    assert pool.signature("m") is None  # the newest announces none: nothing is checked
+    assert pool.signature("other") is None

@@ -77,16 +77,19 @@ class ModelSpec:
     def parse(cls, text: str) -> ModelSpec:
         """`sim`, `echo`, `pkg.mod:attr`, `onnx:PATH` (named after the file), or
         `name=<any of those>`."""
-        name, sep, target = text.partition("=")
+        if text.strip().startswith(ONNX_PREFIX):  # a path may hold '=': no NAME= to split off
+            path = text.strip()[len(ONNX_PREFIX) :].strip()
+            name, sep, target = os.path.splitext(os.path.basename(path))[0], "=", ONNX_PREFIX + path
+        else:
+            name, sep, target = text.partition("=")
         if not sep:
             name, target = text, text
-            if text.strip().startswith(ONNX_PREFIX):
-                name = os.path.splitext(os.path.basename(text.strip()[len(ONNX_PREFIX) :]))[0]
         name, target = name.strip(), target.strip()
         if target.startswith(ONNX_PREFIX):
-            if not name or not target[len(ONNX_PREFIX) :].strip():
+            path = target[len(ONNX_PREFIX) :].strip()
+            if not name or not path:
                 raise ValueError(f"an ONNX model is onnx:PATH or NAME=onnx:PATH, got {text!r}")
-            return cls(name, target)
+            return cls(name, ONNX_PREFIX + path)
         if not name or not target:
             raise ValueError(f"model must be NAME, NAME=SPEC or pkg.module:attr, got {text!r}")
         module, _, attr = target.partition(":")

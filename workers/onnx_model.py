@@ -1,10 +1,13 @@
 """ONNX models served as they are: `--model onnx:PATH` (or `NAME=onnx:PATH`).
 
 One onnxruntime InferenceSession per worker, made once. A batch is one `session.run`
-on the requests' inputs stacked along a new first axis (workers.stacking): a request's
-`input` is one tensor without the batch axis, for a model with one input, or a map of
-input name -> tensor; its reply's `output` is its row of the one output, or a map of
-output name -> row when the model has several.
+on the requests' inputs stacked along a new first axis, or one per group of requests
+whose tensors have the same shapes (a model's dynamic axes may differ between
+requests): a request's `input` is one tensor without the batch axis, for a model with
+one input (or a map of its name to it), or a map of input name -> tensor; its reply's
+`output` is its row of the one output, or a map of output name -> row when the model
+has several. A model must lead every input and output with its batch axis, dynamic or
+fixed at 1 (then requests run one by one); other models are refused at load.
 
 The execution provider is CUDA on the worker's GPU when onnxruntime-gpu is installed and
 the worker has a GPU, the CPU otherwise. onnxruntime and numpy come with
@@ -17,7 +20,7 @@ import os
 from typing import Any
 
 from batcher.signature import Signature, TensorSpec
-from workers.stacking import Stack, Stacked
+from workers.stacking import BadInput
 
 #: onnxruntime's element types -> the protocol's datatypes.
 ONNX_DATATYPES = {
@@ -37,7 +40,7 @@ ONNX_DATATYPES = {
 
 
 class OnnxLoadError(RuntimeError):
-    """The file is not a model onnxruntime can run (or onnxruntime is missing)."""
+    """The file is not a model onnxruntime can run here (or onnxruntime is missing)."""
 
 
 def default_threads(workers_on_host: int = 1) -> int:
@@ -46,8 +49,10 @@ def default_threads(workers_on_host: int = 1) -> int:
 
 
 class OnnxModel:
-    """A session and its input and output names; called by the worker with the batch
-    stacked (one array, or a map of name -> array)."""
+    """A session, and the list-in, list-out model the worker calls: the batch's inputs
+    are grouped by shape (requests whose dynamic axes differ cannot share one array),
+    each group stacked and run in one `session.run`, and each output split back per
+    request. A model whose batch axis is fixed at 1 runs its requests one by one."""
 
     def __init__(self, path: str, gpu: int | None, threads: int) -> None:
         try:
@@ -70,25 +75,95 @@ class OnnxModel:
         self.threads = threads
         self.inputs = [i.name for i in self.session.get_inputs()]
         self.outputs = [o.name for o in self.session.get_outputs()]
+        self.one_by_one = batch_axis(self.session, path)
         self.signature = onnx_signature(self.session)
 
-    def __call__(self, batch: Any) -> Any:
-        if isinstance(batch, dict):
-            missing = [name for name in self.inputs if name not in batch]
-            unknown = [name for name in batch if name not in self.inputs]
-            if missing or unknown:
-                raise ValueError(
-                    f"the model's inputs are {self.inputs}; missing {missing}, unknown {unknown}"
+    def __call__(self, inputs: list[Any]) -> list[Any]:
+        import numpy as np
+
+        out: list[Any] = [None] * len(inputs)
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        feeds: list[dict[str, Any] | str] = []
+        for i, x in enumerate(inputs):
+            feed = self._feed(x)
+            feeds.append(feed)
+            if isinstance(feed, dict):
+                key: tuple[Any, ...] = tuple((n, a.dtype.str, a.shape) for n, a in sorted(feed.items()))
+                groups.setdefault((i,) if self.one_by_one else key, []).append(i)
+            else:
+                out[i] = BadInput(feed)
+        for members in groups.values():
+            group = [feeds[i] for i in members]
+            try:
+                rows = self._run(group, np)
+            except Exception:  # onnxruntime's own types; a bad input fails the run: run each alone
+                for i, feed in zip(members, group, strict=True):
+                    try:
+                        (out[i],) = self._run([feed], np)
+                    except Exception as exc:  # onnxruntime raises its own unrelated types
+                        out[i] = exc
+                continue
+            for i, row in zip(members, rows, strict=True):
+                out[i] = row
+        return out
+
+    def _run(self, feeds: list[Any], np: Any) -> list[Any]:
+        """One session.run on `feeds` stacked; each request's row of the outputs."""
+        results = self.session.run(None, {n: np.stack([f[n] for f in feeds]) for n in self.inputs})
+        rows = []
+        for k in range(len(feeds)):
+            values = [r[k] for r in results]
+            rows.append(values[0] if len(values) == 1 else dict(zip(self.outputs, values, strict=True)))
+        return rows
+
+    def _feed(self, x: Any) -> dict[str, Any] | str:
+        """A request's input as {input name: array}, or why it cannot be one. A model of
+        one input takes its tensor alone or in a map under its name."""
+        if type(x).__name__ == "ndarray" and len(self.inputs) == 1:
+            return {self.inputs[0]: x}
+        if isinstance(x, dict) and all(type(v).__name__ == "ndarray" for v in x.values()):
+            missing = [n for n in self.inputs if n not in x]
+            unknown = [n for n in x if n not in self.inputs]
+            if not missing and not unknown:
+                return dict(x)
+            return f"the model's inputs are {self.inputs}; missing {missing}, unknown {unknown}"
+        if len(self.inputs) == 1:
+            return f"the input must be a tensor (or a map of {self.inputs[0]!r} to one)"
+        return f"the input must be a map of the tensors {self.inputs}"
+
+
+def batch_axis(session: Any, path: str) -> bool:
+    """Whether the model must run its requests one by one (its batch axis is fixed at 1);
+    OnnxLoadError for a model whose inputs and outputs do not all lead with a batch axis
+    the worker can stack along and split (dynamic, or all fixed at 1)."""
+    firsts: list[tuple[str, Any]] = []
+    for kind, args in (("input", session.get_inputs()), ("output", session.get_outputs())):
+        for arg in args:
+            where = f"cannot serve {path}: {kind} {arg.name!r}"
+            if arg.type not in ONNX_DATATYPES:
+                raise OnnxLoadError(f"{where} is {arg.type}, which has no tensor datatype here")
+            if not arg.shape:
+                raise OnnxLoadError(
+                    f"{where} has no batch axis (its shape is unknown or []): "
+                    "export the model with a dynamic first axis"
                 )
-            feed = {name: batch[name] for name in self.inputs}
-        elif len(self.inputs) == 1:
-            feed = {self.inputs[0]: batch}
-        else:
-            raise ValueError(f"the model has {len(self.inputs)} inputs: send a map of {self.inputs}")
-        results = self.session.run(None, feed)
-        if len(results) == 1:
-            return results[0]
-        return dict(zip(self.outputs, results, strict=True))
+            first = arg.shape[0]
+            firsts.append(
+                (f"{where} (shape {arg.shape})", first if isinstance(first, int) and first >= 0 else None)
+            )
+    inputs_fixed = {first for _, first in firsts[: len(session.get_inputs())] if first is not None}
+    if inputs_fixed and inputs_fixed != {1}:
+        raise OnnxLoadError(
+            f"cannot serve {path}: its batch axis is fixed at {sorted(inputs_fixed)}: export the model "
+            "with a dynamic first axis (or fixed at 1: then it runs one request at a time)"
+        )
+    allowed = {1} if inputs_fixed else set()
+    for where, first in firsts:
+        if first is not None and first not in allowed:
+            raise OnnxLoadError(
+                f"{where} does not lead with the batch axis: the worker could not split it per request"
+            )
+    return bool(inputs_fixed)
 
 
 def onnx_signature(session: Any) -> Signature | None:
@@ -121,6 +196,6 @@ def device_index(gpu: int) -> int:
     return visible.index(str(gpu)) if str(gpu) in visible else gpu
 
 
-def load_onnx(path: str, gpu: int | None, threads: int | None) -> Stacked:
-    """The worker's model for an ONNX file: its session, stacked batches in and out."""
-    return Stacked(OnnxModel(path, gpu, threads or default_threads()), Stack())
+def load_onnx(path: str, gpu: int | None, threads: int | None) -> OnnxModel:
+    """The worker's model for an ONNX file: its session, batches stacked by shape."""
+    return OnnxModel(path, gpu, threads or default_threads())
