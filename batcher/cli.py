@@ -43,6 +43,7 @@ from batcher.protocol import Heartbeat
 from batcher.scheduler import BUCKET_BY, POLICIES, BatchSettings
 from batcher.security import CurveServerKeys, KeyFileError
 from batcher.serving import ModelLoadFailed, run_serve
+from workers import warmup
 from workers.models import ModelSpec, SimSettings
 from workers.supervisor import EXIT_MODEL_LOAD_FAILED, PoolSettings
 from workers.worker import ModelLoadError, WorkerSettings, run_worker
@@ -756,6 +757,7 @@ def pool_settings(
     config: str | None,
     logs: LogOptions,
     threads_per_worker: int | None = None,
+    warmup: bool = True,
 ) -> PoolSettings:
     """serve's PoolSettings from CLI values. The config file's [models.NAME] tables pin
     models to GPUs (`gpus`) and set their worker counts (`workers`, unless --workers came
@@ -783,9 +785,22 @@ def pool_settings(
             model_gpus=model_gpus,
             model_workers=model_workers,
             threads_per_worker=threads_per_worker,
+            warmup_sizes={
+                ModelSpec.parse(m).name: _warmup_sizes(
+                    broker.per_model.get(ModelSpec.parse(m).name, broker.batch)
+                )
+                for m in models
+            }
+            if warmup
+            else None,
         )
     except (ValueError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def _warmup_sizes(batch: BatchSettings) -> tuple[int, ...]:
+    """The batch sizes a model's warm-up runs: its allowed ones, else 1, 2, 4, ... max."""
+    return warmup.warmup_sizes(batch.max_batch_size, batch.batch_sizes)
 
 
 def _reread_batching(ctx: click.Context, path: str, models: Iterable[str]) -> dict[str, BatchSettings]:
@@ -867,6 +882,13 @@ def main() -> None:
     help="Intra-op threads of each worker's ONNX session. Default: the cores divided among "
     "the workers on this machine (workers x threads <= cores).",
 )
+@option(
+    "--no-warmup",
+    is_flag=True,
+    default=False,
+    help="Do not run the model before READY (by default a model with a signature, an ONNX "
+    "model say, runs at each batch size it may get, on zero inputs, and announces its cost).",
+)
 @batching_options
 @broker_options
 @heartbeat_options
@@ -882,6 +904,7 @@ def serve(
     workers_per_gpu: int,
     models: tuple[str, ...],
     threads_per_worker: int | None,
+    no_warmup: bool,
     batching: BatchSettings,
     broker_opts: BrokerOptions,
     heartbeat: Heartbeat,
@@ -919,6 +942,7 @@ def serve(
         config=config,
         logs=logs,
         threads_per_worker=threads_per_worker,
+        warmup=not no_warmup,
     )
     ctx = click.get_current_context()
     reread = None if config is None else functools.partial(_reread_batching, ctx, config, settings.models)
@@ -998,6 +1022,20 @@ def broker(
     help="Intra-op threads of each worker's ONNX session. Default: every core (one worker); "
     "`serve` divides the cores among its workers.",
 )
+@option(
+    "--warmup-sizes",
+    callback=_int_list(_parse_batch_sizes),
+    default=None,
+    help="Batch sizes the warm-up runs the model at, e.g. 1,2,4,8 (the default; serve passes "
+    "each model's allowed sizes).",
+)
+@option(
+    "--no-warmup",
+    is_flag=True,
+    default=False,
+    help="Do not run the model before READY (by default a model with a signature, an ONNX "
+    "model say, runs at each batch size it may get, on zero inputs, and announces its cost).",
+)
 @option("--parent-pid", type=int_range(1, 2**31 - 1), default=None, hidden=True)
 @heartbeat_options
 @curve_worker_options
@@ -1008,6 +1046,8 @@ def worker(
     model: str,
     gpu: int | None,
     threads_per_worker: int | None,
+    warmup_sizes: tuple[int, ...] | None,
+    no_warmup: bool,
     parent_pid: int | None,
     heartbeat: Heartbeat,
     curve: ClientKeys,
@@ -1029,6 +1069,7 @@ def worker(
                 curve.curve_server_key,
                 curve.curve_secret_key,
                 threads_per_worker,
+                () if no_warmup else (warmup_sizes or WorkerSettings().warmup_sizes),
             )
         )
     except ModelLoadError as exc:

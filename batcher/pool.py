@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from batcher.protocol import ErrorCode, Heartbeat
+from batcher.protocol import MAX_REPORTED_MS, ErrorCode, Heartbeat
 from batcher.scheduler import Batch, QueuedRequest, Scheduler
 from batcher.signature import Signature
 
@@ -29,6 +29,7 @@ class WorkerInfo(NamedTuple):
     gpu: object
     pid: object
     signature: Signature | None = None
+    cost_ms: tuple[float, float] | None = None  # t(n) = a + b*n its warm-up measured
 
     def name(self, worker_id: bytes) -> str:
         """`model/gpuN/pidP/idHEX`: the worker's name in logs and stats."""
@@ -91,6 +92,8 @@ class WorkerPool:
     def joined(self, worker_id: bytes, info: WorkerInfo, slots: int | None, now: float) -> None:
         """READY from a worker not in the pool (one announcing itself again is `lose`t first)."""
         self.scheduler.add_worker(worker_id, info.model, slots)
+        if info.cost_ms is not None:  # its warm-up: the adaptive policy knows the cost at once
+            self.scheduler.seed_cost(info.model, info.cost_ms[0] / 1000.0, info.cost_ms[1] / 1000.0)
         self._heard_at[worker_id] = now
         self._info[worker_id] = info
         self._failed_models.pop(info.model, None)
@@ -166,4 +169,16 @@ def worker_info(info: Any) -> WorkerInfo:
         signature = None if raw is None else Signature.from_wire(raw)
     except ValueError as exc:
         raise ValueError(f"bad READY signature: {exc}") from None
-    return WorkerInfo(model, info.get("gpu"), info.get("pid"), signature)
+    cost = info.get("cost_ms")
+    if cost is not None and not (
+        isinstance(cost, list)
+        and len(cost) == 2
+        and all(
+            isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v <= MAX_REPORTED_MS for v in cost
+        )
+    ):
+        raise ValueError(
+            f"bad READY cost_ms: must be [a, b], two numbers in [0, one day], got {cost!r}"[:200]
+        )
+    cost_ms = None if cost is None else (float(cost[0]), float(cost[1]))
+    return WorkerInfo(model, info.get("gpu"), info.get("pid"), signature, cost_ms)

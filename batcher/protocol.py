@@ -616,14 +616,22 @@ def split_replies(lengths: list[int], blob: Any) -> list[bytes]:
 
 
 def ready_frames(
-    model: str, gpu: int | None, pid: int, slots: int | None = None, signature: dict[str, Any] | None = None
+    model: str,
+    gpu: int | None,
+    pid: int,
+    slots: int | None = None,
+    signature: dict[str, Any] | None = None,
+    cost_ms: list[float] | None = None,
 ) -> list[bytes]:
     """Backend READY message, a worker's first words: what it serves (and, optionally, how
     many batches it accepts at once, the broker's --worker-prefetch applying otherwise,
-    and its model's signature in wire form, batcher.signature)."""
+    its model's signature in wire form, batcher.signature, and the [a, b] ms of the
+    t(n) = a + b*n its warm-up measured)."""
     info: dict[str, Any] = {"model": model, "gpu": gpu, "pid": pid}
     if slots is not None:
         info["slots"] = slots
     if signature is not None:
         info["signature"] = signature
+    if cost_ms is not None:
+        info["cost_ms"] = cost_ms
     return [WORKER_PROTOCOL, CMD_READY, _packer_pack(info)]

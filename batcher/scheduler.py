@@ -632,6 +632,15 @@ class Scheduler:
         for w in self._workers.values():
             yield from w.in_flight.values()
 
+    def seed_cost(self, model: str, a_s: float, b_s: float) -> None:
+        """A worker's warm-up measured t(n) = a + b*n: the model's cost, until batches
+        report theirs (a cost already learned from batches is kept)."""
+        mq = self._models.get(model)
+        if mq is None or mq.cost.known:
+            return
+        for n in sorted({1, max(2, mq.settings.max_batch_size)}):
+            mq.cost.observe(n, a_s + b_s * n)
+
     def settings_of(self, model: str) -> BatchSettings | None:
         """A known model's batching settings (None for one the scheduler does not know)."""
         mq = self._models.get(model)

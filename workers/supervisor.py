@@ -50,6 +50,8 @@ class PoolSettings:
     model_workers: Mapping[str, int] = field(default_factory=dict)  # worker counts, by model name
     #: Intra-op threads of each worker's ONNX session; None: the cores divided among the workers.
     threads_per_worker: int | None = None
+    #: By model name, the batch sizes its workers' warm-up runs; None: no warm-up (--no-warmup).
+    warmup_sizes: Mapping[str, tuple[int, ...]] | None = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.workers_per_model is not None and self.workers_per_model < 0:
@@ -176,11 +178,19 @@ class Supervisor:
             str(os.getpid()),
             "--threads-per-worker",
             str(self.threads_per_worker),
+            *self._warmup_args(model),
         ] + (
             ["--curve-server-key", s.curve_secret_key, "--curve-secret-key", s.curve_secret_key]
             if s.curve_secret_key
             else []
         )
+
+    def _warmup_args(self, model: str) -> list[str]:
+        sizes = self.settings.warmup_sizes
+        if sizes is None:
+            return ["--no-warmup"]
+        own = sizes.get(ModelSpec.parse(model).name)
+        return [] if own is None else ["--warmup-sizes", ",".join(map(str, own))]
 
     @property
     def threads_per_worker(self) -> int:

@@ -31,9 +31,10 @@ from batcher.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
 from batcher.client import HANDSHAKE_FAILED, ConnectionWatch
 from batcher.protocol import ErrorCode, Heartbeat
 from batcher.security import secure_client
-from batcher.signature import signature_of
+from batcher.signature import Signature, signature_of
 from batcher.stopping import StopSignals, ignore_stop_signals
 from batcher.zmqio import recv_frames, send_frames
+from workers import warmup
 from workers.models import ModelFn, ModelSpec, SimSettings, load_model
 
 log = logging.getLogger("batcher.worker")
@@ -60,11 +61,16 @@ class WorkerSettings:
     curve_server_key: str | None = None  # the broker's public key file: turns CURVE on
     curve_secret_key: str | None = None  # this worker's key pair (.key_secret)
     threads: int | None = None  # an ONNX session's intra-op threads; None: every core
+    #: Before READY, run the model at these batch sizes on zero inputs of its signature
+    #: and announce the fitted cost (workers/warmup.py); () skips it (--no-warmup).
+    warmup_sizes: tuple[int, ...] = (1, 2, 4, 8)
 
     def __post_init__(self) -> None:
         ModelSpec.parse(self.model)  # raises with a precise message
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {self.threads}")
+        if not all(type(n) is int and n >= 1 for n in self.warmup_sizes):
+            raise ValueError(f"warmup sizes must be ints >= 1, got {list(self.warmup_sizes)}")
         if self.gpu is not None and self.gpu < 0:
             raise ValueError(f"gpu must be >= 0, got {self.gpu}")
 
@@ -317,6 +323,7 @@ class Worker:
         self.signals = StopSignals()
         self.model: ModelFn | None = None
         self.signature: dict[str, Any] | None = None  # the model's, as READY carries it
+        self.cost_ms: list[float] | None = None  # t(n) = a + b*n from the warm-up, for READY
         self.batches = 0
         self.reconnects = 0
         self._sock: zmq.Socket[Any] | None = None
@@ -340,7 +347,26 @@ class Worker:
         self.model = load_model(self.spec, self.settings.gpu, self.settings.sim, self.settings.threads)
         declared = signature_of(self.model)  # ValueError for a malformed one: the load fails
         self.signature = None if declared is None else declared.wire()
+        if declared is not None and self.settings.warmup_sizes:
+            self._warm_up(declared)
         log.info("model %s loaded (%s) on gpu %s", self.spec.name, self.spec.target, self.settings.gpu)
+
+    def _warm_up(self, signature: Signature) -> None:
+        """Run the model at each warm-up size (workers/warmup.py) and keep its fitted cost
+        for READY; a model that fails on zero inputs is served without it."""
+        sizes = self.settings.warmup_sizes
+        assert self.model is not None
+        t0 = time.perf_counter()
+        try:
+            a_ms, b_ms = warmup.profile(self.model, signature, sizes)
+        except Exception as exc:  # the model's own error: serve it anyway, unprofiled
+            log.warning("worker %s: warm-up failed, the model is served without it: %s", self.name, exc)
+            return
+        self.cost_ms = [round(a_ms, 4), round(b_ms, 4)]
+        log.info(
+            "worker %s: warmed up at batch sizes %s in %.0f ms: t(n) = %.3f + %.3f n ms",
+            self.name, ",".join(map(str, sizes)), (time.perf_counter() - t0) * 1000, a_ms, b_ms,
+        )  # fmt: skip
 
     def check_address(self) -> None:
         """Raise ValueError, with a one-line reason, if the broker's address (or the CURVE
@@ -513,7 +539,9 @@ class Worker:
         log.log(level, "worker %s ready for model %s at %s", self.name, self.spec.name, self.settings.connect)
 
     def _ready(self) -> list[bytes]:
-        return protocol.ready_frames(self.spec.name, self.settings.gpu, os.getpid(), signature=self.signature)
+        return protocol.ready_frames(
+            self.spec.name, self.settings.gpu, os.getpid(), signature=self.signature, cost_ms=self.cost_ms
+        )
 
     def _disconnect(self, linger_ms: int = 0) -> None:
         """Drop the socket. Batches not run yet go too: a broker that lost us re-dispatches

@@ -1,0 +1,91 @@
+"""Warm-up and cost profiling (workers/warmup.py): the sizes run, the zero inputs, the fit,
+the broker seeding its cost model from READY, and end to end through serve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batcher.pool import worker_info
+from batcher.scheduler import BatchSettings, Scheduler
+from batcher.signature import Signature, TensorSpec
+from workers import warmup
+
+SIG = Signature(
+    (TensorSpec("x", "FP32", (-1, -1, 3)), TensorSpec("m", "BOOL", (-1, 2))),
+    (TensorSpec("y", "FP32", (-1, 3)),),
+)
+
+
+@pytest.mark.parametrize(
+    ("max_size", "allowed", "sizes"),
+    [(8, None, (1, 2, 4, 8)), (1, None, (1,)), (12, None, (1, 2, 4, 8, 12)), (32, (1, 4, 16), (1, 4, 16))],
+)
+def test_the_warm_up_runs_the_allowed_sizes_or_powers_of_two(max_size: int, allowed: Any, sizes: Any) -> None:
+    assert warmup.warmup_sizes(max_size, allowed) == sizes
+
+
+def test_zero_inputs_follow_the_signature_a_dynamic_axis_as_1() -> None:
+    np = pytest.importorskip("numpy")
+    x = warmup.zero_input(SIG)
+    assert set(x) == {"x", "m"}
+    assert (x["x"].shape, x["x"].dtype, x["m"].shape, x["m"].dtype) == ((1, 3), np.float32, (2,), np.bool_)
+    assert not x["x"].any()
+
+
+def test_the_profile_fits_the_fastest_time_of_each_size() -> None:
+    pytest.importorskip("numpy")
+    now = [0.0]
+    calls: list[int] = []
+
+    def model(inputs: list[Any]) -> list[Any]:
+        n = len(inputs)
+        calls.append(n)
+        now[0] += (0.004 + 0.001 * n) * (3 if calls.count(n) == 1 else 1)  # the first run is slow
+        return inputs
+
+    a, b = warmup.profile(model, SIG, (1, 2, 4, 8), clock=lambda: now[0])
+    assert (a, b) == (pytest.approx(4.0), pytest.approx(1.0))
+    assert calls == [1] * 3 + [2] * 3 + [4] * 3 + [8] * 3
+
+
+def test_the_fit_is_never_negative_and_one_size_has_no_slope() -> None:
+    assert warmup.fit([(4, 10.0)]) == (10.0, 0.0)
+    assert warmup.fit([(1, 5.0), (2, 4.0)]) == (4.5, 0.0)
+
+
+def test_the_broker_takes_a_warm_up_cost_only_before_batches_teach_one() -> None:
+    s = Scheduler(per_model={"m": BatchSettings(max_batch_size=8)})
+    s.seed_cost("m", 0.004, 0.001)
+    a, b = s.cost("m") or (0.0, 0.0)
+    assert (a, b) == (pytest.approx(0.004), pytest.approx(0.001))
+    s.seed_cost("m", 1.0, 1.0)  # a second worker's: the cost already known stays
+    assert s.cost("m") == (pytest.approx(0.004), pytest.approx(0.001))
+    s.seed_cost("nobody", 1.0, 1.0)  # an unknown model: nothing to do
+
+
+@pytest.mark.parametrize("bad", [[1.0], [1.0, -1.0], ["1", 2], [1.0, float("nan")], [True, 1], 5])
+def test_a_ready_with_a_malformed_cost_is_refused(bad: Any) -> None:
+    with pytest.raises(ValueError, match="bad READY cost_ms"):
+        worker_info({"model": "m", "pid": 1, "cost_ms": bad})
+    assert worker_info({"model": "m", "pid": 1, "cost_ms": [2, 0.5]}).cost_ms == (2.0, 0.5)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("warm", [True, False])
+def test_an_onnx_worker_announces_its_cost_before_the_first_request(
+    serve, client, tmp_path: Path, warm: bool
+):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    from tests import onnx_models
+
+    path = onnx_models.linear(tmp_path / "m.onnx")
+    s = serve("--model", f"onnx:{path}", "--workers", "1", *([] if warm else ["--no-warmup"]), workers=1)
+    cost = client(s.frontend).control("stats")["models"]["m"]["batch_cost_ms"]
+    if warm:
+        assert cost is not None and cost[0] >= 0 and cost[1] >= 0  # known before any request
+    else:
+        assert cost is None
