@@ -31,6 +31,8 @@ SCRIPTS = (
     "lone_request",
     "large_bodies",
     "frames",
+    "onnx_served",
+    "warmup",
     "batching_gain",
     "latency",
     "memory",
