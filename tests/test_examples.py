@@ -411,3 +411,14 @@ def test_the_minimal_worker_of_protocol_md_serves_small_and_large_bodies(spawn, 
     finally:
         kill_group(worker.pid)
         worker.wait(5)
+
+
+@integration
+def test_the_digits_example_serves_exactly_the_offline_predictions() -> None:
+    for module in ("onnxruntime", "sklearn", "skl2onnx"):
+        pytest.importorskip(module, reason=f"{module} is not installed (the test extra has it)")
+    result = _run([sys.executable, str(EXAMPLES / "digits" / "digits.py")], cwd=ROOT, timeout_s=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "served predictions (labels and probabilities) equal to offline: 360 of 360" in result.stdout
+    accuracy = float(re.search(r"accuracy (\d\.\d+)", result.stdout).group(1))  # type: ignore[union-attr]
+    assert accuracy > 0.9, result.stdout
