@@ -392,6 +392,27 @@ def _int_list(parse: Callable[[str], tuple[int, ...]]) -> Callable[..., tuple[in
     return callback
 
 
+def threads_option(default_text: str) -> Decorator:
+    """--threads-per-worker, its default described as `default_text`: serve, worker."""
+    return option(
+        "--threads-per-worker",
+        type=int_range(1, MAX_THREADS),
+        default=None,
+        show_default=False,
+        help=f"Intra-op threads of each worker's ONNX session. Default: {default_text}.",
+    )
+
+
+#: --no-warmup: serve, worker.
+no_warmup_option = option(
+    "--no-warmup",
+    is_flag=True,
+    default=False,
+    help="Do not run the model before READY (by default a model with a signature, an ONNX "
+    "model say, runs at each batch size it may get, on zero inputs, and announces its cost).",
+)
+
+
 config_option = option(
     "--config",
     type=click.Path(exists=True, dir_okay=False),
@@ -874,21 +895,8 @@ def main() -> None:
     help="Model to serve: sim, echo, pkg.module:attr, onnx:PATH or NAME=SPEC; repeat for "
     "several. The first is the default for requests that name none.",
 )
-@option(
-    "--threads-per-worker",
-    type=int_range(1, MAX_THREADS),
-    default=None,
-    show_default=False,
-    help="Intra-op threads of each worker's ONNX session. Default: the cores divided among "
-    "the workers on this machine (workers x threads <= cores).",
-)
-@option(
-    "--no-warmup",
-    is_flag=True,
-    default=False,
-    help="Do not run the model before READY (by default a model with a signature, an ONNX "
-    "model say, runs at each batch size it may get, on zero inputs, and announces its cost).",
-)
+@threads_option("the cores divided among the workers on this machine (workers x threads <= cores)")
+@no_warmup_option
 @batching_options
 @broker_options
 @heartbeat_options
@@ -1014,14 +1022,7 @@ def broker(
     help="The model to load: sim, echo, pkg.module:attr, onnx:PATH or NAME=SPEC.",
 )
 @option("--gpu", type=int_range(0, MAX_GPU), default=None, help="GPU id (sets CUDA_VISIBLE_DEVICES).")
-@option(
-    "--threads-per-worker",
-    type=int_range(1, MAX_THREADS),
-    default=None,
-    show_default=False,
-    help="Intra-op threads of each worker's ONNX session. Default: every core (one worker); "
-    "`serve` divides the cores among its workers.",
-)
+@threads_option("every core (one worker); `serve` divides the cores among its workers")
 @option(
     "--warmup-sizes",
     callback=_int_list(_parse_batch_sizes),
@@ -1029,13 +1030,7 @@ def broker(
     help="Batch sizes the warm-up runs the model at, e.g. 1,2,4,8 (the default; serve passes "
     "each model's allowed sizes).",
 )
-@option(
-    "--no-warmup",
-    is_flag=True,
-    default=False,
-    help="Do not run the model before READY (by default a model with a signature, an ONNX "
-    "model say, runs at each batch size it may get, on zero inputs, and announces its cost).",
-)
+@no_warmup_option
 @option("--parent-pid", type=int_range(1, 2**31 - 1), default=None, hidden=True)
 @heartbeat_options
 @curve_worker_options
