@@ -853,3 +853,102 @@ def test_input_length_of_fuzzed_tensor_headers_is_their_first_axis_or_bad_reques
     tensors = [given] if "shape" in given else list(given.values()) if isinstance(given, dict) else given
     firsts = [t["shape"][0] for t in tensors]
     assert length == max(firsts) and all(type(n) is int and n >= 0 for n in firsts)
+
+
+# --- read_header: the fast reader and its fallback, told apart ---------------------------------
+
+
+def test_read_header_takes_a_plain_body_without_the_full_parser(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(body: bytes) -> Any:
+        raise AssertionError("the full parser ran for a plain body")
+
+    monkeypatch.setattr(protocol, "parse_request", refuse)
+    raw = body({"id": "a", "model": "m", "timeout_ms": 5, "priority": 2, "cost": 3.5, "input": b"x" * 100})
+    assert protocol.read_header(raw) == RequestHeader("a", "m", 5, 2, "infer", 3.5)
+    assert protocol.read_header(body({"id": 1, "op": "stats"})) == RequestHeader(
+        1, None, None, 0, "stats", 1.0
+    )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {1: "an int key", "id": 4, "input": 1},  # msgspec takes str keys only: the full parser decides
+        {"id": 4, "input": 1, "timeout_ms": math.nan},
+        {"id": 4, "input": 1, "priority": math.nan},
+        {"id": 4, "input": 1, "cost": 0},
+        {"id": 4, "input": 1, "cost": 2e15},
+        {"id": 4, "op": "infer"},
+        {"id": 4, "input": 1, "timeout_ms": -1},
+    ],
+)
+def test_read_header_falls_back_to_the_full_parser_with_its_answer(fields: dict[Any, Any]) -> None:
+    raw = msgpack.packb(fields)
+    try:
+        expected: Any = protocol.parse_request(raw)[0]
+    except ProtocolError as exc:
+        expected = (exc.code, exc.message, exc.req_id)
+    try:
+        got: Any = protocol.read_header(raw)
+    except ProtocolError as exc:
+        got = (exc.code, exc.message, exc.req_id)
+    assert got == expected
+
+
+def test_read_header_of_a_body_too_deep_for_msgspec_is_the_full_parsers() -> None:
+    raw = b"\x82\xa2id\x09\xa5input" + b"\x91" * 3000 + b"\xc0"
+    with pytest.raises(ProtocolError) as raised:
+        protocol.parse_request(raw)
+    with pytest.raises(ProtocolError) as got:
+        protocol.read_header(raw)
+    assert (got.value.message, got.value.req_id) == (raised.value.message, raised.value.req_id)
+
+
+@pytest.mark.parametrize(
+    ("errors", "counted"),
+    [
+        ({"model_error": 2}, (2, 0)),
+        ({"bad_request": 1}, (1, 1)),
+        ({"model_error": 1, "bad_request": 2}, (3, 2)),
+        ({}, (0, 0)),
+        (3, (3, 0)),
+        (0, (0, 0)),
+    ],
+)
+def test_reply_errors_as_a_count_or_a_map_of_codes(errors: Any, counted: tuple[int, int]) -> None:
+    header = protocol.parse_reply_header(reply_header(5, 1, [1, 2, 3], errors))
+    assert (header.errors, header.refused) == counted
+
+
+@pytest.mark.parametrize(
+    ("payload", "plain"),
+    [
+        (b"x", True),
+        (bytearray(b"x"), True),
+        (memoryview(b"x"), True),
+        ({"a": b"x", "b": b"y"}, True),
+        ([b"x", b"y"], True),
+        ({}, True),
+        ([], True),
+        ("text", False),
+        (1, False),
+        ({1: b"x"}, False),
+        ({"a": "text"}, False),
+        ({"a": [b"x"]}, False),
+        ([b"x", 1], False),
+        (msgpack.ExtType(1, b"x"), False),
+        ((b"x",), False),
+    ],
+)
+def test_only_plain_payloads_go_through_msgspec(payload: Any, plain: bool) -> None:
+    assert protocol._plain_payload(payload) is plain
+    # Either way the bytes are msgpack's own: the choice only saves a copy.
+    fields = {"id": 1, "ok": True, "output": payload}
+    assert protocol.unpack(protocol.pack_carrying(fields, payload)) == protocol.unpack(protocol.pack(fields))
+
+
+def test_arrays_are_plain_payloads_alone_and_in_flat_maps_and_lists() -> None:
+    np = pytest.importorskip("numpy")
+    a = np.zeros(3, np.float32)
+    assert all(protocol._plain_payload(p) for p in (a, {"x": a}, [a, b"raw"]))
+    assert not protocol._plain_payload({"x": {"y": a}})

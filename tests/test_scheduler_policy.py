@@ -13,6 +13,7 @@ import random
 import re
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import example, given
@@ -2174,3 +2175,45 @@ def test_a_costly_requests_time_limit_follows_its_cost() -> None:
     put(s, "m", *_costly(100_000.0))  # expected 10 s
     (batch,) = s.due_batches(0.0)
     assert s.default_limit_s(batch) == pytest.approx(10 * (0.001 + 10.0))
+
+
+def test_a_bucketed_models_view_counts_every_bucket_and_its_workers() -> None:
+    s = _bucketed(max_wait_ms=1000.0)
+    put(s, "m", *_of_length(1, 2, 40, 200))
+    (view,) = s.views().values()
+    assert view.queued == 4 and s.queued("m") == 4 and s.busy()
+    assert [(w.worker_id, w.batches_held) for w in view.workers] == [(b"w0", 0)]
+    assert (view.cost, view.cost_basis) == (None, "count")
+    s.cancel(lambda r: True)
+    assert s.views()["m"].queued == 0 and not s.busy()
+
+
+def test_learned_over_cost_the_per_request_slope_is_at_the_mean_request_cost() -> None:
+    cm = CostModel()
+    batches = _batches_of_varied_size(5)  # each request costs 1 to 200, whatever the count
+    for n, cost in batches:
+        cm.observe(n, 0.001 + 0.0002 * cost, cost)
+    assert cm.by_cost
+    a, b = cm.coefficients()
+    assert a == pytest.approx(0.001)
+    mean_cost = sum(c for _, c in batches) / sum(n for n, _ in batches)
+    assert b == pytest.approx(0.0002 * mean_cost, rel=0.3)  # b at the recent mean cost of a request
+    assert cm.predict(2) == pytest.approx(a + 2 * b)
+    s = Scheduler(per_model={"m": BatchSettings()})
+    s.models["m"].cost = cm
+    assert s.views()["m"].cost_basis == "cost"
+
+
+@pytest.mark.parametrize(
+    ("bounds", "message"),
+    [
+        ((16.0,), "length_buckets must be ints, got [16.0]"),
+        ((True,), "length_buckets must be ints, got [True]"),
+        ((), "length_buckets must be increasing ints >= 1, without repeats, got []"),
+        ((16, 16), "length_buckets must be increasing ints >= 1, without repeats, got [16, 16]"),
+    ],
+)
+def test_length_buckets_are_refused_with_a_precise_message(bounds: tuple[Any, ...], message: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        BatchSettings(bucket_by="length", length_buckets=bounds)
+    assert str(raised.value) == message

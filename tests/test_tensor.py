@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -572,3 +573,34 @@ def test_a_large_replys_map_that_is_no_valid_tensor_keeps_bytes_not_a_view() -> 
     odd = {"datatype": "BF16", "shape": [LARGE], "data": b"\0" * (2 * LARGE)}
     got = tensor.unpack_arrays(protocol.ok_reply(1, odd))
     assert got["output"] == odd and type(got["output"]["data"]) is bytes
+
+
+def test_a_large_replys_output_of_any_other_form_decodes_as_usual() -> None:
+    big = b"z" * (2 * LARGE)
+    for output in (big, {"raw": big, "n": 3}, [big, "text"], {"nested": {"t": np.zeros(LARGE, np.float32)}}):
+        reply = protocol.ok_reply(9, output, {"batch_size": 2})
+        got = tensor.unpack_arrays(reply)
+        assert (got["id"], got["ok"], got["batch_size"]) == (9, True, 2)
+        expected = msgpack.unpackb(reply, raw=False, object_hook=tensor.arrays_hook)["output"]
+        if isinstance(output, dict) and "nested" in output:
+            np.testing.assert_array_equal(got["output"]["nested"]["t"], expected["nested"]["t"])
+        else:
+            assert got["output"] == expected
+
+
+def test_a_large_reply_with_a_list_of_tensors_views_each() -> None:
+    arrays = [np.arange(LARGE, dtype=np.float32), np.ones(LARGE, np.int32)]
+    reply = protocol.ok_reply(1, arrays)
+    got = tensor.unpack_arrays(reply)["output"]
+    start, end = _address_range(reply)
+    assert [a.dtype for a in got] == [np.float32, np.int32]
+    for array, sent in zip(got, arrays, strict=True):
+        np.testing.assert_array_equal(array, sent)
+        assert start <= array.ctypes.data < end
+
+
+def test_a_large_body_msgspec_cannot_read_as_a_map_of_str_keys_decodes_as_usual() -> None:
+    reply = msgpack.packb({1: b"x" * (2 * LARGE), "id": 4})
+    assert tensor.unpack_arrays(reply) == {1: b"x" * (2 * LARGE), "id": 4}
+    with pytest.raises(msgspec.ValidationError):
+        tensor.unpack_viewing(reply, "output", tensor.arrays_hook)
