@@ -284,19 +284,14 @@ ID_PREFIX_BYTES = 64 * 1024
 def id_of_refused(body: bytes) -> int | str | None:
     """The `id` of a body the broker refuses unread (too large), if its first
     ID_PREFIX_BYTES hold it: no copy of the rest is made."""
-    return _id_of_undecodable(memoryview(body)[:ID_PREFIX_BYTES])
+    return id_of(memoryview(body)[:ID_PREFIX_BYTES])
 
 
 def id_of(body: Any) -> int | str | None:
-    """The `id` of a body that cannot be decoded whole (a worker's bad_request), read key
-    by key from the whole body, values skipped: wherever the id stands, it is echoed."""
-    return _id_of_undecodable(body)
-
-
-def _id_of_undecodable(body: Any) -> int | str | None:
-    """The `id` of a body the broker refuses, read as far as the body allows: key by key,
-    with maps decoded as lists of pairs (so no key needs to be hashable), stopping at the
-    first fault. A body broken only after its id still has the id echoed."""
+    """The `id` of a body that cannot be decoded whole (the broker's refusals, a worker's
+    bad_request), read as far as the body allows: key by key, values skipped, maps
+    decoded as lists of pairs (so no key needs to be hashable), stopping at the first
+    fault. Wherever the id stands before the fault, it is echoed."""
     unpacker = msgpack.Unpacker(
         raw=False, strict_map_key=False, object_pairs_hook=list, max_buffer_size=max(len(body), 1)
     )
@@ -323,11 +318,11 @@ def parse_request(body: bytes) -> tuple[RequestHeader, dict[str, Any]]:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST,
             f"body has a map key that is an array or a map, which is not supported ({exc})",
-            _id_of_undecodable(body),
+            id_of(body),
         ) from None
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(
-            ErrorCode.BAD_REQUEST, f"body is not valid msgpack: {describe(exc)}", _id_of_undecodable(body)
+            ErrorCode.BAD_REQUEST, f"body is not valid msgpack: {describe(exc)}", id_of(body)
         ) from None
     if not isinstance(msg, dict):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"body must be a msgpack map, got {_type_name(msg)}")

@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 from batcher.signature import Signature, TensorSpec
+from workers.placement import threads_per_worker
 from workers.stacking import BadInput
 
 #: onnxruntime's element types -> the protocol's datatypes.
@@ -41,11 +42,6 @@ ONNX_DATATYPES = {
 
 class OnnxLoadError(RuntimeError):
     """The file is not a model onnxruntime can run here (or onnxruntime is missing)."""
-
-
-def default_threads(workers_on_host: int = 1) -> int:
-    """Intra-op threads per worker so that workers x threads <= cores."""
-    return max(1, (os.cpu_count() or 1) // max(1, workers_on_host))
 
 
 class OnnxModel:
@@ -198,4 +194,4 @@ def device_index(gpu: int) -> int:
 
 def load_onnx(path: str, gpu: int | None, threads: int | None) -> OnnxModel:
     """The worker's model for an ONNX file: its session, batches stacked by shape."""
-    return OnnxModel(path, gpu, threads or default_threads())
+    return OnnxModel(path, gpu, threads or threads_per_worker(1))

@@ -92,3 +92,8 @@ def _allowed(model: str, devices: Sequence[int], pins: Sequence[int] | None) -> 
             f"model {model!r} is pinned to GPU {missing[0]}, which is not a device here ({have})"
         )
     return tuple(dict.fromkeys(pins))
+
+
+def threads_per_worker(workers_on_host: int) -> int:
+    """Intra-op threads per worker so that workers x threads <= cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers_on_host))

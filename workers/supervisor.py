@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from batcher.protocol import Heartbeat
 from batcher.stopping import stop_signals_blocked
 from workers.models import ModelSpec, SimSettings
-from workers.placement import place_workers, visible_gpus
+from workers.placement import place_workers, threads_per_worker, visible_gpus
 from workers.worker import EXIT_HUNG
 
 log = logging.getLogger("batcher.supervisor")
@@ -196,11 +196,7 @@ class Supervisor:
     def threads_per_worker(self) -> int:
         """--threads-per-worker, or the cores divided among this serve's workers."""
         given = self.settings.threads_per_worker
-        return (
-            given
-            if given is not None
-            else max(1, (os.cpu_count() or 1) // max(1, len(self.settings.placement())))
-        )
+        return given if given is not None else threads_per_worker(len(self.settings.placement()))
 
     @property
     def max_starting(self) -> int:
