@@ -38,6 +38,8 @@ from batcher.broker import BindError, BrokerSettings, run_broker
 from batcher.client import BatcherError, Client
 from batcher.config import COMMA_LIST_OPTIONS, Config, ConfigError, Kind, load_config, type_problem
 from batcher.demo import DEMO_POLICY, DEMO_WORKERS, run_demo
+from batcher.gateway.core import GatewaySettings
+from batcher.gateway.process import GatewayProcess, gateway_command, local_address
 from batcher.logs import FORMATS, setup_logging
 from batcher.protocol import Heartbeat
 from batcher.scheduler import BUCKET_BY, POLICIES, BatchSettings
@@ -819,6 +821,25 @@ def pool_settings(
         raise click.UsageError(str(exc)) from None
 
 
+def _serve_gateway(
+    broker: BrokerSettings, http_port: int, grpc_port: int, host: str, logs: LogOptions
+) -> GatewayProcess | None:
+    """serve's gateway process, when a port asks for one: it connects to the broker's
+    frontend as a client (with the broker's own key pair under CurveZMQ)."""
+    if not http_port and not grpc_port:
+        return None
+    key = broker.curve.secret_key_file if broker.curve else None
+    settings = GatewaySettings(
+        connect=local_address(broker.frontend),
+        host=host,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        curve_server_key=key,
+        curve_secret_key=key,
+    )
+    return GatewayProcess(gateway_command(settings, logs.log_level, logs.log_format))
+
+
 def _warmup_sizes(batch: BatchSettings) -> tuple[int, ...]:
     """The batch sizes a model's warm-up runs: its allowed ones, else 1, 2, 4, ... max."""
     return warmup.warmup_sizes(batch.max_batch_size, batch.batch_sizes)
@@ -863,6 +884,76 @@ def main() -> None:
     """batcher: a dynamic-batching inference broker over ZeroMQ and msgpack."""
 
 
+_HTTP_PORT = option(
+    "--http-port",
+    type=int_range(0, 65535),
+    default=0,
+    help="Serve the Open Inference Protocol (KServe v2) over HTTP on this port (0: not).",
+)
+_GRPC_PORT = option(
+    "--grpc-port",
+    type=int_range(0, 65535),
+    default=0,
+    help="Serve the Open Inference Protocol (KServe v2) over gRPC on this port (0: not).",
+)
+_GATEWAY_HOST = option(
+    "--gateway-host",
+    "host",
+    default=field_default(GatewaySettings, "host"),
+    help="Address the gateway's HTTP and gRPC ports listen on (0.0.0.0: every interface).",
+)
+
+
+@main.command()
+@option("--connect", default=BrokerSettings().frontend, help="The broker's frontend address.")
+@_HTTP_PORT
+@_GRPC_PORT
+@_GATEWAY_HOST
+@option(
+    "--request-timeout-ms",
+    type=float_range(0, MAX_TIMEOUT_MS, min_open=True),
+    default=field_default(GatewaySettings, "request_timeout_ms"),
+    help="Longest wait for the broker's reply to a request that sets no timeout of its own.",
+)
+@curve_client_options
+@logging_options
+def gateway(
+    connect: str,
+    http_port: int,
+    grpc_port: int,
+    host: str,
+    request_timeout_ms: float,
+    curve: ClientKeys,
+    logs: LogOptions,
+) -> None:
+    """Serve the Open Inference Protocol (KServe v2) over HTTP and gRPC in front of a
+    broker: Triton's and KServe's clients, curl and load balancers reach batcher's
+    batching unchanged (docs/gateway.md). Several gateways may front one broker."""
+    setup(logs)
+    try:
+        settings = GatewaySettings(
+            connect=connect,
+            host=host,
+            http_port=http_port,
+            grpc_port=grpc_port,
+            request_timeout_ms=request_timeout_ms,
+            curve_server_key=curve.curve_server_key,
+            curve_secret_key=curve.curve_secret_key,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        from batcher.gateway.server import run
+    except ImportError as exc:
+        raise click.ClickException(
+            f"the gateway needs its extra: pip install 'batcher[gateway]' ({exc})"
+        ) from None
+    try:
+        run(settings)
+    except OSError as exc:
+        raise click.ClickException(f"the gateway cannot listen: {exc}") from None
+
+
 @main.command()
 @option("--frontend", default=BrokerSettings().frontend, help="Address clients connect to (ROUTER).")
 @option("--backend", default=BrokerSettings().backend, help="Address workers connect to (ROUTER).")
@@ -897,6 +988,9 @@ def main() -> None:
 )
 @threads_option("the cores divided among the workers on this machine (workers x threads <= cores)")
 @no_warmup_option
+@_HTTP_PORT
+@_GRPC_PORT
+@_GATEWAY_HOST
 @batching_options
 @broker_options
 @heartbeat_options
@@ -913,6 +1007,9 @@ def serve(
     models: tuple[str, ...],
     threads_per_worker: int | None,
     no_warmup: bool,
+    http_port: int,
+    grpc_port: int,
+    host: str,
     batching: BatchSettings,
     broker_opts: BrokerOptions,
     heartbeat: Heartbeat,
@@ -922,7 +1019,8 @@ def serve(
     logs: LogOptions,
 ) -> None:
     """Run a broker and its worker processes: per model, --workers of them, or
-    --workers-per-gpu on each GPU it may use.
+    --workers-per-gpu on each GPU it may use. With --http-port or --grpc-port, a
+    gateway process serves the Open Inference Protocol (KServe v2) in front of it.
 
     `batcher reload MODEL`, or SIGHUP (which re-reads --config's batching settings and
     reloads every model), replaces a model's workers: new ones first, then the old ones
@@ -954,8 +1052,9 @@ def serve(
     )
     ctx = click.get_current_context()
     reread = None if config is None else functools.partial(_reread_batching, ctx, config, settings.models)
+    gateway = _serve_gateway(settings, http_port, grpc_port, host, logs)
     try:
-        run_serve(settings, pool, reread)
+        run_serve(settings, pool, reread, gateway)
     except (BindError, KeyFileError, ModelLoadFailed) as exc:
         raise click.ClickException(str(exc)) from None
 

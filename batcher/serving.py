@@ -16,6 +16,7 @@ from batcher.broker import Broker, BrokerSettings
 from batcher.scheduler import BatchSettings
 
 if TYPE_CHECKING:
+    from batcher.gateway.process import GatewayProcess
     from workers.supervisor import PoolSettings
 
 log = logging.getLogger("batcher.serve")
@@ -27,15 +28,20 @@ SUPERVISE_INTERVAL_S = 0.2
 WORKER_STOP_TIMEOUT_S = 5.0
 
 
+#: How long `serve`, stopping, lets its gateway finish (its own grace, 5 s, and a margin).
+GATEWAY_STOP_TIMEOUT_S = 7.0
+
+
 class ModelLoadFailed(RuntimeError):
-    """A model's first worker could not load it: a configuration error, so `serve` stops
-    (the worker's own error is in the log)."""
+    """A model's first worker could not load it (a configuration error), or serve's
+    gateway process exited: `serve` stops (the child's own error is in the log)."""
 
 
 def run_serve(
     settings: BrokerSettings,
     pool: PoolSettings,
     reread_batching: Callable[[], dict[str, BatchSettings]] | None = None,
+    gateway: GatewayProcess | None = None,
 ) -> None:
     """Bind, start the workers, serve until SIGINT/SIGTERM, then drain and stop: the
     `batcher serve` body.
@@ -43,7 +49,8 @@ def run_serve(
     `batcher reload MODEL`, or SIGHUP, replaces a model's workers: new ones first, then
     the old ones drained and stopped. SIGHUP reloads every model, after applying
     `reread_batching()` (the config file's batching settings, read again; a ValueError
-    keeps the current ones). Raises BindError or KeyFileError if the broker cannot
+    keeps the current ones). `gateway`, if given, starts once the broker is bound and
+    stops after it; its exit stops serve. Raises BindError or KeyFileError if the broker cannot
     start, ModelLoadFailed (once everything has stopped) if a model could not be loaded.
     """
     from workers.models import ModelSpec
@@ -84,13 +91,41 @@ def run_serve(
     broker.signals.install()
     broker.signals.install_hangup()
     broker.call_every(SUPERVISE_INTERVAL_S, serve_tick(broker.signals, supervisor, rollouts, on_hangup))
+    if gateway is not None:
+        broker.call_every(SUPERVISE_INTERVAL_S, _watch_gateway(gateway, broker, fatal))
     try:
         supervisor.start()
+        if gateway is not None:
+            gateway.start()
         broker.run()
     finally:
+        if gateway is not None:  # first: it may still be answering requests in flight
+            gateway.stop(timeout_s=0.0 if broker.signals.count > 1 else GATEWAY_STOP_TIMEOUT_S)
         # After a second signal (or broker.stop(now=True)) nothing waits: workers still
         # in a batch are killed.
         supervisor.stop(timeout_s=0.0 if broker.signals.count > 1 else WORKER_STOP_TIMEOUT_S)
         broker.close()
     if fatal:
         raise ModelLoadFailed(fatal[0])
+
+
+def _watch_gateway(gateway: GatewayProcess, broker: Broker, fatal: list[str]) -> Callable[[float], None]:
+    """A timer that stops serve when its gateway process has exited: with an error (a
+    port taken, a crash) serve fails, saying why, rather than serving deaf to HTTP; told
+    to stop (exit 0: a SIGINT or SIGTERM that reached it too), serve drains as well."""
+    reported = False
+
+    def tick(now: float) -> None:
+        nonlocal reported
+        code = gateway.exit_code()
+        if code is None or reported:
+            return
+        reported = True
+        if code == 0:
+            log.info("the gateway process stopped; serve stops too")
+            broker.stop()
+        else:
+            fatal.append(f"the gateway process exited with code {code} (its error is above)")
+            broker.stop(now=True)
+
+    return tick

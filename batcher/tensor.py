@@ -229,7 +229,7 @@ def _viewed(raw: msgspec.Raw, hook: Callable[[_Tensor], Any]) -> Any:
 # --- JSON form, for `batcher send` (no numpy needed) ---------------------------------------------
 
 #: struct format character of each datatype, little-endian.
-_STRUCT_CODES: dict[str, str] = {
+STRUCT_CODES: dict[str, str] = {
     "BOOL": "?",
     "UINT8": "B",
     "UINT16": "H",
@@ -260,7 +260,7 @@ def from_json(value: dict[str, Any]) -> dict[str, Any]:
     if len(data) != count:
         raise TensorError(f"tensor data has {len(data)} values, but {datatype} {list(shape)} needs {count}")
     try:
-        raw = struct.pack(f"<{count}{_STRUCT_CODES[datatype]}", *data)
+        raw = struct.pack(f"<{count}{STRUCT_CODES[datatype]}", *data)
     except (struct.error, TypeError, OverflowError) as exc:
         raise TensorError(f"tensor data does not fit {datatype}: {exc}") from None
     return {"datatype": datatype, "shape": list(shape), "data": raw}
@@ -286,5 +286,5 @@ def to_json(value: Any) -> dict[str, Any]:
     tensor_map = value if isinstance(value, dict) else from_array(value)
     datatype, shape = check(tensor_map)
     count = math.prod(shape)
-    data = list(struct.unpack(f"<{count}{_STRUCT_CODES[datatype]}", tensor_map["data"]))
+    data = list(struct.unpack(f"<{count}{STRUCT_CODES[datatype]}", tensor_map["data"]))
     return {"datatype": datatype, "shape": list(shape), "data": data}

@@ -5,7 +5,9 @@ Ray Serve gets what batcher has: W replicas (one per worker) of a deployment who
 in time.sleep(t(n)) like a simulated GPU, with max_ongoing_requests raised to 512.
 Both are driven by a closed loop of 256 requests in flight and by a lone client
 (1 in flight): batcher by `batcher.bench` load processes over ZeroMQ, Ray Serve from
-this driver through a DeploymentHandle (or with --client http, over HTTP with aiohttp).
+this driver through a DeploymentHandle; or, with --client http, both over HTTP by the
+same aiohttp closed loop in this driver (batcher through the gateway of `serve
+--http-port`, Open Inference Protocol requests of one row; Ray through its proxy).
 batcher runs first, then Ray starts (num_cpus=2, loopback only) and is always shut
 down at the end.
 
@@ -68,7 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sim-per-item-ms", type=float, default=2.5)
     p.add_argument("--name", default=NAME, help="results/NAME.md and .json (to keep several setups)")
     p.add_argument("--max-ongoing-requests", type=int, default=512, help="Ray Serve, per replica")
-    p.add_argument("--client", choices=["handle", "http"], default="handle", help="how to drive Ray Serve")
+    p.add_argument(
+        "--client",
+        choices=["handle", "http"],
+        default="handle",
+        help="handle: Ray through a handle, batcher over ZeroMQ; http: both over HTTP (batcher: its gateway)",
+    )
     p.add_argument("--processes", type=int, default=1, help="batcher load generator processes")
     p.add_argument(
         "--policy",
@@ -118,6 +125,16 @@ def measure_batcher(args: argparse.Namespace) -> dict[str, Any]:
         print(f"batcher serve lists no --policy option: --policy {args.policy} ignored", flush=True)
     args.batcher_policy = (args.policy if extra else default) or "(none)"
     extra += ["--sim-base-ms", str(args.sim_base_ms), "--sim-per-item-ms", str(args.sim_per_item_ms)]
+    if args.client == "http":  # both over HTTP: batcher through its gateway (docs/gateway.md)
+        port = free_port()
+        extra += ["--http-port", str(port)]
+        srv = serve_args(
+            workers=w, max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, extra=extra
+        )
+        with running_serve(srv, w):
+            out = asyncio.run(drive_gateway(args, port))
+        report("batcher (HTTP gateway)", out)
+        return out
     srv = serve_args(workers=w, max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, extra=extra)
     with running_serve(srv, w) as serve:
         loaded = [
@@ -139,6 +156,58 @@ def measure_batcher(args: argparse.Namespace) -> dict[str, Any]:
     }
     report("batcher", out)
     return out
+
+
+async def drive_gateway(args: argparse.Namespace, port: int) -> dict[str, Any]:
+    """batcher's side over HTTP: the same aiohttp closed loop as Ray's, posting a v2
+    infer request of one BYTES row (the same 16 characters) to the gateway."""
+    import aiohttp
+
+    url = f"http://127.0.0.1:{port}/v2/models/sim/infer"
+    await wait_http(f"http://127.0.0.1:{port}/v2/health/ready")
+    http = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=args.concurrency), timeout=aiohttp.ClientTimeout(total=60.0)
+    )
+
+    async def call(x: Any) -> Any:
+        body = {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": [x]}]}
+        async with http.post(url, data=json.dumps(body)) as r:
+            r.raise_for_status()
+            outputs = {o["name"]: o["data"] for o in (await r.json())["outputs"]}
+            assert outputs["echo"] == [x], outputs
+            return {"batch_size": outputs["batch_size"][0]}
+
+    payload = "x" * 16
+    try:
+        loaded = [
+            await ray_closed_loop(call, args.concurrency, args.duration, args.warmup, payload)
+            for _ in range(args.runs)
+        ]
+        lone = [await ray_closed_loop(call, 1, args.duration, args.warmup, payload) for _ in range(args.runs)]
+    finally:
+        await http.close()
+    return {
+        "loaded": median_summary(loaded),
+        "lone": median_summary(lone),
+        "loaded_runs": loaded,
+        "lone_runs": lone,
+    }
+
+
+async def wait_http(url: str, timeout_s: float = 30.0) -> None:
+    """Until `url` answers 200 (the gateway starts after the broker)."""
+    import aiohttp
+
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.get(url) as r:
+                    if r.status == 200:
+                        return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} not ready within {timeout_s} s")
+            await asyncio.sleep(0.05)  # between probes of a starting process
 
 
 # --- Ray Serve ---------------------------------------------------------------------------------
@@ -355,6 +424,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.client == "handle"
         else "HTTP (aiohttp) through Ray Serve's proxy"
     )
+    batcher_client = (
+        "`batcher.bench` load processes over ZeroMQ"
+        if args.client == "handle"
+        else "the same aiohttp closed loop from this driver, posting v2 infer requests (one BYTES row) "
+        "to the gateway of `serve --http-port`"
+    )
     t1 = sim_batch_ms(1, args.sim_base_ms, args.sim_per_item_ms)
     body = (
         f"sim model, t(n) = {args.sim_base_ms:g} + {args.sim_per_item_ms:g} * n ms, "
@@ -364,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
         f"theoretical {theory:.0f} req/s. Closed loop with {args.concurrency} in flight, and a lone client "
         f"(1 in flight, against t(1) = {t1:g} ms); median of {args.runs} run(s) of "
         f"{args.duration:g} s after {args.warmup:g} s warm-up. batcher (policy {args.batcher_policy}): "
-        f"`batcher.bench` load processes over ZeroMQ; Ray Serve: {client}, Ray started with num_cpus=2 "
+        f"{batcher_client}; Ray Serve: {client}, Ray started with num_cpus=2 "
         "on loopback.\n\n"
         f"{table}\n\nbatcher / Ray Serve throughput: {ratio:.2f}x.\n"
     )

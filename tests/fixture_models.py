@@ -57,3 +57,18 @@ class LengthSpan:
 
         span = np.array([lengths[:, 0].min(), lengths[:, 0].max()], dtype=np.int64)
         return np.tile(span, (batch.shape[0], 1))
+
+
+def oip_probe(inputs: list[Any]) -> list[Any]:
+    """For the gateway's error tests, on BYTES inputs: b"boom" raises (model_error),
+    b"crash" kills the worker (worker_failed), b"slow" holds the batch for 1.5 s;
+    anything else is echoed."""
+    import time
+
+    if b"crash" in inputs:
+        os._exit(3)
+    if b"boom" in inputs:
+        raise ValueError("boom")
+    if b"slow" in inputs:
+        time.sleep(1.5)
+    return list(inputs)

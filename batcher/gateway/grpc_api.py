@@ -1,0 +1,144 @@
+"""`inference.GRPCInferenceService` on grpcio's asyncio server.
+
+Inputs come as raw_input_contents or typed contents; outputs always go as
+raw_output_contents, as Triton sends them. The client's deadline, when it set one,
+becomes the rows' `timeout_ms`; a cancelled call cancels its rows at the broker.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+
+from batcher.gateway import inference_pb2 as pb
+from batcher.gateway import inference_pb2_grpc as pb_grpc
+from batcher.gateway import oip
+from batcher.gateway.core import Gateway
+from batcher.protocol import ErrorCode
+
+log = logging.getLogger("batcher.gateway")
+
+#: The typed `contents` field that holds each datatype (FP16 has none: raw only).
+CONTENTS_FIELD: dict[str, str] = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+def add_service(server: grpc.aio.Server, gateway: Gateway) -> None:
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(gateway), server)  # type: ignore[no-untyped-call]
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: oip.OipError) -> None:
+    await context.abort(grpc.StatusCode[oip.grpc_status(exc.code)], str(exc))
+
+
+class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+    """The six calls of the v2 service over one Gateway."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def ServerLive(self, request: Any, context: Any) -> Any:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:
+        return pb.ServerReadyResponse(ready=await self.gateway.ready())
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:
+        return pb.ModelReadyResponse(ready=await self.gateway.model_ready(request.name, request.version))
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:
+        return pb.ServerMetadataResponse(**self.gateway.server_metadata())
+
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:
+        try:
+            meta = await self.gateway.metadata(request.name, request.version)
+        except oip.OipError as exc:
+            await _abort(context, exc)
+        tensor_meta = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=meta["name"],
+            versions=meta["versions"],
+            platform=meta["platform"],
+            inputs=[tensor_meta(**t) for t in meta["inputs"]],
+            outputs=[tensor_meta(**t) for t in meta["outputs"]],
+        )
+
+    async def ModelInfer(self, request: Any, context: Any) -> Any:
+        try:
+            infer = parse_infer(request, context.time_remaining())
+            outputs = await self.gateway.infer(infer)  # a cancelled call cancels this
+            raw = [bytes(oip.output_raw(o)) for o in outputs]
+        except oip.OipError as exc:
+            await _abort(context, exc)
+        except Exception as exc:  # a bug of ours: the client still gets a status
+            log.exception("ModelInfer failed")
+            await _abort(context, oip.OipError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+        return pb.ModelInferResponse(
+            model_name=infer.model,
+            model_version=oip.MODEL_VERSION,
+            id=infer.id,
+            outputs=[
+                pb.ModelInferResponse.InferOutputTensor(name=o.name, datatype=o.datatype, shape=o.shape)
+                for o in outputs
+            ],
+            raw_output_contents=raw,
+        )
+
+
+def parse_infer(request: Any, time_remaining_s: float | None) -> oip.InferRequest:
+    """The v2 request in batcher's terms; the call's deadline caps the timeout."""
+    params = parameters(request.parameters)
+    timeout_ms = oip.timeout_ms_of(params)
+    if time_remaining_s is not None:
+        deadline_ms = max(time_remaining_s * 1000.0, 0.001)
+        timeout_ms = deadline_ms if timeout_ms is None else min(timeout_ms, deadline_ms)
+    return oip.InferRequest(
+        model=request.model_name,
+        version=request.model_version,
+        inputs=inputs_of(request),
+        id=request.id,
+        outputs=[o.name for o in request.outputs] or None,
+        timeout_ms=timeout_ms,
+        priority=oip.priority_of(params),
+    )
+
+
+def parameters(params: Any) -> dict[str, Any]:
+    """A protobuf parameter map as plain values."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        kind = value.WhichOneof("parameter_choice")
+        out[key] = getattr(value, kind) if kind else None
+    return out
+
+
+def inputs_of(request: Any) -> list[oip.InputTensor]:
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise oip.bad_request(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs")
+    inputs = []
+    for i, t in enumerate(request.inputs):
+        if raw:
+            inputs.append(oip.raw_input(t.name, t.datatype, list(t.shape), raw[i]))
+            continue
+        field = CONTENTS_FIELD.get(t.datatype)
+        if field is None:
+            if t.datatype == "FP16":
+                raise oip.bad_request(f"input '{t.name}': FP16 must be sent as raw_input_contents")
+            oip.check_datatype(t.name, t.datatype)
+        inputs.append(oip.contents_input(t.name, t.datatype, list(t.shape), getattr(t.contents, str(field))))
+    return inputs

@@ -1,0 +1,71 @@
+"""`batcher serve --http-port/--grpc-port`: the gateway as a process of its own, so
+HTTP parsing and JSON never slow the broker's loop."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from batcher.gateway.core import GatewaySettings
+
+
+def local_address(frontend: str) -> str:
+    """The address a local process connects to for a broker bound on `frontend`
+    (a wildcard host becomes the loopback)."""
+    return re.sub(r"^tcp://(\*|0\.0\.0\.0):", "tcp://127.0.0.1:", frontend)
+
+
+def gateway_command(settings: GatewaySettings, log_level: str, log_format: str) -> list[str]:
+    """The `batcher gateway` command line for `settings`."""
+    command = [
+        sys.executable,
+        "-m",
+        "batcher",
+        "gateway",
+        "--connect",
+        settings.connect,
+        "--http-port",
+        str(settings.http_port),
+        "--grpc-port",
+        str(settings.grpc_port),
+        "--gateway-host",
+        settings.host,
+        "--request-timeout-ms",
+        repr(settings.request_timeout_ms),
+        "--log-level",
+        log_level,
+        "--log-format",
+        log_format,
+    ]
+    if settings.curve_server_key:
+        command += ["--curve-server-key", settings.curve_server_key]
+    if settings.curve_secret_key:
+        command += ["--curve-secret-key", settings.curve_secret_key]
+    return command
+
+
+class GatewayProcess:
+    """The gateway child of `serve`: started after the broker binds, stopped with it."""
+
+    def __init__(self, command: list[str]) -> None:
+        self.command = command
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL)
+
+    def exit_code(self) -> int | None:
+        """None while it runs (or before it started)."""
+        return None if self.proc is None else self.proc.poll()
+
+    def stop(self, timeout_s: float) -> None:
+        """SIGTERM (it finishes what is in flight), then SIGKILL after `timeout_s`."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

@@ -1,0 +1,102 @@
+"""The gateway process: HTTP and gRPC on one asyncio loop, one connection to the broker.
+
+SIGTERM or SIGINT stops it gracefully: the listeners close, the requests in flight get
+up to `grace_s` to finish, then the broker connection closes (any row still waiting is
+answered `closed`, 503 / UNAVAILABLE).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import TYPE_CHECKING
+
+from batcher.gateway.core import Gateway, GatewaySettings
+
+if TYPE_CHECKING:
+    import grpc
+    from aiohttp import web
+
+log = logging.getLogger("batcher.gateway")
+
+#: How long requests in flight may finish once the gateway is told to stop.
+GRACE_S = 5.0
+#: The largest request or message the gateway takes (HTTP body, gRPC message).
+MAX_BODY_BYTES = 256 * 1024 * 1024
+
+
+async def serve(
+    settings: GatewaySettings, stop: asyncio.Event | None = None, grace_s: float = GRACE_S
+) -> None:
+    """Run until `stop` is set (or SIGTERM/SIGINT when `stop` is None)."""
+    stop = stop or _stop_on_signals()
+    gateway = Gateway(settings)
+    runner = None
+    grpc_server = None
+    try:
+        if settings.http_port:
+            runner = await _start_http(gateway, settings, grace_s)
+        if settings.grpc_port:
+            grpc_server = await _start_grpc(gateway, settings)
+        log.info(
+            "gateway up: http %s, grpc %s, broker %s",
+            settings.http_port or "off",
+            settings.grpc_port or "off",
+            settings.connect,
+        )
+        await stop.wait()
+    finally:  # both listeners close at once; what is in flight gets grace_s
+        closing = [] if grpc_server is None else [grpc_server.stop(grace_s)]
+        if runner is not None:
+            closing.append(runner.cleanup())
+        await asyncio.gather(*closing)
+        await gateway.close()
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _start_http(gateway: Gateway, settings: GatewaySettings, grace_s: float) -> web.AppRunner:
+    from aiohttp import web
+
+    from batcher.gateway.http_api import make_app
+
+    runner = web.AppRunner(
+        make_app(gateway, MAX_BODY_BYTES),
+        access_log=None,
+        handler_cancellation=True,
+        shutdown_timeout=grace_s,
+    )
+    await runner.setup()
+    await web.TCPSite(runner, settings.host, settings.http_port, reuse_address=True).start()
+    return runner
+
+
+async def _start_grpc(gateway: Gateway, settings: GatewaySettings) -> grpc.aio.Server:
+    import grpc
+
+    from batcher.gateway.grpc_api import add_service
+
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_BODY_BYTES),
+            ("grpc.max_send_message_length", MAX_BODY_BYTES),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    add_service(server, gateway)
+    if server.add_insecure_port(f"{settings.host}:{settings.grpc_port}") == 0:
+        raise OSError(f"cannot listen for gRPC on {settings.host}:{settings.grpc_port}")
+    await server.start()
+    return server
+
+
+def run(settings: GatewaySettings) -> None:
+    """The `batcher gateway` command's body."""
+    asyncio.run(serve(settings))

@@ -1,0 +1,310 @@
+"""The Open Inference Protocol gateway against the direct ZeroMQ path, in one run.
+
+`batcher serve --model echo --workers 1 --max-batch-size 32 --max-wait-ms 1
+--http-port P --grpc-port Q` (one gateway process in front of the broker), driven from
+a separate load process by the lightest client of each path, every request an FP32
+tensor of 4 values (one row) with its reply checked:
+
+- direct: a ZeroMQ DEALER sending pre-encoded batcher requests;
+- HTTP JSON and HTTP binary (the binary tensor data extension): aiohttp, one
+  connection per request in flight, a pre-encoded body;
+- gRPC: grpc.aio on one channel, a pre-serialized ModelInferRequest with
+  raw_input_contents.
+
+Each path runs a closed loop with --concurrency requests in flight (requests/s, ratio to
+direct) and with one (p50 and p99, and the p50 added over direct: target <= 0.5 ms).
+Then rows: HTTP binary requests of 8 rows against 1 row, in rows/s (the gateway splits
+a request of k rows into k batcher requests; docs/gateway.md says why).
+
+    python benchmarks/gateway.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import statistics
+import struct
+import time
+from typing import Any
+
+import msgpack
+import zmq
+from common import handle_sigterm, md_table, running_serve, write_results
+
+from batcher.launcher import free_tcp_address
+
+NAME = "gateway"
+TITLE = "The Open Inference Protocol gateway against the direct ZeroMQ path"
+ADDED_P50_TARGET_MS = 0.5
+VALUES = [1.0, 2.0, 3.0, 4.0]
+
+
+def free_port() -> int:
+    return int(free_tcp_address().rsplit(":", 1)[1])
+
+
+# --- load processes (each path's lightest client) ----------------------------------------------
+
+
+class Window:
+    """Replies inside the measured window and the latencies of requests sent in it."""
+
+    def __init__(self, warmup_s: float, seconds: float) -> None:
+        self.start = time.perf_counter() + warmup_s
+        self.stop = self.start + seconds
+        self.count = 0
+        self.rows = 0
+        self.latencies_ms: list[float] = []
+
+    def done(self, t0: float, rows: int = 1) -> None:
+        t1 = time.perf_counter()
+        if self.start <= t1 < self.stop:
+            self.count += 1
+            self.rows += rows
+        if t0 >= self.start:
+            self.latencies_ms.append((t1 - t0) * 1000.0)
+
+    def result(self, seconds: float) -> dict[str, Any]:
+        lat = sorted(self.latencies_ms) or [float("nan")]
+        return {
+            "rps": self.count / seconds,
+            "rows_per_s": self.rows / seconds,
+            "p50_ms": lat[len(lat) // 2],
+            "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+        }
+
+
+def direct_load(address: str, concurrency: int, warmup_s: float, seconds: float, out: Any) -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    tensor = {"datatype": "FP32", "shape": [4], "data": struct.pack("<4f", *VALUES)}
+    bodies = [msgpack.packb({"id": i, "model": "echo", "input": tensor}) for i in range(concurrency)]
+    window = Window(warmup_s, seconds)
+    sent = {}
+    for i, body in enumerate(bodies):
+        sent[i] = time.perf_counter()
+        sock.send_multipart([b"", body])
+    for _ in range(100_000_000):  # bounded; ends at the window's stop
+        _, reply = sock.recv_multipart()
+        rep = msgpack.unpackb(reply)
+        assert rep["ok"] and rep["output"]["data"] == tensor["data"], rep
+        window.done(sent[rep["id"]])
+        if time.perf_counter() >= window.stop:
+            break
+        sent[rep["id"]] = time.perf_counter()
+        sock.send_multipart([b"", bodies[rep["id"]]])
+    sock.close(0)
+    ctx.term()
+    out.put(window.result(seconds))
+
+
+def http_body(rows: int, binary: bool) -> tuple[bytes, dict[str, str]]:
+    data = VALUES * rows
+    if not binary:
+        doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [rows, 4], "data": data}]}
+        return json.dumps(doc).encode(), {"Content-Type": "application/json"}
+    raw = struct.pack(f"<{len(data)}f", *data)
+    doc = {
+        "inputs": [
+            {
+                "name": "x",
+                "datatype": "FP32",
+                "shape": [rows, 4],
+                "parameters": {"binary_data_size": len(raw)},
+            }
+        ],
+        "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
+    }
+    head = json.dumps(doc).encode()
+    return head + raw, {"Inference-Header-Content-Length": str(len(head))}
+
+
+def http_load(
+    port: int, concurrency: int, warmup_s: float, seconds: float, out: Any, rows: int, binary: bool
+) -> None:
+    import aiohttp
+
+    body, headers = http_body(rows, binary)
+    url = f"http://127.0.0.1:{port}/v2/models/echo/infer"
+
+    async def main() -> dict[str, Any]:
+        window = Window(warmup_s, seconds)
+        connector = aiohttp.TCPConnector(limit=concurrency)
+        async with aiohttp.ClientSession(connector=connector) as session:
+
+            async def one() -> None:
+                for _ in range(100_000_000):  # bounded; ends at the window's stop
+                    t0 = time.perf_counter()
+                    if t0 >= window.stop:
+                        return
+                    async with session.post(url, data=body, headers=headers) as r:
+                        reply = await r.read()
+                        assert r.status == 200, reply
+                        if binary:
+                            assert reply.endswith(body[-16 * rows :]), reply
+                        else:
+                            assert json.loads(reply)["outputs"][0]["data"] == VALUES * rows, reply
+                    window.done(t0, rows)
+
+            await asyncio.gather(*(one() for _ in range(concurrency)))
+        return window.result(seconds)
+
+    out.put(asyncio.run(main()))
+
+
+def grpc_load(port: int, concurrency: int, warmup_s: float, seconds: float, out: Any) -> None:
+    import grpc
+
+    from batcher.gateway import inference_pb2 as pb
+
+    request = pb.ModelInferRequest(
+        model_name="echo",
+        inputs=[pb.ModelInferRequest.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])],
+        raw_input_contents=[struct.pack("<4f", *VALUES)],
+    ).SerializeToString()
+    expected = struct.pack("<4f", *VALUES)
+
+    async def main() -> dict[str, Any]:
+        window = Window(warmup_s, seconds)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            infer = channel.unary_unary(
+                "/inference.GRPCInferenceService/ModelInfer",
+                request_serializer=lambda b: b,  # pre-serialized once
+                response_deserializer=pb.ModelInferResponse.FromString,
+            )
+
+            async def one() -> None:
+                for _ in range(100_000_000):  # bounded; ends at the window's stop
+                    t0 = time.perf_counter()
+                    if t0 >= window.stop:
+                        return
+                    reply = await infer(request)
+                    assert reply.raw_output_contents[0] == expected, reply
+                    window.done(t0)
+
+            await asyncio.gather(*(one() for _ in range(concurrency)))
+        return window.result(seconds)
+
+    out.put(asyncio.run(main()))
+
+
+def run_load(target: Any, *args: Any) -> dict[str, Any]:
+    """One load process (spawned: no zmq context or event loop carried over)."""
+    mp = multiprocessing.get_context("spawn")
+    queue = mp.Queue()
+    proc = mp.Process(target=target, args=(*args[:4], queue, *args[4:]))
+    proc.start()
+    try:
+        result: dict[str, Any] = queue.get(timeout=args[2] + args[3] + 60)
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    return result
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+def main() -> None:
+    handle_sigterm()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--runs", type=int, default=None, help="runs of each path, median (3; quick 1)")
+    args = p.parse_args()
+    seconds, warmup_s = (2.0, 0.5) if args.quick else (4.0, 1.0)
+    runs = args.runs or (1 if args.quick else 3)
+    http_port, grpc_port = free_port(), free_port()
+    serve = [
+        "--model", "echo", "--workers", "1", "--max-batch-size", "32", "--max-wait-ms", "1",
+        "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+    ]  # fmt: skip
+    paths: dict[str, tuple[Any, ...]] = {}
+    with running_serve(serve, 1) as srv:
+        wait_for_gateway(http_port)
+        paths = {
+            "direct (ZeroMQ)": (direct_load, srv.frontend),
+            "HTTP, JSON": (http_load, http_port, 1, False),
+            "HTTP, binary data": (http_load, http_port, 1, True),
+            "gRPC, raw contents": (grpc_load, grpc_port),
+        }
+        results: dict[str, dict[str, Any]] = {name: {"loaded": [], "lone": []} for name in paths}
+        rows8: list[dict[str, Any]] = []
+        for _ in range(runs):  # interleaved, so a noisy moment hits every path alike
+            for name, (target, where, *extra) in paths.items():
+                results[name]["loaded"].append(
+                    run_load(target, where, args.concurrency, warmup_s, seconds, *extra)
+                )
+                results[name]["lone"].append(run_load(target, where, 1, warmup_s, seconds, *extra))
+            rows8.append(run_load(http_load, http_port, args.concurrency, warmup_s, seconds, 8, True))
+    summary = {
+        name: {
+            "rps": statistics.median(r["rps"] for r in res["loaded"]),
+            "p99_loaded_ms": statistics.median(r["p99_ms"] for r in res["loaded"]),
+            "p50_ms": statistics.median(r["p50_ms"] for r in res["lone"]),
+            "p99_ms": statistics.median(r["p99_ms"] for r in res["lone"]),
+        }
+        for name, res in results.items()
+    }
+    direct = summary["direct (ZeroMQ)"]
+    rows = [
+        [
+            name,
+            s["rps"],
+            s["rps"] / direct["rps"],
+            s["p50_ms"],
+            s["p99_ms"],
+            s["p50_ms"] - direct["p50_ms"],
+            "met"
+            if name.startswith("direct") or s["p50_ms"] - direct["p50_ms"] <= ADDED_P50_TARGET_MS
+            else "missed",
+        ]
+        for name, s in summary.items()
+    ]
+    table = md_table(
+        ["path", f"req/s ({args.concurrency} in flight)", "of direct", "lone p50 ms", "lone p99 ms",
+         "added p50 ms", f"added p50 <= {ADDED_P50_TARGET_MS} ms"],
+        rows,
+    )  # fmt: skip
+    one_row = summary["HTTP, binary data"]["rps"]
+    eight = statistics.median(r["rows_per_s"] for r in rows8)
+    body = (
+        f"echo model, 1 worker, max batch 32, max wait 1 ms; one gateway process; every request "
+        f"FP32 [1, 4]; {runs} interleaved run(s) of {seconds:g} s after {warmup_s:g} s, median.\n\n"
+        f"{table}\n\nRows: HTTP binary requests of 8 rows move {eight:,.0f} rows/s against "
+        f"{one_row:,.0f} of 1 row ({eight / one_row:.2f}x).\n"
+    )
+    print(body)
+    write_results(
+        NAME,
+        TITLE,
+        body,
+        {"summary": summary, "runs": results, "rows8": rows8, "concurrency": args.concurrency},
+        args.quick,
+    )
+
+
+def wait_for_gateway(port: int, timeout_s: float = 30.0) -> None:
+    """Until the gateway answers /v2/health/live (it starts after the broker)."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/live", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)  # between probes of a starting process
+
+
+if __name__ == "__main__":
+    main()
