@@ -257,3 +257,15 @@ def test_rows_changed_after_the_decode_are_not_taken_for_the_stacked_array() -> 
     given.append(np.ones(2, np.float32))
     assert fastpath.stacked_of(given) is None
     assert fastpath.stacked_of([np.ones(2)]) is None
+
+
+def test_the_load_process_sends_what_pack_carrying_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # benchmarks/onnx_served.py encodes its tensor once; each body must still be the usual one.
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import onnx_served
+
+    x = np.arange(1024, dtype=np.float32)
+    rest = onnx_served.rest_of_body(x)
+    for req_id in [1, 127, 128, 255, 256, 65535, 65536, 2**32, 2**63]:
+        expected = protocol.pack_carrying({"id": req_id, "model": "mlp", "input": x}, x)
+        assert onnx_served.request_body(req_id, rest) == expected
