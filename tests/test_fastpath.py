@@ -269,3 +269,18 @@ def test_the_load_process_sends_what_pack_carrying_writes(monkeypatch: pytest.Mo
     for req_id in [1, 127, 128, 255, 256, 65535, 65536, 2**32, 2**63]:
         expected = protocol.pack_carrying({"id": req_id, "model": "mlp", "input": x}, x)
         assert onnx_served.request_body(req_id, rest) == expected
+
+
+def test_a_batch_without_tensors_does_not_import_numpy() -> None:
+    # Importing numpy takes a tenth of a second and more: a sim worker's first batch must not pay it.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from batcher import protocol; from workers import fastpath, worker; "
+        "bodies = [protocol.pack({'id': i, 'input': {'text': 'x'}}) for i in range(3)]; "
+        "frames = protocol.batch_frames(1, [0.0] * 3, bodies); "
+        "worker.run_batch(lambda xs: xs, frames[2], frames[3:], 'w'); print('numpy' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "False", done.stderr

@@ -76,7 +76,7 @@ def decode_uniform(bodies: list[Any]) -> tuple[list[dict[str, Any]], Rows] | Non
     """(the requests, each as {"id": ..., "input": its row}, and the inputs as Rows) when
     every body is a small request whose input is one valid tensor, all of one datatype
     and shape; None otherwise: then the general path decodes the batch."""
-    if not bodies or (np := _numpy()) is None:
+    if not bodies:
         return None
     ids: list[Any] = []
     datas: list[memoryview] = []
@@ -97,6 +97,9 @@ def decode_uniform(bodies: list[Any]) -> tuple[list[dict[str, Any]], Rows] | Non
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
     assert datatype is not None and shape is not None
+    np = _numpy()  # only now: a batch without tensors never imports it (it takes 0.1 s and more)
+    if np is None:
+        return None
     try:
         tensor.check_header(datatype, shape)
     except tensor.TensorError:
