@@ -103,16 +103,21 @@ def to_array(value: dict[Any, Any]) -> Any:
 
 
 #: numpy dtype string -> datatype, for the arrays a sender or a model hands over.
-_BY_DTYPE: dict[str, str] = {code: name for name, code in DATATYPES.items()}
+DATATYPES_BY_DTYPE: dict[str, str] = {code: name for name, code in DATATYPES.items()}
 
 
 def from_array(array: Any) -> dict[str, Any]:
     """A numpy array as a tensor map; its bytes are copied only when they are
     not C-ordered little-endian already. TypeError for a dtype the protocol has not."""
     np = _numpy()
+    if type(array) is np.ndarray and array.flags.c_contiguous:  # the usual case, in short
+        datatype = DATATYPES_BY_DTYPE.get(array.dtype.str)
+        if datatype is not None:
+            data = memoryview(array.reshape(-1).view(np.uint8))
+            return {"datatype": datatype, "shape": list(array.shape), "data": data}
     array = np.asarray(array)
     dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
-    datatype = _BY_DTYPE.get(dtype.str)
+    datatype = DATATYPES_BY_DTYPE.get(dtype.str)
     if datatype is None:
         names = ", ".join(DATATYPES)
         raise TypeError(f"arrays of dtype {array.dtype} have no tensor datatype (one of {names})")

@@ -17,9 +17,11 @@ the worker has a GPU, the CPU otherwise. onnxruntime and numpy come with
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from batcher.signature import Signature, TensorSpec
+from workers import fastpath
 from workers.placement import threads_per_worker
 from workers.stacking import BadInput
 
@@ -78,6 +80,12 @@ class OnnxModel:
         import numpy as np
 
         out: list[Any] = [None] * len(inputs)
+        stacked = fastpath.stacked_of(inputs)
+        if stacked is not None and len(self.inputs) == 1 and not self.one_by_one:
+            # Rows of one array already (workers/fastpath.py): run it as it is, not stacked again.
+            name = self.inputs[0]
+            self._run_group(range(len(inputs)), [{name: x} for x in inputs], out, np, stacked)
+            return out
         groups: dict[tuple[Any, ...], list[int]] = {}
         feeds: list[dict[str, Any] | str] = []
         for i, x in enumerate(inputs):
@@ -89,28 +97,37 @@ class OnnxModel:
             else:
                 out[i] = BadInput(feed)
         for members in groups.values():
-            group = [feeds[i] for i in members]
-            try:
-                rows = self._run(group, np)
-            except Exception:  # onnxruntime's own types; a bad input fails the run: run each alone
-                for i, feed in zip(members, group, strict=True):
-                    try:
-                        (out[i],) = self._run([feed], np)
-                    except Exception as exc:  # onnxruntime raises its own unrelated types
-                        out[i] = exc
-                continue
-            for i, row in zip(members, rows, strict=True):
-                out[i] = row
+            self._run_group(members, [feeds[i] for i in members], out, np)
         return out
 
-    def _run(self, feeds: list[Any], np: Any) -> list[Any]:
-        """One session.run on `feeds` stacked; each request's row of the outputs."""
-        results = self.session.run(None, {n: np.stack([f[n] for f in feeds]) for n in self.inputs})
-        rows = []
-        for k in range(len(feeds)):
-            values = [r[k] for r in results]
-            rows.append(values[0] if len(values) == 1 else dict(zip(self.outputs, values, strict=True)))
-        return rows
+    def _run_group(
+        self, members: Sequence[int], group: list[Any], out: list[Any], np: Any, stacked: Any = None
+    ) -> None:
+        """Run a group's feeds in one session.run, each row to its place in `out`; when the
+        run fails, each feed alone, so a bad input fails only its own request."""
+        try:
+            rows = self._run(group, np, stacked)
+        except Exception:  # onnxruntime's own types; a bad input fails the run: run each alone
+            for i, feed in zip(members, group, strict=True):
+                try:
+                    (out[i],) = self._run([feed], np)
+                except Exception as exc:  # onnxruntime raises its own unrelated types
+                    out[i] = exc
+            return
+        for i, row in zip(members, rows, strict=True):
+            out[i] = row
+
+    def _run(self, feeds: list[Any], np: Any, stacked: Any = None) -> list[Any]:
+        """One session.run on `feeds` stacked (or on `stacked`, the one input's feeds
+        stacked already); each request's row of the outputs."""
+        if stacked is not None:
+            batch = {self.inputs[0]: stacked}
+        else:
+            batch = {n: np.stack([f[n] for f in feeds]) for n in self.inputs}
+        results = self.session.run(None, batch)
+        if len(results) == 1 and len(results[0]) == len(feeds):
+            return list(results[0])  # its rows, as views
+        return [dict(zip(self.outputs, [r[k] for r in results], strict=True)) for k in range(len(feeds))]
 
     def _feed(self, x: Any) -> dict[str, Any] | str:
         """A request's input as {input name: array}, or why it cannot be one. A model of

@@ -1,0 +1,192 @@
+"""The worker's batch path for the common tensor batch, done once per batch instead of
+once per request.
+
+A batch of a real model is most often n small requests, each one tensor of the same
+datatype and shape, and nothing else to decode. Decoding each with msgpack and turning
+each tensor into its own array, then stacking them, cost the worker more than a tenth
+of its time on the ONNX benchmark (docs/benchmarks.md, "Real models"). Here such a batch
+is read with one typed msgspec decoder per body (C speed, the tensor's bytes a view of
+the body), and the tensors' bytes are joined into one stacked array with one copy; the
+model gets the usual list of per-request arrays, each a row of that array, and a model
+that knows (workers/onnx_model.py) runs the stacked array itself instead of stacking again.
+
+Anything else takes the general path (workers/worker.py, `_decode_requests`) for the
+whole batch: a body this decoder refuses (a key it does not know, a value of another
+type, a map key that is not a str, invalid msgpack or UTF-8), a malformed tensor, two
+requests whose tensors differ in datatype or shape, a large body (64 KiB or more, which
+the general path reads in place without a copy), or a worker without numpy. So every
+request decoded here is one the general path would have decoded to the same input.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+from batcher import tensor
+from batcher.protocol import ZERO_COPY_BYTES
+
+
+def _numpy() -> Any:
+    """numpy, or None where it is not installed (a worker of non-tensor models needs none).
+    Imported on first use: the broker and the CLI import the worker, and never numpy."""
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
+class Rows(list[Any]):
+    """The inputs of a batch as the model gets them (a plain list to any model), every one
+    a row of `stacked`, in order: a model that runs stacked arrays may use it as it is."""
+
+    def __init__(self, stacked: Any) -> None:
+        super().__init__(stacked)  # iterating an array gives its rows, as views
+        self.stacked = stacked
+
+
+class _Tensor(msgspec.Struct, forbid_unknown_fields=True):
+    """A tensor map; `data` a view of the body, not a copy."""
+
+    datatype: str
+    shape: list[int]
+    data: memoryview
+
+
+class _Request(msgspec.Struct, forbid_unknown_fields=True):
+    """A request body of exactly the fields a client and the broker use (4.2), its input
+    one tensor; int | float for the numbers, as msgpack gives either."""
+
+    input: _Tensor
+    id: int | str | None = None
+    model: str | None = None
+    op: str = "infer"
+    timeout_ms: int | float | None = None
+    priority: int | float = 0
+    cost: int | float = 1.0
+
+
+_read_request = msgspec.msgpack.Decoder(_Request).decode
+
+
+def decode_uniform(bodies: list[Any]) -> tuple[list[dict[str, Any]], Rows] | None:
+    """(the requests, each as {"id": ..., "input": its row}, and the inputs as Rows) when
+    every body is a small request whose input is one valid tensor, all of one datatype
+    and shape; None otherwise: then the general path decodes the batch."""
+    if not bodies:
+        return None
+    ids: list[Any] = []
+    datas: list[memoryview] = []
+    datatype: str | None = None
+    shape: list[int] | None = None
+    try:
+        for body in bodies:
+            if len(body) >= ZERO_COPY_BYTES:
+                return None
+            request = _read_request(body)
+            t = request.input
+            if datatype is None:
+                datatype, shape = t.datatype, t.shape
+            elif t.datatype != datatype or t.shape != shape:
+                return None
+            ids.append(request.id)
+            datas.append(t.data)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    assert datatype is not None and shape is not None
+    np = _numpy()  # only now: a batch without tensors never imports it (it takes 0.1 s and more)
+    if np is None:
+        return None
+    try:
+        tensor.check_header(datatype, shape)
+    except tensor.TensorError:
+        return None
+    itemsize = tensor.ITEM_BYTES[datatype]
+    expected = math.prod(shape) * itemsize
+    if any(len(d) != expected for d in datas):
+        return None
+    joined = b"".join(datas)  # the one copy: as msgpack's decode would copy each body's bin
+    try:
+        stacked = np.frombuffer(joined, dtype=tensor.DATATYPES[datatype]).reshape(len(datas), *shape)
+    except ValueError:  # numpy refused the shape
+        return None
+    rows = Rows(stacked)
+    return [{"id": i, "input": row} for i, row in zip(ids, rows, strict=True)], rows
+
+
+def stacked_of(inputs: list[Any]) -> Any:
+    """The stacked array whose rows `inputs` are (decode_uniform's), or None."""
+    stacked = getattr(inputs, "stacked", None)
+    if isinstance(inputs, Rows) and stacked is not None and len(stacked) == len(inputs):
+        return stacked
+    return None
+
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def _bin_header(size: int) -> bytes:
+    """msgpack's bin header for `size` bytes (bin 8, 16 or 32), as any encoder writes it."""
+    if size < 1 << 8:
+        return b"\xc4" + size.to_bytes(1, "big")
+    if size < 1 << 16:
+        return b"\xc5" + size.to_bytes(2, "big")
+    return b"\xc6" + size.to_bytes(4, "big")
+
+
+class ReplyEncoder:
+    """The success replies of one batch whose outputs are arrays, each written as the
+    bytes `protocol.ok_reply(req_id, output, meta)` gives, meta being `reply_meta`'s:
+    every part that is the same for the whole batch (the keys, the batch's metadata, an
+    output tensor's header per datatype and shape) is encoded once, and a reply is those
+    parts joined around its id, its output's bytes and its queue_ms. docs/protocol.md 4.3
+    has the reply's form."""
+
+    def __init__(self, n: int, worker: str, wait_ms: float | None, infer_ms: float) -> None:
+        keys = 3 + len(reply_meta(n, worker, None, wait_ms, infer_ms))
+        self._head = bytes([0x80 | keys]) + _encode("id")  # a fixmap: at most 15 keys
+        self._after_id = _encode("ok") + _encode(True) + _encode("output")
+        self._before_queue = _encode("batch_size") + _encode(n) + _encode("worker") + _encode(worker)
+        self._before_queue += _encode("queue_ms")
+        tail = {"worker_wait_ms": wait_ms} if wait_ms is not None else {}
+        tail["infer_ms"] = infer_ms
+        self._tail = b"".join(_encode(k) + _encode(v) for k, v in tail.items())
+        self._tensor_heads: dict[tuple[str, tuple[int, ...]], bytes] = {}
+
+    def encode(self, req_id: int | str | None, output: Any, queue_ms: float | None) -> bytes | None:
+        """The reply's bytes, or None when `output` is not a C-ordered array of a
+        protocol datatype (then `protocol.ok_reply` encodes it, or says why it cannot)."""
+        if type(output).__module__ != "numpy" or (np := _numpy()) is None:
+            return None
+        if type(output) is not np.ndarray or not output.flags.c_contiguous:
+            return None
+        key = (output.dtype.str, output.shape)
+        head = self._tensor_heads.get(key)
+        if head is None:
+            datatype = tensor.DATATYPES_BY_DTYPE.get(key[0])
+            if datatype is None:
+                return None
+            head = b"\x83" + _encode("datatype") + _encode(datatype) + _encode("shape")
+            head += _encode(list(output.shape)) + _encode("data") + _bin_header(output.nbytes)
+            self._tensor_heads[key] = head
+        try:
+            id_bytes, queue_bytes = _encode(req_id), _encode(queue_ms)
+        except (TypeError, ValueError, OverflowError):  # not the protocol's id or number
+            return None
+        parts = (self._head, id_bytes, self._after_id, head, output.data, self._before_queue, queue_bytes)
+        return b"".join((*parts, self._tail))
+
+
+def reply_meta(
+    n: int, worker: str, queue_ms: float | None, wait_ms: float | None, infer_ms: float
+) -> dict[str, Any]:
+    """The metadata keys of a success reply from the reference worker (docs/protocol.md
+    4.3), in their order: ReplyEncoder writes the same."""
+    meta: dict[str, Any] = {"batch_size": n, "worker": worker, "queue_ms": queue_ms}
+    if wait_ms is not None:
+        meta["worker_wait_ms"] = wait_ms
+    meta["infer_ms"] = infer_ms
+    return meta
