@@ -54,8 +54,9 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
     Use it from one event loop. `timeout_s` bounds the wait for each reply (None: wait
     forever); with `retries`, a request that got no reply in time is sent again (only
     for idempotent models: the first attempt may still run; a second reply is dropped).
-    Cancelling a coroutine that awaits `request` asks the broker to drop the request
-    if it is still queued.
+    Cancelling a coroutine that awaits `request`, or its timing out, asks the broker to
+    drop the request if it is still queued. `immediate` (open_dealer) queues nothing
+    while the broker is not connected.
     """
 
     def __init__(
@@ -66,13 +67,16 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         context: zmq.asyncio.Context | None = None,
         curve_server_key: str | None = None,
         curve_secret_key: str | None = None,
+        immediate: bool = False,
     ) -> None:
         super().__init__(address, timeout_s, retries)
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket
-        self._sock, self.watch = open_dealer(self._ctx, address, curve_server_key, curve_secret_key)
+        self._sock, self.watch = open_dealer(
+            self._ctx, address, curve_server_key, curve_secret_key, immediate
+        )
         self._reader: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -165,6 +169,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = fut
         attempts = 0
+        sent = False
         try:
             while True:
                 attempts += 1
@@ -173,27 +178,35 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
                     # socket whose handshake was refused (libzmq gives such a one up).
                     async with asyncio.timeout(wait_s):
                         await self._sock.send_multipart([b"", body], copy=len(body) < ZERO_COPY_BYTES)
+                        sent = True
                         if on_sent is not None:
                             on_sent()
                         # shield: a timed-out wait must leave the future for a retry's reply
                         return await asyncio.shield(fut)
                 except TimeoutError:
                     if not self._retry_allowed(attempts):
+                        if sent:
+                            self._send_cancel(fut, request_id, fields)
                         raise ClientTimeout(
                             self._timeout_message(attempts), reply={"id": request_id}
                         ) from None
         except asyncio.CancelledError:
-            if not fut.done() and not self._closed and "op" not in fields:
-                # Best effort, without awaiting: drop it from the broker's queue.
-                with contextlib.suppress(zmq.ZMQError):
-                    sent = asyncio.ensure_future(self._sock.send_multipart([b"", cancel_body(request_id)]))
-                    sent.add_done_callback(_ignore_result)
+            self._send_cancel(fut, request_id, fields)
             raise
         finally:
             if self._pending.get(request_id) is fut:
                 del self._pending[request_id]
             if not fut.done():
                 fut.cancel()
+
+    def _send_cancel(
+        self, fut: asyncio.Future[dict[str, Any]], request_id: int, fields: dict[str, Any]
+    ) -> None:
+        """Best effort, without awaiting: drop an unanswered request from the broker's queue."""
+        if not fut.done() and not self._closed and "op" not in fields:
+            with contextlib.suppress(zmq.ZMQError):
+                sent = asyncio.ensure_future(self._sock.send_multipart([b"", cancel_body(request_id)]))
+                sent.add_done_callback(_ignore_result)
 
     def submit(
         self,

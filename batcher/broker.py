@@ -44,6 +44,9 @@ log = logging.getLogger("batcher.broker")
 MAX_FRAMES = 32
 #: Replies queued for one client (or batches for one worker) before sends fail.
 REPLY_HWM = 100_000
+#: How long a closing broker lets its last replies leave (a client that is gone or not
+#: reading costs at most this much at exit).
+FLUSH_LINGER_MS = 1000
 
 
 @dataclass(frozen=True)
@@ -227,7 +230,10 @@ class Broker:
             self._auth.stop()
         if self._handshakes is not None:
             self._handshakes.close()
-        self.frontend.close(0)
+        # The last replies of a drain may still be in the frontend's queue: give them
+        # FLUSH_LINGER_MS to leave (libzmq drops them at close with linger 0), unless a
+        # second signal asked for an exit at once.
+        self.frontend.close(0 if self.signals.count > 1 else FLUSH_LINGER_MS)
         self.backend.close(0)
         self.signals.close()
         if self._own_context:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast
 
 import click
+import zmq
 from click.core import ParameterSource
 
 from batcher import tensor
@@ -950,6 +951,8 @@ def gateway(
         ) from None
     try:
         run(settings)
+    except zmq.ZMQError as exc:
+        raise click.ClickException(f"the gateway cannot connect to {connect}: {exc}") from None
     except OSError as exc:
         raise click.ClickException(f"the gateway cannot listen: {exc}") from None
 

@@ -201,6 +201,20 @@ def test_a_model_that_fails_one_row_of_a_uniform_batch_fails_only_it(monkeypatch
     assert [r["ok"] for r in replies] == [True, True, False, True] and errors == 1
 
 
+@pytest.mark.parametrize("shape", [(), (1,), (2, 3)])
+def test_tensors_of_any_rank_come_back_as_tensors_of_that_rank(
+    monkeypatch: pytest.MonkeyPatch, shape: Any
+) -> None:
+    """An echo of 0-d tensors gives 0-d tensors back, not plain numbers (a row of a
+    stacked 1-d array is a numpy scalar when iterated; the model must get a 0-d array)."""
+    xs = rows(3, shape)
+    fast, slow = both_ways(monkeypatch, lambda inputs: list(inputs), [body(i, x) for i, x in enumerate(xs)])
+    assert fast == slow
+    _, _, lengths, *_ = protocol.unpack(fast[2])
+    outputs = [protocol.unpack(r)["output"] for r in protocol.split_bodies(lengths, fast[3:])]
+    assert all(tensor.is_tensor(o) and o["shape"] == list(shape) for o in outputs)
+
+
 def test_a_plain_model_gets_a_list_of_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[Any] = []
 

@@ -378,7 +378,10 @@ def test_shutting_down_is_unavailable(spawn: Callable[..., Any]) -> None:
 
     def slow_request() -> None:
         body = {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["slow"]}]}
-        results["slow"] = post_json(http_port, "/v2/models/probe/infer", body)
+        try:
+            results["slow"] = post_json(http_port, "/v2/models/probe/infer", body)
+        except Exception as exc:  # shown by the assertion below
+            results["slow"] = (repr(exc), None)
 
     thread = threading.Thread(target=slow_request)
     thread.start()
@@ -396,7 +399,114 @@ def test_shutting_down_is_unavailable(spawn: Callable[..., Any]) -> None:
     finally:
         thread.join(30)
     status, doc = results["slow"]
-    assert status == 200 and doc["outputs"][0]["data"] == ["slow"]
+    assert status == 200 and doc["outputs"][0]["data"] == ["slow"], results
+
+
+def test_rows_answered_504_never_run_later(spawn: Callable[..., Any]) -> None:
+    """A broker paused (SIGSTOP) past the gateway's --request-timeout-ms: every client
+    gets 504 / DEADLINE_EXCEEDED in time, and once the broker resumes none of those
+    rows runs (the gateway cancelled them; each carried its deadline too)."""
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    http_port, grpc_port = free_port(), free_port()
+    broker = spawn("broker", "--frontend", frontend, "--backend", backend, "--model", "probe")
+    spawn("worker", "--connect", backend, "--model", PROBE)
+    spawn(
+        "gateway", "--connect", frontend, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+        "--request-timeout-ms", "1000",
+    )  # fmt: skip
+    wait_gateway(http_port)
+    wait_until(lambda: http_status(http_port, "/v2/health/ready") == 200, 20, "ready")
+    os.kill(broker.pid, signal.SIGSTOP)
+    try:
+        results: list[Any] = []
+
+        def call(i: int) -> None:
+            body = {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [2], "data": [f"a{i}", f"b{i}"]}]}
+            results.append(post_json(http_port, "/v2/models/probe/infer", body))
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        client = tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        one = np.array([b"g"], dtype=np.object_)
+        err = http_error(lambda: client.infer("probe", [grpc_input("x", one, "BYTES")]))
+        client.close()
+        for t in threads:
+            t.join(30)
+    finally:
+        os.kill(broker.pid, signal.SIGCONT)
+    assert err.status() == "StatusCode.DEADLINE_EXCEEDED"
+    assert [status for status, _ in results] == [504, 504, 504]
+    wait_until(lambda: stats(frontend, "probe").get("queued") == 0, 10, "the queue empty")
+    outcomes = stats(frontend, "probe")["outcomes"]
+    assert outcomes.get("ok", 0) == 0, outcomes  # not one of the 7 rows ran
+    assert sum(outcomes.values()) == 7, outcomes
+
+
+def test_draining_serve_is_not_ready_and_finishes_what_it_holds(gateway: Callable[..., Gateway]) -> None:
+    """SIGTERM to serve: readiness turns 503 at once (load balancers stop sending), new
+    requests get 503, and the request in a batch is still answered 200."""
+    gw = gateway("--model", PROBE, "--workers", "1", workers=1)
+    results: dict[str, Any] = {}
+
+    def slow_request() -> None:
+        body = {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["slow"]}]}
+        try:
+            results["slow"] = post_json(gw.http_port, "/v2/models/probe/infer", body)
+        except Exception as exc:  # shown by the assertion below
+            results["slow"] = (repr(exc), None)
+
+    thread = threading.Thread(target=slow_request)
+    thread.start()
+    try:
+        wait_until(lambda: stats(gw.serve.frontend, "probe").get("busy_workers") == 1, 10, "busy")
+        assert gw.serve.process is not None
+        os.kill(gw.serve.process.pid, signal.SIGTERM)
+        wait_until(
+            lambda: http_status(gw.http_port, "/v2/health/ready") == 503, 5, "not ready while draining"
+        )
+        assert "slow" not in results  # still in its batch
+    finally:
+        thread.join(30)
+    status, doc = results["slow"]
+    assert status == 200 and doc["outputs"][0]["data"] == ["slow"], results
+
+
+def test_http_errors_of_every_kind_are_v2_error_bodies(gateway: Callable[..., Gateway]) -> None:
+    """No such route, a method not allowed, JSON over its limit: `{"error": ...}` with the
+    right status, as tritonclient reads it; a gRPC request mixing raw and typed contents,
+    or naming no model, is INVALID_ARGUMENT."""
+    gw = gateway("--model", "echo", "--workers", "1", workers=1)
+    for path, method, status in (("/v2/nothing", "GET", 404), ("/v2/models/echo/infer", "GET", 405)):
+        request = urllib.request.Request(f"http://127.0.0.1:{gw.http_port}{path}", method=method)
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=10)
+        assert info.value.code == status and "error" in json.loads(info.value.read())
+    huge = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [0] * (9 * 2**20)}]}
+    status, doc = post_json(gw.http_port, "/v2/models/echo/infer", huge)
+    assert status == 413 and "binary data" in doc["error"]
+    import grpc
+
+    from batcher.gateway import inference_pb2 as pb
+    from batcher.gateway import inference_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{gw.grpc_port}") as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        tensor = pb.ModelInferRequest.InferInputTensor(
+            name="x", datatype="FP32", shape=[1], contents=pb.InferTensorContents(fp32_contents=[1.0])
+        )
+        for request, words in (
+            (
+                pb.ModelInferRequest(model_name="echo", inputs=[tensor], raw_input_contents=[b"\0" * 4]),
+                "one or",
+            ),
+            (pb.ModelInferRequest(model_name="", inputs=[tensor]), "model_name"),
+        ):
+            with pytest.raises(grpc.RpcError) as rpc:
+                stub.ModelInfer(request, timeout=10)
+            assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in rpc.value.details()
+        reply = stub.ModelInfer(pb.ModelInferRequest(model_name="echo", inputs=[tensor]), timeout=10)
+        assert reply.raw_output_contents == [np.float32(1.0).tobytes()]
 
 
 # --- cancellation -------------------------------------------------------------------------------
@@ -500,6 +610,29 @@ def test_serve_stops_when_its_gateway_cannot_listen(tmp_path: Path) -> None:
             sp.stop()
     assert sp.process.returncode == 1
     assert b"cannot listen" in err and b"gateway process exited" in err
+
+
+def test_gateway_says_why_it_cannot_start(spawn: Callable[..., Any], tmp_path: Path) -> None:
+    """A gRPC port in use, or a --connect that is no address: one line, exit 1, no traceback."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for args, words in (
+            (["--grpc-port", str(port)], "cannot listen for gRPC"),
+            (["--connect", "nonsense", "--http-port", str(free_port())], "cannot connect to nonsense"),
+        ):
+            result = subprocess.run(
+                ["python", "-m", "batcher", "gateway", *args],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                cwd=ROOT,
+            )
+            assert result.returncode == 1 and words in result.stderr, result.stderr
+            assert "Traceback" not in result.stderr
 
 
 def test_gateway_refuses_to_serve_nothing() -> None:

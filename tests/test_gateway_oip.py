@@ -993,3 +993,97 @@ def test_other_errors_have_their_status_and_no_retry_after(code: str, status: in
 def test_oip_error_carries_its_code_and_message() -> None:
     err = oip.bad_request("input 'x': nope")
     assert isinstance(err, OipError) and err.code == "bad_request" and str(err) == "input 'x': nope"
+
+
+# --- limits and odd values found by attacking the gateway ---------------------------------------
+
+
+def test_bytes_elements_past_the_shape_are_refused_before_the_rest_is_read() -> None:
+    """A BYTES input's elements are counted against its shape as they are read: a body
+    of millions of elements for a shape of one is refused at the second."""
+    raw = b"\x01\x00\x00\x00a" * 100_000
+    with refused(r"input 'x': more than the 1 BYTES elements its shape holds"):
+        oip.raw_input("x", "BYTES", [1, 1], raw)
+    with refused(r"input 'x': more than the 2 BYTES elements"):
+        oip.split_bytes_elements("x", raw, 2)
+
+
+@pytest.mark.parametrize("datatype", [["FP32"], {"a": 1}, 3, None])
+def test_a_datatype_that_is_no_string_is_a_bad_request(datatype: Any) -> None:
+    with refused(r"input 'x': unknown datatype"):
+        oip.json_input("x", datatype, [1], [1])
+
+
+def test_a_model_giving_an_empty_map_is_a_model_error() -> None:
+    with refused(r"the model gave no outputs", ErrorCode.MODEL_ERROR):
+        oip.join_outputs([{}, {}], None)
+
+
+@pytest.mark.parametrize("header", ["\u00b2", "\u0661\u0660\u0663", "\uff11\uff10"])
+def test_a_header_length_in_other_digits_is_refused(header: str) -> None:
+    with refused(r"Inference-Header-Content-Length must be an integer"):
+        http_api.parse_infer("m", "", b"{}", header)
+
+
+def test_json_over_its_limit_is_too_large_with_a_hint() -> None:
+    body = b" " * (http_api.MAX_JSON_BYTES + 1)
+    with refused(r"over 16777216: send large tensors as binary data", ErrorCode.TOO_LARGE):
+        http_api.parse_infer("m", "", body, None)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_outputs_go_binary_even_when_json_was_asked(value: float) -> None:
+    """JSON has no NaN or infinity: such an output goes as binary data, exactly."""
+    raw = np.array([1.5, value], dtype="<f4").tobytes()
+    out = OutputTensor("y", "FP32", (1, 2), raw)
+    response = http_api.infer_response(InferRequest("m", []), [out], False, {})
+    head_len = int(response.headers[http_api.HEADER_LENGTH])
+    assert response.body is not None
+    head = json.loads(bytes(response.body[:head_len]))
+    assert head["outputs"][0]["parameters"] == {"binary_data_size": 8}
+    assert bytes(response.body[head_len:]) == raw
+
+
+def test_output_size_counts_bytes_and_length_prefixes() -> None:
+    assert oip.output_size(OutputTensor("y", "FP32", (1, 2), b"\x00" * 8)) == 8
+    assert oip.output_size(OutputTensor("y", "BYTES", (2,), [b"ab", b""])) == 4 + 2 + 4
+
+
+def test_many_rows_are_joined_in_linear_time_and_a_failed_row_cancels_the_rest() -> None:
+    """4096 rows' replies arriving in any order are returned in row order; the first
+    error reply raises at once and cancels the rows still waiting."""
+    import asyncio
+    import random
+
+    from batcher.gateway.core import _all_or_first_error
+
+    async def run(rows: int, fail_at: int | None) -> tuple[Any, list[asyncio.Future[dict[str, Any]]]]:
+        loop = asyncio.get_running_loop()
+        futs: list[asyncio.Future[dict[str, Any]]] = [loop.create_future() for _ in range(rows)]
+        order = list(range(rows))
+        random.Random(3).shuffle(order)
+
+        async def answer() -> None:
+            for n, i in enumerate(order):
+                if n == fail_at:
+                    futs[i].set_result(
+                        {"id": i, "ok": False, "error": {"code": "model_error", "message": "x"}}
+                    )
+                    return
+                futs[i].set_result({"id": i, "ok": True, "output": i})
+                if n % 64 == 0:
+                    await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(answer())
+        try:
+            result: Any = await _all_or_first_error(futs)
+        except OipError as exc:
+            result = exc
+        await task
+        return result, futs
+
+    replies, _ = asyncio.run(run(oip.MAX_ROWS, None))
+    assert [r["output"] for r in replies] == list(range(oip.MAX_ROWS))
+    error, futs = asyncio.run(run(1000, 500))
+    assert isinstance(error, OipError) and error.code == "model_error"
+    assert sum(f.cancelled() for f in futs) == 499

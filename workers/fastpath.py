@@ -44,7 +44,9 @@ class Rows(list[Any]):
     a row of `stacked`, in order: a model that runs stacked arrays may use it as it is."""
 
     def __init__(self, stacked: Any) -> None:
-        super().__init__(stacked)  # iterating an array gives its rows, as views
+        # stacked[i, ...] is a view of row i, a 0-d array for 0-d tensors (iterating the
+        # array would give numpy scalars, which go back as plain numbers, not tensors)
+        super().__init__(stacked[i, ...] for i in range(len(stacked)))
         self.stacked = stacked
 
 

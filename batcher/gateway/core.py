@@ -41,6 +41,8 @@ class GatewaySettings:
     request_timeout_ms: float = 30_000.0
     #: How long a health or metadata question waits for the broker.
     probe_timeout_ms: float = 2_000.0
+    #: The most bytes of outputs one response may hold (HTTP body, gRPC message).
+    max_response_bytes: int = 256 * 1024 * 1024
     curve_server_key: str | None = None
     curve_secret_key: str | None = None
 
@@ -83,6 +85,7 @@ class Gateway:
             timeout_s=settings.request_timeout_ms / 1000.0,
             curve_server_key=settings.curve_server_key,
             curve_secret_key=settings.curve_secret_key,
+            immediate=True,  # a request given up on (504) is never delivered to a broker back later
         )
 
     async def close(self) -> None:
@@ -106,6 +109,8 @@ class Gateway:
         try:
             stats = await self._control("stats")
         except oip.OipError:
+            return False
+        if stats.get("stopping"):  # draining: it refuses new requests
             return False
         models = (stats.get("models") or {}).values()
         configured = [m for m in models if m.get("configured")]
@@ -137,21 +142,23 @@ class Gateway:
     # --- inference --------------------------------------------------------------------------
 
     async def infer(self, request: oip.InferRequest) -> list[oip.OutputTensor]:
-        """The request's rows through the broker, joined; OipError for any failure."""
+        """The request's rows through the broker, joined; OipError for any failure.
+
+        Every row carries a deadline (the request's timeout, else the gateway's
+        --request-timeout-ms), so the broker drops rows whose client was answered 504."""
         check_version(request.model, request.version)
         rows = oip.row_inputs(request.inputs)
+        timeout_ms = request.timeout_ms or self.settings.request_timeout_ms
         try:
             if len(rows) == 1:  # the common case: no task of its own
                 replies = [
-                    await self.link.request_reply(
-                        rows[0], request.model, request.timeout_ms, request.priority
-                    )
+                    await self.link.request_reply(rows[0], request.model, timeout_ms, request.priority)
                 ]
                 _raise_if_error(replies[0])
             else:
                 calls = [
                     asyncio.ensure_future(
-                        self.link.request_reply(row, request.model, request.timeout_ms, request.priority)
+                        self.link.request_reply(row, request.model, timeout_ms, request.priority)
                     )
                     for row in rows
                 ]
@@ -160,7 +167,13 @@ class Gateway:
             raise oip.OipError(exc.code, str(exc)) from None
         values = [r.get("output") for r in replies]
         names = None if oip.named_outputs(values[0]) else await self._names_of(request.model)
-        return oip.select_outputs(oip.join_outputs(values, names), request.outputs)
+        outputs = oip.select_outputs(oip.join_outputs(values, names), request.outputs)
+        size, limit = sum(oip.output_size(o) for o in outputs), self.settings.max_response_bytes
+        if size > limit:
+            raise oip.OipError(
+                ErrorCode.TOO_LARGE, f"the outputs hold {size} bytes, over the gateway's {limit}"
+            )
+        return outputs
 
     async def _names_of(self, model: str) -> list[str] | None:
         """A model's output names from its signature, asked at most once a second."""
@@ -195,15 +208,34 @@ def _raise_if_error(reply: dict[str, Any]) -> None:
 
 
 async def _all_or_first_error(calls: Sequence[asyncio.Future[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Every row's reply in order; on the first error reply, the rows still waiting are
-    cancelled (the broker drops those still queued) and that error is raised. If the
-    caller is cancelled (its client went away), so is every row."""
-    try:
-        pending = set(calls)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
+    """Every row's reply in order; on the first error (reply or exception), the rows
+    still waiting are cancelled (the broker drops those still queued) and it is raised.
+    If the caller is cancelled (its client went away), so is every row. O(rows): one
+    callback per row, no wait over the pending set."""
+    finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    remaining = len(calls)
+
+    def on_done(fut: asyncio.Future[dict[str, Any]]) -> None:
+        nonlocal remaining
+        if finished.done() or fut.cancelled():
+            return
+        try:
+            exc = fut.exception()
+            if exc is None:
                 _raise_if_error(fut.result())
+            else:
+                raise exc
+        except Exception as error:
+            finished.set_exception(error)
+            return
+        remaining -= 1
+        if remaining == 0:
+            finished.set_result(None)
+
+    for fut in calls:
+        fut.add_done_callback(on_done)
+    try:
+        await finished
         return [fut.result() for fut in calls]
     finally:
         for fut in calls:

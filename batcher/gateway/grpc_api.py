@@ -101,6 +101,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
 def parse_infer(request: Any, time_remaining_s: float | None) -> oip.InferRequest:
     """The v2 request in batcher's terms; the call's deadline caps the timeout."""
+    if not request.model_name:
+        raise oip.bad_request("model_name is required")
     params = parameters(request.parameters)
     timeout_ms = oip.timeout_ms_of(params)
     if time_remaining_s is not None:
@@ -130,6 +132,8 @@ def inputs_of(request: Any) -> list[oip.InputTensor]:
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise oip.bad_request(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs")
+    if raw and any(t.HasField("contents") for t in request.inputs):
+        raise oip.bad_request("an input has contents while raw_input_contents is used: send one or the other")
     inputs = []
     for i, t in enumerate(request.inputs):
         if raw:

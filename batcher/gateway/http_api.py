@@ -7,7 +7,9 @@ at the broker.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 from typing import Any
 
 import msgspec
@@ -19,13 +21,18 @@ from batcher.protocol import ErrorCode
 
 log = logging.getLogger("batcher.gateway")
 HEADER_LENGTH = "Inference-Header-Content-Length"
+#: The most JSON one request may hold (the whole body, or the header before binary
+#: data): decoding JSON takes many times its size in memory; large tensors go binary.
+MAX_JSON_BYTES = 16 * 1024 * 1024
+#: How long a client may take to send its body (a stalled upload is answered 408).
+BODY_TIMEOUT_S = 30.0
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
 
 
 def make_app(gateway: Gateway, max_body_bytes: int) -> web.Application:
     """The aiohttp application of the v2 endpoints over `gateway`."""
-    app = web.Application(client_max_size=max_body_bytes)
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
     api = HttpApi(gateway)
     app.router.add_get("/v2/health/live", api.live)
     app.router.add_get("/v2/health/ready", api.ready)
@@ -35,6 +42,25 @@ def make_app(gateway: Gateway, max_body_bytes: int) -> web.Application:
         app.router.add_get(base + "/ready", api.model_ready)
         app.router.add_post(base + "/infer", api.infer)
     return app
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own errors (no such route, a method not allowed, a body too large) as
+    v2 error bodies, so every client reads `{"error": ...}`."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After")}
+        return web.Response(
+            status=exc.status,
+            body=_json_encode({"error": exc.text or exc.reason}),
+            content_type="application/json",
+            headers=headers,
+        )
 
 
 def error_response(code: str, message: str) -> web.Response:
@@ -85,7 +111,7 @@ class HttpApi:
 
     async def infer(self, request: web.Request) -> web.Response:
         try:
-            body = await request.read()
+            body = await read_body(request)
             infer, binary_default, binary_outputs = parse_infer(
                 request.match_info["model"],
                 request.match_info.get("version", ""),
@@ -101,6 +127,21 @@ class HttpApi:
             return error_response(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
+async def read_body(request: web.Request) -> bytes:
+    """The request's body; too large (413), stalled (408) or undecodable (400) as OipError."""
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            return await request.read()
+    except TimeoutError:
+        raise oip.OipError(
+            "request_timeout", f"the body did not arrive within {BODY_TIMEOUT_S:g} s"
+        ) from None
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise oip.OipError(ErrorCode.TOO_LARGE, exc.text or "the body is too large") from None
+    except web.RequestPayloadError as exc:
+        raise oip.bad_request(f"the body cannot be read: {exc}") from None
+
+
 def parse_infer(
     model: str, version: str, body: bytes, header_length: str | None
 ) -> tuple[oip.InferRequest, bool, dict[str, bool]]:
@@ -108,7 +149,7 @@ def parse_infer(
     own binary_data choice."""
     view = memoryview(body)
     if header_length is not None:
-        if not header_length.isdigit():
+        if not (header_length.isascii() and header_length.isdigit()):
             raise oip.bad_request(f"{HEADER_LENGTH} must be an integer, got {header_length!r}")
         size = int(header_length)
         if not 0 <= size <= len(body):
@@ -116,6 +157,12 @@ def parse_infer(
         head, binary = view[:size], view[size:]
     else:
         head, binary = view, view[len(view) :]
+    if len(head) > MAX_JSON_BYTES:
+        raise oip.OipError(
+            ErrorCode.TOO_LARGE,
+            f"{len(head)} bytes of JSON, over {MAX_JSON_BYTES}: send large tensors as binary data "
+            f"({HEADER_LENGTH})",
+        )
     try:
         doc = _json_decode(head)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
@@ -209,6 +256,8 @@ def infer_response(
                 values = oip.output_values(out)
             except UnicodeDecodeError:
                 values = None  # BYTES that are not text go as binary data
+            if values and out.datatype.startswith("FP") and not all(map(math.isfinite, values)):
+                values = None  # NaN and infinities, which JSON cannot hold, too
         if values is None:
             raw = oip.output_raw(out)
             entry["parameters"] = {"binary_data_size": len(raw)}

@@ -27,8 +27,9 @@ MODEL_VERSION = "1"
 #: The datatypes a v2 tensor may have here: batcher's tensor types and BYTES.
 BYTES = "BYTES"
 DATATYPES = frozenset(tensor.DATATYPES) | {BYTES}
-#: Most rows in one request: each row is a request of the broker's (docs/gateway.md).
-MAX_ROWS = 65_536
+#: Most rows in one request: each row is a request of the broker's, queued at once
+#: (docs/gateway.md); a model's --max-queue bounds them too.
+MAX_ROWS = 4096
 #: Most BYTES cells (elements, or places of a 0-sized axis) in one input: each is a
 #: Python object in the gateway, and a BYTES element takes 4 bytes or more on the wire.
 MAX_BYTES_CELLS = 2**24
@@ -109,7 +110,7 @@ def _check_cells(name: str, shape: tuple[int, ...]) -> None:
 
 
 def check_datatype(name: str, datatype: object) -> str:
-    if datatype not in DATATYPES:
+    if not isinstance(datatype, str) or datatype not in DATATYPES:
         raise bad_request(f"input '{name}': unknown datatype {datatype!r}; one of {sorted(DATATYPES)}")
     return str(datatype)
 
@@ -125,7 +126,7 @@ def raw_input(name: str, datatype: object, shape: Sequence[Any], raw: bytes | me
     count = elements(dims)
     if dtype == BYTES:
         _check_cells(name, dims)
-        items = split_bytes_elements(name, raw)
+        items = split_bytes_elements(name, raw, count)
         if len(items) != count:
             raise bad_request(
                 f"input '{name}': {len(items)} BYTES elements, but shape {list(dims)} needs {count}"
@@ -206,12 +207,15 @@ def _is_number(v: object) -> bool:
     return type(v) is int or type(v) is float
 
 
-def split_bytes_elements(name: str, raw: bytes | memoryview) -> list[bytes]:
-    """BYTES elements from their wire form: each a 4-byte little-endian length, then it."""
+def split_bytes_elements(name: str, raw: bytes | memoryview, most: int | None = None) -> list[bytes]:
+    """BYTES elements from their wire form: each a 4-byte little-endian length, then it.
+    More than `most` elements is bad_request at once, before the rest is read."""
     view = memoryview(raw).cast("B")
     items: list[bytes] = []
     at = 0
     while at < len(view):
+        if most is not None and len(items) == most:
+            raise bad_request(f"input '{name}': more than the {most} BYTES elements its shape holds")
         if at + 4 > len(view):
             raise bad_request(f"input '{name}': BYTES data ends inside an element's length")
         (size,) = struct.unpack_from("<I", view, at)
@@ -297,6 +301,8 @@ def join_outputs(outputs: Sequence[Any], output_names: Sequence[str] | None) -> 
     `output`. Rows that differ in names, datatype or shape are a model_error."""
     first = outputs[0]
     if named_outputs(first):
+        if not first:
+            raise OipError(ErrorCode.MODEL_ERROR, "the model gave no outputs (an empty map)")
         names = list(first)
         for row in outputs:
             if not isinstance(row, dict) or row.keys() != first.keys():
@@ -401,6 +407,13 @@ def select_outputs(outputs: list[OutputTensor], wanted: Sequence[str] | None) ->
     return [by_name[n] for n in wanted]
 
 
+def output_size(out: OutputTensor) -> int:
+    """The bytes an output takes as raw data (BYTES: with its length prefixes)."""
+    if isinstance(out.data, list):  # BYTES
+        return sum(4 + len(x) for x in out.data)
+    return memoryview(out.data).nbytes
+
+
 def output_raw(out: OutputTensor) -> bytes | memoryview:
     """An output's raw bytes (binary data, raw_output_contents)."""
     if out.datatype == BYTES:
@@ -460,6 +473,7 @@ HTTP_STATUS: dict[str, int] = {
     ErrorCode.INTERNAL: 500,
     ErrorCode.CANCELLED: 499,
     "timeout": 504,  # the gateway's own wait for the broker ran out
+    "request_timeout": 408,  # the client's body did not arrive in time
     "closed": 503,  # the gateway is closing its connection to the broker
 }
 

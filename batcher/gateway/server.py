@@ -91,8 +91,13 @@ async def _start_grpc(gateway: Gateway, settings: GatewaySettings) -> grpc.aio.S
         ]
     )
     add_service(server, gateway)
-    if server.add_insecure_port(f"{settings.host}:{settings.grpc_port}") == 0:
-        raise OSError(f"cannot listen for gRPC on {settings.host}:{settings.grpc_port}")
+    where = f"{settings.host}:{settings.grpc_port}"
+    try:
+        port = server.add_insecure_port(where)
+    except RuntimeError as exc:  # grpcio raises for a port in use (older ones return 0)
+        raise OSError(f"cannot listen for gRPC on {where}: {exc}") from None
+    if port == 0:
+        raise OSError(f"cannot listen for gRPC on {where}")
     await server.start()
     return server
 
