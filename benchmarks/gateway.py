@@ -193,6 +193,19 @@ def grpc_load(port: int, concurrency: int, warmup_s: float, seconds: float, out:
     out.put(asyncio.run(main()))
 
 
+def gateway_process(serve_pid: int) -> Any:
+    """serve's gateway child (psutil.Process), for its CPU time."""
+    import psutil
+
+    children = psutil.Process(serve_pid).children()
+    return next(p for p in children if "gateway" in p.cmdline())
+
+
+def cpu_s(proc: Any) -> float:
+    times = proc.cpu_times()
+    return float(times.user + times.system)
+
+
 def run_load(target: Any, *args: Any) -> dict[str, Any]:
     """One load process (spawned: no zmq context or event loop carried over)."""
     mp = multiprocessing.get_context("spawn")
@@ -236,17 +249,22 @@ def main() -> None:
         }
         results: dict[str, dict[str, Any]] = {name: {"loaded": [], "lone": []} for name in paths}
         rows8: list[dict[str, Any]] = []
+        assert srv.process is not None
+        gw = gateway_process(srv.process.pid)
         for _ in range(runs):  # interleaved, so a noisy moment hits every path alike
             for name, (target, where, *extra) in paths.items():
-                results[name]["loaded"].append(
-                    run_load(target, where, args.concurrency, warmup_s, seconds, *extra)
-                )
+                cpu0 = cpu_s(gw)
+                loaded = run_load(target, where, args.concurrency, warmup_s, seconds, *extra)
+                # the gateway's CPU per request of the loaded run (warm-up included: an estimate)
+                loaded["gateway_cpu_us"] = (cpu_s(gw) - cpu0) / (loaded["rps"] * (seconds + warmup_s)) * 1e6
+                results[name]["loaded"].append(loaded)
                 results[name]["lone"].append(run_load(target, where, 1, warmup_s, seconds, *extra))
             rows8.append(run_load(http_load, http_port, args.concurrency, warmup_s, seconds, 8, True))
     summary = {
         name: {
             "rps": statistics.median(r["rps"] for r in res["loaded"]),
             "p99_loaded_ms": statistics.median(r["p99_ms"] for r in res["loaded"]),
+            "gateway_cpu_us": statistics.median(r["gateway_cpu_us"] for r in res["loaded"]),
             "p50_ms": statistics.median(r["p50_ms"] for r in res["lone"]),
             "p99_ms": statistics.median(r["p99_ms"] for r in res["lone"]),
         }
@@ -269,7 +287,7 @@ def main() -> None:
     ]
     table = md_table(
         ["path", f"req/s ({args.concurrency} in flight)", "of direct", "lone p50 ms", "lone p99 ms",
-         "added p50 ms", f"added p50 <= {ADDED_P50_TARGET_MS} ms"],
+         "added p50 ms", "gateway CPU us/request", f"added p50 <= {ADDED_P50_TARGET_MS} ms"],
         rows,
     )  # fmt: skip
     one_row = summary["HTTP, binary data"]["rps"]

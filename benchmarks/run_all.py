@@ -37,6 +37,8 @@ SCRIPTS = (
     "latency",
     "memory",
     "ray_serve",
+    "gateway",
+    "http_servers",
 )
 
 INTRO_START = "<!-- intro -->"

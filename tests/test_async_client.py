@@ -119,6 +119,8 @@ def test_timeout_of_one_request_leaves_the_others_answered(fake_broker, actx):
     held: list[dict[str, Any]] = []
 
     def answer(body: dict[str, Any]) -> dict[str, Any] | None:
+        if body.get("op") == "cancel":  # sent for each request that timed out
+            return None
         if body["input"] % 2 == 0:
             held.append(body)
             if len(held) == 4:
@@ -139,7 +141,12 @@ def test_timeout_of_one_request_leaves_the_others_answered(fake_broker, actx):
             assert isinstance(r, ClientTimeout) and r.code == "timeout", (i, r)
         else:
             assert r == i * 10, (i, r)
-    assert sorted(b["input"] for b in fb.received) == list(range(1, 9)), fb.received  # each sent once
+    requests = [b for b in fb.received if b.get("op") != "cancel"]
+    assert sorted(b["input"] for b in requests) == list(range(1, 9)), fb.received  # each sent once
+    # each request that timed out asked the broker to drop it, once; the answered ones not
+    timed_out = sorted(b["id"] for b in requests if b["input"] % 2)
+    fb.wait_received(lambda got: sum(b.get("op") == "cancel" for b in got) == 4)
+    assert sorted(b["id"] for b in fb.received if b.get("op") == "cancel") == timed_out
 
 
 @pytest.mark.integration
@@ -155,11 +162,13 @@ def test_per_request_timeout_retries_and_late_reply_is_dropped(fake_broker, actx
             elapsed = time.monotonic() - started
             assert "2 attempt(s)" in timed_out.value.message
             # The same body (same id) was sent twice; a reply coming now is a late one.
-            await until(lambda: len(fb.received) == 2, 10, "both attempts received")
+            await until(lambda: len(got_ids(fb)) == 2, 10, "both attempts received")
             assert got_ids(fb) == [1, 1]
             fb.reply_later({"id": 1, "ok": True, "output": "late"})
             await until(lambda: client.duplicates_dropped > 0, 10, "the late reply arrived")
-            fb.answer = lambda body: {"id": body["id"], "ok": True, "output": body["input"]}
+            fb.answer = lambda body: (
+                None if body.get("op") else {"id": body["id"], "ok": True, "output": body["input"]}
+            )
             assert await client.request("y") == "y"  # the late reply was not taken for this one
             return elapsed, client
         finally:
@@ -169,10 +178,13 @@ def test_per_request_timeout_retries_and_late_reply_is_dropped(fake_broker, actx
     assert elapsed > 0.35, f"two attempts of 0.2 s over in {elapsed:.2f}s"  # no early timeout
     assert client.duplicates_dropped == 1, "the late reply was not recognised as one"
     assert got_ids(fb) == [1, 1, 2], "a request was sent more often than 1 + retries"
+    # once its last attempt timed out, it asked the broker to drop it
+    assert [b["id"] for b in fb.received if b.get("op") == "cancel"] == [1]
 
 
 def got_ids(fb: FakeBroker) -> list[Any]:
-    return [b["id"] for b in fb.received]
+    """The ids of the requests received (not of the cancels a timed-out request sends)."""
+    return [b["id"] for b in fb.received if b.get("op") != "cancel"]
 
 
 @pytest.mark.integration  # it measures how long the client waits
