@@ -120,19 +120,13 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
                 self._read_replies(), name=f"batcher-reader {self.address}"
             )
 
-    def decode_reply(self, frame: zmq.Frame) -> dict[str, Any]:
-        """A reply body as a map, its tensors as numpy arrays (the gateway overrides
-        this to keep them as raw tensor maps, without numpy)."""
-        reply: dict[str, Any] = tensor.unpack_arrays(frame)
-        return reply
-
     async def _read_replies(self) -> None:
         """The one task that receives: each reply resolves the future of its id."""
         try:
             while True:
                 frames = await self._sock.recv_multipart(copy=False)  # no copy of a large reply
                 try:
-                    reply = self.decode_reply(frames[-1])
+                    reply = tensor.unpack_arrays(frames[-1])
                     fut = self._match(reply)  # None: dropped as a duplicate, and counted
                 except Exception:
                     continue  # not a reply of ours; nothing to match it to

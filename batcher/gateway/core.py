@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,11 +20,15 @@ from typing import Any
 import zmq
 
 from batcher import __version__, protocol, tensor
-from batcher.aio import AsyncClient
-from batcher.client import BatcherError
+from batcher.client import cancel_body, open_dealer
 from batcher.gateway import oip
 from batcher.protocol import ErrorCode
+from batcher.zmqio import recv_frames, send_frames
 
+log = logging.getLogger("batcher.gateway")
+
+#: Messages the link may hold each way before a send is refused (`unavailable`).
+LINK_HWM = 100_000
 #: How long a model's output names (from its signature) are taken as known.
 NAMES_TTL_S = 1.0
 #: What `GET /v2` and ServerMetadata say the gateway supports.
@@ -62,16 +68,109 @@ def _keep_view(value: dict[Any, Any]) -> dict[Any, Any]:
     return dict(value)  # a new map: unpack_viewing keeps the tensor's data a view
 
 
-class BrokerLink(AsyncClient):
-    """An AsyncClient whose replies keep tensors as raw maps (no numpy): the gateway
-    joins their bytes, never their values."""
+class BrokerLink:
+    """The gateway's one DEALER to the broker, read on the event loop (loop.add_reader on
+    its file descriptor): every row of every client is in flight over it at once, with no
+    task of its own. Leaner than AsyncClient, which zmq.asyncio carries: measured in
+    docs/benchmarks.md ("Gateway"). Replies keep tensors as raw maps (no numpy).
 
-    def decode_reply(self, frame: zmq.Frame) -> dict[str, Any]:
-        if len(frame) >= tensor.VIEW_BYTES:
-            with contextlib.suppress(Exception):
-                return tensor.unpack_viewing(frame, "output", _keep_view)
-        reply: dict[str, Any] = protocol.unpack(frame.bytes)
-        return reply
+    It queues nothing while no broker is connected (ZMQ_IMMEDIATE): a row that cannot
+    leave is refused at once (503 `unavailable`) instead of waiting, and a row given up
+    on is never delivered to a broker that comes back later."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.address = settings.connect
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._sock, self._watch = open_dealer(
+            self._ctx, settings.connect, settings.curve_server_key, settings.curve_secret_key, immediate=True
+        )
+        self._sock.setsockopt(zmq.SNDHWM, LINK_HWM)
+        self._sock.setsockopt(zmq.RCVHWM, LINK_HWM)
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._ids = itertools.count(1)
+        self._loop = asyncio.get_running_loop()
+        self._fd = self._sock.getsockopt(zmq.FD)
+        self._loop.add_reader(self._fd, self._drain)
+
+    def close(self) -> None:
+        """Stop reading; every row still waiting is answered `closed` (503)."""
+        self._loop.remove_reader(self._fd)
+        self._watch.close()
+        self._sock.close(0)
+        self._ctx.term()
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(oip.OipError("closed", "the gateway is closing"))
+
+    def send(self, fields: dict[str, Any]) -> tuple[int, asyncio.Future[dict[str, Any]]]:
+        """Send one request now; (its id, the future of its reply). OipError `unavailable`
+        when it cannot leave (no broker connected, or the link's queue is full)."""
+        req_id = next(self._ids)
+        body = protocol.pack_carrying({"id": req_id, **fields}, fields.get("input"))
+        fut = self._pending[req_id] = self._loop.create_future()
+        try:
+            send_frames(self._sock, [b"", body])
+        except zmq.Again:
+            del self._pending[req_id]
+            raise oip.OipError(
+                ErrorCode.UNAVAILABLE, f"the broker at {self.address} is not connected (or not reading)"
+            ) from None
+        finally:
+            self._drain()  # a send may take the descriptor's edge: read what is there now
+        return req_id, fut
+
+    def forget(self, req_id: int, cancel: bool) -> None:
+        """Stop waiting for `req_id`; with `cancel`, ask the broker to drop it if queued."""
+        fut = self._pending.pop(req_id, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+        if cancel:
+            with contextlib.suppress(zmq.Again, zmq.ZMQError):
+                send_frames(self._sock, [b"", cancel_body(req_id)])
+
+    def _drain(self) -> None:
+        """Every reply waiting on the socket to its future (late and unknown ones dropped)."""
+        try:
+            while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                frames = recv_frames(self._sock, copied=1)
+                try:
+                    reply = _decode_reply(frames[-1])
+                    fut = self._pending.pop(reply["id"], None)
+                except Exception:
+                    continue  # not a reply of ours
+                if fut is not None and not fut.done():
+                    fut.set_result(reply)
+        except zmq.ZMQError as exc:  # closed under us: nothing more to read
+            log.debug("broker link: %s", exc)
+
+    async def call(self, fields: dict[str, Any], wait_s: float) -> dict[str, Any]:
+        """One request and its whole reply map; OipError `timeout` after `wait_s`."""
+        req_id, fut = self.send(fields)
+        try:
+            async with asyncio.timeout(wait_s):
+                return await fut
+        except TimeoutError:
+            raise oip.OipError(
+                "timeout", f"no reply from the broker at {self.address} in {wait_s:g} s"
+            ) from None
+        finally:
+            if _unanswered(fut):  # a timeout or a cancel cancels the future itself
+                self.forget(req_id, cancel="op" not in fields)
+
+
+def _unanswered(fut: asyncio.Future[Any]) -> bool:
+    """No reply came: still waiting, or cancelled (by a timeout, an error of a sibling
+    row, or the client going away)."""
+    return not fut.done() or fut.cancelled()
+
+
+def _decode_reply(frame: Any) -> dict[str, Any]:
+    if len(frame) >= tensor.VIEW_BYTES:
+        with contextlib.suppress(Exception):
+            return tensor.unpack_viewing(frame, "output", _keep_view)
+    reply: dict[str, Any] = protocol.unpack(frame if isinstance(frame, bytes) else frame.bytes)
+    return reply
 
 
 class Gateway:
@@ -80,28 +179,18 @@ class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self._output_names: dict[str, tuple[float, list[str] | None]] = {}
-        self.link = BrokerLink(
-            settings.connect,
-            timeout_s=settings.request_timeout_ms / 1000.0,
-            curve_server_key=settings.curve_server_key,
-            curve_secret_key=settings.curve_secret_key,
-            immediate=True,  # a request given up on (504) is never delivered to a broker back later
-        )
+        self.link = BrokerLink(settings)
 
     async def close(self) -> None:
-        await self.link.close()
+        self.link.close()
 
     # --- health and metadata ----------------------------------------------------------------
 
     async def _control(self, op: str, **fields: Any) -> Any:
         """A control request, waiting at most the probe timeout; OipError on failure."""
-        try:
-            async with asyncio.timeout(self.settings.probe_timeout_ms / 1000.0):
-                return await self.link.control(op, **fields)
-        except TimeoutError:
-            raise oip.OipError("timeout", f"the broker at {self.settings.connect} did not answer") from None
-        except BatcherError as exc:
-            raise oip.OipError(exc.code, str(exc)) from None
+        reply = await self.link.call({"op": op, **fields}, self.settings.probe_timeout_ms / 1000.0)
+        _raise_if_error(reply)
+        return reply.get("output")
 
     async def ready(self) -> bool:
         """Ready when the broker answers and every configured model has a worker (and
@@ -149,22 +238,26 @@ class Gateway:
         check_version(request.model, request.version)
         rows = oip.row_inputs(request.inputs)
         timeout_ms = request.timeout_ms or self.settings.request_timeout_ms
+        fields = [_row_fields(request, row, timeout_ms) for row in rows]
+        sent: list[tuple[int, asyncio.Future[dict[str, Any]]]] = []
         try:
-            if len(rows) == 1:  # the common case: no task of its own
-                replies = [
-                    await self.link.request_reply(rows[0], request.model, timeout_ms, request.priority)
-                ]
-                _raise_if_error(replies[0])
-            else:
-                calls = [
-                    asyncio.ensure_future(
-                        self.link.request_reply(row, request.model, timeout_ms, request.priority)
-                    )
-                    for row in rows
-                ]
-                replies = await _all_or_first_error(calls)
-        except BatcherError as exc:  # the gateway's own wait ran out, or it is closing
-            raise oip.OipError(exc.code, str(exc)) from None
+            for f in fields:
+                sent.append(self.link.send(f))
+            # the broker answers by the deadline; a second more for the trip back
+            async with asyncio.timeout(timeout_ms / 1000.0 + 1.0):
+                if len(sent) == 1:
+                    replies = [await sent[0][1]]
+                    _raise_if_error(replies[0])
+                else:
+                    replies = await _all_or_first_error([fut for _, fut in sent])
+        except TimeoutError:
+            raise oip.OipError(
+                "timeout", f"no reply from the broker at {self.link.address} in time"
+            ) from None
+        finally:  # rows not answered (an error, a timeout, a client gone): dropped at the broker
+            for req_id, fut in sent:
+                if _unanswered(fut):
+                    self.link.forget(req_id, cancel=True)
         values = [r.get("output") for r in replies]
         names = None if oip.named_outputs(values[0]) else await self._names_of(request.model)
         outputs = oip.select_outputs(oip.join_outputs(values, names), request.outputs)
@@ -187,6 +280,13 @@ class Gateway:
         names = _names(meta.get("outputs"))
         self._output_names[model] = (time.monotonic(), names)
         return names
+
+
+def _row_fields(request: oip.InferRequest, row: Any, timeout_ms: float) -> dict[str, Any]:
+    fields: dict[str, Any] = {"input": row, "model": request.model, "timeout_ms": timeout_ms}
+    if request.priority is not None:
+        fields["priority"] = request.priority
+    return fields
 
 
 def _names(outputs: list[dict[str, Any]] | None) -> list[str] | None:

@@ -1,0 +1,121 @@
+"""The gateway's one connection to the broker (batcher.gateway.core.BrokerLink), against
+a scripted stand-in broker: replies matched to their rows, a row given up on dropped at
+the broker and forgotten by the gateway, nothing queued for a broker not connected."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from batcher.gateway import oip
+from batcher.gateway.core import BrokerLink, Gateway, GatewaySettings
+from batcher.launcher import free_tcp_address
+
+pytestmark = pytest.mark.integration  # a broker thread and real sockets
+
+
+def settings(address: str, **extra: Any) -> GatewaySettings:
+    return GatewaySettings(connect=address, http_port=1, **extra)
+
+
+async def connected(link: BrokerLink, timeout_s: float = 5.0) -> None:
+    """Until a control request goes through (the connection is up)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            await link.call({"op": "stats"}, 0.5)
+            return
+        except oip.OipError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.02)  # between attempts while the connection comes up
+
+
+def test_replies_in_any_order_reach_their_rows(fake_broker: Any) -> None:
+    held: list[dict[str, Any]] = []
+
+    def answer(body: dict[str, Any]) -> dict[str, Any] | None:
+        if body.get("op"):
+            return {"id": body["id"], "ok": True, "output": {}}
+        held.append(body)
+        if len(held) == 3:
+            for h in reversed(held):
+                fb.reply_later({"id": h["id"], "ok": True, "output": h["input"] * 2})
+        return None
+
+    fb = fake_broker(answer)
+
+    async def main() -> list[Any]:
+        link = BrokerLink(settings(fb.address))
+        try:
+            await connected(link)
+            calls = [link.call({"input": i, "model": "m"}, 5.0) for i in (1, 2, 3)]
+            replies = await asyncio.gather(*calls)
+            assert link._pending == {}
+            return [r["output"] for r in replies]
+        finally:
+            link.close()
+
+    assert asyncio.run(main()) == [2, 4, 6]
+
+
+def test_a_row_given_up_on_is_cancelled_at_the_broker_and_forgotten(fake_broker: Any) -> None:
+    """A timeout, and a caller cancelled (its client went away), each send the broker one
+    `cancel` for the row, and the link keeps no future of it."""
+
+    def answer(body: dict[str, Any]) -> dict[str, Any] | None:
+        return {"id": body["id"], "ok": True, "output": {}} if body.get("op") == "stats" else None
+
+    fb = fake_broker(answer)
+
+    async def main() -> tuple[list[int], BrokerLink]:
+        link = BrokerLink(settings(fb.address))
+        await connected(link)
+        ids: list[int] = []
+        with pytest.raises(oip.OipError) as timed_out:
+            await link.call({"input": 1, "model": "m"}, 0.1)
+        assert timed_out.value.code == "timeout"
+        task = asyncio.ensure_future(link.call({"input": 2, "model": "m"}, 30.0))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        ids = [b["id"] for b in fb.received if b.get("input") in (1, 2)]
+        return ids, link
+
+    ids, link = asyncio.run(main())
+    try:
+        assert link._pending == {}
+        fb.wait_received(lambda got: sum(b.get("op") == "cancel" for b in got) == 2)
+        assert sorted(b["id"] for b in fb.received if b.get("op") == "cancel") == sorted(ids)
+    finally:
+        asyncio.run(_close(link))
+
+
+async def _close(link: BrokerLink) -> None:
+    link.close()
+
+
+def test_no_broker_is_unavailable_at_once_and_rows_are_answered_when_closing() -> None:
+    """Nothing is queued for a broker that is not there: 503 `unavailable` at once, not a
+    wait; a gateway closing answers its waiting rows `closed`."""
+
+    async def main() -> None:
+        gateway = Gateway(settings(free_tcp_address()))
+        try:
+            request = oip.InferRequest(
+                model="m", inputs=[oip.json_input("x", "FP32", [2], [1.0, 2.0])], timeout_ms=10_000
+            )
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(oip.OipError) as refused:
+                await gateway.infer(request)
+            assert refused.value.code == "unavailable"
+            assert asyncio.get_running_loop().time() - started < 1.0
+            assert gateway.link._pending == {}
+            assert not await gateway.ready()
+        finally:
+            await gateway.close()
+
+    asyncio.run(main())
