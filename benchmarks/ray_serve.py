@@ -177,15 +177,19 @@ async def drive_gateway(args: argparse.Namespace, port: int) -> dict[str, Any]:
             assert outputs["echo"] == [x], outputs
             return {"batch_size": outputs["batch_size"][0]}
 
-    payload = "x" * 16
     try:
-        loaded = [
-            await ray_closed_loop(call, args.concurrency, args.duration, args.warmup, payload)
-            for _ in range(args.runs)
-        ]
-        lone = [await ray_closed_loop(call, 1, args.duration, args.warmup, payload) for _ in range(args.runs)]
+        return await loaded_and_lone(args, call, "x" * 16)
     finally:
         await http.close()
+
+
+async def loaded_and_lone(args: argparse.Namespace, call: Any, payload: str) -> dict[str, Any]:
+    """`args.runs` closed loops of `args.concurrency` in flight, then of one, through `call`."""
+    loaded = [
+        await ray_closed_loop(call, args.concurrency, args.duration, args.warmup, payload)
+        for _ in range(args.runs)
+    ]
+    lone = [await ray_closed_loop(call, 1, args.duration, args.warmup, payload) for _ in range(args.runs)]
     return {
         "loaded": median_summary(loaded),
         "lone": median_summary(lone),
@@ -356,20 +360,10 @@ async def drive_ray(args: argparse.Namespace, handle: Any, port: int, payload: s
             return await handle.remote(x)
 
     try:
-        loaded = [
-            await ray_closed_loop(call, args.concurrency, args.duration, args.warmup, payload)
-            for _ in range(args.runs)
-        ]
-        lone = [await ray_closed_loop(call, 1, args.duration, args.warmup, payload) for _ in range(args.runs)]
+        out = await loaded_and_lone(args, call, payload)
     finally:
         if http is not None:
             await http.close()
-    out = {
-        "loaded": median_summary(loaded),
-        "lone": median_summary(lone),
-        "loaded_runs": loaded,
-        "lone_runs": lone,
-    }
     report(f"Ray Serve ({args.client})", out)
     return out
 

@@ -51,8 +51,9 @@ def bad_request(message: str) -> OipError:
 
 
 @dataclass(frozen=True)
-class InputTensor:
-    """One named input: fixed-size types as raw bytes, BYTES as a flat list of elements."""
+class NamedTensor:
+    """A named v2 tensor of a whole request (batch axis first): fixed-size types as raw
+    little-endian bytes, BYTES as a flat list of elements."""
 
     name: str
     datatype: str
@@ -60,14 +61,9 @@ class InputTensor:
     data: bytes | memoryview | list[bytes]
 
 
-@dataclass(frozen=True)
-class OutputTensor:
-    """One named output of the whole request (batch axis first), like InputTensor."""
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-    data: bytes | memoryview | list[bytes]
+#: A request's input, and a response's output: the same form.
+InputTensor = NamedTensor
+OutputTensor = NamedTensor
 
 
 @dataclass(frozen=True)
