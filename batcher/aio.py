@@ -55,8 +55,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
     forever); with `retries`, a request that got no reply in time is sent again (only
     for idempotent models: the first attempt may still run; a second reply is dropped).
     Cancelling a coroutine that awaits `request`, or its timing out, asks the broker to
-    drop the request if it is still queued. `immediate` (open_dealer) queues nothing
-    while the broker is not connected.
+    drop the request if it is still queued.
     """
 
     def __init__(
@@ -67,16 +66,13 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         context: zmq.asyncio.Context | None = None,
         curve_server_key: str | None = None,
         curve_secret_key: str | None = None,
-        immediate: bool = False,
     ) -> None:
         super().__init__(address, timeout_s, retries)
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket
-        self._sock, self.watch = open_dealer(
-            self._ctx, address, curve_server_key, curve_secret_key, immediate
-        )
+        self._sock, self.watch = open_dealer(self._ctx, address, curve_server_key, curve_secret_key)
         self._reader: asyncio.Task[None] | None = None
         self._closed = False
 

@@ -916,6 +916,7 @@ _GATEWAY_HOST = option(
     default=field_default(GatewaySettings, "request_timeout_ms"),
     help="Longest wait for the broker's reply to a request that sets no timeout of its own.",
 )
+@local_option("--under-serve", is_flag=True, hidden=True, help="Started by serve: stop when stdin closes.")
 @curve_client_options
 @logging_options
 def gateway(
@@ -924,6 +925,7 @@ def gateway(
     grpc_port: int,
     host: str,
     request_timeout_ms: float,
+    under_serve: bool,
     curve: ClientKeys,
     logs: LogOptions,
 ) -> None:
@@ -950,7 +952,7 @@ def gateway(
             f"the gateway needs its extra: pip install 'batcher[gateway]' ({exc})"
         ) from None
     try:
-        run(settings)
+        run(settings, control_fd=0 if under_serve else None)
     except zmq.ZMQError as exc:
         raise click.ClickException(f"the gateway cannot connect to {connect}: {exc}") from None
     except OSError as exc:

@@ -111,8 +111,8 @@ def run_serve(
 
 def _watch_gateway(gateway: GatewayProcess, broker: Broker, fatal: list[str]) -> Callable[[float], None]:
     """A timer that stops serve when its gateway process has exited: with an error (a
-    port taken, a crash) serve fails, saying why, rather than serving deaf to HTTP; told
-    to stop (exit 0: a SIGINT or SIGTERM that reached it too), serve drains as well."""
+    port taken, a crash) serve fails, saying why, rather than serving deaf to HTTP; with
+    exit 0 (someone stopped it), serve drains as well."""
     reported = False
 
     def tick(now: float) -> None:
@@ -122,8 +122,9 @@ def _watch_gateway(gateway: GatewayProcess, broker: Broker, fatal: list[str]) ->
             return
         reported = True
         if code == 0:
-            log.info("the gateway process stopped; serve stops too")
-            broker.stop()
+            if not broker.signals.count:  # else serve is stopping already: not a second signal
+                log.info("the gateway process stopped; serve stops too")
+                broker.stop()
         else:
             fatal.append(f"the gateway process exited with code {code} (its error is above)")
             broker.stop(now=True)

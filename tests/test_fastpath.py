@@ -298,3 +298,21 @@ def test_a_batch_without_tensors_does_not_import_numpy() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "False", done.stderr
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda rows: rows.__setitem__(0, rows[0] * 2),
+        lambda rows: rows.reverse(),
+        lambda rows: rows.sort(key=lambda r: float(r.sum())),
+        lambda rows: rows.append(rows[0]),
+        lambda rows: rows.pop(),
+    ],
+)
+def test_a_changed_list_of_rows_is_no_longer_taken_for_its_stacked_array(change: Any) -> None:
+    """A model that preprocesses its inputs in place is run on what it made of them."""
+    rows = Rows(np.arange(12, dtype=np.float32).reshape(3, 4))
+    assert fastpath.stacked_of(rows) is rows.stacked
+    change(rows)
+    assert fastpath.stacked_of(rows) is None

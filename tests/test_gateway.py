@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.grpc.aio as tgrpc_aio
@@ -470,6 +472,91 @@ def test_draining_serve_is_not_ready_and_finishes_what_it_holds(gateway: Callabl
         thread.join(30)
     status, doc = results["slow"]
     assert status == 200 and doc["outputs"][0]["data"] == ["slow"], results
+
+
+def test_a_signal_to_serves_whole_group_drains_with_the_gateway_up(gateway: Callable[..., Gateway]) -> None:
+    """Ctrl-C or systemd signal the whole process group: the gateway ignores it (it is
+    serve's to act on), so serve drains as with a signal to it alone: the request in a
+    batch gets its result, and readiness says 503 meanwhile."""
+    gw = gateway("--model", PROBE, "--workers", "1", workers=1)
+    results: dict[str, Any] = {}
+
+    def slow_request() -> None:
+        body = {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["slow"]}]}
+        try:
+            results["slow"] = post_json(gw.http_port, "/v2/models/probe/infer", body)
+        except Exception as exc:  # shown by the assertion below
+            results["slow"] = (repr(exc), None)
+
+    thread = threading.Thread(target=slow_request)
+    thread.start()
+    try:
+        wait_until(lambda: stats(gw.serve.frontend, "probe").get("busy_workers") == 1, 10, "busy")
+        assert gw.serve.process is not None
+        os.killpg(gw.serve.process.pid, signal.SIGTERM)
+        wait_until(
+            lambda: http_status(gw.http_port, "/v2/health/ready") == 503, 5, "not ready while draining"
+        )
+    finally:
+        thread.join(30)
+    status, doc = results["slow"]
+    assert status == 200 and doc["outputs"][0]["data"] == ["slow"], results
+    assert gw.serve.process.wait(15) == 0
+    wait_until(
+        lambda: http_status(gw.http_port, "/v2/health/live") == 0, 10, "the gateway stopped with serve"
+    )
+
+
+def test_the_gateway_stops_when_serve_dies(gateway: Callable[..., Gateway]) -> None:
+    """serve killed outright: its gateway does not live on holding the port."""
+    gw = gateway("--model", "echo", "--workers", "1", workers=1)
+    assert gw.serve.process is not None
+    group = gw.serve.process.pid
+    os.kill(group, signal.SIGKILL)
+    wait_until(lambda: http_status(gw.http_port, "/v2/health/live") == 0, 10, "the gateway gone")
+    # nothing of serve's outlives it: its worker and its gateway both watch their pipe
+    wait_until(lambda: not [p for p in psutil.process_iter(["pid"]) if _in_group(p, group)], 10, "all gone")
+
+
+def _in_group(p: Any, group: int) -> bool:
+    try:
+        return os.getpgid(p.pid) == group and p.status() != psutil.STATUS_ZOMBIE
+    except (ProcessLookupError, psutil.Error):
+        return False
+
+
+def test_rows_in_flight_when_the_broker_dies_get_503_at_once(spawn: Callable[..., Any]) -> None:
+    """The broker holding a request dies: the client hears 503 within a second or two,
+    not at the request's deadline (30 s here)."""
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    http_port = free_port()
+    broker = spawn("broker", "--frontend", frontend, "--backend", backend, "--model", "probe")
+    spawn("worker", "--connect", backend, "--model", PROBE)
+    spawn("gateway", "--connect", frontend, "--http-port", str(http_port))
+    wait_gateway(http_port)
+    wait_until(lambda: http_status(http_port, "/v2/health/ready") == 200, 20, "ready")
+    results: dict[str, Any] = {}
+
+    def slow_request() -> None:
+        body = {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["slow"]}]}
+        started = time.monotonic()
+        try:
+            results["slow"] = (
+                *post_json(http_port, "/v2/models/probe/infer", body),
+                time.monotonic() - started,
+            )
+        except Exception as exc:  # shown by the assertion below
+            results["slow"] = (repr(exc), None, time.monotonic() - started)
+
+    thread = threading.Thread(target=slow_request)
+    thread.start()
+    try:
+        wait_until(lambda: stats(frontend, "probe").get("busy_workers") == 1, 10, "busy")
+        os.kill(broker.pid, signal.SIGKILL)
+    finally:
+        thread.join(30)
+    status, doc, took_s = results["slow"]
+    assert status == 503 and "lost" in doc["error"] and took_s < 5, results
 
 
 def test_http_errors_of_every_kind_are_v2_error_bodies(gateway: Callable[..., Gateway]) -> None:

@@ -119,3 +119,51 @@ def test_no_broker_is_unavailable_at_once_and_rows_are_answered_when_closing() -
             await gateway.close()
 
     asyncio.run(main())
+
+
+def test_a_reply_waiting_when_a_cancel_is_sent_is_still_read(fake_broker: Any) -> None:
+    """Sending (a cancel among them) may take the socket descriptor's edge while a reply
+    waits unread: the link reads what is there after every send, so that reply, and the
+    ones after it, still reach their rows."""
+    import zmq
+
+    def answer(body: dict[str, Any]) -> dict[str, Any] | None:
+        if body.get("op") == "stats":
+            return {"id": body["id"], "ok": True, "output": {}}
+        return {"id": body["id"], "ok": True, "output": "b"} if body.get("input") == "b" else None
+
+    fb = fake_broker(answer)
+
+    async def main() -> Any:
+        link = BrokerLink(settings(fb.address))
+        try:
+            await connected(link)
+            a_id, _ = link.send({"input": "a", "model": "m"})
+            _, b = link.send({"input": "b", "model": "m"})
+            # Without yielding to the loop: until b's reply sits in the socket, unread.
+            deadline = asyncio.get_running_loop().time() + 5
+            while not link._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN and not b.done():
+                assert asyncio.get_running_loop().time() < deadline, "b's reply never came"
+            link.forget(a_id, cancel=True)
+            return await asyncio.wait_for(b, 2.0)
+        finally:
+            link.close()
+
+    assert asyncio.run(main())["output"] == "b"
+
+
+def test_closing_answers_the_rows_still_waiting(fake_broker: Any) -> None:
+    fb = fake_broker(lambda body: {"id": body["id"], "ok": True, "output": {}} if body.get("op") else None)
+
+    async def main() -> None:
+        gateway = Gateway(settings(fb.address))
+        await connected(gateway.link)
+        request = oip.InferRequest(model="m", inputs=[oip.json_input("x", "FP32", [3], [1.0, 2.0, 3.0])])
+        task = asyncio.ensure_future(gateway.infer(request))
+        await asyncio.to_thread(fb.wait_received, lambda got: sum("input" in b for b in got) == 3)
+        await gateway.close()
+        with pytest.raises(oip.OipError) as closed:
+            await task
+        assert closed.value.code == "closed" and gateway.link._pending == {}
+
+    asyncio.run(main())

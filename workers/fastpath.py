@@ -41,13 +41,33 @@ def _numpy() -> Any:
 
 class Rows(list[Any]):
     """The inputs of a batch as the model gets them (a plain list to any model), every one
-    a row of `stacked`, in order: a model that runs stacked arrays may use it as it is."""
+    a row of `stacked`, in order: a model that runs stacked arrays may use it as it is.
+    Any change to the list (a row replaced, the order changed) drops `stacked`, so a
+    model that preprocesses its inputs in place is run on what it made of them."""
 
     def __init__(self, stacked: Any) -> None:
         # stacked[i, ...] is a view of row i, a 0-d array for 0-d tensors (iterating the
         # array would give numpy scalars, which go back as plain numbers, not tensors)
         super().__init__(stacked[i, ...] for i in range(len(stacked)))
         self.stacked = stacked
+
+
+def _dropping_stacked(name: str) -> Any:
+    method = getattr(list, name)
+
+    def changed(self: Rows, *args: Any, **kwargs: Any) -> Any:
+        self.stacked = None
+        return method(self, *args, **kwargs)
+
+    changed.__name__ = name
+    return changed
+
+
+for _name in (
+    "__setitem__", "__delitem__", "__iadd__", "__imul__",
+    "append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse",
+):  # fmt: skip
+    setattr(Rows, _name, _dropping_stacked(_name))
 
 
 class _Tensor(msgspec.Struct, forbid_unknown_fields=True):

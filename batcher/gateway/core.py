@@ -89,19 +89,44 @@ class BrokerLink:
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._ids = itertools.count(1)
         self._loop = asyncio.get_running_loop()
-        self._fd = self._sock.getsockopt(zmq.FD)
+        self._fd = int(self._sock.getsockopt(zmq.FD))
         self._loop.add_reader(self._fd, self._drain)
+        self._monitor_fd = int(self._watch.monitor.getsockopt(zmq.FD))
+        self._loop.add_reader(self._monitor_fd, self._on_monitor)
+        self._on_monitor()  # the descriptor signals only once its socket has been looked at
+
+    def _why_unavailable(self) -> str:
+        refusal = self._watch.refusal()
+        return f"the broker at {self.address} is not connected" + (f": {refusal}" if refusal else "")
+
+    def _on_monitor(self) -> None:
+        """A lost connection fails the rows in flight at once (503): the broker that held
+        them is gone, and they would otherwise wait for their deadline."""
+        while int(self._watch.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            events = self._watch.poll()
+            if any(event == zmq.EVENT_DISCONNECTED for event, _ in events):
+                self._fail_pending(
+                    oip.OipError(
+                        ErrorCode.UNAVAILABLE, f"the connection to the broker at {self.address} was lost"
+                    )
+                )
+            if not events:
+                break
+
+    def _fail_pending(self, error: oip.OipError) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(error)
 
     def close(self) -> None:
         """Stop reading; every row still waiting is answered `closed` (503)."""
         self._loop.remove_reader(self._fd)
+        self._loop.remove_reader(self._monitor_fd)
         self._watch.close()
         self._sock.close(0)
         self._ctx.term()
-        pending, self._pending = self._pending, {}
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_exception(oip.OipError("closed", "the gateway is closing"))
+        self._fail_pending(oip.OipError("closed", "the gateway is closing"))
 
     def send(self, fields: dict[str, Any]) -> tuple[int, asyncio.Future[dict[str, Any]]]:
         """Send one request now; (its id, the future of its reply). OipError `unavailable`
@@ -113,9 +138,10 @@ class BrokerLink:
             send_frames(self._sock, [b"", body])
         except zmq.Again:
             del self._pending[req_id]
-            raise oip.OipError(
-                ErrorCode.UNAVAILABLE, f"the broker at {self.address} is not connected (or not reading)"
-            ) from None
+            raise oip.OipError(ErrorCode.UNAVAILABLE, self._why_unavailable()) from None
+        except BaseException:
+            self._pending.pop(req_id, None)
+            raise
         finally:
             self._drain()  # a send may take the descriptor's edge: read what is there now
         return req_id, fut
@@ -126,8 +152,11 @@ class BrokerLink:
         if fut is not None and not fut.done():
             fut.cancel()
         if cancel:
-            with contextlib.suppress(zmq.Again, zmq.ZMQError):
-                send_frames(self._sock, [b"", cancel_body(req_id)])
+            try:
+                with contextlib.suppress(zmq.Again, zmq.ZMQError):
+                    send_frames(self._sock, [b"", cancel_body(req_id)])
+            finally:
+                self._drain()  # as after any send: a reply may be waiting unsignalled
 
     def _drain(self) -> None:
         """Every reply waiting on the socket to its future (late and unknown ones dropped)."""
@@ -317,7 +346,10 @@ async def _all_or_first_error(calls: Sequence[asyncio.Future[dict[str, Any]]]) -
 
     def on_done(fut: asyncio.Future[dict[str, Any]]) -> None:
         nonlocal remaining
-        if finished.done() or fut.cancelled():
+        if fut.cancelled():
+            return
+        if finished.done():
+            fut.exception()  # retrieved: a later row's error is not the request's
             return
         try:
             exc = fut.exception()

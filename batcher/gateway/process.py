@@ -38,6 +38,7 @@ def gateway_command(settings: GatewaySettings, log_level: str, log_format: str) 
         "--log-format",
         log_format,
     ]
+    command.append("--under-serve")
     if settings.curve_server_key:
         command += ["--curve-server-key", settings.curve_server_key]
     if settings.curve_secret_key:
@@ -46,24 +47,27 @@ def gateway_command(settings: GatewaySettings, log_level: str, log_format: str) 
 
 
 class GatewayProcess:
-    """The gateway child of `serve`: started after the broker binds, stopped with it."""
+    """The gateway child of `serve`: started after the broker binds, stopped after it has
+    drained. Like serve's workers it ignores SIGINT and SIGTERM (a signal to the whole
+    process group is for serve) and stops when serve closes its stdin, or dies."""
 
     def __init__(self, command: list[str]) -> None:
         self.command = command
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE)
 
     def exit_code(self) -> int | None:
         """None while it runs (or before it started)."""
         return None if self.proc is None else self.proc.poll()
 
     def stop(self, timeout_s: float) -> None:
-        """SIGTERM (it finishes what is in flight), then SIGKILL after `timeout_s`."""
-        if self.proc is None or self.proc.poll() is not None:
+        """Close its pipe (it finishes what is in flight), then SIGKILL after `timeout_s`."""
+        if self.proc is None:
             return
-        self.proc.terminate()
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:

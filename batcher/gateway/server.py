@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from typing import TYPE_CHECKING
 
 from batcher.gateway.core import Gateway, GatewaySettings
+from batcher.stopping import ignore_stop_signals
 
 if TYPE_CHECKING:
     import grpc
@@ -27,10 +29,15 @@ MAX_BODY_BYTES = 256 * 1024 * 1024
 
 
 async def serve(
-    settings: GatewaySettings, stop: asyncio.Event | None = None, grace_s: float = GRACE_S
+    settings: GatewaySettings,
+    stop: asyncio.Event | None = None,
+    grace_s: float = GRACE_S,
+    control_fd: int | None = None,
 ) -> None:
-    """Run until `stop` is set (or SIGTERM/SIGINT when `stop` is None)."""
-    stop = stop or _stop_on_signals()
+    """Run until `stop` is set, or else until `control_fd` (serve's pipe) closes, or
+    else until SIGTERM/SIGINT."""
+    if stop is None:
+        stop = _stop_on_signals() if control_fd is None else _stop_on_pipe_close(control_fd)
     gateway = Gateway(settings)
     runner = None
     grpc_server = None
@@ -59,6 +66,23 @@ def _stop_on_signals() -> asyncio.Event:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def _stop_on_pipe_close(fd: int) -> asyncio.Event:
+    """Under serve: stop when serve closes our stdin (having drained its broker) or dies;
+    SIGINT and SIGTERM are ignored, since a signal to the whole process group (Ctrl-C,
+    systemd) is for serve, which drains first and then stops us."""
+    ignore_stop_signals()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_readable() -> None:
+        if not os.read(fd, 4096):  # end of file: the writer is gone
+            loop.remove_reader(fd)
+            stop.set()
+
+    loop.add_reader(fd, on_readable)
     return stop
 
 
@@ -102,6 +126,6 @@ async def _start_grpc(gateway: Gateway, settings: GatewaySettings) -> grpc.aio.S
     return server
 
 
-def run(settings: GatewaySettings) -> None:
-    """The `batcher gateway` command's body."""
-    asyncio.run(serve(settings))
+def run(settings: GatewaySettings, control_fd: int | None = None) -> None:
+    """The `batcher gateway` command's body (`control_fd`: serve's pipe, under serve)."""
+    asyncio.run(serve(settings, control_fd=control_fd))
