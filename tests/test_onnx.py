@@ -22,6 +22,8 @@ from workers.models import ModelSpec, load_model  # noqa: E402
 from workers.onnx_model import OnnxModel, device_index, providers  # noqa: E402
 from workers.worker import run_batch  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def offline(path: Path, feed: dict[str, Any]) -> list[Any]:
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -269,3 +271,23 @@ def test_a_model_the_worker_cannot_batch_is_refused_at_load_saying_why(
 def test_an_onnx_path_may_hold_an_equals_sign_and_is_stripped(text: str, name: str, target: str) -> None:
     spec = ModelSpec.parse(text)
     assert (spec.name, spec.target) == (name, target)
+
+
+def test_a_request_gets_the_same_bits_alone_as_in_any_batch(tmp_path: Path) -> None:
+    """onnxruntime rounds a batch of one otherwise than a larger batch (seen with the
+    digits example's classifier): the worker runs a lone request as two equal rows, so a
+    request's answer does not depend on whether it happened to run alone."""
+    for module in ("sklearn", "skl2onnx"):
+        pytest.importorskip(module, reason=f"{module} is not installed (the test extra has it)")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("digits", ROOT / "examples" / "digits" / "digits.py")
+    assert spec is not None and spec.loader is not None
+    digits = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(digits)
+    images, _ = digits.train_and_export(tmp_path / "digits.onnx")
+    model = OnnxModel(str(tmp_path / "digits.onnx"), None, 1)
+    together = model(list(images[:40]))
+    for x, y in zip(images[:40], together, strict=True):
+        alone = model([x])[0]
+        assert alone["label"] == y["label"] and np.array_equal(alone["probabilities"], y["probabilities"])
