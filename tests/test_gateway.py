@@ -722,6 +722,37 @@ def test_gateway_says_why_it_cannot_start(spawn: Callable[..., Any], tmp_path: P
             assert "Traceback" not in result.stderr
 
 
+def test_the_gateway_of_a_curve_broker_is_admitted_with_the_brokers_key(tmp_path: Path) -> None:
+    """serve with CurveZMQ and a client allow-list that lists nobody: its own gateway
+    connects with the broker's key pair, and HTTP clients are served."""
+    from batcher.security import generate_keys
+
+    _, secret = generate_keys(str(tmp_path), "broker")
+    allowed = tmp_path / "clients"
+    allowed.mkdir()
+    port = free_port()
+    args = [
+        "--model",
+        "echo",
+        "--workers",
+        "1",
+        "--curve-secret-key",
+        secret,
+        "--curve-clients",
+        str(allowed),
+    ]
+    sp = ServeProcess([*args, "--http-port", str(port)])
+    sp.start()
+    try:
+        wait_gateway(port)
+        wait_until(lambda: http_status(port, "/v2/health/ready") == 200, 20, "ready through CURVE")
+        body = {"inputs": [{"name": "x", "datatype": "INT64", "shape": [1, 2], "data": [3, 4]}]}
+        status, doc = post_json(port, "/v2/models/echo/infer", body)
+        assert status == 200 and doc["outputs"][0]["data"] == [3, 4]
+    finally:
+        sp.stop()
+
+
 def test_gateway_refuses_to_serve_nothing() -> None:
     result = subprocess.run(
         ["python", "-m", "batcher", "gateway"], capture_output=True, text=True, timeout=30, cwd=ROOT
