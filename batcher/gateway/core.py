@@ -105,6 +105,7 @@ class BrokerLink:
         while int(self._watch.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             events = self._watch.poll()
             if any(event == zmq.EVENT_DISCONNECTED for event, _ in events):
+                self._drain()  # the replies that came before the connection went: theirs
                 self._fail_pending(
                     oip.OipError(
                         ErrorCode.UNAVAILABLE, f"the connection to the broker at {self.address} was lost"
