@@ -376,17 +376,7 @@ def test_shutting_down_is_unavailable(spawn: Callable[..., Any]) -> None:
     spawn("gateway", "--connect", frontend, "--http-port", str(http_port), "--grpc-port", str(grpc_port))
     wait_gateway(http_port)
     wait_until(lambda: http_status(http_port, "/v2/health/ready") == 200, 20, "ready")
-    results: dict[str, Any] = {}
-
-    def slow_request() -> None:
-        body = {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["slow"]}]}
-        try:
-            results["slow"] = post_json(http_port, "/v2/models/probe/infer", body)
-        except Exception as exc:  # shown by the assertion below
-            results["slow"] = (repr(exc), None)
-
-    thread = threading.Thread(target=slow_request)
-    thread.start()
+    slow = SlowRequest(http_port)
     try:
         wait_until(lambda: stats(frontend, "probe").get("busy_workers") == 1, 10, "busy")
         os.kill(broker.pid, signal.SIGTERM)
@@ -399,9 +389,9 @@ def test_shutting_down_is_unavailable(spawn: Callable[..., Any]) -> None:
         client.close()
         assert err.status() == "StatusCode.UNAVAILABLE"
     finally:
-        thread.join(30)
-    status, doc = results["slow"]
-    assert status == 200 and doc["outputs"][0]["data"] == ["slow"], results
+        slow.thread.join(30)
+    status, doc, _ = slow.result()
+    assert status == 200 and doc["outputs"][0]["data"] == ["slow"], (status, doc)
 
 
 def test_rows_answered_504_never_run_later(spawn: Callable[..., Any]) -> None:
@@ -449,17 +439,7 @@ def test_draining_serve_is_not_ready_and_finishes_what_it_holds(gateway: Callabl
     """SIGTERM to serve: readiness turns 503 at once (load balancers stop sending), new
     requests get 503, and the request in a batch is still answered 200."""
     gw = gateway("--model", PROBE, "--workers", "1", workers=1)
-    results: dict[str, Any] = {}
-
-    def slow_request() -> None:
-        body = {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["slow"]}]}
-        try:
-            results["slow"] = post_json(gw.http_port, "/v2/models/probe/infer", body)
-        except Exception as exc:  # shown by the assertion below
-            results["slow"] = (repr(exc), None)
-
-    thread = threading.Thread(target=slow_request)
-    thread.start()
+    slow = SlowRequest(gw.http_port)
     try:
         wait_until(lambda: stats(gw.serve.frontend, "probe").get("busy_workers") == 1, 10, "busy")
         assert gw.serve.process is not None
@@ -467,11 +447,11 @@ def test_draining_serve_is_not_ready_and_finishes_what_it_holds(gateway: Callabl
         wait_until(
             lambda: http_status(gw.http_port, "/v2/health/ready") == 503, 5, "not ready while draining"
         )
-        assert "slow" not in results  # still in its batch
+        assert slow.outcome is None  # still in its batch
     finally:
-        thread.join(30)
-    status, doc = results["slow"]
-    assert status == 200 and doc["outputs"][0]["data"] == ["slow"], results
+        slow.thread.join(30)
+    status, doc, _ = slow.result()
+    assert status == 200 and doc["outputs"][0]["data"] == ["slow"], (status, doc)
 
 
 def test_a_signal_to_serves_whole_group_drains_with_the_gateway_up(gateway: Callable[..., Gateway]) -> None:
@@ -479,17 +459,7 @@ def test_a_signal_to_serves_whole_group_drains_with_the_gateway_up(gateway: Call
     serve's to act on), so serve drains as with a signal to it alone: the request in a
     batch gets its result, and readiness says 503 meanwhile."""
     gw = gateway("--model", PROBE, "--workers", "1", workers=1)
-    results: dict[str, Any] = {}
-
-    def slow_request() -> None:
-        body = {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["slow"]}]}
-        try:
-            results["slow"] = post_json(gw.http_port, "/v2/models/probe/infer", body)
-        except Exception as exc:  # shown by the assertion below
-            results["slow"] = (repr(exc), None)
-
-    thread = threading.Thread(target=slow_request)
-    thread.start()
+    slow = SlowRequest(gw.http_port)
     try:
         wait_until(lambda: stats(gw.serve.frontend, "probe").get("busy_workers") == 1, 10, "busy")
         assert gw.serve.process is not None
@@ -498,9 +468,9 @@ def test_a_signal_to_serves_whole_group_drains_with_the_gateway_up(gateway: Call
             lambda: http_status(gw.http_port, "/v2/health/ready") == 503, 5, "not ready while draining"
         )
     finally:
-        thread.join(30)
-    status, doc = results["slow"]
-    assert status == 200 and doc["outputs"][0]["data"] == ["slow"], results
+        slow.thread.join(30)
+    status, doc, _ = slow.result()
+    assert status == 200 and doc["outputs"][0]["data"] == ["slow"], (status, doc)
     assert gw.serve.process.wait(15) == 0
     wait_until(
         lambda: http_status(gw.http_port, "/v2/health/live") == 0, 10, "the gateway stopped with serve"
@@ -535,28 +505,14 @@ def test_rows_in_flight_when_the_broker_dies_get_503_at_once(spawn: Callable[...
     spawn("gateway", "--connect", frontend, "--http-port", str(http_port))
     wait_gateway(http_port)
     wait_until(lambda: http_status(http_port, "/v2/health/ready") == 200, 20, "ready")
-    results: dict[str, Any] = {}
-
-    def slow_request() -> None:
-        body = {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["slow"]}]}
-        started = time.monotonic()
-        try:
-            results["slow"] = (
-                *post_json(http_port, "/v2/models/probe/infer", body),
-                time.monotonic() - started,
-            )
-        except Exception as exc:  # shown by the assertion below
-            results["slow"] = (repr(exc), None, time.monotonic() - started)
-
-    thread = threading.Thread(target=slow_request)
-    thread.start()
+    slow = SlowRequest(http_port)
     try:
         wait_until(lambda: stats(frontend, "probe").get("busy_workers") == 1, 10, "busy")
         os.kill(broker.pid, signal.SIGKILL)
     finally:
-        thread.join(30)
-    status, doc, took_s = results["slow"]
-    assert status == 503 and "lost" in doc["error"] and took_s < 5, results
+        slow.thread.join(30)
+    status, doc, took_s = slow.result()
+    assert status == 503 and "lost" in doc["error"] and took_s < 5, (status, doc, took_s)
 
 
 def test_http_errors_of_every_kind_are_v2_error_bodies(gateway: Callable[..., Gateway]) -> None:
@@ -786,6 +742,32 @@ def test_readme_curl_examples(gateway: Callable[..., Gateway]) -> None:
     infer = json.loads(outputs[-1])
     assert infer["outputs"][0]["shape"] == [2, 3]
     assert infer["outputs"][0]["data"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+
+
+class SlowRequest:
+    """A `slow` row (the probe holds its batch 1.5 s) posted from a thread of its own, so
+    the test can act while it is in its batch; `result()` joins it: (status, doc,
+    seconds), or (the exception's repr, None, seconds) for the assertion to show."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.outcome: tuple[Any, Any, float] | None = None
+        self.thread = threading.Thread(target=self._post)
+        self.thread.start()
+
+    def _post(self) -> None:
+        body = {"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["slow"]}]}
+        started = time.monotonic()
+        try:
+            status, doc = post_json(self.port, "/v2/models/probe/infer", body)
+        except Exception as exc:  # shown by the test's assertion
+            status, doc = repr(exc), None
+        self.outcome = (status, doc, time.monotonic() - started)
+
+    def result(self) -> tuple[Any, Any, float]:
+        self.thread.join(30)
+        assert self.outcome is not None, "the slow request did not finish within 30 s"
+        return self.outcome
 
 
 # --- helpers ------------------------------------------------------------------------------------
