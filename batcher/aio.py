@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import AsyncIterator, Callable, Generator, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -109,6 +109,9 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(exc)
+        streams, self._streams = self._streams, {}
+        for queue in streams.values():
+            queue.take(exc)
 
     def _ensure_reader(self) -> None:
         if self._reader is None or self._reader.done():
@@ -123,6 +126,8 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
                 frames = await self._sock.recv_multipart(copy=False)  # no copy of a large reply
                 try:
                     reply = tensor.unpack_arrays(frames[-1])
+                    if self._route_chunk(reply):
+                        continue
                     fut = self._match(reply)  # None: dropped as a duplicate, and counted
                 except Exception:
                     continue  # not a reply of ours; nothing to match it to
@@ -258,6 +263,60 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
                 raise r
         return list(results)
 
+    async def stream(
+        self,
+        input: Any,
+        model: str | None = None,
+        timeout_ms: float | None = None,
+        priority: float | None = None,
+    ) -> AsyncIterator[Any]:
+        """Send a streamed request (`"stream": true`) and iterate over its chunks as they
+        come: `async for chunk in client.stream(x)`. An error reply raises its typed
+        error. Leaving the loop early (break, an exception, cancellation) tells the
+        broker to cancel it, and the worker stops generating; for that to happen at once
+        rather than when the generator is collected, wrap it in contextlib.aclosing.
+        `timeout_s` bounds the wait for each chunk; a stream is never retried."""
+        if self._closed:
+            raise ClientClosed(f"the client of {self.address} is closed")
+        self._ensure_reader()
+        self.watch.poll()
+        request_id = next(self._ids)
+        fields = request_body(input, model, timeout_ms, priority, stream=True)
+        body = protocol.pack_carrying({"id": request_id, **fields}, input)
+        wait_s = reply_wait_s(self.timeout_s, timeout_ms)
+        chunks = _StreamQueue()
+        self._streams[request_id] = chunks
+        finished = False
+        try:
+            try:
+                async with asyncio.timeout(wait_s):
+                    await self._sock.send_multipart([b"", body], copy=len(body) < ZERO_COPY_BYTES)
+            except TimeoutError:
+                raise ClientTimeout(self._timeout_message(1), reply={"id": request_id}) from None
+            while not finished:
+                try:
+                    async with asyncio.timeout(wait_s):
+                        reply = await chunks.get()
+                except TimeoutError:
+                    raise ClientTimeout(self._timeout_message(1), reply={"id": request_id}) from None
+                if isinstance(reply, BaseException):
+                    raise reply
+                finished = reply.get("more") is not True
+                if not reply.get("ok"):
+                    raise error_from_reply(reply)
+                yield reply.get("output")
+        finally:
+            if not finished:
+                chunks.closed = True  # what still comes is dropped, until its last reply
+                if self._streams.get(request_id) is chunks and not self._closed:
+                    with contextlib.suppress(zmq.ZMQError):
+                        sent = asyncio.ensure_future(
+                            self._sock.send_multipart([b"", cancel_body(request_id)])
+                        )
+                        sent.add_done_callback(_ignore_result)
+                else:
+                    self._streams.pop(request_id, None)
+
     async def control(self, op: str, **fields: Any) -> Any:
         """Send a control request (`stats`; `reload` with model=NAME) and return its output."""
         reply = await self._call({"op": op, **fields}, self.timeout_s)
@@ -330,6 +389,21 @@ class AsyncPendingReply:
         with contextlib.suppress(zmq.ZMQError):
             sent = asyncio.ensure_future(client._sock.send_multipart([b"", cancel_body(self.request_id)]))
             sent.add_done_callback(_ignore_result)
+
+
+class _StreamQueue:
+    """The replies of one streamed request, as the reader task hands them over."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
+        self.closed = False
+
+    def take(self, reply: dict[str, Any] | BaseException) -> None:
+        if not self.closed:
+            self._queue.put_nowait(reply)
+
+    async def get(self) -> dict[str, Any] | BaseException:
+        return await self._queue.get()
 
 
 def _ignore_result(fut: asyncio.Future[Any]) -> None:

@@ -1,7 +1,8 @@
 """The broker's worker side: the backend ROUTER and what workers say on it (READY,
-REPLY, HEARTBEAT, DISCONNECT), heartbeats to them, and what becomes of a lost worker's
-batches. Every rule is the worker pool's (batcher/pool.py) or the scheduler's; this
-class reads and writes the socket and reports to the stats."""
+REPLY, CHUNK, HEARTBEAT, DISCONNECT), heartbeats to them, and what becomes of a lost
+worker's batches and sequences. Every rule is the worker pool's (batcher/pool.py), the
+scheduler's or batcher.streams'; this class reads and writes the socket and reports to
+the stats."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from batcher.pool import WorkerPool, worker_info
 from batcher.protocol import ErrorCode, WorkerProtocolError
 from batcher.scheduler import Batch, QueuedRequest, Scheduler
 from batcher.stats import BrokerStats
+from batcher.streams import Sequence, Verdict
 from batcher.zmqio import recv_frames, send_frames
 
 log = logging.getLogger("batcher.broker")
@@ -31,7 +33,8 @@ GOODBYE_READS = 10
 
 class Backend:
     """Workers, as the broker's loop sees them; `deliver(envelope, body)` sends a reply
-    to a client, `reply_error` and `fail_batch` answer requests with an error."""
+    to a client (False: the client is gone), `reply_error` and `fail_batch` answer
+    requests with an error."""
 
     def __init__(
         self,
@@ -39,7 +42,7 @@ class Backend:
         scheduler: Scheduler,
         pool: WorkerPool,
         stats: BrokerStats,
-        deliver: Callable[[list[bytes], bytes], None],
+        deliver: Callable[[list[bytes], bytes], bool],
         reply_error: Callable[[QueuedRequest, str, ErrorCode, str], None],
         fail_batch: Callable[[Batch, ErrorCode, str], None],
     ) -> None:
@@ -97,6 +100,8 @@ class Backend:
                 self._bad_reply(worker_id, exc)
                 raise exc
             self._on_reply(worker_id, frames[3], frames[4:])
+        elif command == protocol.CMD_CHUNK and len(frames) >= 4:
+            self._on_chunk(worker_id, frames[3], frames[4:])
         elif command == protocol.CMD_DISCONNECT:
             log.info("worker %s left", self.pool.name(worker_id))
             self.lost(worker_id, "worker left", failed=False)
@@ -158,6 +163,52 @@ class Backend:
         for req, reply in zip(batch.requests, replies, strict=True):
             deliver(req.envelope, reply)
 
+    def _on_chunk(self, worker_id: bytes, header_frame: bytes, bodies: list[Any]) -> None:
+        """A step-level worker's chunks: each forwarded untouched to its client, in order;
+        a final one frees the sequence's slot. A client found gone ends its sequence (the
+        worker is told to stop it). A CHUNK that breaks the protocol takes its worker for
+        broken: its sequences cannot be matched any more."""
+        streams = self.pool.streams
+        try:
+            if worker_id not in streams:
+                raise WorkerProtocolError("CHUNK from a worker that did not announce max_active")
+            header = protocol.parse_chunk_header(header_frame)
+            replies = protocol.split_bodies(header.lengths, bodies)
+        except (WorkerProtocolError, ValueError) as exc:
+            log.warning("malformed CHUNK from worker %s: %s", self.pool.name(worker_id), exc)
+            self.lost(worker_id, f"the worker sent a malformed CHUNK: {exc}")
+            raise WorkerProtocolError(str(exc)) from None
+        now = time.monotonic()
+        streams.heard(worker_id, header.counters)
+        deliver, stats = self.deliver, self.stats
+        for seq_id, flag, body in zip(header.seq_ids, header.flags, replies, strict=True):
+            verdict, seq = streams.on_chunk(worker_id, seq_id, flag, now)
+            if seq is None:
+                continue
+            if verdict is Verdict.ABANDONED:
+                self.reply_error(
+                    seq.request, seq.model, ErrorCode.WORKER_FAILED, "the worker dropped the sequence"
+                )
+                continue
+            delivered = deliver(seq.request.envelope, body)
+            stats.chunk(seq.model, seq.chunks == 1, now - seq.request.arrived_at, now)
+            if verdict is Verdict.DELIVER_FINAL:
+                stats.count(seq.model, _final_outcome(flag, body))
+            elif not delivered:  # the client is gone: nobody reads what comes next
+                self.end_stream(seq, None, "client_gone")
+
+    def end_stream(self, seq: Sequence, code: ErrorCode | None, reason: str, message: str = "") -> None:
+        """The broker ends a sequence before its worker did: its client is answered `code`
+        (None: it is gone), the worker told to stop, and the ending counted by `reason`."""
+        if seq.answered:
+            return
+        held = self.pool.streams.answer(seq)
+        if code is not None:
+            self.reply_error(seq.request, seq.model, code, message)
+        if held:
+            self.send(seq.worker, protocol.cancel_frames([seq.seq_id]))
+        self.stats.sequence_cancelled(seq.model, reason)
+
     def _bad_reply(self, worker_id: bytes, exc: WorkerProtocolError) -> None:
         """A REPLY that breaks the protocol fails the batch it names, if that is one of this
         worker's. One that names none can be matched to nothing: if the worker holds
@@ -213,17 +264,32 @@ class Backend:
             limit_ms = 1000.0 * limit
             for req in batch.requests:
                 req.hung += 1
-            info = self.pool.info(worker_id)
             log.warning(
                 "worker %s: a batch of %d ran past its time limit (%.0f ms): taken for hung, told to exit",
                 self.pool.name(worker_id), len(batch.requests), limit_ms,
             )  # fmt: skip
-            self.stats.batches_timed_out += 1
-            self.send(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_EXIT])
-            if info is not None and isinstance(info.pid, int):
-                self.on_hung(info.pid)
             why = f"its batch ran past the time limit of {limit_ms:.0f} ms (--batch-timeout-ms)"
-            self.lost(worker_id, why, blame=batch.batch_id)  # the batches behind it never began
+            self._stop_hung(worker_id, why, blame=batch.batch_id)  # the batches behind it never began
+        for w, limit in self.pool.streams.hung(now, limit_s):
+            if w.worker_id not in self.pool:
+                continue
+            limit_ms = 1000.0 * limit
+            log.warning(
+                "worker %s: no step ended within its time limit (%.0f ms): taken for hung, told to exit",
+                self.pool.name(w.worker_id), limit_ms,
+            )  # fmt: skip
+            self._stop_hung(
+                w.worker_id, f"its step ran past the time limit of {limit_ms:.0f} ms (--batch-timeout-ms)"
+            )
+
+    def _stop_hung(self, worker_id: bytes, why: str, blame: int | None = None) -> None:
+        """Tell a hung worker to exit (`serve` kills its own too) and take it for lost."""
+        info = self.pool.info(worker_id)
+        self.stats.batches_timed_out += 1
+        self.send(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_EXIT])
+        if info is not None and isinstance(info.pid, int):
+            self.on_hung(info.pid)
+        self.lost(worker_id, why, blame=blame)
 
     def process_exited(self, pid: int, code: int | None) -> None:
         """`serve` saw the process of one of its workers exit: take that worker for dead now,
@@ -250,3 +316,21 @@ class Backend:
         self.stats.batches_retried += lost.batches_requeued
         for model, req in lost.failed:
             self.reply_error(req, model, ErrorCode.WORKER_FAILED, why)
+
+
+def _final_outcome(flag: int, body: Any) -> str:
+    """A final chunk's outcome for the counters: "ok", or its error's code (an error reply
+    is small, and rare: reading it costs little)."""
+    if flag == protocol.CHUNK_FINAL:
+        return "ok"
+    try:
+        code = protocol.unpack(bytes(body))["error"]["code"]
+    except Exception:  # msgpack raises several unrelated types; a body without the code
+        return str(ErrorCode.MODEL_ERROR)
+    return code if code in _WORKER_FINAL_CODES else str(ErrorCode.MODEL_ERROR)
+
+
+#: The error codes a step-level worker may end a sequence with.
+_WORKER_FINAL_CODES = frozenset(
+    str(c) for c in (ErrorCode.MODEL_ERROR, ErrorCode.BAD_REQUEST, ErrorCode.DEADLINE_EXCEEDED)
+)

@@ -103,6 +103,10 @@ class LoadSettings:
     curve_server_key: str | None = None
     curve_secret_key: str | None = None
     no_reply_timeout_s: float = 10.0
+    #: Each request's input (None: `payload_bytes` bytes), and whether it asks for streamed
+    #: replies: then time to first chunk, chunks/s and the time between chunks are measured.
+    input: Any = None
+    stream: bool = False
 
     def __post_init__(self) -> None:
         if (self.concurrency is None) == (self.rate is None):
@@ -193,6 +197,9 @@ class ShardResult:
     wall_s: float = 0.0
     max_send_lag_ms: float = 0.0
     late_sends: int = 0
+    chunks_in_window: int = 0  # streamed chunks (finals included) arriving inside the window
+    first_chunk_histogram: bytes = b""  # time from a request's due time to its first chunk
+    inter_chunk_histogram: bytes = b""  # time between two chunks of one request
 
     @property
     def backlog_growth(self) -> int:
@@ -203,9 +210,13 @@ class ShardResult:
 def _body_prefix(settings: LoadSettings) -> bytes:
     """A request body without its id value: ids are appended per request, so a request
     costs one small msgpack int instead of encoding the whole map again."""
-    fields: dict[str, Any] = {"input": b"x" * settings.payload_bytes}
+    fields: dict[str, Any] = {
+        "input": b"x" * settings.payload_bytes if settings.input is None else settings.input
+    }
     if settings.model is not None:
         fields["model"] = settings.model
+    if settings.stream:
+        fields["stream"] = True
     parts = [bytes((0x80 | (len(fields) + 1),))]  # a fixmap header: the fields, then "id"
     for k, v in fields.items():
         parts += [protocol.pack(k), protocol.pack(v)]
@@ -220,6 +231,7 @@ class ReplyHead(msgspec.Struct):
     ok: Any = None
     batch_size: Any = None
     error: Any = None
+    more: Any = None
 
 
 _read_reply_head = msgspec.msgpack.Decoder(ReplyHead).decode
@@ -237,7 +249,9 @@ def read_head(body: Any) -> ReplyHead:
         return ReplyHead()
     if not isinstance(reply, dict):
         return ReplyHead()
-    return ReplyHead(reply.get("id"), reply.get("ok"), reply.get("batch_size"), reply.get("error"))
+    return ReplyHead(
+        reply.get("id"), reply.get("ok"), reply.get("batch_size"), reply.get("error"), reply.get("more")
+    )
 
 
 def run_shard(
@@ -282,8 +296,11 @@ class _Generator:
         self.prefix = _body_prefix(settings)
         self.pack_id = msgpack.Packer().pack
         self.hist = new_histogram()
+        self.first_chunk_hist = new_histogram()
+        self.inter_chunk_hist = new_histogram()
         self.result = ShardResult()
         self.due: dict[int, float] = {}  # request id -> time it was due to be sent
+        self.last_chunk: dict[int, float] = {}  # streamed request id -> when its last chunk came
         self.next_id = 0
         self.t0 = 0.0
         self.window_from = 0.0
@@ -317,6 +334,10 @@ class _Generator:
                 break
             now = time.perf_counter()
             reply = read_head(frames[-1])
+            if self.s.stream and type(reply.id) is int and reply.id in self.due:
+                self._chunk(reply.id, reply, now)
+                if reply.more is True:
+                    continue  # the request is answered by its last reply
             due_at = self.due.pop(reply.id, None)
             if due_at is None:
                 continue  # not a request of this run
@@ -348,6 +369,21 @@ class _Generator:
                 self.progress_due = now + PROGRESS_INTERVAL_S
         return got
 
+    def _chunk(self, rid: int, reply: ReplyHead, now: float) -> None:
+        """A streamed reply: the first of a request gives its time to first chunk, the
+        next ones the time between chunks (an error reply ends the stream uncounted)."""
+        last = self.last_chunk.pop(rid, None)
+        if reply.ok is not True:
+            return
+        if reply.more is True:
+            self.last_chunk[rid] = now
+        if self.window_from <= now < self.window_to:
+            self.result.chunks_in_window += 1
+        if last is not None:
+            self.inter_chunk_hist.record_value(max(1, int((now - last) * 1e6)))
+        elif self.due[rid] >= self.window_from:
+            self.first_chunk_hist.record_value(max(1, int((now - self.due[rid]) * 1e6)))
+
     def run(self) -> ShardResult:
         s, res = self.s, self.result
         cpu0 = _cpu_s()
@@ -376,6 +412,9 @@ class _Generator:
             res.in_flight_at_end = res.lost
         res.first_send_s = None if self.first_send is None else self.first_send - start
         res.histogram = self.hist.encode()
+        if s.stream:
+            res.first_chunk_histogram = self.first_chunk_hist.encode()
+            res.inter_chunk_histogram = self.inter_chunk_hist.encode()
         res.wall_s = time.perf_counter() - start
         res.cpu_s = _cpu_s() - cpu0
         return res
@@ -616,6 +655,11 @@ class LoadResult:
     wall_s: float
     client: dict[str, Any]
     failure: str | None
+    #: Streamed requests only (else None): chunks arriving in the window per second, the
+    #: time from a request's due time to its first chunk, and between two of its chunks.
+    chunks_per_s: float | None = None
+    first_chunk_ms: dict[str, float] | None = None
+    inter_chunk_ms: dict[str, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -676,9 +720,7 @@ def merge(settings: LoadSettings, shards: list[ShardResult]) -> LoadResult:
     sent_in_window = sum(sh.sent_in_window for sh in shards)
     throughput = ok_in_window / window_s if window_s > 0 else 0.0
     sent_rate = sent_in_window / window_s if window_s > 0 else 0.0
-    latency = {f"p{p:g}": hist.get_value_at_percentile(p) / 1000.0 for p in PERCENTILES}
-    latency["max"] = hist.get_max_value() / 1000.0
-    latency["mean"] = hist.get_mean_value() / 1000.0
+    latency = _percentiles_ms(hist)
     batches = {k: max(1, round(v / k)) for k, v in per_size.items() if k > 0}
     n_batches = sum(batches.values())
     busy = max((sh.cpu_s / sh.wall_s for sh in shards if sh.wall_s > 0), default=0.0)
@@ -699,6 +741,20 @@ def merge(settings: LoadSettings, shards: list[ShardResult]) -> LoadResult:
     if busy > CLIENT_BUSY_LIMIT:
         client_notes.append(f"a load process used {busy:.0%} of a core: add --processes")
 
+    streamed: dict[str, Any] = {}
+    if settings.stream:
+        streamed["chunks_per_s"] = (
+            sum(sh.chunks_in_window for sh in shards) / window_s if window_s > 0 else 0.0
+        )
+        for key, attr in (
+            ("first_chunk_ms", "first_chunk_histogram"),
+            ("inter_chunk_ms", "inter_chunk_histogram"),
+        ):
+            h = new_histogram()
+            for sh in shards:
+                if getattr(sh, attr):
+                    h.decode_and_add(getattr(sh, attr))
+            streamed[key] = _percentiles_ms(h)
     fell_behind: bool | None = None
     broker_notes: list[str] = []
     if settings.rate is not None and failure is None:
@@ -747,7 +803,16 @@ def merge(settings: LoadSettings, shards: list[ShardResult]) -> LoadResult:
             "notes": client_notes,
         },
         failure=failure,
+        **streamed,
     )
+
+
+def _percentiles_ms(hist: HdrHistogram) -> dict[str, float]:
+    """A microsecond histogram's percentiles, max and mean, in milliseconds."""
+    out = {f"p{p:g}": hist.get_value_at_percentile(p) / 1000.0 for p in PERCENTILES}
+    out["max"] = hist.get_max_value() / 1000.0
+    out["mean"] = hist.get_mean_value() / 1000.0
+    return out
 
 
 def check_keys(settings: LoadSettings) -> None:
@@ -832,6 +897,18 @@ def format_report(result: LoadResult) -> str:
         + "  ".join(f"{k}={v:.3f}" for k, v in lat.items() if k != "mean")
         + f"  mean={lat['mean']:.3f}"
     )
+    if result.chunks_per_s is not None:
+        lines.append(f"chunks: {result.chunks_per_s:,.1f} chunks/s arriving in the window")
+        for label, values in (
+            ("time to first chunk", result.first_chunk_ms),
+            ("between chunks", result.inter_chunk_ms),
+        ):
+            if values:
+                lines.append(
+                    f"{label} ms: "
+                    + "  ".join(f"{k}={v:.3f}" for k, v in values.items() if k != "mean")
+                    + f"  mean={values['mean']:.3f}"
+                )
     if result.batch_sizes:
         dist = ", ".join(f"{k}: {v}" for k, v in sorted(result.batch_sizes.items()))
         lines.append(f"batches by size: {dist} (mean {result.mean_batch_size:.2f})")

@@ -33,6 +33,7 @@ from batcher.scheduler import Batch, BatchSettings, NoSuchModel, QueuedRequest, 
 from batcher.security import CurveServerKeys, HandshakeWatch, secure_server
 from batcher.stats import BrokerStats, gauges
 from batcher.stopping import StopSignals
+from batcher.streams import Streams
 from batcher.zmqio import recv_bounded, send_reply
 
 log = logging.getLogger("batcher.broker")
@@ -148,7 +149,9 @@ class Broker:
             first_batch_id=random.getrandbits(62),
             no_worker_timeout_s=settings.no_worker_timeout_ms / 1000.0,
         )
-        self.pool = WorkerPool(self.scheduler, settings.heartbeat, settings.max_retries, now)
+        # Sequence ids, like batch ids, differ across broker restarts.
+        self.streams = Streams(first_seq_id=random.getrandbits(62))
+        self.pool = WorkerPool(self.scheduler, settings.heartbeat, settings.max_retries, now, self.streams)
         self.stats = BrokerStats()
         self._configured = frozenset([*settings.models, *settings.per_model])
         self._default_timeout_s = settings.default_timeout_ms / 1000.0
@@ -169,7 +172,7 @@ class Broker:
             bind(self.backend, settings.backend)
             if settings.metrics_port is not None:
                 self.stats.metrics = serve_metrics(
-                    settings.metrics_host, settings.metrics_port, self.scheduler
+                    settings.metrics_host, settings.metrics_port, self.scheduler, self.streams
                 )
         except BaseException:
             self.close()
@@ -283,20 +286,22 @@ class Broker:
             log.exception("unexpected error in the broker loop (the broker goes on)")
 
     def _poll_timeout_ms(self, now: float) -> int:
-        wakes = [self.scheduler.next_wakeup(), self.timers.next_at()]
+        wakes = [self.scheduler.next_wakeup(), self.timers.next_at(), self.streams.next_deadline()]
         if self._stopping_since is not None:
             wakes.append(self._stopping_since + self.settings.shutdown_grace_s)
         wake = min((w for w in wakes if w is not None), default=None)
         return -1 if wake is None else max(0, math.ceil((wake - now) * 1000))
 
     def _finished_stopping(self, now: float) -> bool:
-        if not self.scheduler.busy():
+        if not self.scheduler.busy() and not self.streams.busy():
             return True
         assert self._stopping_since is not None
         if self.signals.count > 1 or now >= self._stopping_since + self.settings.shutdown_grace_s:
             message = "the broker is shutting down"
             for name, req in self.scheduler.cancel(lambda r: True):
                 self._reply_error(req, name, ErrorCode.SHUTTING_DOWN, message)
+            for seq in self.streams.unanswered():
+                self.workers.end_stream(seq, ErrorCode.SHUTTING_DOWN, "shutting_down", message)
             for batch in self.scheduler.remove_all_workers():
                 self._fail_batch(batch, ErrorCode.SHUTTING_DOWN, message)
             return True
@@ -349,35 +354,37 @@ class Broker:
             if self._stopping_since is not None
             else self.pool.refusal(model, now)
         )
+        stream = header.stream
         if refusal is not None:
-            self._refuse(envelope, header.id, *refusal, model)
+            self._refuse(envelope, header.id, *refusal, model, stream)
             return
         timeout_s = header.timeout_ms / 1000.0 if header.timeout_ms else self._default_timeout_s
         request = QueuedRequest(
             envelope, body, header.id, now, header.priority, now + timeout_s if timeout_s else None
         )
         request.cost = header.cost
+        request.stream = stream
         signature = self.pool.signature(model)
         if signature is not None and (why := signature.misfit(body)) is not None:
-            self._refuse(envelope, header.id, ErrorCode.BAD_REQUEST, why, model)
+            self._refuse(envelope, header.id, ErrorCode.BAD_REQUEST, why, model, stream)
             return
         settings = self.scheduler.settings_of(model)
         if settings is not None and settings.bucket_by is not None:
             try:
                 request.bucket = settings.bucket(protocol.input_length(body, header.id))
             except ProtocolError as exc:
-                self._refuse(envelope, exc.req_id, exc.code, exc.message, model)
+                self._refuse(envelope, exc.req_id, exc.code, exc.message, model, stream)
                 return
         try:
             self.scheduler.enqueue(model, request)
         except NoSuchModel:
             served = ", ".join(sorted(self.scheduler.views())) or "none"
             message = f"no worker serves model {model!r} (models: {served})"
-            self._refuse(envelope, header.id, ErrorCode.UNKNOWN_MODEL, message)
+            self._refuse(envelope, header.id, ErrorCode.UNKNOWN_MODEL, message, None, stream)
         except QueueFull:
             queued = self.scheduler.queued(model)
             message = f"model {model!r} has {queued} requests queued, its limit"
-            self._refuse(envelope, header.id, ErrorCode.OVERLOADED, message, model)
+            self._refuse(envelope, header.id, ErrorCode.OVERLOADED, message, model, stream)
 
     def model_failed(self, model: str, why: str) -> None:
         """No worker of `model` can start: answer its queued requests and refuse new ones
@@ -387,11 +394,17 @@ class Broker:
             self._reply_error(req, name, ErrorCode.WORKER_FAILED, why)
 
     def _refuse(
-        self, envelope: list[bytes], req_id: object, code: ErrorCode, message: str, model: str | None = None
+        self,
+        envelope: list[bytes],
+        req_id: object,
+        code: ErrorCode,
+        message: str,
+        model: str | None = None,
+        stream: bool = False,
     ) -> None:
         """Answer a request that was never queued (counted under its model when it has one)."""
         self.stats.count(model, code)
-        self._send_to_client(envelope, protocol.error_reply(req_id, code, message))
+        self._send_to_client(envelope, protocol.error_reply(req_id, code, message, stream))
 
     def _control(self, envelope: list[bytes], req_id: object, op: str, model: str | None) -> None:
         def reply(ok: bool, result: Any) -> None:
@@ -401,19 +414,25 @@ class Broker:
         if op == "cancel":  # only the sender's own requests: ids are per client
             for name, req in self.scheduler.cancel_id(envelope[0], req_id):
                 self._reply_error(req, name, ErrorCode.CANCELLED, "cancelled by the client")
+            for seq in self.streams.cancel_id(envelope[0], req_id):
+                self.workers.end_stream(seq, ErrorCode.CANCELLED, "cancel", "cancelled by the client")
         else:
             self.controls.handle(op, model, reply)
 
-    def _send_to_client(self, envelope: list[bytes], body: bytes) -> None:
+    def _send_to_client(self, envelope: list[bytes], body: bytes) -> bool:
+        """Send a reply; False when it cannot go: the client is gone (EHOSTUNREACH), or
+        not reading while REPLY_HWM replies wait for it."""
         try:
             send_reply(self.frontend, envelope, body)
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: the client went away
+            return True
+        except zmq.ZMQError as exc:
             self.stats.undeliverable += 1
             log.debug("reply to a vanished client dropped: %s", exc)
+            return False
 
     def _reply_error(self, req: QueuedRequest, model: str, code: ErrorCode, message: str) -> None:
         self.stats.count(model, code)
-        self._send_to_client(req.envelope, protocol.error_reply(req.id, code, message))
+        self._send_to_client(req.envelope, protocol.error_reply(req.id, code, message, req.stream))
 
     def _fail_batch(self, batch: Batch, code: ErrorCode, message: str) -> None:
         for req in batch.requests:
@@ -436,6 +455,33 @@ class Broker:
             if not self.workers.send(batch.worker, frames):
                 log.warning("worker %s unreachable; its batches go to another", self.pool.name(batch.worker))
                 self.workers.lost(batch.worker, "worker unreachable")
+        if self.streams:
+            self._dispatch_sequences(now)
+
+    def _dispatch_sequences(self, now: float) -> None:
+        """Step-level workers: end the sequences past their deadline, then fill every free
+        slot from its model's queue (the worker admits them at its next step)."""
+        for seq in self.streams.expire(now):
+            self.workers.end_stream(
+                seq, ErrorCode.DEADLINE_EXCEEDED, "deadline", "deadline passed while generating"
+            )
+        for w in self.streams.free_slots():
+            if not self.scheduler.queued(w.model):
+                continue
+            requests = self.scheduler.take(w.model, w.free)
+            sequences = self.streams.start(w.worker_id, requests, now)
+            queue_ms = [round((now - r.arrived_at) * 1000.0, 3) for r in requests]
+            self.stats.sequences_started(w.model, queue_ms)
+            remaining_ms = [
+                None if r.deadline_at is None else round(max(0.0, r.deadline_at - now) * 1000.0, 3)
+                for r in requests
+            ]
+            frames = protocol.start_frames(
+                [s.seq_id for s in sequences], remaining_ms, [r.body for r in requests]
+            )
+            if not self.workers.send(w.worker_id, frames):
+                log.warning("worker %s unreachable; its sequences go to another", self.pool.name(w.worker_id))
+                self.workers.lost(w.worker_id, "worker unreachable")
 
 
 def router(ctx: zmq.Context[Any], max_message_bytes: int) -> zmq.Socket[Any]:
@@ -458,7 +504,7 @@ def bind(sock: zmq.Socket[Any], address: str) -> None:
         raise BindError(f"cannot bind {address}: {exc.strerror}") from None
 
 
-def serve_metrics(host: str, port: int, scheduler: Scheduler) -> PrometheusMetrics:
+def serve_metrics(host: str, port: int, scheduler: Scheduler, streams: Streams) -> PrometheusMetrics:
     """Prometheus metrics on `host`:`port`, gauges read from the scheduler's views at
     scrape time (from prometheus_client's thread: retried if the loop changed a dict
     under it)."""
@@ -466,7 +512,7 @@ def serve_metrics(host: str, port: int, scheduler: Scheduler) -> PrometheusMetri
     def read_gauges() -> dict[str, dict[str, float]]:
         for _ in range(5):
             try:
-                return gauges(scheduler.views())
+                return gauges(scheduler.views(), streams)
             except (RuntimeError, KeyError):
                 continue
         return {}

@@ -42,12 +42,13 @@ from batcher.demo import DEMO_POLICY, DEMO_WORKERS, run_demo
 from batcher.gateway.core import GatewaySettings
 from batcher.gateway.process import GatewayProcess, gateway_command, local_address
 from batcher.logs import FORMATS, setup_logging
-from batcher.protocol import Heartbeat
+from batcher.protocol import MAX_ACTIVE, Heartbeat
 from batcher.scheduler import BUCKET_BY, POLICIES, BatchSettings
 from batcher.security import CurveServerKeys, KeyFileError
 from batcher.serving import ModelLoadFailed, run_serve
 from workers import warmup
 from workers.models import ModelSpec, SimSettings
+from workers.steps import BATCHING_LEVELS
 from workers.supervisor import EXIT_MODEL_LOAD_FAILED, PoolSettings
 from workers.worker import ModelLoadError, WorkerSettings, run_worker
 
@@ -706,8 +707,10 @@ spawned_broker_options = option_group(
 )
 
 
-def _sim(sim_base_ms: float, sim_per_item_ms: float) -> SimSettings:
-    return SimSettings(sim_base_ms, sim_per_item_ms)
+def _sim(
+    sim_base_ms: float, sim_per_item_ms: float, simlm_step_base_ms: float, simlm_step_per_seq_ms: float
+) -> SimSettings:
+    return SimSettings(sim_base_ms, sim_per_item_ms, simlm_step_base_ms, simlm_step_per_seq_ms)
 
 
 #: The simulated GPU's cost: serve, worker and bench.
@@ -725,6 +728,47 @@ sim_options = option_group(
         type=float_range(0, MAX_MS),
         default=SimSettings().per_item_ms,
         help="sim model: added cost per request in a batch.",
+    ),
+    option(
+        "--simlm-step-base-ms",
+        type=float_range(0, MAX_MS),
+        default=SimSettings().step_base_ms,
+        help="simlm model: fixed cost of one step (one token for every active sequence).",
+    ),
+    option(
+        "--simlm-step-per-seq-ms",
+        type=float_range(0, MAX_MS),
+        default=SimSettings().step_per_seq_ms,
+        help="simlm model: added cost per active sequence in a step.",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """A step-level model's worker settings: serve and worker."""
+
+    max_active: int
+    batching_level: str
+
+
+#: Step-level (generative) models: serve and worker.
+step_options = option_group(
+    "steps",
+    StepOptions,
+    option(
+        "--max-active",
+        type=int_range(1, MAX_ACTIVE),
+        default=field_default(WorkerSettings, "max_active"),
+        help="Step-level models: most sequences a worker generates at once (its credit at the "
+        "broker, which sends it a request per free slot).",
+    ),
+    option(
+        "--batching-level",
+        type=click.Choice(BATCHING_LEVELS),
+        default=field_default(WorkerSettings, "batching_level"),
+        help="Step-level models: `step` admits new sequences between any two steps (continuous "
+        "batching); `request` only once all it holds have ended (request-level batching, the baseline).",
     ),
 )
 
@@ -782,6 +826,7 @@ def pool_settings(
     logs: LogOptions,
     threads_per_worker: int | None = None,
     warmup: bool = True,
+    steps: StepOptions | None = None,
 ) -> PoolSettings:
     """serve's PoolSettings from CLI values. The config file's [models.NAME] tables pin
     models to GPUs (`gpus`) and set their worker counts (`workers`, unless --workers came
@@ -817,6 +862,7 @@ def pool_settings(
             }
             if warmup
             else None,
+            **(dataclasses.asdict(steps) if steps is not None else {}),
         )
     except (ValueError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
@@ -1002,6 +1048,7 @@ def gateway(
 @curve_server_options
 @config_option
 @sim_options
+@step_options
 @logging_options
 def serve(
     frontend: str,
@@ -1021,6 +1068,7 @@ def serve(
     curve: CurveServerKeys | None,
     config: str | None,
     sim: SimSettings,
+    steps: StepOptions,
     logs: LogOptions,
 ) -> None:
     """Run a broker and its worker processes: per model, --workers of them, or
@@ -1054,6 +1102,7 @@ def serve(
         logs=logs,
         threads_per_worker=threads_per_worker,
         warmup=not no_warmup,
+        steps=steps,
     )
     ctx = click.get_current_context()
     reread = None if config is None else functools.partial(_reread_batching, ctx, config, settings.models)
@@ -1139,6 +1188,7 @@ def broker(
 @heartbeat_options
 @curve_worker_options
 @sim_options
+@step_options
 @logging_options
 def worker(
     connect: str,
@@ -1151,6 +1201,7 @@ def worker(
     heartbeat: Heartbeat,
     curve: ClientKeys,
     sim: SimSettings,
+    steps: StepOptions,
     logs: LogOptions,
 ) -> None:
     """Run one model-worker process connected to a broker's backend."""
@@ -1169,6 +1220,8 @@ def worker(
                 curve.curve_secret_key,
                 threads_per_worker,
                 () if no_warmup else (warmup_sizes or WorkerSettings().warmup_sizes),
+                steps.max_active,
+                steps.batching_level,
             )
         )
     except ModelLoadError as exc:
@@ -1285,6 +1338,13 @@ def parse_input(text: str) -> Any:
     help="How long to wait for each reply, here: a request unanswered by then is reported "
     "as a timeout (the broker may be down or unreachable).",
 )
+@local_option(
+    "--stream",
+    is_flag=True,
+    default=False,
+    help='Ask for streamed replies ("stream": true): each chunk prints as it comes, one JSON '
+    "line each, every input's chunks together, in order.",
+)
 @curve_client_options
 @logging_options
 @click.argument("inputs", nargs=-1)
@@ -1293,6 +1353,7 @@ def send(
     model: str | None,
     timeout_ms: float | None,
     timeout_s: float,
+    stream: bool,
     curve: ClientKeys,
     logs: LogOptions,
     inputs: tuple[str, ...],
@@ -1317,9 +1378,13 @@ def send(
     failed = False
     timeouts: dict[str, None] = {}  # the client's messages, each said once, in order
     with curve.client(connect, timeout_s) as client:
-        pendings = [client.submit(v, model=model, timeout_ms=timeout_ms) for v in values]
-        for p in pendings:
-            reply = p.wait()
+        if stream:
+            streams = [client.stream(v, model=model, timeout_ms=timeout_ms) for v in values]
+            replies: Iterable[dict[str, Any]] = (r for st in streams for r in st.replies())
+        else:
+            pendings = [client.submit(v, model=model, timeout_ms=timeout_ms) for v in values]
+            replies = (p.wait() for p in pendings)
+        for reply in replies:
             failed |= not reply.get("ok")
             click.echo(strict_json(reply))
             error = reply.get("error")
@@ -1395,9 +1460,23 @@ def demo(workers: int, policy: str, logs: LogOptions) -> None:
     help="Write the full result as JSON to this file.",
 )
 @option("--workers", type=int_range(1, MAX_WORKERS), default=2, help="--spawn: worker processes.")
+@local_option(
+    "--stream",
+    is_flag=True,
+    default=False,
+    help='Streamed requests ("stream": true): also measures time to first chunk, chunks/s and '
+    'the time between chunks. Default model with --spawn: simlm; default input: {"tokens": 32}.',
+)
+@option(
+    "--input",
+    "input_json",
+    default=None,
+    help="Each request's input as JSON (instead of --payload-bytes of bytes), e.g. '{\"tokens\": 64}'.",
+)
 @spawned_broker_options
 @curve_client_options
 @sim_options
+@step_options
 @logging_options
 def bench(
     connect: str | None,
@@ -1412,9 +1491,12 @@ def bench(
     processes: int,
     json_path: str | None,
     workers: int,
+    stream: bool,
+    input_json: str | None,
     serve_flags: list[str],
     curve: ClientKeys,
     sim: SimSettings,
+    steps: StepOptions,
     logs: LogOptions,
 ) -> None:
     """Measure throughput and latency of a broker under closed- or open-loop load.
@@ -1440,9 +1522,24 @@ def bench(
     # --workers-per-gpu as high as --workers: the spawned serve spreads its workers over
     # whatever GPUs it sees rather than refusing more workers than GPUs.
     per_gpu = min(workers, MAX_WORKERS_PER_GPU)
-    served = model or BrokerSettings().default_model
+    served = model or ("simlm" if stream else BrokerSettings().default_model)
+    if spawn and model is None:
+        model = served
+    try:
+        given_input = parse_input(input_json) if input_json is not None else None
+    except click.BadParameter as exc:
+        raise click.BadParameter(exc.message, param_hint="--input") from None
+    if given_input is None and stream:
+        given_input = {"tokens": 32}
     serve_args = ["--workers", str(workers), "--workers-per-gpu", str(per_gpu), "--model", served]
     serve_args += ["--sim-base-ms", str(sim.base_ms), "--sim-per-item-ms", str(sim.per_item_ms)]
+    serve_args += [
+        "--simlm-step-base-ms",
+        str(sim.step_base_ms),
+        "--simlm-step-per-seq-ms",
+        str(sim.step_per_seq_ms),
+    ]
+    serve_args += ["--max-active", str(steps.max_active), "--batching-level", steps.batching_level]
     serve_args += [*serve_flags, *_serve_flags(curve_secret_key=curve_secret_key)]
     serve = ServeProcess(serve_args) if spawn else None
     if serve is not None:
@@ -1461,6 +1558,8 @@ def bench(
             warmup_s=warmup_s,
             curve_server_key=curve_server_key,
             curve_secret_key=curve_secret_key,
+            input=given_input,
+            stream=stream,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None

@@ -20,7 +20,8 @@ import logging
 import math
 import time
 import types
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 import zmq
@@ -153,10 +154,17 @@ def reply_key(reply: dict[str, Any], pending: dict[Any, Any]) -> Any:
 
 
 def request_body(
-    input: Any, model: str | None, timeout_ms: float | None, priority: float | None, cost: float | None = None
+    input: Any,
+    model: str | None,
+    timeout_ms: float | None,
+    priority: float | None,
+    cost: float | None = None,
+    stream: bool = False,
 ) -> dict[str, Any]:
     """A request map with only the fields that were given (protocol.md, 4.2)."""
     body: dict[str, Any] = {"input": input}
+    if stream:
+        body["stream"] = True
     if model is not None:
         body["model"] = model
     if timeout_ms is not None:
@@ -454,9 +462,23 @@ class BaseClient(Generic[PendingT]):
         self.retries = retries
         self._ids = itertools.count(1)
         self._pending: dict[Any, PendingT] = {}
+        #: Streamed requests by id: what takes their chunks (a closed one's stay until its last).
+        self._streams: dict[Any, Any] = {}
         #: Replies that matched no waiting request: a retried request's second reply,
         #: or a late one to a request that already timed out.
         self.duplicates_dropped = 0
+
+    def _route_chunk(self, reply: dict[str, Any]) -> bool:
+        """Give a reply to the stream it belongs to, if it does (True); a stream's last
+        reply (`more` not true) ends it here."""
+        req_id = reply.get("id")
+        stream = self._streams.get(req_id) if isinstance(req_id, int | str) else None
+        if stream is None:
+            return False
+        if reply.get("more") is not True:
+            del self._streams[req_id]
+        stream.take(reply)
+        return True
 
     def _next_id(self) -> int:
         """A request id not used before on this client (1, 2, ...)."""
@@ -588,6 +610,44 @@ class Client(BaseClient[PendingReply]):
         """Send a control request (`stats`; `reload` with model=NAME) and return its output."""
         return self.start({"op": op, **fields}, self.timeout_s).result()
 
+    def stream(
+        self,
+        input: Any,
+        model: str | None = None,
+        timeout_ms: float | None = None,
+        priority: float | None = None,
+    ) -> Stream:
+        """Send a streamed request (`"stream": true`) and iterate over its chunks as they
+        come: `for chunk in client.stream(x)`. An error reply raises its typed error.
+        Leaving early, use `with client.stream(x) as chunks:` (or `close()`): the broker
+        is told to cancel it and the worker stops generating. `timeout_s` bounds the wait
+        for each chunk; a stream is never retried."""
+        request_id = next(self._ids)
+        fields = request_body(input, model, timeout_ms, priority, stream=True)
+        body = protocol.pack_carrying({"id": request_id, **fields}, input)
+        stream = Stream(self, request_id, reply_wait_s(self.timeout_s, timeout_ms))
+        self._streams[request_id] = stream
+        if not self._send_body(body, None if stream.wait_s is None else time.monotonic() + stream.wait_s):
+            del self._streams[request_id]
+            stream.take(timeout_reply(request_id, self._timeout_message(1)))
+        return stream
+
+    def _wait_chunk(self, stream: Stream) -> None:
+        """Wait until `stream` has a reply, or past its wait for one (it then times out)."""
+        deadline = None if stream.wait_s is None else time.monotonic() + stream.wait_s
+        while not stream.received:
+            timeout_ms = -1
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._streams.pop(stream.request_id, None)
+                    self.send_cancel(stream.request_id)
+                    stream.take(timeout_reply(stream.request_id, self._timeout_message(1)))
+                    return
+                timeout_ms = max(1, math.ceil(remaining * 1000))
+            if self._sock.poll(timeout_ms, zmq.POLLIN):
+                self.receive_ready()
+
     def start(self, fields: dict[str, Any], wait_s: float | None) -> PendingReply:
         """Send the request map `fields`, with an `id` of ours added, without waiting;
         returns its PendingReply, which times out `wait_s` seconds after each send
@@ -618,6 +678,8 @@ class Client(BaseClient[PendingReply]):
                 return answered
             try:
                 reply = tensor.unpack_arrays(frames[-1])
+                if self._route_chunk(reply):
+                    continue
                 pending = self._match(reply)
             except Exception:
                 continue  # not a reply of ours; nothing to match it to
@@ -661,6 +723,67 @@ class Client(BaseClient[PendingReply]):
                 timeout_ms = max(1, math.ceil(remaining * 1000))
             if self._sock.poll(timeout_ms, zmq.POLLIN):
                 self.receive_ready()
+
+
+class Stream:
+    """A streamed request in flight: iterate for its chunks' outputs (an error reply
+    raises its typed error; a `timeout` one ClientTimeout), or `replies()` for the whole
+    reply maps; `final` is its last reply once it came. Use it in a `with` block, or
+    `close()` it, to cancel what is left when leaving early."""
+
+    def __init__(self, client: Client, request_id: int, wait_s: float | None) -> None:
+        self._client = client
+        self.request_id = request_id
+        self.wait_s = wait_s
+        self.received: deque[dict[str, Any]] = deque()  # replies not taken yet
+        self.final: dict[str, Any] | None = None
+        self.closed = False
+
+    def take(self, reply: dict[str, Any]) -> None:
+        """A reply for this stream (the client's reader calls this)."""
+        if not self.closed:
+            self.received.append(reply)
+
+    def next_reply(self) -> dict[str, Any] | None:
+        """The next reply map, waiting for it; None once the last one was taken."""
+        if self.final is not None or self.closed:
+            return None
+        if not self.received:
+            self._client._wait_chunk(self)
+        reply = self.received.popleft()
+        if reply.get("more") is not True:
+            self.final = reply
+        return reply
+
+    def replies(self) -> Iterator[dict[str, Any]]:
+        """Every reply map, the last included, error or not."""
+        while (reply := self.next_reply()) is not None:
+            yield reply
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        reply = self.next_reply()
+        if reply is None:
+            raise StopIteration
+        if not reply.get("ok"):
+            raise error_from_reply(reply)
+        return reply.get("output")
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Cancel what is left of the stream (nothing if it ended): the broker answers it
+        `cancelled` and the worker stops generating; chunks still coming are dropped."""
+        if self.final is None and not self.closed:
+            self.closed = True
+            self.received.clear()
+            self._client.send_cancel(self.request_id)
 
 
 # --- several frontends --------------------------------------------------------------------------

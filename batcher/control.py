@@ -81,13 +81,16 @@ class Controls:
         return self.stats.snapshot(views, self.pool, self.configured, time.monotonic(), self.loop_state())
 
     def workers_of(self, model: str) -> list[tuple[bytes, object, int]]:
-        """(worker id, pid from its READY, batches it holds) of each live worker of `model`."""
-        return [(w, info.pid, self.scheduler.held(w)) for w, info in self.pool.workers_of(model)]
+        """(worker id, pid from its READY, batches or sequences it holds) of each live worker
+        of `model`."""
+        held = self.scheduler.held
+        in_streams = self.pool.streams.held
+        return [(w, info.pid, held(w) + in_streams(w)) for w, info in self.pool.workers_of(model)]
 
     def drain_worker(self, worker_id: bytes) -> int:
         """Dispatch nothing more to a worker (it is being replaced); returns the batches it
         still holds."""
-        return self.scheduler.drain_worker(worker_id)
+        return self.scheduler.drain_worker(worker_id) + self.pool.streams.drain_worker(worker_id)
 
     def apply_model_settings(self, per_model: dict[str, BatchSettings]) -> None:
         """Batching settings re-read from the config file (SIGHUP to serve)."""

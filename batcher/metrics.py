@@ -27,6 +27,7 @@ class Recent:
     queue_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))  # broker + worker
     worker_wait_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))  # per batch
     infer_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    first_chunk_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))  # per sequence
 
 
 def percentile(values: deque[float] | list[float], q: float) -> float | None:
@@ -56,6 +57,15 @@ class NoMetrics:
         pass
 
     def padding(self, model: str, padded: int, real: int, waste: float | None) -> None:
+        pass
+
+    def chunk(self, model: str) -> None:
+        pass
+
+    def first_chunk(self, model: str, seconds: float) -> None:
+        pass
+
+    def sequence_cancelled(self, model: str, reason: str) -> None:
         pass
 
 
@@ -122,6 +132,26 @@ class PrometheusMetrics(NoMetrics):
             registry=self.registry,
         )
 
+        self.chunks = Counter(
+            "batcher_chunks",
+            "Chunks of streamed replies delivered to clients (rate(): chunks per second)",
+            ["model"],
+            registry=self.registry,
+        )
+        self.first_chunk_hist = Histogram(
+            "batcher_time_to_first_chunk_seconds",
+            "Time from a sequence's arrival at the broker to its first chunk's delivery",
+            ["model"],
+            buckets=SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self.cancelled = Counter(
+            "batcher_sequences_cancelled",
+            "Sequences the broker ended early, by reason (cancel, deadline, client_gone, shutting_down)",
+            ["model", "reason"],
+            registry=self.registry,
+        )
+
         class Gauges:
             def collect(self) -> Any:
                 snapshot = gauges()
@@ -129,6 +159,7 @@ class PrometheusMetrics(NoMetrics):
                     ("queue_depth", "Requests waiting for a batch"),
                     ("workers", "Workers alive"),
                     ("batches_in_flight", "Batches held by workers"),
+                    ("active_sequences", "Sequences held by step-level workers"),
                 ):
                     family = GaugeMetricFamily(f"batcher_{name}", help_text, labels=["model"])
                     for model, values in snapshot.items():
@@ -167,3 +198,12 @@ class PrometheusMetrics(NoMetrics):
         self.elements.labels(model, "real").inc(real)
         if waste is not None:
             self.padding_waste.labels(model).set(waste)
+
+    def chunk(self, model: str) -> None:
+        self.chunks.labels(model).inc()
+
+    def first_chunk(self, model: str, seconds: float) -> None:
+        self.first_chunk_hist.labels(model).observe(seconds)
+
+    def sequence_cancelled(self, model: str, reason: str) -> None:
+        self.cancelled.labels(model, reason).inc()

@@ -8,6 +8,10 @@ scheduler (no zmq, the time passed in), tested on a float clock (tests/test_pool
   that left on its own (DISCONNECT) hands its batches back free the first time only.
   A request whose attempts reach `max_retries` is answered `worker_failed`; the others
   go back to their queue, ahead of later arrivals.
+- **Lost sequences.** A step-level worker's sequences follow batcher.streams: one
+  that has sent no chunk is a request like any other here (retried, or answered
+  `worker_failed` past its retries); one that has sent a chunk is answered
+  `worker_failed` at once.
 - **Admission.** A request for a model whose every worker failed to start, or that has
   had no worker for the scheduler's `no_worker_timeout_s`, is refused at once.
 """
@@ -17,9 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from batcher.protocol import MAX_REPORTED_MS, ErrorCode, Heartbeat
+from batcher.protocol import MAX_ACTIVE, MAX_REPORTED_MS, ErrorCode, Heartbeat
 from batcher.scheduler import Batch, QueuedRequest, Scheduler
 from batcher.signature import Signature
+from batcher.streams import Streams
 
 
 class WorkerInfo(NamedTuple):
@@ -30,6 +35,7 @@ class WorkerInfo(NamedTuple):
     pid: object
     signature: Signature | None = None
     cost_ms: tuple[float, float] | None = None  # t(n) = a + b*n its warm-up measured
+    max_active: int | None = None  # a step-level worker's credit: the sequences it holds at once
 
     def name(self, worker_id: bytes) -> str:
         """`model/gpuN/pidP/idHEX`: the worker's name in logs and stats."""
@@ -49,8 +55,16 @@ class Lost:
 class WorkerPool:
     """The live workers of one broker, and the rules above."""
 
-    def __init__(self, scheduler: Scheduler, heartbeat: Heartbeat, max_retries: int, now: float) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        heartbeat: Heartbeat,
+        max_retries: int,
+        now: float,
+        streams: Streams | None = None,
+    ) -> None:
         self.scheduler = scheduler
+        self.streams = streams if streams is not None else Streams()
         self.heartbeat = heartbeat
         self.heartbeat_frame = heartbeat.frame()  # what every HEARTBEAT to a worker carries
         self.max_retries = max_retries
@@ -91,7 +105,10 @@ class WorkerPool:
 
     def joined(self, worker_id: bytes, info: WorkerInfo, slots: int | None, now: float) -> None:
         """READY from a worker not in the pool (one announcing itself again is `lose`t first)."""
-        self.scheduler.add_worker(worker_id, info.model, slots)
+        step = info.max_active is not None
+        self.scheduler.add_worker(worker_id, info.model, slots, step=step)
+        if info.max_active is not None:
+            self.streams.add_worker(worker_id, info.model, info.max_active, now)
         if info.cost_ms is not None:  # its warm-up: the adaptive policy knows the cost at once
             self.scheduler.seed_cost(info.model, info.cost_ms[0] / 1000.0, info.cost_ms[1] / 1000.0)
         self._heard_at[worker_id] = now
@@ -121,18 +138,35 @@ class WorkerPool:
         lost = Lost()
         for batch in self.scheduler.remove_worker(worker_id):
             self._hand_back(batch, failed and (blame is None or batch.batch_id == blame), lost)
+        retry: list[tuple[str, QueuedRequest]] = []
+        for seq in self.streams.remove_worker(worker_id):
+            # One that sent a chunk cannot start over: its client holds part of an answer.
+            if not seq.chunks and self._retries(seq.request, failed):
+                retry.append((seq.model, seq.request))
+            else:
+                lost.failed.append((seq.model, seq.request))
+        if retry:
+            lost.batches_requeued += 1
+            self.scheduler.requeue(retry[0][0], [req for _, req in retry], count_attempt=False)
         return lost
+
+    def _retries(self, req: QueuedRequest, failed: bool) -> bool:
+        """Whether a request of a lost worker goes back to its queue (counting the attempt
+        it cost), or has used up its retries."""
+        costs_attempt = failed or req.handbacks > 0
+        req.handbacks += not failed
+        if costs_attempt and req.attempts >= self.max_retries:
+            return False
+        req.attempts += costs_attempt
+        return True
 
     def _hand_back(self, batch: Batch, failed: bool, lost: Lost) -> None:
         retry: list[QueuedRequest] = []
         for req in batch.requests:
-            costs_attempt = failed or req.handbacks > 0
-            req.handbacks += not failed
-            if costs_attempt and req.attempts >= self.max_retries:
+            if self._retries(req, failed):
+                retry.append(req)
+            else:
                 lost.failed.append((batch.model, req))
-                continue
-            req.attempts += costs_attempt
-            retry.append(req)
         if retry:
             lost.batches_requeued += 1
             self.scheduler.requeue(batch.model, retry, count_attempt=False)
@@ -181,4 +215,9 @@ def worker_info(info: Any) -> WorkerInfo:
             f"bad READY cost_ms: must be [a, b], two numbers in [0, one day], got {cost!r}"[:200]
         )
     cost_ms = None if cost is None else (float(cost[0]), float(cost[1]))
-    return WorkerInfo(model, info.get("gpu"), info.get("pid"), signature, cost_ms)
+    max_active = info.get("max_active")
+    if max_active is not None and not (type(max_active) is int and 1 <= max_active <= MAX_ACTIVE):
+        raise ValueError(
+            f"bad READY max_active: must be an int in [1, {MAX_ACTIVE}], got {max_active!r}"[:200]
+        )
+    return WorkerInfo(model, info.get("gpu"), info.get("pid"), signature, cost_ms, max_active)

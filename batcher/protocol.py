@@ -27,6 +27,18 @@ CMD_REPLY = b"\x03"
 CMD_HEARTBEAT = b"\x04"
 CMD_DISCONNECT = b"\x05"
 CMD_EXIT = b"\x06"  # broker -> worker: your batch ran past its time limit; exit now
+# Step-level (generative) workers, docs/generative.md:
+CMD_START = b"\x07"  # broker -> worker: new sequences, one per free slot it announced
+CMD_CANCEL = b"\x08"  # broker -> worker: stop generating these sequences
+CMD_CHUNK = b"\x09"  # worker -> broker: a step's chunks (and the sequences that ended)
+
+#: A CHUNK entry's flag: a chunk with more to follow, the sequence's final reply (ok), its
+#: final reply as an error, or the end of a sequence the broker had already answered
+#: (cancelled, past its deadline), which has no body.
+CHUNK_FINAL, CHUNK_MORE, CHUNK_DROPPED, CHUNK_ERROR = 0, 1, 2, 3
+CHUNK_FLAGS = (CHUNK_FINAL, CHUNK_MORE, CHUNK_DROPPED, CHUNK_ERROR)
+#: The most sequences one step-level worker may hold (--max-active's largest).
+MAX_ACTIVE = 4096
 
 #: The largest `cost` a request may carry (as --max-batch-cost's largest): sums of many stay exact.
 MAX_COST = 1e15
@@ -126,6 +138,7 @@ class RequestHeader(NamedTuple):
     priority: float
     op: str
     cost: float = 1.0  # its share of the model's max_batch_cost
+    stream: bool = False  # one reply per chunk, each but the last with "more": true
 
 
 class _Header(msgspec.Struct):
@@ -138,6 +151,7 @@ class _Header(msgspec.Struct):
     priority: int | float = 0
     op: str = "infer"
     cost: int | float = 1.0
+    stream: bool = False
     input: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
 
 
@@ -166,7 +180,7 @@ def read_header(body: Any) -> RequestHeader:
         or not 0 < cost <= MAX_COST
     ):
         return parse_request(bytes(body))[0]  # raises with the precise message
-    return RequestHeader(h.id, h.model, timeout_ms, priority, h.op, cost)
+    return RequestHeader(h.id, h.model, timeout_ms, priority, h.op, cost, h.stream)
 
 
 class _TensorHeader(msgspec.Struct):
@@ -355,7 +369,10 @@ def parse_request(body: bytes) -> tuple[RequestHeader, dict[str, Any]]:
     cost = msg.get("cost", 1.0)
     if isinstance(cost, bool) or not isinstance(cost, int | float) or not 0 < cost <= MAX_COST:
         raise bad(f"cost must be a number in (0, {MAX_COST:.0e}], got {cost!r}")
-    return RequestHeader(req_id, model, timeout_ms, priority, op, cost), msg
+    stream = msg.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad(f"stream must be true or false, got {_type_name(stream)}")
+    return RequestHeader(req_id, model, timeout_ms, priority, op, cost, stream), msg
 
 
 # --- replies -------------------------------------------------------------------------------
@@ -403,9 +420,13 @@ def pack_carrying(fields: dict[str, Any], payload: object) -> bytes:
     return _packer_pack(fields)
 
 
-def error_reply(req_id: object, code: str, message: str) -> bytes:
-    """Body of an error reply, as the broker or a worker sends it."""
-    return _packer_pack({"id": req_id, "ok": False, "error": {"code": str(code), "message": message}})
+def error_reply(req_id: object, code: str, message: str, stream: bool = False) -> bytes:
+    """Body of an error reply, as the broker or a worker sends it; one that ends a stream
+    says `"more": false`."""
+    reply: dict[str, Any] = {"id": req_id, "ok": False, "error": {"code": str(code), "message": message}}
+    if stream:
+        reply["more"] = False
+    return _packer_pack(reply)
 
 
 def ok_reply(req_id: object, output: object, meta: dict[str, Any] | None = None) -> bytes:
@@ -617,11 +638,13 @@ def ready_frames(
     slots: int | None = None,
     signature: dict[str, Any] | None = None,
     cost_ms: list[float] | None = None,
+    max_active: int | None = None,
 ) -> list[bytes]:
     """Backend READY message, a worker's first words: what it serves (and, optionally, how
     many batches it accepts at once, the broker's --worker-prefetch applying otherwise,
-    its model's signature in wire form, batcher.signature, and the [a, b] ms of the
-    t(n) = a + b*n its warm-up measured)."""
+    its model's signature in wire form, batcher.signature, the [a, b] ms of the
+    t(n) = a + b*n its warm-up measured, and, for a step-level worker, the sequences it
+    holds at once: its credit)."""
     info: dict[str, Any] = {"model": model, "gpu": gpu, "pid": pid}
     if slots is not None:
         info["slots"] = slots
@@ -629,4 +652,86 @@ def ready_frames(
         info["signature"] = signature
     if cost_ms is not None:
         info["cost_ms"] = cost_ms
+    if max_active is not None:  # a step-level worker: it takes sequences, not batches
+        info["max_active"] = max_active
     return [WORKER_PROTOCOL, CMD_READY, _packer_pack(info)]
+
+
+# --- step-level workers (docs/generative.md) ------------------------------------------------
+
+
+def start_frames(seq_ids: list[int], remaining_ms: list[float | None], bodies: list[Any]) -> list[Any]:
+    """Backend START message (after the worker's routing id): each new sequence's id and
+    the time left before its deadline (nil: none), then the request bodies untouched."""
+    header = _packer_pack([seq_ids, remaining_ms, [len(b) for b in bodies]])
+    return [WORKER_PROTOCOL, CMD_START, header, *body_frames(bodies)]
+
+
+def cancel_frames(seq_ids: list[int]) -> list[bytes]:
+    """Backend CANCEL message: stop these sequences (the broker has answered them)."""
+    return [WORKER_PROTOCOL, CMD_CANCEL, _packer_pack(seq_ids)]
+
+
+def chunk_frames(
+    seq_ids: list[int], flags: list[int], bodies: list[bytes], counters: dict[str, float]
+) -> list[Any]:
+    """Backend CHUNK message: a header with each entry's sequence id, flag (CHUNK_FLAGS)
+    and body length, and the worker's counters (WORKER_COUNTERS); then the reply bodies
+    (none for a dropped entry), joined or one frame each (`body_frames`)."""
+    header = _packer_pack([seq_ids, flags, [len(b) for b in bodies], counters])
+    return [WORKER_PROTOCOL, CMD_CHUNK, header, *body_frames(bodies)]
+
+
+class ChunkHeader(NamedTuple):
+    """A CHUNK's header, every number checked."""
+
+    seq_ids: list[int]
+    flags: list[int]
+    lengths: list[int]
+    counters: dict[str, float]
+
+
+#: The counters a CHUNK header may carry, each a number >= 0.
+WORKER_COUNTERS = ("active", "waiting", "steps", "chunks", "cancelled", "expired", "step_ms")
+
+
+def parse_chunk_header(frame: bytes) -> ChunkHeader:
+    """Decode and check `[seq_ids, flags, lengths, counters]`; WorkerProtocolError else."""
+    try:
+        header = unpack(frame)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise WorkerProtocolError(f"CHUNK header is not valid msgpack: {describe(exc)}") from None
+    if not isinstance(header, list) or len(header) != 4:
+        raise WorkerProtocolError(
+            f"CHUNK header must be [seq_ids, flags, lengths, counters], got {header!r}"[:200]
+        )
+    seq_ids, flags, lengths, counters = header
+    n = len(seq_ids) if isinstance(seq_ids, list) else -1
+    if n < 0 or not all(_is_int(s) and 0 <= s < 2**63 for s in seq_ids):
+        raise WorkerProtocolError(f"CHUNK seq_ids must be ints in [0, 2**63), got {seq_ids!r}"[:200])
+    if (
+        not isinstance(flags, list)
+        or len(flags) != n
+        or not all(_is_int(f) and f in CHUNK_FLAGS for f in flags)
+    ):
+        raise WorkerProtocolError(f"CHUNK flags must be {n} of 0, 1, 2 or 3, got {flags!r}"[:200])
+    if (
+        not isinstance(lengths, list)
+        or len(lengths) != n
+        or not all(
+            _is_int(x) and (x == 0) == (f == CHUNK_DROPPED) for x, f in zip(lengths, flags, strict=False)
+        )
+    ):
+        raise WorkerProtocolError(
+            f"CHUNK lengths must be {n} ints, 0 for a dropped entry and > 0 for any other, got {lengths!r}"[
+                :200
+            ]
+        )
+    if not isinstance(counters, dict) or not all(
+        k in WORKER_COUNTERS and isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v <= MAX_COST
+        for k, v in counters.items()
+    ):
+        raise WorkerProtocolError(
+            f"CHUNK counters must map {', '.join(WORKER_COUNTERS)} to numbers, got {counters!r}"[:200]
+        )
+    return ChunkHeader(seq_ids, flags, lengths, counters)

@@ -191,6 +191,7 @@ class QueuedRequest:
     cost: float = 1.0  # its share of max_batch_cost (tokens, pixels, bytes...)
     hung: int = 0  # batches it was in that ran past their time limit: it then runs alone
     rank: float = 0.0  # its place by priority: lower first (set when it is queued)
+    stream: bool = False  # answered chunk by chunk; its error reply says "more": false
     bucket: int | None = None  # its length bucket, with --bucket-by: batches never mix buckets
 
 
@@ -789,16 +790,38 @@ class Scheduler:
         without_s = now - mq.no_worker_since
         return without_s if without_s >= self.no_worker_timeout_s else None
 
-    def add_worker(self, worker_id: bytes, model: str, slots: int | None = None) -> list[Batch]:
+    def add_worker(
+        self, worker_id: bytes, model: str, slots: int | None = None, step: bool = False
+    ) -> list[Batch]:
         """A worker announced itself (READY). It may hold `worker_prefetch` batches at once
-        (fewer if it asks for fewer `slots`). A worker announcing itself again is a fresh
-        one: the batches it held are returned, to be answered or sent elsewhere."""
+        (fewer if it asks for fewer `slots`); a `step`-level one holds none: it takes
+        requests one by one (`take`), for the sequence slots batcher.streams counts. A
+        worker announcing itself again is a fresh one: the batches it held are returned,
+        to be answered or sent elsewhere."""
         lost = self.remove_worker(worker_id)
         mq = self._model(model)
         limit = self.worker_prefetch if slots is None else max(1, min(slots, self.worker_prefetch))
+        if step:
+            limit = 0
         self._workers[worker_id] = WorkerState(worker_id, model, limit)
         mq.workers[worker_id] = None
         return lost
+
+    def take(self, model: str, n: int) -> list[QueuedRequest]:
+        """Up to `n` queued requests of `model`, in scheduling order (across its length
+        buckets too), taken out as dispatched: for a step-level worker's free slots."""
+        model_queue = self._models.get(model)
+        out: list[QueuedRequest] = []
+        while model_queue is not None and len(out) < n:
+            lanes = _oldest_first(model_queue)
+            mq = lanes[0] if lanes else model_queue
+            if not mq.size:
+                break
+            req = mq.pop()
+            req.state = DISPATCHED
+            mq.compact()
+            out.append(req)
+        return out
 
     def drain_worker(self, worker_id: bytes) -> int:
         """Send a worker no more batches (it is being replaced); returns how many it still

@@ -5,7 +5,8 @@ fed from here too, so every count is made in one place."""
 
 from __future__ import annotations
 
-from collections import Counter
+import math
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,10 @@ from typing import Any
 from batcher.metrics import NoMetrics, Recent, percentile
 from batcher.pool import WorkerPool
 from batcher.scheduler import ModelView
+from batcher.streams import Streams
+
+#: The window over which `stats` reports chunks per second.
+CHUNK_RATE_WINDOW_S = 5.0
 
 
 @dataclass
@@ -25,6 +30,17 @@ class ModelStats:
     recent: Recent = field(default_factory=Recent)
     padded_elements: int = 0  # of stacked batches' inputs, added to fit the longest
     real_elements: int = 0  # of stacked batches' inputs, the requests' own
+    sequences: int = 0  # requests given to step-level workers
+    chunks: int = 0  # chunks (and final replies) of those delivered to clients
+    sequences_cancelled: Counter[str] = field(default_factory=Counter)  # reason -> sequences
+    chunk_times: deque[tuple[float, int]] = field(default_factory=deque)  # (when, chunks) per CHUNK
+
+    def chunks_per_s(self, now: float) -> float:
+        """Chunks delivered per second over the last CHUNK_RATE_WINDOW_S."""
+        times = self.chunk_times
+        while times and times[0][0] < now - CHUNK_RATE_WINDOW_S:
+            times.popleft()
+        return sum(n for _, n in times) / CHUNK_RATE_WINDOW_S
 
     @property
     def padding_waste(self) -> float | None:
@@ -61,6 +77,35 @@ class BrokerStats:
         else:
             self.model(model).outcomes[outcome] += n
             self.metrics.request_done(model, outcome, n)
+
+    def sequences_started(self, model: str, queue_ms: list[float]) -> None:
+        """Requests sent to a step-level worker, after these waits in the queue."""
+        st = self.model(model)
+        st.sequences += len(queue_ms)
+        st.recent.queue_ms.extend(queue_ms)
+        self.metrics.queue_waits_ms(model, queue_ms)
+
+    def chunk(self, model: str, first: bool, since_arrival_s: float, now: float) -> None:
+        """A chunk delivered; the first of its sequence, `since_arrival_s` after its request
+        arrived, is the time to first chunk."""
+        st = self.model(model)
+        st.chunks += 1
+        times = st.chunk_times
+        tick = math.floor(now * 100.0) / 100.0  # 10 ms ticks: at most 500 entries a window
+        if times and times[-1][0] == tick:
+            times[-1] = (tick, times[-1][1] + 1)
+        else:
+            times.append((tick, 1))
+            st.chunks_per_s(now)  # drop what left the window
+        self.metrics.chunk(model)
+        if first:
+            st.recent.first_chunk_ms.append(since_arrival_s * 1000.0)
+            self.metrics.first_chunk(model, since_arrival_s)
+
+    def sequence_cancelled(self, model: str, reason: str) -> None:
+        """The broker ended a sequence early: `cancel`, `deadline`, `client_gone`, `shutting_down`."""
+        self.model(model).sequences_cancelled[reason] += 1
+        self.metrics.sequence_cancelled(model, reason)
 
     def batch_done(
         self,
@@ -117,15 +162,20 @@ class BrokerStats:
         st = self.models.get(name, ModelStats())
         recent, settings, cost = st.recent, view.settings, view.cost
         workers = []
+        streams = pool.streams
         for w in view.workers:
             info = pool.info(w.worker_id)
-            workers.append(
-                {
-                    "worker": pool.name(w.worker_id),
-                    "gpu": info.gpu if info else None,
-                    "batches_held": w.batches_held,
-                }
-            )
+            entry: dict[str, Any] = {
+                "worker": pool.name(w.worker_id),
+                "gpu": info.gpu if info else None,
+                "batches_held": w.batches_held,
+            }
+            step = streams.worker(w.worker_id)
+            if step is not None:
+                entry.update(
+                    max_active=step.max_active, active_sequences=len(step.held), counters=step.counters
+                )
+            workers.append(entry)
         return {
             "configured": configured,
             "ready": bool(view.workers),
@@ -159,12 +209,25 @@ class BrokerStats:
             "batch_cost_ms": None if cost is None else [cost[0] * 1000, cost[1] * 1000],
             "batch_cost_basis": view.cost_basis,
             "signature": None if (sig := pool.signature(name)) is None else sig.wire(),
+            "active_sequences": streams.active(name),
+            "sequences": st.sequences,
+            "chunks": st.chunks,
+            "chunks_per_s": round(st.chunks_per_s(now), 3),
+            "first_chunk_ms_p50": percentile(recent.first_chunk_ms, 50),
+            "first_chunk_ms_p99": percentile(recent.first_chunk_ms, 99),
+            "sequences_cancelled": dict(st.sequences_cancelled),
         }
 
 
-def gauges(views: dict[str, ModelView]) -> dict[str, dict[str, float]]:
-    """Queue depth, workers and batches in flight per model, for Prometheus at scrape time."""
+def gauges(views: dict[str, ModelView], streams: Streams) -> dict[str, dict[str, float]]:
+    """Queue depth, workers, batches in flight and active sequences per model, for
+    Prometheus at scrape time."""
     return {
-        name: {"queue_depth": v.queued, "workers": len(v.workers), "batches_in_flight": v.batches_in_flight}
+        name: {
+            "queue_depth": v.queued,
+            "workers": len(v.workers),
+            "batches_in_flight": v.batches_in_flight,
+            "active_sequences": streams.active(name),
+        }
         for name, v in views.items()
     }

@@ -188,11 +188,11 @@ def test_model_spec_parse(text: str, name: str, target: str) -> None:
         ("=sim", "model must be NAME, NAME=SPEC or pkg.module:attr, got '=sim'"),
         (
             "resnet50",
-            "unknown model 'resnet50': use one of sim, echo or a user model as package.module:attr",
+            "unknown model 'resnet50': use one of sim, echo, simlm or a user model as package.module:attr",
         ),
         (
             "fast=simulator",
-            "unknown model 'simulator': use one of sim, echo or a user model as package.module:attr",
+            "unknown model 'simulator': use one of sim, echo, simlm or a user model as package.module:attr",
         ),
     ],
 )
@@ -237,9 +237,9 @@ def test_sim_settings_cost_model() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"base_ms": -1.0}, "sim base_ms must be >= 0, got -1.0"),
-        ({"per_item_ms": -0.5}, "sim per_item_ms must be >= 0, got -0.5"),
-        ({"base_ms": float("nan")}, "sim base_ms must be >= 0, got nan"),
+        ({"base_ms": -1.0}, "sim base_ms must be a finite number >= 0, got -1.0"),
+        ({"per_item_ms": -0.5}, "sim per_item_ms must be a finite number >= 0, got -0.5"),
+        ({"base_ms": float("nan")}, "sim base_ms must be a finite number >= 0, got nan"),
     ],
 )
 def test_sim_settings_rejects_negative_costs(kwargs: dict[str, float], message: str) -> None:

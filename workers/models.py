@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import os
 import site
 import sys
@@ -20,27 +21,34 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 ModelFn = Callable[[list[Any]], list[Any]]
 
-BUILTIN_MODELS = ("sim", "echo")
+BUILTIN_MODELS = ("sim", "echo", "simlm")
 #: The `--model` prefix of an ONNX file (workers/onnx_model.py).
 ONNX_PREFIX = "onnx:"
 
 
 @dataclass(frozen=True)
 class SimSettings:
-    """The simulated GPU's cost: a batch of n takes base_ms + per_item_ms * n."""
+    """The simulated GPU's cost: a batch of n takes base_ms + per_item_ms * n; a step of
+    `simlm` over n sequences takes step_base_ms + step_per_seq_ms * n."""
 
     base_ms: float = 20.0
     per_item_ms: float = 2.5
+    step_base_ms: float = 15.0
+    step_per_seq_ms: float = 0.5
 
     def __post_init__(self) -> None:
-        if not self.base_ms >= 0:
-            raise ValueError(f"sim base_ms must be >= 0, got {self.base_ms}")
-        if not self.per_item_ms >= 0:
-            raise ValueError(f"sim per_item_ms must be >= 0, got {self.per_item_ms}")
+        for name in ("base_ms", "per_item_ms", "step_base_ms", "step_per_seq_ms"):
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise ValueError(f"sim {name} must be a finite number >= 0, got {value}")
+
+    def step_ms(self, n: int) -> float:
+        """How long a simlm step over n sequences takes."""
+        return self.step_base_ms + self.step_per_seq_ms * n
 
     def batch_ms(self, n: int) -> float:
         """How long a batch of n takes on the simulated GPU."""
@@ -59,6 +67,73 @@ class SimModel:
         time.sleep(batch_ms / 1000.0)  # sleeping, not spinning: 8 workers share 2 cores
         amortized_ms = batch_ms / n if n else 0.0
         return [{"echo": x, "amortized_ms": amortized_ms, "batch_size": n} for x in inputs]
+
+
+#: The most tokens one simlm request may ask for.
+SIMLM_MAX_TOKENS = 1_000_000
+
+
+class SimLM:
+    """A simulated generative model, step-level (workers/steps.py): a request
+    `{"tokens": k}` (or just k) yields k chunks, the token indices 0..k-1, one per step; a
+    step over n sequences sleeps step_base_ms + step_per_seq_ms * n. With `"prompt": p`
+    (p > 0), admitting it costs a prefill step too: one step's time over the admitted
+    sequences that carry a prompt."""
+
+    step_level = True
+
+    def __init__(self, settings: SimSettings | None = None) -> None:
+        self.settings = settings or SimSettings()
+        self.remaining: dict[int, list[int]] = {}  # key -> [tokens made, tokens wanted]
+
+    def start(self, items: list[tuple[int, Any]]) -> list[BaseException | None]:
+        from workers.steps import BadInput
+
+        verdicts: list[BaseException | None] = []
+        prefill = 0
+        for key, given in items:
+            try:
+                tokens, prompt = _simlm_input(given)
+            except ValueError as exc:
+                verdicts.append(BadInput(str(exc)))
+                continue
+            self.remaining[key] = [0, tokens]
+            prefill += prompt > 0
+            verdicts.append(None)
+        if prefill:
+            time.sleep(self.settings.step_ms(prefill) / 1000.0)
+        return verdicts
+
+    def step(self) -> list[tuple[int, Any, bool]]:
+        time.sleep(self.settings.step_ms(len(self.remaining)) / 1000.0)
+        out = []
+        for key, progress in list(self.remaining.items()):
+            made, wanted = progress
+            progress[0] = made + 1
+            done = made + 1 >= wanted
+            if done:
+                del self.remaining[key]
+            out.append((key, made, done))
+        return out
+
+    def stop(self, key: int) -> None:
+        self.remaining.pop(key, None)
+
+
+def _simlm_input(given: Any) -> tuple[int, int]:
+    """(tokens, prompt length) of a simlm input; ValueError with the reason otherwise."""
+    if isinstance(given, dict):
+        tokens, prompt = given.get("tokens"), given.get("prompt", 0)
+        unknown = set(given) - {"tokens", "prompt"}
+        if unknown:
+            raise ValueError(f"simlm input takes tokens and prompt, got {sorted(map(str, unknown))}")
+    else:
+        tokens, prompt = given, 0
+    if type(tokens) is not int or not 1 <= tokens <= SIMLM_MAX_TOKENS:
+        raise ValueError(f"simlm tokens must be an int in [1, {SIMLM_MAX_TOKENS}], got {tokens!r}"[:200])
+    if type(prompt) is not int or not 0 <= prompt <= SIMLM_MAX_TOKENS:
+        raise ValueError(f"simlm prompt must be an int in [0, {SIMLM_MAX_TOKENS}], got {prompt!r}"[:200])
+    return tokens, prompt
 
 
 def echo(inputs: list[Any]) -> list[Any]:
@@ -110,6 +185,8 @@ def load_model(
         return SimModel(sim)
     if spec.target == "echo":
         return echo
+    if spec.target == "simlm":
+        return SimLM(sim)  # type: ignore[return-value]  # step-level: workers/steps.py
     if spec.target.startswith(ONNX_PREFIX):
         from workers.onnx_model import load_onnx
 
@@ -121,6 +198,8 @@ def load_model(
         obj = getattr(obj, part)
     if inspect.isclass(obj):
         obj = obj(gpu)
+    if getattr(obj, "step_level", False) is True:  # a generative model: workers/steps.py
+        return cast(ModelFn, obj)
     if not callable(obj):
         raise TypeError(f"{spec.target} is not callable")
     if getattr(obj, "stack", None) not in (None, False):  # it wants batched arrays (numpy)

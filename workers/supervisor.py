@@ -52,6 +52,9 @@ class PoolSettings:
     threads_per_worker: int | None = None
     #: By model name, the batch sizes its workers' warm-up runs; None: no warm-up (--no-warmup).
     warmup_sizes: Mapping[str, tuple[int, ...]] | None = field(default_factory=dict)
+    #: A step-level model's most sequences per worker, and when it admits new ones.
+    max_active: int = 32
+    batching_level: str = "step"
 
     def __post_init__(self) -> None:
         if self.workers_per_model is not None and self.workers_per_model < 0:
@@ -166,6 +169,14 @@ class Supervisor:
             repr(s.sim.base_ms),
             "--sim-per-item-ms",
             repr(s.sim.per_item_ms),
+            "--simlm-step-base-ms",
+            repr(s.sim.step_base_ms),
+            "--simlm-step-per-seq-ms",
+            repr(s.sim.step_per_seq_ms),
+            "--max-active",
+            str(s.max_active),
+            "--batching-level",
+            s.batching_level,
             "--heartbeat-ms",
             repr(s.heartbeat.interval_ms),
             "--heartbeat-liveness",

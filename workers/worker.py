@@ -36,6 +36,7 @@ from batcher.stopping import StopSignals, ignore_stop_signals
 from batcher.zmqio import recv_frames, send_frames
 from workers import fastpath, warmup
 from workers.models import ModelFn, ModelSpec, SimSettings, load_model
+from workers.steps import BATCHING_LEVELS, BatchingLevel, StepRunner, is_step_model
 
 log = logging.getLogger("batcher.worker")
 
@@ -64,9 +65,22 @@ class WorkerSettings:
     #: Before READY, run the model at these batch sizes on zero inputs of its signature
     #: and announce the fitted cost (workers/warmup.py); () skips it (--no-warmup).
     warmup_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    #: A step-level model's most sequences at once: its credit at the broker.
+    max_active: int = 32
+    #: When a step-level model admits new sequences (workers/steps.py): "step", between
+    #: any two steps; "request", once all it holds have ended (the baseline).
+    batching_level: str = BatchingLevel.STEP.value
 
     def __post_init__(self) -> None:
         ModelSpec.parse(self.model)  # raises with a precise message
+        if type(self.max_active) is not int or not 1 <= self.max_active <= protocol.MAX_ACTIVE:
+            raise ValueError(
+                f"max_active must be an int in [1, {protocol.MAX_ACTIVE}], got {self.max_active!r}"
+            )
+        if self.batching_level not in BATCHING_LEVELS:
+            raise ValueError(
+                f"batching_level must be one of {', '.join(BATCHING_LEVELS)}, got {self.batching_level!r}"
+            )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {self.threads}")
         if not all(type(n) is int and n >= 1 for n in self.warmup_sizes):
@@ -333,6 +347,8 @@ class Worker:
         self._sock: zmq.Socket[Any] | None = None
         self._watch: ConnectionWatch | None = None  # the socket's monitor
         self._pending: deque[tuple[float, list[Any]]] = deque()  # (arrived at, BATCH frames) not run yet
+        self._steps: StepRunner | None = None  # a step-level model's sequences
+        self._inbox: deque[tuple[float, list[Any]]] = deque()  # (arrived at, START or CANCEL) not read yet
         self._poller = zmq.Poller()
         self._told_to_reconnect = False
         self._heard_at = 0.0  # when the broker last said anything (set again on connecting)
@@ -349,6 +365,22 @@ class Worker:
         if self.settings.gpu is not None:  # --gpu N means device N, whatever was inherited
             os.environ["CUDA_VISIBLE_DEVICES"] = str(self.settings.gpu)
         self.model = load_model(self.spec, self.settings.gpu, self.settings.sim, self.settings.threads)
+        if is_step_model(self.model):
+            s = self.settings
+            self._steps = StepRunner(
+                self.model,  # type: ignore[arg-type]
+                s.max_active,
+                BatchingLevel(s.batching_level),
+                self.name,
+                _decode_requests,
+            )
+            log.info(
+                "model %s loaded (%s, step-level, up to %d sequences)",
+                self.spec.name,
+                self.spec.target,
+                s.max_active,
+            )
+            return
         declared = signature_of(self.model)  # ValueError for a malformed one: the load fails
         self.signature = None if declared is None else declared.wire()
         if declared is not None and self.settings.warmup_sizes:
@@ -423,6 +455,8 @@ class Worker:
         next_trim = now + TRIM_INTERVAL_S
         while not self.stop_requested():
             wake = next_beat if reconnect_at is None else min(next_beat, reconnect_at)
+            if self._steps is not None and (self._inbox or self._steps.busy()):
+                wake = 0.0  # a step is due: only look at what came meanwhile
             events = dict(self._poller.poll(max(0, math.ceil((wake - time.monotonic()) * 1000))))
             now = time.monotonic()
             if self._watch is not None and self._watch.monitor in events:
@@ -457,6 +491,8 @@ class Worker:
                 trim()
                 next_trim = now + TRIM_INTERVAL_S
             next_beat = min(next_beat, now + hb.interval_s)  # the broker's may be shorter
+            if self._steps is not None and self._sock is not None:
+                self._run_steps(self._steps)
         if self.signals.count:
             log.info("worker %s stopping", self.name)
         elif self._released:
@@ -487,6 +523,37 @@ class Worker:
                         "broker, which re-dispatches that batch)",
                         self.name,
                     )
+
+    def _run_steps(self, steps: StepRunner) -> None:
+        """Read the START and CANCEL messages that came, then run one step (the socket
+        left to the heartbeat thread meanwhile), sending its chunks as one CHUNK."""
+        while self._inbox:
+            arrived_at, frames = self._inbox.popleft()
+            try:
+                if frames[1] == protocol.CMD_START and len(frames) >= 3:
+                    steps.receive_start(frames[2], frames[3:], arrived_at)
+                else:
+                    steps.receive_cancel(frames[2])
+            except Exception as exc:  # msgpack raises several unrelated types
+                log.warning(
+                    "worker %s: ignored a malformed broker message: %s", self.name, protocol.describe(exc)
+                )
+        self._send_chunks(steps)
+        if not steps.busy():
+            return
+        self._in_model = True
+        self._socket_lock.release()  # the heartbeat thread may use the socket meanwhile
+        try:
+            steps.run_step(time.monotonic())
+        finally:
+            self._socket_lock.acquire()
+            self._in_model = False
+        self._send_chunks(steps)
+
+    def _send_chunks(self, steps: StepRunner) -> None:
+        frames = steps.take_entries()
+        if frames is not None and not self._send(frames):
+            log.warning("worker %s: chunks could not be sent (no connection to the broker)", self.name)
 
     def _read_control(self) -> bool:
         """Read what is in serve's pipe (nothing is expected); returns whether it reached
@@ -543,8 +610,14 @@ class Worker:
         log.log(level, "worker %s ready for model %s at %s", self.name, self.spec.name, self.settings.connect)
 
     def _ready(self) -> list[bytes]:
+        max_active = self.settings.max_active if self._steps is not None else None
         return protocol.ready_frames(
-            self.spec.name, self.settings.gpu, os.getpid(), signature=self.signature, cost_ms=self.cost_ms
+            self.spec.name,
+            self.settings.gpu,
+            os.getpid(),
+            signature=self.signature,
+            cost_ms=self.cost_ms,
+            max_active=max_active,
         )
 
     def _disconnect(self, linger_ms: int = 0) -> None:
@@ -560,6 +633,9 @@ class Worker:
         self._sock.close(linger=linger_ms)
         self._sock = None
         self._pending.clear()
+        self._inbox.clear()
+        if self._steps is not None:
+            self._steps.reset()
         self.reconnects += 1
 
     def _send(self, frames: list[bytes]) -> bool:
@@ -627,10 +703,13 @@ class Worker:
                 log.warning("ignored a broker message of %d frames", len(frames))
             elif frames[1] == protocol.CMD_BATCH and len(frames) >= 4:
                 self._pending.append((now, frames))
+            elif frames[1] in (protocol.CMD_START, protocol.CMD_CANCEL) and len(frames) >= 3:
+                self._inbox.append((now, frames))  # read between steps, by the main thread
             elif frames[1] == protocol.CMD_DISCONNECT:
                 log.info("worker %s: the broker does not know us; announcing again", self.name)
                 self._told_to_reconnect = True
                 self._pending.clear()
+                self._inbox.clear()
                 return heard
             elif frames[1] == protocol.CMD_HEARTBEAT:
                 if len(frames) >= 3:

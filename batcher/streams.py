@@ -1,0 +1,266 @@
+"""Step-level (generative) workers as the broker sees them, apart from any socket: a
+sans-I/O core beside the scheduler (no zmq, the time passed in), tested on a float
+clock and by property tests (tests/test_streams.py).
+
+Rules:
+- **Credit.** A step-level worker announces how many sequences it holds at once
+  (`max_active`, its credit). The broker sends it a queued request only for a free
+  slot, and a slot is free again only when the worker says the sequence ended (its
+  final reply, or its acknowledgement of a cancel): never more than `max_active`
+  sequences are the worker's at once, whatever the order of messages.
+- **Exactly one final reply.** A sequence is answered once: by its worker's final
+  chunk, or by the broker (cancel, deadline, client gone, worker lost). Once answered,
+  any chunk still coming for it is dropped, and the worker is told to stop it.
+- **Lost workers.** A sequence of a lost worker that has sent no chunk yet may run
+  again elsewhere (within the pool's retries); one that has sent a chunk ends with
+  `worker_failed`, since its client already holds part of an answer.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+
+from batcher.protocol import CHUNK_DROPPED, CHUNK_MORE
+from batcher.scheduler import FIRST_BATCH_LIMIT_S, MIN_BATCH_LIMIT_S, QueuedRequest
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request given to a step-level worker: its chunks go back as they come."""
+
+    seq_id: int
+    model: str
+    worker: bytes
+    request: QueuedRequest
+    started_at: float
+    chunks: int = 0  # chunks delivered to the client so far
+    answered: bool = False  # its final reply went (from the worker or the broker)
+
+
+@dataclass(slots=True, eq=False)
+class StepWorker:
+    """A step-level worker: its credit and the sequences it holds (answered or not, until
+    it says they ended)."""
+
+    worker_id: bytes
+    model: str
+    max_active: int
+    held: dict[int, Sequence] = field(default_factory=dict)
+    draining: bool = False  # being replaced: it gets no new sequence
+    counters: dict[str, float] = field(default_factory=dict)  # as its last CHUNK said
+    last_chunk_at: float = 0.0  # when it last sent a CHUNK, or got its oldest held sequence
+    max_step_ms: float = 0.0  # its slowest step so far, as it reported
+
+    @property
+    def free(self) -> int:
+        """Sequences it may be sent now."""
+        return 0 if self.draining else self.max_active - len(self.held)
+
+    def unanswered(self) -> list[Sequence]:
+        return [s for s in self.held.values() if not s.answered]
+
+
+class Verdict(Enum):
+    """What the broker does with one CHUNK entry."""
+
+    DELIVER = "deliver"  # a chunk: forward it, more follow
+    DELIVER_FINAL = "final"  # the final reply: forward it, the sequence ended
+    DROP = "drop"  # already answered, unknown, or an acknowledged cancel: forward nothing
+    ABANDONED = "abandoned"  # ended by the worker without a reply: the broker answers it
+
+
+class Streams:
+    """The step-level workers of one broker and the sequences they hold (module docstring)."""
+
+    def __init__(self, first_seq_id: int = 1) -> None:
+        self._workers: dict[bytes, StepWorker] = {}
+        self._by_model: dict[str, dict[bytes, None]] = {}  # model -> its step workers, in join order
+        self._sequences: dict[int, Sequence] = {}  # every sequence held by a worker
+        # (client routing id, request id) -> its unanswered sequences, for cancel
+        self._by_client: dict[tuple[bytes, object], list[Sequence]] = {}
+        self._deadlines: list[tuple[float, int, Sequence]] = []
+        self._next_id = first_seq_id
+
+    # --- workers ----------------------------------------------------------------------------
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._workers
+
+    def __bool__(self) -> bool:
+        return bool(self._workers)
+
+    def add_worker(self, worker_id: bytes, model: str, max_active: int, now: float) -> None:
+        """A step-level worker announced itself with its credit."""
+        if max_active < 1:
+            raise ValueError(f"max_active must be >= 1, got {max_active}")
+        self._workers[worker_id] = StepWorker(worker_id, model, max_active, last_chunk_at=now)
+        self._by_model.setdefault(model, {})[worker_id] = None
+
+    def remove_worker(self, worker_id: bytes) -> list[Sequence]:
+        """Forget a worker; returns its sequences not answered yet (the pool decides their fate)."""
+        w = self._workers.pop(worker_id, None)
+        if w is None:
+            return []
+        self._by_model[w.model].pop(worker_id, None)
+        for seq in w.held.values():
+            self._sequences.pop(seq.seq_id, None)
+        out = w.unanswered()
+        for seq in out:
+            seq.answered = True  # from now on the pool's: answered or queued again, never twice
+            self._unindex(seq)
+        return out
+
+    def drain_worker(self, worker_id: bytes) -> int:
+        """Send a worker no new sequence (it is being replaced); returns how many it holds."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return 0
+        w.draining = True
+        return len(w.held)
+
+    def worker(self, worker_id: bytes) -> StepWorker | None:
+        return self._workers.get(worker_id)
+
+    def workers_of(self, model: str) -> Iterator[StepWorker]:
+        for worker_id in self._by_model.get(model, {}):
+            yield self._workers[worker_id]
+
+    # --- dispatch ---------------------------------------------------------------------------
+
+    def free_slots(self) -> list[StepWorker]:
+        """The workers with a free slot, the emptiest first (load spreads evenly)."""
+        free = [w for w in self._workers.values() if w.free > 0]
+        free.sort(key=lambda w: len(w.held))
+        return free
+
+    def start(self, worker_id: bytes, requests: list[QueuedRequest], now: float) -> list[Sequence]:
+        """Give `requests` to a worker, at most its free slots (ValueError past them)."""
+        w = self._workers[worker_id]
+        if len(requests) > w.free:
+            raise ValueError(f"{len(requests)} sequences for {w.free} free slots")
+        if not w.held:
+            w.last_chunk_at = now  # its time limit counts from its first sequence
+        out = []
+        for req in requests:
+            seq = Sequence(self._next_id, w.model, worker_id, req, now)
+            self._next_id += 1
+            w.held[seq.seq_id] = seq
+            self._sequences[seq.seq_id] = seq
+            self._by_client.setdefault((req.envelope[0], req.id), []).append(seq)
+            if req.deadline_at is not None:
+                heapq.heappush(self._deadlines, (req.deadline_at, seq.seq_id, seq))
+            out.append(seq)
+        return out
+
+    # --- what workers say -------------------------------------------------------------------
+
+    def on_chunk(
+        self, worker_id: bytes, seq_id: int, flag: int, now: float
+    ) -> tuple[Verdict, Sequence | None]:
+        """One entry of a worker's CHUNK. A final entry (or a dropped one) frees its slot."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return Verdict.DROP, None
+        w.last_chunk_at = now
+        seq = w.held.get(seq_id)
+        if seq is None:
+            return Verdict.DROP, None  # not this worker's (a late or forged entry)
+        ended = flag != CHUNK_MORE
+        if ended:
+            del w.held[seq_id]
+            del self._sequences[seq_id]
+        if seq.answered:
+            return Verdict.DROP, None
+        if flag == CHUNK_DROPPED:  # dropped by the worker unasked: the broker must answer it
+            self.answer(seq)
+            return Verdict.ABANDONED, seq
+        seq.chunks += 1
+        if ended:
+            self.answer(seq)
+            return Verdict.DELIVER_FINAL, seq
+        return Verdict.DELIVER, seq
+
+    def answer(self, seq: Sequence) -> bool:
+        """The sequence's final reply goes now; returns whether its worker still holds it
+        (then it must be told to stop: its slot frees when it acknowledges). False for one
+        answered already."""
+        if seq.answered:
+            return False
+        seq.answered = True
+        self._unindex(seq)
+        return seq.seq_id in self._sequences
+
+    def _unindex(self, seq: Sequence) -> None:
+        key = (seq.request.envelope[0], seq.request.id)
+        held = self._by_client.get(key)
+        if held is not None:
+            if seq in held:
+                held.remove(seq)
+            if not held:
+                del self._by_client[key]
+
+    # --- the broker's own endings -----------------------------------------------------------
+
+    def cancel_id(self, client: bytes, req_id: object) -> list[Sequence]:
+        """The unanswered sequences that `client` sent with `req_id` (a look-up)."""
+        return list(self._by_client.get((client, req_id), ()))
+
+    def expire(self, now: float) -> list[Sequence]:
+        """The unanswered sequences whose deadline is at or before `now`."""
+        out = []
+        dl = self._deadlines
+        while dl and (dl[0][0] <= now or dl[0][2].answered):
+            _, _, seq = heapq.heappop(dl)
+            if not seq.answered:
+                out.append(seq)
+        return out
+
+    def next_deadline(self) -> float | None:
+        dl = self._deadlines
+        while dl and dl[0][2].answered:
+            heapq.heappop(dl)
+        return dl[0][0] if dl else None
+
+    def hung(self, now: float, limit_s: float | None) -> list[tuple[StepWorker, float]]:
+        """(worker, its limit) of each worker holding a sequence that sent no CHUNK for its
+        time limit: its step hung (heartbeats prove only that the process lives). The limit
+        is `limit_s`, or 10 x its slowest step so far, at least MIN_BATCH_LIMIT_S
+        (FIRST_BATCH_LIMIT_S before its first step: a model may compile on it)."""
+        out = []
+        for w in self._workers.values():
+            if not w.held:
+                continue
+            limit = limit_s
+            if limit is None:
+                step_s = w.max_step_ms / 1000.0
+                limit = max(10.0 * step_s, MIN_BATCH_LIMIT_S) if step_s else FIRST_BATCH_LIMIT_S
+            if now - w.last_chunk_at > limit:
+                out.append((w, limit))
+        return out
+
+    def heard(self, worker_id: bytes, counters: dict[str, float]) -> None:
+        """A worker's counters, as its CHUNK carries them."""
+        w = self._workers.get(worker_id)
+        if w is not None:
+            w.counters = counters
+            w.max_step_ms = max(w.max_step_ms, float(counters.get("step_ms", 0.0)))
+
+    # --- introspection ----------------------------------------------------------------------
+
+    def busy(self) -> bool:
+        """Whether any sequence is still unanswered (a draining broker waits for none)."""
+        return bool(self._by_client)
+
+    def unanswered(self) -> list[Sequence]:
+        return [s for held in self._by_client.values() for s in held]
+
+    def active(self, model: str) -> int:
+        """Sequences of `model` its workers hold now."""
+        return sum(len(w.held) for w in self.workers_of(model))
+
+    def held(self, worker_id: bytes) -> int:
+        w = self._workers.get(worker_id)
+        return len(w.held) if w else 0
