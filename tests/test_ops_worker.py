@@ -29,7 +29,7 @@ import pytest
 import zmq
 
 from batcher import protocol
-from batcher.client import Client, ModelError
+from batcher.client import BadRequest, Client, ModelError
 from batcher.launcher import ServeProcess, free_tcp_address
 from tests.conftest import kill_group
 from tests.helpers import broker_stats, curve_broker_stats, start_broker, wait_until
@@ -138,6 +138,24 @@ def test_batcher_worker_imports_a_model_from_its_directory(spawn, run_batcher, t
     assert [r.get("output") for r in replies] == [2, 5.0, "abab"], (replies, worker.log())
     assert all(r["worker"].endswith(f"/{worker.process.pid}") for r in replies), replies
     assert worker.process.poll() is None
+
+
+def test_the_generative_example_streams_its_words_from_a_worker_in_its_directory(
+    spawn, run_batcher, tmp_path, zctx
+):
+    models_dir = tmp_path / "app"
+    models_dir.mkdir()
+    shutil.copy(EXAMPLE_MODELS.with_name("generative.py"), models_dir / "generative.py")
+    frontend, backend = start_broker(spawn, zctx, "--model", "typewriter", "--no-worker-timeout-ms", "0")
+    worker = run_batcher(models_dir, "worker", "--connect", backend, "--model", "typewriter=generative:Typewriter")
+    with Client(frontend, timeout_s=20, context=zctx) as c:
+        with c.stream("continuous batching streams words", model="typewriter") as words:
+            replies = list(words.replies())
+        assert [r["output"] for r in replies] == ["continuous", "batching", "streams", "words"], worker.log()
+        assert [r["more"] for r in replies] == [True, True, True, False]
+        assert c.request("two words", model="typewriter") == ["two", "words"]  # not streamed: one reply
+        with pytest.raises(BadRequest, match="the input must be a string of at least one word"):
+            list(c.stream(42, model="typewriter"))
 
 
 def test_a_model_that_cannot_be_found_says_where_it_was_looked_for(run_batcher, tmp_path):

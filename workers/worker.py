@@ -227,7 +227,9 @@ def run_batch(
     wait_ms = None if arrived_at is None else round(max(0.0, (time.monotonic() - arrived_at) * 1000.0), 3)
     replies: list[bytes | None] = [None] * len(everything)
     for i, why in bad.items():  # a malformed tensor: answered here, never given to the model
-        replies[i] = protocol.error_reply(_request_id(everything[i]), ErrorCode.BAD_REQUEST, why)
+        replies[i] = protocol.error_reply(
+            _request_id(everything[i]), ErrorCode.BAD_REQUEST, why, _streamed(everything[i])
+        )
     live = [i for i in range(len(everything)) if i not in bad]
     requests = [everything[i] for i in live]
     n = len(requests)
@@ -247,7 +249,9 @@ def run_batch(
         log.warning("model raised on a batch of %d: %s", n, message)
         log.debug("batch %d: the model's traceback", batch_id, exc_info=True)
         for i in live:
-            replies[i] = protocol.error_reply(_request_id(everything[i]), ErrorCode.MODEL_ERROR, message)
+            replies[i] = protocol.error_reply(
+                _request_id(everything[i]), ErrorCode.MODEL_ERROR, message, _streamed(everything[i])
+            )
         errors = protocol.error_counts(len(live), len(bad))
         return protocol.reply_frames(batch_id, infer_ms, _all(replies), errors, wait_ms)
     infer_ms = round((time.perf_counter() - t0) * 1000.0, 3)
@@ -256,36 +260,45 @@ def run_batch(
     encoder = fastpath.ReplyEncoder(n, worker_name, wait_ms, infer_ms)
     for i, r, out in zip(live, requests, outputs, strict=True):
         req_id = _request_id(r)
+        stream = _streamed(r)
         if isinstance(out, tensor.TensorError):  # its input does not fit the model's batch
             refused += 1
-            replies[i] = protocol.error_reply(req_id, ErrorCode.BAD_REQUEST, str(out))
+            replies[i] = protocol.error_reply(req_id, ErrorCode.BAD_REQUEST, str(out), stream)
             continue
         if isinstance(out, BaseException):  # the model failed this input alone
             model_errors += 1
             message = f"{type(out).__name__}: {out}"
             trace = out if out.__traceback__ is not None else None
             log.debug("batch %d: the model failed item %d: %s", batch_id, i, message, exc_info=trace)
-            replies[i] = protocol.error_reply(req_id, ErrorCode.MODEL_ERROR, message)
+            replies[i] = protocol.error_reply(req_id, ErrorCode.MODEL_ERROR, message, stream)
             continue
         q = queue_ms[i]
         if not isinstance(q, int | float) or isinstance(q, bool):
             q = None  # forwarded to the client: only a number from the broker
         elif wait_ms is not None:
             q = round(q + wait_ms, 3)
-        reply = encoder.encode(req_id, out, q)  # an array: the batch's encoding, byte for byte
+        # an array: the batch's encoding, byte for byte (a streamed request's says "more")
+        reply = None if stream else encoder.encode(req_id, out, q)
         if reply is not None:
             replies[i] = reply
             continue
         try:
             meta = fastpath.reply_meta(n, worker_name, q, wait_ms, infer_ms)
+            if stream:  # a request-level model's stream is one chunk: its last
+                meta["more"] = False
             replies[i] = protocol.ok_reply(req_id, out, meta)
         except (TypeError, ValueError, OverflowError, BufferError, RecursionError) as exc:
             model_errors += 1
             replies[i] = protocol.error_reply(
-                req_id, ErrorCode.MODEL_ERROR, f"output cannot be encoded: {exc}"
+                req_id, ErrorCode.MODEL_ERROR, f"output cannot be encoded: {exc}", stream
             )
     errors = protocol.error_counts(model_errors, refused)
     return protocol.reply_frames(batch_id, infer_ms, _all(replies), errors, wait_ms, padding)
+
+
+def _streamed(request: dict[str, Any]) -> bool:
+    """Whether a request asked for a stream: its reply is then the stream's last chunk."""
+    return request.get("stream") is True
 
 
 def _padding_of(model: ModelFn) -> tuple[int, int] | None:
