@@ -190,6 +190,27 @@ def format_stats(snapshot: Mapping[str, Any], rates: Mapping[str, Rates] | None 
         signature = _signature(m.get("signature"))
         if signature:
             lines.append(f"{name}: {signature}")
+        streams = _streams(m)
+        if streams:
+            lines.append(f"{name}: {streams}")
     if snapshot.get("stopping"):
         lines.append("the broker is draining (shutting down)")
     return "\n".join(lines)
+
+
+def _streams(model: Mapping[str, Any]) -> str:
+    """A step-level model's sequences in one line ("" for a model that has had none)."""
+    if not _number(model.get("sequences")) and not _number(model.get("active_sequences")):
+        return ""
+    cancelled = model.get("sequences_cancelled")
+    cancelled_text = (
+        ", ".join(f"{k} {_count(v)}" for k, v in sorted(cancelled.items()))
+        if isinstance(cancelled, dict)
+        else ""
+    )
+    first = f"{_ms(model.get('first_chunk_ms_p50'))} / {_ms(model.get('first_chunk_ms_p99'))}"
+    return (
+        f"sequences {_count(model.get('active_sequences'))} active, {_count(model.get('sequences'))} in all; "
+        f"chunks {_count(model.get('chunks'))} ({_rate(_number(model.get('chunks_per_s')))}/s); "
+        f"first chunk p50/p99 {first} ms; cancelled: {cancelled_text or 'none'}"
+    )

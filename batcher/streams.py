@@ -191,6 +191,9 @@ class Streams:
             return False
         seq.answered = True
         self._unindex(seq)
+        if len(self._deadlines) > 2 * len(self._sequences) + 64:  # answered ones leave lazily
+            self._deadlines = [e for e in self._deadlines if not e[2].answered]
+            heapq.heapify(self._deadlines)
         return seq.seq_id in self._sequences
 
     def _unindex(self, seq: Sequence) -> None:
