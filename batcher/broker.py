@@ -260,15 +260,13 @@ class Broker:
             if self._stopping_since is not None and self._finished_stopping(now):
                 break
             events = dict(poller.poll(self._poll_timeout_ms(now)))
+            if self.signals.fd in events:
+                self.signals.clear()
+                self._note_stop()
             if self.backend in events:
                 self._guard(self.workers.drain)
             if self.frontend in events:
                 self._guard(self._drain_frontend)
-            if self.signals.fd in events:
-                self.signals.clear()
-                if self.signals.count and self._stopping_since is None:
-                    self._stopping_since = time.monotonic()
-                    log.info("draining: new requests are refused, queued ones finished")
             if watch is not None and events:
                 for monitor in watch.monitors:
                     if monitor in events:
@@ -277,6 +275,13 @@ class Broker:
                 self._guard(functools.partial(fn, time.monotonic()))
             self._guard(self._dispatch)
         log.info("broker stopped")
+
+    def _note_stop(self) -> None:
+        """Begin draining once a stop signal came (its handler counts it as soon as the
+        loop runs Python code again: a request read after that is refused)."""
+        if self.signals.count and self._stopping_since is None:
+            self._stopping_since = time.monotonic()
+            log.info("draining: new requests are refused, queued ones finished")
 
     def _guard(self, step: Callable[[], Any]) -> None:
         """Run one loop step; an exception is logged, never allowed to end the loop."""
@@ -349,6 +354,7 @@ class Broker:
             self._control(envelope, header.id, header.op, header.model)
             return
         model = header.model or self.settings.default_model
+        self._note_stop()
         refusal = (
             (ErrorCode.SHUTTING_DOWN, "the broker is shutting down")
             if self._stopping_since is not None

@@ -394,6 +394,8 @@ def test_grafana_dashboard_is_an_importable_dashboard_with_the_promised_panels()
         "queue depth",
         "workers",
         "worker events",
+        "chunks per second",
+        "time to first chunk",
     ):
         assert wanted in titles, wanted
     for p in panels:
@@ -406,11 +408,18 @@ def test_grafana_dashboard_is_an_importable_dashboard_with_the_promised_panels()
 def test_every_metric_the_dashboard_uses_is_served(serve, client):
     """The names in the dashboard's queries, against a live broker's /metrics."""
     port = free_port()
-    sp = serve("--workers", "1", "--model", "sim", *FLAT_SIM, "--metrics-port", str(port), workers=1)
+    sp = serve(
+        "--workers", "1", "--model", "sim", "--model", "simlm", *FLAT_SIM, "--simlm-step-base-ms", "1",
+        "--metrics-port", str(port), workers=2,
+    )  # fmt: skip
     c = client(sp.frontend)
     assert len(c.request_many(range(10))) == 10
     with pytest.raises(BatcherError):
         c.request("x", model="nope")
+    assert list(c.stream({"tokens": 3}, model="simlm")) == [0, 1, 2]
+    with c.stream({"tokens": 100_000}, model="simlm") as tokens:
+        assert next(tokens) == 0  # then cancelled, leaving the block: a cancellation counted
+    wait_until(lambda: "batcher_sequences_cancelled_total" in {n for n, _ in scrape(port)}, 10, "a cancel")
     served = {name for name, _ in scrape(port)}
     exprs = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
     used = set(re.findall(r"\b(batcher_[a-z_]+)", " ".join(exprs)))
