@@ -719,7 +719,8 @@ def parse_chunk_header(frame: bytes) -> ChunkHeader:
         not isinstance(lengths, list)
         or len(lengths) != n
         or not all(
-            _is_int(x) and (x == 0) == (f == CHUNK_DROPPED) for x, f in zip(lengths, flags, strict=False)
+            _is_int(x) and x >= 0 and (x == 0) == (f == CHUNK_DROPPED)
+            for x, f in zip(lengths, flags, strict=False)
         )
     ):
         raise WorkerProtocolError(
