@@ -348,7 +348,8 @@ class Broker:
         try:
             header = protocol.read_header(body)
         except ProtocolError as exc:
-            self._refuse(envelope, exc.req_id, exc.code, exc.message)
+            stream = protocol.wants_stream(body)
+            self._refuse(envelope, exc.req_id, exc.code, exc.message, None, stream)
             return
         if header.op != "infer":
             self._control(envelope, header.id, header.op, header.model)

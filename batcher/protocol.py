@@ -306,17 +306,29 @@ def id_of(body: Any) -> int | str | None:
     bad_request), read as far as the body allows: key by key, values skipped, maps
     decoded as lists of pairs (so no key needs to be hashable), stopping at the first
     fault. Wherever the id stands before the fault, it is echoed."""
+    value = _key_of(body, "id")
+    return value if isinstance(value, ID_TYPES) and not isinstance(value, bool) else None
+
+
+def wants_stream(body: Any) -> bool:
+    """Whether a body that cannot be decoded whole says `"stream": true` (read as `id_of`
+    reads the id): its refusal then says `"more": false`, as every stream's last reply does."""
+    return _key_of(body, "stream") is True
+
+
+def _key_of(body: Any, key: str) -> Any:
+    """The value of a top-level `key`, read key by key as far as the body allows (None if
+    it is not found before a fault)."""
     unpacker = msgpack.Unpacker(
         raw=False, strict_map_key=False, object_pairs_hook=list, max_buffer_size=max(len(body), 1)
     )
     unpacker.feed(body)
     try:
         for _ in range(unpacker.read_map_header()):
-            if unpacker.unpack() != "id":
+            if unpacker.unpack() != key:
                 unpacker.skip()
                 continue
-            value = unpacker.unpack()
-            return value if isinstance(value, ID_TYPES) and not isinstance(value, bool) else None
+            return unpacker.unpack()
     except Exception:  # msgpack raises several unrelated types
         return None
     return None

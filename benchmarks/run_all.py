@@ -39,6 +39,7 @@ SCRIPTS = (
     "ray_serve",
     "gateway",
     "http_servers",
+    "streaming",
 )
 
 INTRO_START = "<!-- intro -->"

@@ -147,7 +147,9 @@ def test_the_generative_example_streams_its_words_from_a_worker_in_its_directory
     models_dir.mkdir()
     shutil.copy(EXAMPLE_MODELS.with_name("generative.py"), models_dir / "generative.py")
     frontend, backend = start_broker(spawn, zctx, "--model", "typewriter", "--no-worker-timeout-ms", "0")
-    worker = run_batcher(models_dir, "worker", "--connect", backend, "--model", "typewriter=generative:Typewriter")
+    worker = run_batcher(
+        models_dir, "worker", "--connect", backend, "--model", "typewriter=generative:Typewriter"
+    )
     with Client(frontend, timeout_s=20, context=zctx) as c:
         with c.stream("continuous batching streams words", model="typewriter") as words:
             replies = list(words.replies())
