@@ -1467,7 +1467,7 @@ def demo(workers: int, policy: str, logs: LogOptions) -> None:
     help='Streamed requests ("stream": true): also measures time to first chunk, chunks/s and '
     'the time between chunks. Default model with --spawn: simlm; default input: {"tokens": 32}.',
 )
-@option(
+@local_option(
     "--input",
     "input_json",
     default=None,

@@ -560,11 +560,16 @@ class Client(BaseClient[PendingReply]):
         self.close()
 
     def close(self) -> None:
-        """Close the socket; replies still in flight are abandoned."""
+        """Close the socket; replies still in flight are abandoned (a stream still open
+        ends with an error of code `closed`)."""
         if not self._sock.closed:
             self.watch.close()
             self._sock.close(0)
         self._pending.clear()
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            error = {"code": "closed", "message": f"the client of {self.address} was closed"}
+            stream.take({"id": request_id, "ok": False, "error": error, "more": False})
 
     @property
     def socket(self) -> zmq.Socket[Any]:

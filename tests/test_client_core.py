@@ -348,3 +348,14 @@ def test_multiclient_takes_a_nil_id_error_as_the_answer_of_its_one_request_in_fl
             mc.request("x")
         assert time.monotonic() - started < 2.0, "waited for the timeout"
         assert mc.duplicates_dropped == 0
+
+
+def test_a_stream_left_open_when_its_client_closes_ends_with_closed() -> None:
+    """Nothing listens any more: iterating the stream raises at once instead of polling a
+    closed socket."""
+    c = Client("tcp://127.0.0.1:9", timeout_s=5)  # discard port: nothing answers
+    stream = c.stream({"tokens": 3}, model="simlm")
+    c.close()
+    with pytest.raises(BatcherError, match="was closed") as raised:
+        list(stream)
+    assert raised.value.code == "closed" and stream.final is not None and stream.final["more"] is False
