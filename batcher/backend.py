@@ -179,7 +179,7 @@ class Backend:
             self.lost(worker_id, f"the worker sent a malformed CHUNK: {exc}")
             raise WorkerProtocolError(str(exc)) from None
         now = time.monotonic()
-        streams.heard(worker_id, header.counters)
+        streams.heard(worker_id, header.counters, now)
         deliver, stats = self.deliver, self.stats
         for seq_id, flag, body in zip(header.seq_ids, header.flags, replies, strict=True):
             verdict, seq = streams.on_chunk(worker_id, seq_id, flag, now)
@@ -270,7 +270,7 @@ class Backend:
             )  # fmt: skip
             why = f"its batch ran past the time limit of {limit_ms:.0f} ms (--batch-timeout-ms)"
             self._stop_hung(worker_id, why, blame=batch.batch_id)  # the batches behind it never began
-        for w, limit in self.pool.streams.hung(now, limit_s):
+        for w, limit in self.pool.streams.hung(min(now, self.pool.read_at), limit_s):
             if w.worker_id not in self.pool:
                 continue
             limit_ms = 1000.0 * limit

@@ -198,6 +198,7 @@ class ShardResult:
     max_send_lag_ms: float = 0.0
     late_sends: int = 0
     chunks_in_window: int = 0  # streamed chunks (finals included) arriving inside the window
+    chunks: int = 0  # every ok streamed chunk of this run, whenever it arrived
     first_chunk_histogram: bytes = b""  # time from a request's due time to its first chunk
     inter_chunk_histogram: bytes = b""  # time between two chunks of one request
 
@@ -301,6 +302,8 @@ class _Generator:
         self.result = ShardResult()
         self.due: dict[int, float] = {}  # request id -> time it was due to be sent
         self.last_chunk: dict[int, float] = {}  # streamed request id -> when its last chunk came
+        self.heard = False  # a reply or a chunk came: the broker answers (a long stream's first
+        # final reply may come long after)
         self.next_id = 0
         self.t0 = 0.0
         self.window_from = 0.0
@@ -335,6 +338,7 @@ class _Generator:
             now = time.perf_counter()
             reply = read_head(frames[-1])
             if self.s.stream and type(reply.id) is int and reply.id in self.due:
+                self.heard = True
                 self._chunk(reply.id, reply, now)
                 if reply.more is True:
                     continue  # the request is answered by its last reply
@@ -377,6 +381,7 @@ class _Generator:
             return
         if reply.more is True:
             self.last_chunk[rid] = now
+        self.result.chunks += 1
         if self.window_from <= now < self.window_to:
             self.result.chunks_in_window += 1
         if last is not None:
@@ -424,7 +429,7 @@ class _Generator:
 
     def _no_reply_deadline(self) -> float:
         """When to give up if nothing has answered yet (inf once something has)."""
-        if self.result.replies or self.first_send is None:
+        if self.result.replies or self.heard or self.first_send is None:
             return math.inf
         return self.first_send + self.s.no_reply_timeout_s
 
@@ -676,6 +681,9 @@ class LoadResult:
 
 def _failure(settings: LoadSettings, shards: list[ShardResult], ok: int, errors: Counter[str]) -> str | None:
     replies = sum(sh.replies for sh in shards)
+    if settings.stream:  # a chunk is an answer too: a stream may outlast the run
+        chunks = sum(sh.chunks for sh in shards)
+        replies, ok = replies + chunks, ok + chunks
     if replies == 0:
         waited = max(
             ((sh.gave_up_s or sh.wall_s) - (sh.first_send_s or 0.0) for sh in shards),

@@ -560,15 +560,17 @@ class Client(BaseClient[PendingReply]):
         self.close()
 
     def close(self) -> None:
-        """Close the socket; replies still in flight are abandoned (a stream still open
-        ends with an error of code `closed`)."""
+        """Close the socket; a request or stream still waiting for its reply gets an error
+        of code `closed`."""
         if not self._sock.closed:
             self.watch.close()
             self._sock.close(0)
-        self._pending.clear()
+        error = {"code": "closed", "message": f"the client of {self.address} was closed"}
+        pending, self._pending = self._pending, {}
+        for request_id, waiting in pending.items():
+            waiting.reply = {"id": request_id, "ok": False, "error": error}
         streams, self._streams = self._streams, {}
         for request_id, stream in streams.items():
-            error = {"code": "closed", "message": f"the client of {self.address} was closed"}
             stream.take({"id": request_id, "ok": False, "error": error, "more": False})
 
     @property

@@ -124,6 +124,11 @@ class WorkerPool:
         worker message that arrived before then has been seen."""
         self._backend_read_at = started_at
 
+    @property
+    def read_at(self) -> float:
+        """When the broker's last read of its backend to the end began."""
+        return self._backend_read_at
+
     def silent(self) -> list[tuple[bytes, float]]:
         """(worker, seconds of silence) of each worker past its liveness."""
         read_at, expiry = self._backend_read_at, self.heartbeat.expiry_s

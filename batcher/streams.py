@@ -24,7 +24,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from batcher.protocol import CHUNK_DROPPED, CHUNK_MORE
-from batcher.scheduler import FIRST_BATCH_LIMIT_S, MIN_BATCH_LIMIT_S, QueuedRequest
+from batcher.scheduler import QueuedRequest
+
+#: A step-level worker that holds a sequence and sends no CHUNK for this long (with no
+#: --batch-timeout-ms) is taken for hung. Generous: a prefill of a long prompt may take
+#: many times a decode step, and a model may compile on its first step.
+STEP_LIMIT_S = 60.0
 
 
 @dataclass(slots=True, eq=False)
@@ -52,7 +57,6 @@ class StepWorker:
     draining: bool = False  # being replaced: it gets no new sequence
     counters: dict[str, float] = field(default_factory=dict)  # as its last CHUNK said
     last_chunk_at: float = 0.0  # when it last sent a CHUNK, or got its oldest held sequence
-    max_step_ms: float = 0.0  # its slowest step so far, as it reported
 
     @property
     def free(self) -> int:
@@ -227,29 +231,23 @@ class Streams:
             heapq.heappop(dl)
         return dl[0][0] if dl else None
 
-    def hung(self, now: float, limit_s: float | None) -> list[tuple[StepWorker, float]]:
+    def hung(self, read_at: float, limit_s: float | None) -> list[tuple[StepWorker, float]]:
         """(worker, its limit) of each worker holding a sequence that sent no CHUNK for its
-        time limit: its step hung (heartbeats prove only that the process lives). The limit
-        is `limit_s`, or 10 x its slowest step so far, at least MIN_BATCH_LIMIT_S
-        (FIRST_BATCH_LIMIT_S before its first step: a model may compile on it)."""
-        out = []
-        for w in self._workers.values():
-            if not w.held:
-                continue
-            limit = limit_s
-            if limit is None:
-                step_s = w.max_step_ms / 1000.0
-                limit = max(10.0 * step_s, MIN_BATCH_LIMIT_S) if step_s else FIRST_BATCH_LIMIT_S
-            if now - w.last_chunk_at > limit:
-                out.append((w, limit))
-        return out
+        time limit, `limit_s` or STEP_LIMIT_S: a step (or a prefill) that never ends
+        (heartbeats prove only that the process lives; a working one sends a CHUNK after
+        every step, whether or not it made a chunk). Silence counts up to `read_at`, the
+        start of the broker's last read of its backend to the end: a CHUNK that waits
+        unread while the broker is busy is no silence."""
+        limit = STEP_LIMIT_S if limit_s is None else limit_s
+        return [(w, limit) for w in self._workers.values() if w.held and read_at - w.last_chunk_at > limit]
 
-    def heard(self, worker_id: bytes, counters: dict[str, float]) -> None:
-        """A worker's counters, as its CHUNK carries them."""
+    def heard(self, worker_id: bytes, counters: dict[str, float], now: float) -> None:
+        """A worker's CHUNK, with or without entries: its counters, and a sign that its
+        steps make progress."""
         w = self._workers.get(worker_id)
         if w is not None:
             w.counters = counters
-            w.max_step_ms = max(w.max_step_ms, float(counters.get("step_ms", 0.0)))
+            w.last_chunk_at = now
 
     # --- introspection ----------------------------------------------------------------------
 

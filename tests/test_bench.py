@@ -393,3 +393,15 @@ def test_bench_with_a_bad_key_file_says_so(tmp_path: Path, cli: Callable[..., An
     assert proc.returncode == 1, proc.stdout
     assert f"cannot load key file {bad}" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_stream_that_outlasts_the_run_is_an_answer_not_a_failure() -> None:
+    """Streams of a million tokens end long after the run: their chunks show the broker
+    answers, so the run reports chunks/s rather than "no reply"."""
+    from batcher.bench import LoadSettings, ShardResult, merge
+
+    shard = ShardResult(sent=8, sent_in_window=8, chunks=400, chunks_in_window=400, lost=8, wall_s=2.0)
+    streamed = merge(LoadSettings("tcp://127.0.0.1:9", concurrency=8, duration_s=2.0, stream=True), [shard])
+    assert streamed.failure is None and streamed.chunks_per_s == 200.0
+    plain = merge(LoadSettings("tcp://127.0.0.1:9", concurrency=8, duration_s=2.0), [shard])
+    assert plain.failure is not None and "no reply" in plain.failure

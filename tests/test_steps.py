@@ -507,3 +507,67 @@ def test_an_error_reply_ending_a_stream_says_more_false() -> None:
     reply = protocol.unpack(protocol.error_reply(3, ErrorCode.CANCELLED, "gone", stream=True))
     assert reply == {"id": 3, "ok": False, "error": {"code": "cancelled", "message": "gone"}, "more": False}
     assert "more" not in protocol.unpack(protocol.error_reply(3, ErrorCode.CANCELLED, "gone"))
+
+
+# --- what an outsider's attack found -----------------------------------------------------------
+
+
+def test_a_done_without_a_truth_value_fails_its_sequence_not_the_worker() -> None:
+    np = pytest.importorskip("numpy")
+    model = Scripted([(1, "a", np.array([True, True])), (2, "b", False)], [(2, "c", True)])
+    r = runner(model)
+    start(r, {1: req(1), 2: req(2)})
+    first = step(r)
+    assert [(s, f) for s, f, _ in first] == [(1, CHUNK_ERROR), (2, CHUNK_MORE)]
+    code, message = error_of(first[0][2])
+    assert code == ErrorCode.MODEL_ERROR and "truth value" in message
+    assert first[0][2]["more"] is False and model.stopped == [1]
+    assert [(s, f) for s, f, _ in step(r)] == [(2, CHUNK_FINAL)]  # the other sequence goes on
+
+
+def test_numpy_integer_keys_name_their_sequences() -> None:
+    np = pytest.importorskip("numpy")
+    r = runner(Scripted([(np.int64(5), "x", np.bool_(True))]))
+    start(r, {5: req("five")})
+    ((seq_id, flag, body),) = step(r)
+    assert (seq_id, flag, body["output"], body["more"]) == (5, CHUNK_FINAL, "x", False)
+
+
+def test_a_key_that_is_no_integer_is_logged_once_and_sends_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    r = runner(Scripted([("1", "x", True)], [("1", "y", True)]))
+    start(r, {1: req(1)})
+    assert step(r) == [] and step(r) == []
+    assert len([m for m in caplog.messages if "not (int key, chunk, done)" in m]) == 1
+    assert r.busy()  # the sequence is still held: its deadline or a cancel ends it
+
+
+def test_a_start_verdict_that_is_neither_none_nor_an_exception_fails_and_stops_its_item() -> None:
+    class Odd(Scripted):
+        def start(self, items: list[tuple[int, Any]]) -> list[BaseException | None] | None:
+            super().start(items)
+            return ["ok", None]  # type: ignore[list-item]
+
+    model = Odd([(2, "z", True)])
+    r = runner(model)
+    start(r, {1: req(1), 2: req(2)})
+    got = step(r)
+    assert [(s, f) for s, f, _ in got] == [(1, CHUNK_ERROR), (2, CHUNK_FINAL)]
+    assert error_of(got[0][2])[0] == ErrorCode.MODEL_ERROR and model.stopped == [1]
+
+
+def test_steps_without_entries_still_send_a_chunk_of_counters_now_and_then() -> None:
+    """A request without "stream" sends nothing until its end: the worker's CHUNK of
+    counters alone, at most every PROGRESS_EVERY_S, tells the broker its steps go on."""
+    from workers.steps import PROGRESS_EVERY_S
+
+    r = runner()
+    start(r, {1: req(1, {"tokens": 50}, stream=False)})
+    r.run_step(0.0)
+    frames = r.take_entries(now=10.0)
+    assert frames is not None
+    header = protocol.parse_chunk_header(frames[2])
+    assert header.seq_ids == [] and header.counters["steps"] == 1 and header.counters["active"] == 1
+    r.run_step(0.0)
+    assert r.take_entries(now=10.0 + PROGRESS_EVERY_S / 2) is None  # not yet
+    assert r.take_entries(now=10.0 + PROGRESS_EVERY_S * 1.01) is not None
+    assert r.take_entries(now=20.0) is None  # no step ran since: no progress to tell

@@ -796,3 +796,56 @@ def test_step_level_admits_a_new_sequence_between_steps(spawn: Spawn, zctx: zmq.
         assert stats["sequences_cancelled"] == {"cancel": 3}, stats
     finally:
         d.sock.close(0)
+
+
+# --- what is not a hung step-level worker ------------------------------------------------------
+
+
+def test_a_long_request_without_stream_is_not_taken_for_a_hung_step(
+    serve: Serve, client: MakeClient, zctx: zmq.Context[Any]
+) -> None:
+    """A request without "stream" sends no chunk until its last step; its worker still
+    says, every 100 ms, that it makes progress, so a time limit far shorter than the
+    request does not take it for hung."""
+    sp = serve_lm(serve, "--batch-timeout-ms", "300")
+    c = client(sp.frontend, timeout_s=30)
+    pid = worker_pid(only_worker(lm_stats(sp, zctx)))
+    assert list(c.stream({"tokens": 5}, model="simlm")) == list(range(5))  # the worker has stepped
+    started = time.monotonic()
+    assert c.request({"tokens": 400}, model="simlm") == list(range(400))
+    assert time.monotonic() - started > 0.6  # 400 steps of 2 ms and more: twice the limit
+    assert broker_stats(sp.frontend, zctx)["batches_timed_out"] == 0
+    assert worker_pid(only_worker(lm_stats(sp, zctx))) == pid
+
+
+def test_a_paused_broker_does_not_take_its_step_workers_for_hung(
+    spawn: Spawn, zctx: zmq.Context[Any]
+) -> None:
+    """CHUNKs that wait unread while the broker is stopped (SIGSTOP) past the step time
+    limit are no silence of the workers: every stream ends well once it resumes."""
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    broker = spawn(
+        "broker", "--frontend", frontend, "--backend", backend, "--model", "simlm",
+        "--batch-timeout-ms", "500", "--heartbeat-ms", "2000",
+    )  # fmt: skip
+    spawn("worker", "--connect", backend, "--model", "simlm", "--heartbeat-ms", "2000")
+    wait_until(lambda: lm_stats(frontend, zctx).get("workers") == 1, 10, "the worker joined")
+    sock = zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(frontend)
+    d = Dealer(sock)
+    try:
+        for i in range(32):
+            d.stream(i, 60)
+        d.chunks(31, 2)  # every stream runs
+        os.kill(broker.pid, signal.SIGSTOP)
+        try:
+            time.sleep(1.2)  # the fault itself: a broker paused for more than twice the limit
+        finally:
+            os.kill(broker.pid, signal.SIGCONT)
+        d.finish(*range(32), timeout_s=30)
+        for i in range(32):
+            assert_complete(d.of(i), 60, i)
+        assert broker_stats(frontend, zctx)["batches_timed_out"] == 0
+    finally:
+        sock.close(0)

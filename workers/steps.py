@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -82,6 +83,9 @@ class _Sequence:
     chunks: int = 0
 
 
+#: At least this often a stepping worker sends a CHUNK, with entries or not (seconds).
+PROGRESS_EVERY_S = 0.1
+
 Decode = Callable[[list[Any]], tuple[list[dict[str, Any]], dict[int, str]]]
 
 
@@ -110,6 +114,9 @@ class StepRunner:
         self._ids: list[int] = []
         self._flags: list[int] = []
         self._bodies: list[bytes] = []
+        self._stepped = False  # a step ran since the last CHUNK: one is due, entries or not
+        self._sent_at = 0.0  # when the last CHUNK was taken
+        self._warned: set[str] = set()  # the kinds of odd step results logged already
 
     # --- what the broker says ---------------------------------------------------------------
 
@@ -190,12 +197,14 @@ class StepRunner:
         return bool(self.active or self.waiting)
 
     def run_step(self, now: float) -> None:
-        """End what passed its deadline, admit what the level allows, run one step."""
+        """End what passed its deadline, admit what the level allows (its prefill), run
+        one step; `step_ms` counts both."""
         self._expire(now)
+        t0 = time.perf_counter()
         self._admit()
         if not self.active:
             return
-        t0 = time.perf_counter()
+        self._stepped = True
         try:
             results = list(self.model.step())
         except Exception as exc:
@@ -215,12 +224,14 @@ class StepRunner:
     def _take_chunk(self, result: Any) -> None:
         try:
             key, chunk, done = result
-        except (TypeError, ValueError):
-            log.warning("a step-level model's step gave %r, not (key, chunk, done): ignored", result)
+            key = operator.index(key)  # an int, or a numpy integer
+            done = bool(done)
+        except Exception as exc:  # not a triple, a key that is no integer, a done with no truth
+            self._odd_result(result, exc)
             return
-        seq = self.active.get(key) if isinstance(key, int) else None
+        seq = self.active.get(key)
         if seq is None:
-            return  # a sequence it was told to stop, or a key of its own: nothing to send
+            return  # a sequence it was told to stop (or never had): nothing to send
         if isinstance(chunk, BaseException):
             del self.active[key]
             self._stop(key)
@@ -247,6 +258,23 @@ class StepRunner:
                 self._stop(key)
             self._fail(seq, ErrorCode.MODEL_ERROR, f"output cannot be encoded: {exc}")
 
+    def _odd_result(self, result: Any, exc: Exception) -> None:
+        """A step result that is not (int key, chunk, bool-able done): if it names a held
+        sequence, that sequence fails (model_error); either way it is logged, once per kind."""
+        key = result[0] if isinstance(result, tuple | list) and result else None
+        seq = self.active.pop(key, None) if isinstance(key, int) else None
+        if seq is not None:
+            self._stop(seq.seq_id)
+            self._fail(seq, ErrorCode.MODEL_ERROR, f"the step gave {_clip(result)}: {protocol.describe(exc)}")
+        kind = f"{type(exc).__name__}"
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning(
+                "a step-level model's step gave %s, not (int key, chunk, done): %s",
+                _clip(result),
+                protocol.describe(exc),
+            )
+
     def _admit(self) -> None:
         if not self.waiting:
             return
@@ -260,8 +288,6 @@ class StepRunner:
         try:
             verdicts = self.model.start(items)
         except Exception as exc:
-            for seq in new:
-                self._stop(seq.seq_id)
             verdicts = [exc] * len(new)
         if verdicts is None:
             verdicts = [None] * len(new)
@@ -269,8 +295,6 @@ class StepRunner:
             log.warning(
                 "a step-level model's start gave %r for %d items: taken as a failure", verdicts, len(new)
             )
-            for seq in new:
-                self._stop(seq.seq_id)
             verdicts = [
                 ValueError(f"start returned {type(verdicts).__name__}, not one verdict per item")
             ] * len(new)
@@ -278,6 +302,7 @@ class StepRunner:
             if verdict is None:
                 self.active[seq.seq_id] = seq
                 continue
+            self._stop(seq.seq_id)  # whatever the model may have kept of it (once per item)
             code = ErrorCode.BAD_REQUEST if isinstance(verdict, BadInput) else ErrorCode.MODEL_ERROR
             self._fail(
                 seq,
@@ -319,15 +344,27 @@ class StepRunner:
         self._flags.append(flag)
         self._bodies.append(body)
 
-    def take_entries(self) -> list[Any] | None:
-        """The CHUNK message of everything collected since the last call (None if nothing)."""
-        if not self._ids:
+    def take_entries(self, now: float | None = None) -> list[Any] | None:
+        """The CHUNK message of everything collected since the last call; None if nothing
+        was, unless (given `now`) steps ran since the last one, PROGRESS_EVERY_S ago or
+        more: then a CHUNK of counters alone says the worker makes progress (a request
+        without "stream", or a step that yields nothing, sends no entry for many steps)."""
+        progress = now is not None and self._stepped and now - self._sent_at >= PROGRESS_EVERY_S
+        if not self._ids and not progress:
             return None
+        self._stepped = False
+        if now is not None:
+            self._sent_at = now
         self.counters["active"] = len(self.active)
         self.counters["waiting"] = len(self.waiting)
         frames = protocol.chunk_frames(self._ids, self._flags, self._bodies, dict(self.counters))
         self._ids, self._flags, self._bodies = [], [], []
         return frames
+
+
+def _clip(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _request_id(request: dict[str, Any]) -> int | str | None:

@@ -564,7 +564,7 @@ class Worker:
         self._send_chunks(steps)
 
     def _send_chunks(self, steps: StepRunner) -> None:
-        frames = steps.take_entries()
+        frames = steps.take_entries(time.monotonic())
         if frames is not None and not self._send(frames):
             log.warning("worker %s: chunks could not be sent (no connection to the broker)", self.name)
 
