@@ -261,8 +261,11 @@ class StepRunner:
     def _odd_result(self, result: Any, exc: Exception) -> None:
         """A step result that is not (int key, chunk, bool-able done): if it names a held
         sequence, that sequence fails (model_error); either way it is logged, once per kind."""
-        key = result[0] if isinstance(result, tuple | list) and result else None
-        seq = self.active.pop(key, None) if isinstance(key, int) else None
+        try:
+            key: int | None = operator.index(result[0])
+        except Exception:  # no key to name a sequence by
+            key = None
+        seq = None if key is None else self.active.pop(key, None)
         if seq is not None:
             self._stop(seq.seq_id)
             self._fail(seq, ErrorCode.MODEL_ERROR, f"the step gave {_clip(result)}: {protocol.describe(exc)}")
