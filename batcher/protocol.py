@@ -285,6 +285,19 @@ def _type_name(value: object) -> str:
     return type(value).__name__
 
 
+def answer_id(request: dict[str, Any]) -> int | str | None:
+    """The id a worker answers a decoded request with: the broker only forwards int and
+    str ids (nil for any other)."""
+    req_id = request.get("id")
+    return req_id if isinstance(req_id, ID_TYPES) and not isinstance(req_id, bool) else None
+
+
+def clip(value: object, limit: int = 80) -> str:
+    """A value's repr cut to `limit` characters, for a log line or an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def describe(exc: Exception) -> str:
     """An exception as a message that never ends in an empty colon."""
     text = str(exc)

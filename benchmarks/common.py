@@ -417,6 +417,18 @@ def command_line() -> str:
     return " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
 
 
+def save_plot(fig: Any, name: str) -> str:
+    """Write a matplotlib figure to results/NAME.png, close it, and return the path."""
+    import matplotlib.pyplot as plt
+
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
 def write_results(name: str, title: str, body_md: str, data: Mapping[str, Any], quick: bool) -> Path:
     """Write benchmarks/results/<name>.md (a `## title` section) and <name>.json."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)

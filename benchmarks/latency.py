@@ -21,7 +21,6 @@ import argparse
 from typing import Any
 
 from common import (
-    RESULTS_DIR,
     closed_loop,
     handle_sigterm,
     load_note,
@@ -30,6 +29,7 @@ from common import (
     open_loop,
     policy_option,
     running_serve,
+    save_plot,
     serve_args,
     serve_help,
     sim_batch_ms,
@@ -159,12 +159,7 @@ def plot(results: list[dict[str, Any]], capacity: float) -> str | None:
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / "latency.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save_plot(fig, "latency")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,23 +31,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 import zmq
-from common import REPO_ROOT, RESULTS_DIR, handle_sigterm, md_table, median_of, write_results
+from common import handle_sigterm, md_table, median_of, save_plot, write_results
 
-from batcher.launcher import free_tcp_address
+from batcher.launcher import ServeProcess
 
 LEVELS = ("step", "request")
 LOADS = (0.10, 0.20, 0.30, 0.45, 0.60, 0.75, 0.90)
@@ -130,40 +125,25 @@ def draw_lengths(rng: np.random.Generator, n: int, args: argparse.Namespace) -> 
 # --- serve -------------------------------------------------------------------------------------
 
 
-def batcher_command() -> list[str]:
-    exe = Path(sys.executable).parent / "batcher"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "batcher"]
-
-
-class Serve:
+class Serve(ServeProcess):
     """`batcher serve --model simlm` at one batching level, in its own process group."""
 
     def __init__(self, level: str, args: argparse.Namespace) -> None:
+        super().__init__(
+            [
+                "--model", MODEL, "--workers", str(args.workers),
+                "--max-active", str(args.max_active), "--batching-level", level,
+                "--simlm-step-base-ms", repr(float(args.step_base_ms)),
+                "--simlm-step-per-seq-ms", repr(float(args.step_per_seq_ms)), "--no-warmup",
+            ]
+        )  # fmt: skip
         self.level = level
-        self.args = args
-        self.frontend = free_tcp_address()
-        self.backend = free_tcp_address()
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def command(self) -> list[str]:
-        a = self.args
-        return [
-            *batcher_command(), "serve", "--model", MODEL, "--workers", str(a.workers),
-            "--max-active", str(a.max_active), "--batching-level", self.level,
-            "--simlm-step-base-ms", repr(float(a.step_base_ms)),
-            "--simlm-step-per-seq-ms", repr(float(a.step_per_seq_ms)),
-            "--frontend", self.frontend, "--backend", self.backend, "--no-warmup", "--log-level", "warning",
-        ]  # fmt: skip
+        self.workers = args.workers
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            self.command(), start_new_session=True, cwd=REPO_ROOT, stdin=subprocess.DEVNULL
-        )
-
-    def wait_ready(self, ctl: Control, timeout_s: float) -> None:
+    def wait_workers(self, ctl: Control, timeout_s: float) -> None:
         """Ask for stats until the model has all its workers (bounded by timeout_s)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -171,27 +151,10 @@ class Serve:
                 code = None if self.process is None else self.process.returncode
                 raise RuntimeError(f"batcher serve exited with {code} before its workers were ready")
             stats = ctl.stats(timeout_s=0.5)
-            if stats is not None and model_stats(stats).get("workers") == self.args.workers:
+            if stats is not None and model_stats(stats).get("workers") == self.workers:
                 return
             time.sleep(0.05)  # between readiness probes only
-        raise TimeoutError(f"{self.args.workers} {MODEL} workers not ready within {timeout_s:g} s")
-
-    def stop(self) -> int | None:
-        """SIGTERM to the process group, SIGKILL if it lingers, then SIGKILL what is left of it."""
-        p = self.process
-        if p is None:
-            return None
-        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, sig)
-            try:
-                p.wait(wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, signal.SIGKILL)
-        return p.returncode
+        raise TimeoutError(f"{self.workers} {MODEL} workers not ready within {timeout_s:g} s")
 
 
 class Control:
@@ -284,7 +247,7 @@ def running_serve(
     try:
         serve.start()
         ctl = Control(ctx, serve.frontend)
-        serve.wait_ready(ctl, args.ready_timeout_s)
+        serve.wait_workers(ctl, args.ready_timeout_s)
         yield serve, ctl
     finally:
         if ctl is not None:
@@ -813,12 +776,7 @@ def plot(results: dict[str, dict[str, Any]], theory: float) -> str | None:
     for ax in (ax1, ax2):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / "streaming.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save_plot(fig, "streaming")
 
 
 # --- main --------------------------------------------------------------------------------------

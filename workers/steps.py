@@ -151,7 +151,7 @@ class StepRunner:
             return
         requests, bad = self.decode(bodies)
         for i, (seq_id, left_ms, request) in enumerate(zip(seq_ids, remaining_ms, requests, strict=True)):
-            req_id = _request_id(request)
+            req_id = protocol.answer_id(request)
             stream = request.get("stream") is True
             if i in bad:
                 self._final(
@@ -268,13 +268,15 @@ class StepRunner:
         seq = None if key is None else self.active.pop(key, None)
         if seq is not None:
             self._stop(seq.seq_id)
-            self._fail(seq, ErrorCode.MODEL_ERROR, f"the step gave {_clip(result)}: {protocol.describe(exc)}")
+            self._fail(
+                seq, ErrorCode.MODEL_ERROR, f"the step gave {protocol.clip(result)}: {protocol.describe(exc)}"
+            )
         kind = f"{type(exc).__name__}"
         if kind not in self._warned:
             self._warned.add(kind)
             log.warning(
                 "a step-level model's step gave %s, not (int key, chunk, done): %s",
-                _clip(result),
+                protocol.clip(result),
                 protocol.describe(exc),
             )
 
@@ -363,13 +365,3 @@ class StepRunner:
         frames = protocol.chunk_frames(self._ids, self._flags, self._bodies, dict(self.counters))
         self._ids, self._flags, self._bodies = [], [], []
         return frames
-
-
-def _clip(value: object, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _request_id(request: dict[str, Any]) -> int | str | None:
-    req_id = request.get("id")
-    return req_id if isinstance(req_id, protocol.ID_TYPES) and not isinstance(req_id, bool) else None

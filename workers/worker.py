@@ -111,10 +111,12 @@ def _decode_header(header_frame: bytes) -> tuple[int, list[Any] | None, list[int
     except Exception as exc:  # msgpack raises several unrelated types
         raise MalformedBatch(f"header is not msgpack: {type(exc).__name__}: {exc}", None) from None
     if not isinstance(header, list) or not header or type(header[0]) is not int:
-        raise MalformedBatch(f"header must be [batch_id, queue_ms, lengths], got {_clip(header)}", None)
+        raise MalformedBatch(
+            f"header must be [batch_id, queue_ms, lengths], got {protocol.clip(header)}", None
+        )
     lengths = header[2] if len(header) > 2 else None
     if not isinstance(lengths, list) or not all(type(n) is int and n >= 0 for n in lengths):
-        raise MalformedBatch(f"header must hold the bodies' lengths, got {_clip(header)}", header[0])
+        raise MalformedBatch(f"header must hold the bodies' lengths, got {protocol.clip(header)}", header[0])
     queue_ms = header[1] if isinstance(header[1], list) else None
     return header[0], queue_ms, lengths
 
@@ -180,17 +182,6 @@ def _array(value: dict[Any, Any]) -> tuple[Any, str | None]:
         return value, "this worker takes no tensors: numpy is not installed here"
 
 
-def _clip(value: object, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _request_id(request: dict[str, Any]) -> int | str | None:
-    """The id to answer with: the broker only forwards int and str ids."""
-    req_id = request.get("id")
-    return req_id if isinstance(req_id, protocol.ID_TYPES) and not isinstance(req_id, bool) else None
-
-
 def run_batch(
     model: ModelFn,
     header_frame: bytes,
@@ -228,7 +219,7 @@ def run_batch(
     replies: list[bytes | None] = [None] * len(everything)
     for i, why in bad.items():  # a malformed tensor: answered here, never given to the model
         replies[i] = protocol.error_reply(
-            _request_id(everything[i]), ErrorCode.BAD_REQUEST, why, _streamed(everything[i])
+            protocol.answer_id(everything[i]), ErrorCode.BAD_REQUEST, why, _streamed(everything[i])
         )
     live = [i for i in range(len(everything)) if i not in bad]
     requests = [everything[i] for i in live]
@@ -250,7 +241,7 @@ def run_batch(
         log.debug("batch %d: the model's traceback", batch_id, exc_info=True)
         for i in live:
             replies[i] = protocol.error_reply(
-                _request_id(everything[i]), ErrorCode.MODEL_ERROR, message, _streamed(everything[i])
+                protocol.answer_id(everything[i]), ErrorCode.MODEL_ERROR, message, _streamed(everything[i])
             )
         errors = protocol.error_counts(len(live), len(bad))
         return protocol.reply_frames(batch_id, infer_ms, _all(replies), errors, wait_ms)
@@ -259,7 +250,7 @@ def run_batch(
     refused, model_errors = len(bad), 0
     encoder = fastpath.ReplyEncoder(n, worker_name, wait_ms, infer_ms)
     for i, r, out in zip(live, requests, outputs, strict=True):
-        req_id = _request_id(r)
+        req_id = protocol.answer_id(r)
         stream = _streamed(r)
         if isinstance(out, tensor.TensorError):  # its input does not fit the model's batch
             refused += 1
