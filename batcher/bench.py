@@ -696,6 +696,11 @@ def _failure(settings: LoadSettings, shards: list[ShardResult], ok: int, errors:
         )
         return f"no reply from {settings.connect} within {waited:.1f} s: is a broker running there?{hint}"
     if sum(sh.sent_in_window for sh in shards) == 0:
+        if settings.stream and settings.concurrency is not None:
+            return (
+                "no request was sent after the warm-up: a closed loop sends one only when one "
+                "ends, and no stream ended; give shorter streams or no warm-up"
+            )
         return "no request was sent after the warm-up: give more requests or a shorter warm-up"
     if ok == 0:
         if errors:

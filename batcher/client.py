@@ -629,6 +629,8 @@ class Client(BaseClient[PendingReply]):
         Leaving early, use `with client.stream(x) as chunks:` (or `close()`): the broker
         is told to cancel it and the worker stops generating. `timeout_s` bounds the wait
         for each chunk; a stream is never retried."""
+        if self._sock.closed:
+            raise BatcherError(f"the client of {self.address} is closed", code="closed")
         request_id = next(self._ids)
         fields = request_body(input, model, timeout_ms, priority, stream=True)
         body = protocol.pack_carrying({"id": request_id, **fields}, input)
@@ -670,7 +672,9 @@ class Client(BaseClient[PendingReply]):
     def send_cancel(self, request_id: int) -> bool:
         """Ask the broker to drop request `request_id` if it is still queued (it is then
         answered `cancelled`; one already running is answered normally). One try, never
-        blocking; returns whether it went."""
+        blocking; returns whether it went (never, once the client is closed)."""
+        if self._sock.closed:
+            return False
         return self._send_body(cancel_body(request_id), time.monotonic())
 
     def receive_ready(self) -> list[PendingReply]:

@@ -30,6 +30,9 @@ from batcher.scheduler import QueuedRequest
 #: --batch-timeout-ms) is taken for hung. Generous: a prefill of a long prompt may take
 #: many times a decode step, and a model may compile on its first step.
 STEP_LIMIT_S = 60.0
+#: A shorter --batch-timeout-ms is raised to this for step-level workers: they report
+#: progress every 100 ms (workers/steps.py PROGRESS_EVERY_S), and a busy machine delays that.
+MIN_STEP_LIMIT_S = 1.0
 
 
 @dataclass(slots=True, eq=False)
@@ -233,12 +236,12 @@ class Streams:
 
     def hung(self, read_at: float, limit_s: float | None) -> list[tuple[StepWorker, float]]:
         """(worker, its limit) of each worker holding a sequence that sent no CHUNK for its
-        time limit, `limit_s` or STEP_LIMIT_S: a step (or a prefill) that never ends
-        (heartbeats prove only that the process lives; a working one sends a CHUNK after
-        every step, whether or not it made a chunk). Silence counts up to `read_at`, the
+        time limit, `limit_s` (at least MIN_STEP_LIMIT_S) or STEP_LIMIT_S: a step (or a
+        prefill) that never ends (heartbeats prove only that the process lives; a working
+        one sends a CHUNK at least every 100 ms while it steps, chunks or not). Silence counts up to `read_at`, the
         start of the broker's last read of its backend to the end: a CHUNK that waits
         unread while the broker is busy is no silence."""
-        limit = STEP_LIMIT_S if limit_s is None else limit_s
+        limit = STEP_LIMIT_S if limit_s is None else max(limit_s, MIN_STEP_LIMIT_S)
         return [(w, limit) for w in self._workers.values() if w.held and read_at - w.last_chunk_at > limit]
 
     def heard(self, worker_id: bytes, counters: dict[str, float], now: float) -> None:

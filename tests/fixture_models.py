@@ -72,3 +72,27 @@ def oip_probe(inputs: list[Any]) -> list[Any]:
     if b"slow" in inputs:
         time.sleep(1.5)
     return list(inputs)
+
+
+class SlowStopLM:
+    """simlm at 2 ms a step whose `stop` takes 100 ms (a model freeing a large cache): a
+    burst of cancels keeps the worker busy for longer than the heartbeat expiry."""
+
+    step_level = True
+
+    def __init__(self, gpu: int | None = None) -> None:
+        from workers.models import SimLM, SimSettings
+
+        self.lm = SimLM(SimSettings(step_base_ms=2.0, step_per_seq_ms=0.0))
+
+    def start(self, items: list[tuple[int, Any]]) -> list[BaseException | None]:
+        return self.lm.start(items)
+
+    def step(self) -> list[tuple[int, Any, bool]]:
+        return self.lm.step()
+
+    def stop(self, key: int) -> None:
+        import time
+
+        time.sleep(0.1)
+        self.lm.stop(key)

@@ -663,3 +663,14 @@ def test_take_follows_priority_then_deadline_then_arrival_and_never_takes_more_t
         taken += got
     assert taken == [reqs[i] for i in order[: len(taken)]]
     assert s.take("nobody", 3) == []
+
+
+def test_a_limit_shorter_than_the_progress_reports_allow_is_raised() -> None:
+    """Workers report progress every 100 ms: a --batch-timeout-ms of 1 ms would kill them
+    between two reports, so step-level workers get at least MIN_STEP_LIMIT_S."""
+    from batcher.streams import MIN_STEP_LIMIT_S
+
+    s = streams_with((b"w", 2))
+    s.start(b"w", [rq()], 0.0)
+    assert s.hung(MIN_STEP_LIMIT_S, 0.001) == []
+    assert s.hung(MIN_STEP_LIMIT_S + 0.01, 0.001) == [(s.worker(b"w"), MIN_STEP_LIMIT_S)]

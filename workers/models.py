@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import operator
 import os
 import site
 import sys
@@ -129,11 +130,24 @@ def _simlm_input(given: Any) -> tuple[int, int]:
             raise ValueError(f"simlm input takes tokens and prompt, got {sorted(map(str, unknown))}")
     else:
         tokens, prompt = given, 0
-    if type(tokens) is not int or not 1 <= tokens <= SIMLM_MAX_TOKENS:
-        raise ValueError(f"simlm tokens must be an int in [1, {SIMLM_MAX_TOKENS}], got {tokens!r}"[:200])
-    if type(prompt) is not int or not 0 <= prompt <= SIMLM_MAX_TOKENS:
-        raise ValueError(f"simlm prompt must be an int in [0, {SIMLM_MAX_TOKENS}], got {prompt!r}"[:200])
-    return tokens, prompt
+    return _count_of("tokens", tokens, 1), _count_of("prompt", prompt, 0)
+
+
+def _count_of(name: str, value: Any, least: int) -> int:
+    """An int in [least, SIMLM_MAX_TOKENS] from a plain int, a numpy integer or a tensor of
+    one integer (as the HTTP/gRPC gateway sends a row: docs/gateway.md); ValueError else."""
+    size = getattr(value, "size", None)
+    if size == 1 and getattr(value, "dtype", None) is not None and value.dtype.kind in "iu":
+        value = value.reshape(()).item()  # a tensor of one integer
+    try:
+        count = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        count = None
+    if count is None or not least <= count <= SIMLM_MAX_TOKENS:
+        shown = value.tolist() if hasattr(value, "tolist") else value
+        bounds = f"[{least}, {SIMLM_MAX_TOKENS}]"
+        raise ValueError(f"simlm {name} must be an integer in {bounds}, got {shown!r}"[:200])
+    return count
 
 
 def echo(inputs: list[Any]) -> list[Any]:

@@ -19,6 +19,7 @@ import stat
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,8 @@ RECONNECT_MIN_S = 0.25
 RECONNECT_MAX_S = 8.0
 #: A refused handshake is logged at WARNING once, then again at most this often (DEBUG between).
 REFUSAL_LOG_EVERY_S = 60.0
+#: How long a step-level worker waits at a time for its socket to take a CHUNK (ms).
+OUTBOX_WAIT_MS = 10
 #: Exit code of a worker given an address it cannot connect to (sysexits.h EX_USAGE).
 EXIT_BAD_ADDRESS = 64
 
@@ -353,6 +356,7 @@ class Worker:
         self._pending: deque[tuple[float, list[Any]]] = deque()  # (arrived at, BATCH frames) not run yet
         self._steps: StepRunner | None = None  # a step-level model's sequences
         self._inbox: deque[tuple[float, list[Any]]] = deque()  # (arrived at, START or CANCEL) not read yet
+        self._outbox: deque[list[Any]] = deque()  # CHUNKs the socket could not take yet
         self._poller = zmq.Poller()
         self._told_to_reconnect = False
         self._heard_at = 0.0  # when the broker last said anything (set again on connecting)
@@ -529,10 +533,36 @@ class Worker:
                     )
 
     def _run_steps(self, steps: StepRunner) -> None:
-        """Read the START and CANCEL messages that came, then run one step (the socket
-        left to the heartbeat thread meanwhile), sending its chunks as one CHUNK."""
-        while self._inbox:
-            arrived_at, frames = self._inbox.popleft()
+        """Read the START and CANCEL messages that came, then run one step, the socket left
+        to the heartbeat thread meanwhile in both (a model's start, stop and step may each
+        be slow), sending the chunks as one CHUNK after each. No step runs while a CHUNK
+        waits for the socket to take it: a chunk is never dropped, and a slow broker slows
+        the model down instead."""
+        if not self._flush_outbox():
+            return
+        if self._inbox:
+            self._unlocked(lambda: self._read_inbox(steps))
+            self._send_chunks(steps)
+        if steps.busy() and self._flush_outbox():
+            self._unlocked(lambda: steps.run_step(time.monotonic()))
+            self._send_chunks(steps)
+
+    def _unlocked(self, work: Callable[[], None]) -> None:
+        """Run `work` (the model's) with the socket left to the heartbeat thread."""
+        self._in_model = True
+        self._socket_lock.release()
+        try:
+            work()
+        finally:
+            self._socket_lock.acquire()
+            self._in_model = False
+
+    def _read_inbox(self, steps: StepRunner) -> None:
+        while True:
+            try:
+                arrived_at, frames = self._inbox.popleft()
+            except IndexError:  # empty (the heartbeat thread may clear it on a DISCONNECT)
+                return
             try:
                 if frames[1] == protocol.CMD_START and len(frames) >= 3:
                     steps.receive_start(frames[2], frames[3:], arrived_at)
@@ -542,22 +572,26 @@ class Worker:
                 log.warning(
                     "worker %s: ignored a malformed broker message: %s", self.name, protocol.describe(exc)
                 )
-        self._send_chunks(steps)
-        if not steps.busy():
-            return
-        self._in_model = True
-        self._socket_lock.release()  # the heartbeat thread may use the socket meanwhile
-        try:
-            steps.run_step(time.monotonic())
-        finally:
-            self._socket_lock.acquire()
-            self._in_model = False
-        self._send_chunks(steps)
 
     def _send_chunks(self, steps: StepRunner) -> None:
         frames = steps.take_entries(time.monotonic())
-        if frames is not None and not self._send(frames):
-            log.warning("worker %s: chunks could not be sent (no connection to the broker)", self.name)
+        if frames is not None:
+            self._outbox.append(frames)
+        self._flush_outbox()
+
+    def _flush_outbox(self) -> bool:
+        """Send the CHUNKs that wait, in order; True once none does. While the socket takes
+        none (the broker reads slowly: its queue for us is full), wait at most OUTBOX_WAIT_MS
+        for room, so the loop still beats and reads its pipe."""
+        while self._outbox:
+            if self._sock is None:
+                self._outbox.clear()  # the connection is gone: the broker answers for those
+                return True
+            if not self._send(self._outbox[0]):
+                self._sock.poll(OUTBOX_WAIT_MS, zmq.POLLOUT)
+                return False
+            self._outbox.popleft()
+        return True
 
     def _read_control(self) -> bool:
         """Read what is in serve's pipe (nothing is expected); returns whether it reached
@@ -638,6 +672,7 @@ class Worker:
         self._sock = None
         self._pending.clear()
         self._inbox.clear()
+        self._outbox.clear()
         if self._steps is not None:
             self._steps.reset()
         self.reconnects += 1

@@ -28,6 +28,8 @@ class Typewriter:
     def start(self, items: list[tuple[int, Any]]) -> list[BaseException | None]:
         verdicts: list[BaseException | None] = []
         for key, text in items:
+            if isinstance(text, bytes):  # a BYTES tensor's element, through the HTTP/gRPC gateway
+                text = text.decode("utf-8", "replace")
             if not isinstance(text, str) or not text.split():
                 verdicts.append(BadInput("the input must be a string of at least one word"))
                 continue
