@@ -238,9 +238,9 @@ class Streams:
         """(worker, its limit) of each worker holding a sequence that sent no CHUNK for its
         time limit, `limit_s` (at least MIN_STEP_LIMIT_S) or STEP_LIMIT_S: a step (or a
         prefill) that never ends (heartbeats prove only that the process lives; a working
-        one sends a CHUNK at least every 100 ms while it steps, chunks or not). Silence counts up to `read_at`, the
-        start of the broker's last read of its backend to the end: a CHUNK that waits
-        unread while the broker is busy is no silence."""
+        one sends a CHUNK at least every 100 ms while it steps, chunks or not). Silence
+        counts up to `read_at`, the start of the broker's last read of its backend to the
+        end: a CHUNK that waits unread while the broker is busy is no silence."""
         limit = STEP_LIMIT_S if limit_s is None else max(limit_s, MIN_STEP_LIMIT_S)
         return [(w, limit) for w in self._workers.values() if w.held and read_at - w.last_chunk_at > limit]
 
