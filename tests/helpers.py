@@ -10,11 +10,13 @@ import contextlib
 import queue
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from batcher.client import BatcherError, Client
 from batcher.launcher import free_tcp_address
@@ -222,3 +224,21 @@ def fake_brokers() -> Iterator[Callable[[Answer], FakeBroker]]:
         for fb in made:
             fb.stop()
         ctx.destroy(linger=0)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of http://127.0.0.1:PORT/metrics as {(name, sorted labels): value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def sample(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    assert key in samples, f"no sample {name}{labels}; have {sorted(k for k in samples if k[0] == name)}"
+    return samples[key]

@@ -13,7 +13,6 @@ import re
 import signal
 import time
 import tomllib
-import urllib.request
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -22,13 +21,12 @@ import psutil
 import pytest
 import zmq
 from click.testing import CliRunner
-from prometheus_client.parser import text_string_to_metric_families
 
 import batcher.cli
 from batcher.broker import BrokerSettings
 from batcher.client import BatcherError, Cancelled, Client
 from batcher.launcher import free_tcp_address
-from tests.helpers import FLAT_SIM, broker_stats, pack, recv_replies, start_broker, wait_until
+from tests.helpers import FLAT_SIM, broker_stats, pack, recv_replies, sample, scrape, start_broker, wait_until
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "batcher.example.toml"
 
@@ -37,24 +35,6 @@ def free_port() -> int:
     port = urlparse(free_tcp_address()).port
     assert port is not None
     return port
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of http://127.0.0.1:PORT/metrics as {(name, sorted labels): value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        assert response.headers["Content-Type"].startswith("text/plain")
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def sample(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
-    key = (name, tuple(sorted(labels.items())))
-    assert key in samples, f"no sample {name}{labels}; have {sorted(k for k in samples if k[0] == name)}"
-    return samples[key]
 
 
 # --- metrics ------------------------------------------------------------------------------------

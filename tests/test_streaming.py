@@ -20,7 +20,6 @@ import os
 import re
 import signal
 import time
-import urllib.request
 from collections.abc import AsyncGenerator, Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -29,7 +28,6 @@ from urllib.parse import urlparse
 import pytest
 import zmq
 import zmq.asyncio
-from prometheus_client.parser import text_string_to_metric_families
 
 from batcher import AsyncClient
 from batcher.client import BadRequest, Client, UnknownModel
@@ -40,6 +38,8 @@ from tests.helpers import (
     model_stats,
     pack,
     recv_reply,
+    sample,
+    scrape,
     start_broker,
     unpack,
     wait_until,
@@ -308,22 +308,29 @@ def test_64_concurrent_streams_over_one_dealer_each_complete_in_order(serve: Ser
 # --- 3. cancel mid-stream -----------------------------------------------------------------------
 
 
-def assert_stopped_by_cancel(d: Dealer, ctx: zmq.Context[Any], sp: ServeProcess) -> None:
-    """After one stream was cancelled: the broker counted it, the worker stopped it (it
-    acknowledged, and generates nothing more for it: its chunk count grows by exactly the
-    next stream's chunks), and the next stream works."""
-    stats = wait_until(
+def wait_stopped(sp: ServeProcess, ctx: zmq.Context[Any], reason: str, what: str) -> dict[str, Any]:
+    """The model's stats once the broker counted one sequence ended for `reason` and the
+    (only) worker acknowledged it: one cancelled by its counters, none active."""
+    stats: dict[str, Any] = wait_until(
         lambda: (
             (s := lm_stats(sp, ctx))
-            and s["sequences_cancelled"] == {"cancel": 1}
+            and s["sequences_cancelled"] == {reason: 1}
             and only_worker(s).get("counters", {}).get("cancelled") == 1
             and only_worker(s)["counters"]["active"] == 0
             and s["active_sequences"] == 0
             and s
         ),
         10,
-        "the worker acknowledged the cancel",
+        what,
     )
+    return stats
+
+
+def assert_stopped_by_cancel(d: Dealer, ctx: zmq.Context[Any], sp: ServeProcess) -> None:
+    """After one stream was cancelled: the broker counted it, the worker stopped it (it
+    acknowledged, and generates nothing more for it: its chunk count grows by exactly the
+    next stream's chunks), and the next stream works."""
+    stats = wait_stopped(sp, ctx, "cancel", "the worker acknowledged the cancel")
     assert stats["outcomes"].get("cancelled") == 1, stats
     at_ack = only_worker(stats)["counters"]["chunks"]
     d.stream("after", 4)
@@ -550,17 +557,8 @@ def test_a_client_gone_mid_stream_is_noticed_and_its_sequence_stopped(
     for i in range(3):
         assert recv_reply(gone)["output"] == i
     gone.close(linger=0)
-    stats = wait_until(
-        lambda: (
-            (s := lm_stats(sp, zctx))
-            and s["sequences_cancelled"] == {"client_gone": 1}
-            and only_worker(s).get("counters", {}).get("cancelled") == 1
-            and only_worker(s)["counters"]["active"] == 0
-            and s["active_sequences"] == 0
-            and s
-        ),
-        10,
-        "the broker noticed the client had gone and stopped its sequence",
+    stats = wait_stopped(
+        sp, zctx, "client_gone", "the broker noticed the client had gone and stopped its sequence"
     )
     assert stats["outcomes"] == {}, stats  # nobody was answered
     # The worker is free again for others.
@@ -615,22 +613,6 @@ def test_bench_stream_measures_chunks(tmp_path: Path, cli: Cli) -> None:
 
 
 # --- 9. Prometheus --------------------------------------------------------------------------------
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def sample(m: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
-    key = (name, tuple(sorted(labels.items())))
-    assert key in m, f"no sample {name}{labels}; have {sorted(k for k in m if k[0] == name)}"
-    return m[key]
 
 
 def test_metrics_count_chunks_first_chunks_cancels_and_active_sequences(
