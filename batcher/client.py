@@ -205,18 +205,13 @@ def open_dealer(
     address: str,
     curve_server_key: str | None,
     curve_secret_key: str | None,
-    immediate: bool = False,
 ) -> tuple[Any, ConnectionWatch]:
     """The client's DEALER (linger 0, quick reconnects, CurveZMQ when a server key is
-    given) and its ConnectionWatch, which watches from before the connect. `immediate`:
-    queue nothing while no broker is connected (a send waits instead), so requests whose
-    client gave up are not delivered to a broker that comes back later."""
+    given) and its ConnectionWatch, which watches from before the connect."""
     sock = ctx.socket(zmq.DEALER)
     watch = None
     try:
         sock.setsockopt(zmq.LINGER, 0)
-        if immediate:
-            sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         if curve_server_key:  # the broker's public key file; ours from curve_secret_key

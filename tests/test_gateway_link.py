@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgpack
 import pytest
 
 from batcher.gateway import oip
@@ -165,5 +166,54 @@ def test_closing_answers_the_rows_still_waiting(fake_broker: Any) -> None:
         with pytest.raises(oip.OipError) as closed:
             await task
         assert closed.value.code == "closed" and gateway.link._pending == {}
+
+    asyncio.run(main())
+
+
+def test_the_last_reply_of_a_broker_that_closes_still_reaches_its_row() -> None:
+    """A draining broker sends its last reply and closes at once: the reply, there before
+    the connection went, still answers its row (with ZMQ_IMMEDIATE libzmq dropped it
+    unless it had been read already). A broker at the same address later is used anew."""
+    import zmq
+
+    def answer_one(router: zmq.Socket[Any]) -> None:
+        assert router.poll(5000), "the broker got no request"
+        *envelope, body = router.recv_multipart()
+        request = msgpack.unpackb(body)
+        router.send_multipart([*envelope, msgpack.packb({"id": request["id"], "ok": True, "output": "last"})])
+
+    async def send_when_connected(link: BrokerLink) -> asyncio.Future[dict[str, Any]]:
+        deadline = asyncio.get_running_loop().time() + 5
+        while True:
+            try:
+                return link.send({"input": "x", "model": "m"})[1]
+            except oip.OipError:
+                assert asyncio.get_running_loop().time() < deadline, "never connected"
+                await asyncio.sleep(0.01)  # between attempts while the connection comes up
+
+    async def main() -> None:
+        ctx: zmq.Context[Any] = zmq.Context()
+        address = free_tcp_address()
+        router = ctx.socket(zmq.ROUTER)
+        router.bind(address)
+        link = BrokerLink(settings(address))
+        try:
+            row = await send_when_connected(link)
+            answer_one(router)
+            router.close(linger=1000)  # as the broker closes its frontend after a drain
+            # Without yielding to the loop: until the link's monitor holds the disconnect.
+            poller = zmq.Poller()
+            poller.register(link._watch.monitor, zmq.POLLIN)
+            assert poller.poll(5000), "the disconnect was never seen"
+            assert (await asyncio.wait_for(row, 2.0))["output"] == "last"
+            router = ctx.socket(zmq.ROUTER)
+            router.bind(address)
+            row = await send_when_connected(link)
+            answer_one(router)
+            assert (await asyncio.wait_for(row, 2.0))["output"] == "last"
+        finally:
+            link.close()
+            router.close(0)
+            ctx.term()
 
     asyncio.run(main())

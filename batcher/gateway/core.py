@@ -74,26 +74,38 @@ class BrokerLink:
     task of its own. Leaner than AsyncClient, which zmq.asyncio carries: measured in
     docs/benchmarks.md ("Gateway"). Replies keep tensors as raw maps (no numpy).
 
-    It queues nothing while no broker is connected (ZMQ_IMMEDIATE): a row that cannot
-    leave is refused at once (503 `unavailable`) instead of waiting, and a row given up
-    on is never delivered to a broker that comes back later."""
+    It queues nothing while no broker is connected: a row that cannot leave is refused
+    at once (503 `unavailable`) instead of waiting. A lost connection fails the rows in
+    flight and replaces the socket, so a row given up on is never delivered to a broker
+    that comes back later. Not ZMQ_IMMEDIATE, which would do the same with less code:
+    libzmq then drops a reply that arrived just before the connection closed (the last
+    reply of a draining broker) unless the socket had already read it."""
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.address = settings.connect
+        self._settings = settings
         self._ctx: zmq.Context[Any] = zmq.Context()
-        self._sock, self._watch = open_dealer(
-            self._ctx, settings.connect, settings.curve_server_key, settings.curve_secret_key, immediate=True
-        )
-        self._sock.setsockopt(zmq.SNDHWM, LINK_HWM)
-        self._sock.setsockopt(zmq.RCVHWM, LINK_HWM)
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._ids = itertools.count(1)
         self._loop = asyncio.get_running_loop()
+        self._open()
+
+    def _open(self) -> None:
+        s = self._settings
+        self._sock, self._watch = open_dealer(self._ctx, s.connect, s.curve_server_key, s.curve_secret_key)
+        self._sock.setsockopt(zmq.SNDHWM, LINK_HWM)
+        self._sock.setsockopt(zmq.RCVHWM, LINK_HWM)
         self._fd = int(self._sock.getsockopt(zmq.FD))
         self._loop.add_reader(self._fd, self._drain)
         self._monitor_fd = int(self._watch.monitor.getsockopt(zmq.FD))
         self._loop.add_reader(self._monitor_fd, self._on_monitor)
         self._on_monitor()  # the descriptor signals only once its socket has been looked at
+
+    def _shut(self) -> None:
+        self._loop.remove_reader(self._fd)
+        self._loop.remove_reader(self._monitor_fd)
+        self._watch.close()
+        self._sock.close(0)  # linger 0: what was not sent yet is dropped with it
 
     def _why_unavailable(self) -> str:
         refusal = self._watch.refusal()
@@ -111,6 +123,9 @@ class BrokerLink:
                         ErrorCode.UNAVAILABLE, f"the connection to the broker at {self.address} was lost"
                     )
                 )
+                self._shut()
+                self._open()
+                return
             if not events:
                 break
 
@@ -122,16 +137,17 @@ class BrokerLink:
 
     def close(self) -> None:
         """Stop reading; every row still waiting is answered `closed` (503)."""
-        self._loop.remove_reader(self._fd)
-        self._loop.remove_reader(self._monitor_fd)
-        self._watch.close()
-        self._sock.close(0)
+        self._shut()
         self._ctx.term()
         self._fail_pending(oip.OipError("closed", "the gateway is closing"))
 
     def send(self, fields: dict[str, Any]) -> tuple[int, asyncio.Future[dict[str, Any]]]:
         """Send one request now; (its id, the future of its reply). OipError `unavailable`
         when it cannot leave (no broker connected, or the link's queue is full)."""
+        if not self._watch.handshake_ok:
+            self._on_monitor()  # the handshake may be done with its event not yet read
+            if not self._watch.handshake_ok:
+                raise oip.OipError(ErrorCode.UNAVAILABLE, self._why_unavailable())
         req_id = next(self._ids)
         body = protocol.pack_carrying({"id": req_id, **fields}, fields.get("input"))
         fut = self._pending[req_id] = self._loop.create_future()
