@@ -48,6 +48,7 @@ from batcher.security import CurveServerKeys, KeyFileError
 from batcher.serving import ModelLoadFailed, run_serve
 from workers import warmup
 from workers.models import ModelSpec, SimSettings
+from workers.placement import parse_cpus
 from workers.steps import BATCHING_LEVELS
 from workers.supervisor import EXIT_MODEL_LOAD_FAILED, PoolSettings
 from workers.worker import ModelLoadError, WorkerSettings, run_worker
@@ -827,6 +828,7 @@ def pool_settings(
     threads_per_worker: int | None = None,
     warmup: bool = True,
     steps: StepOptions | None = None,
+    pin_cpus: bool = False,
 ) -> PoolSettings:
     """serve's PoolSettings from CLI values. The config file's [models.NAME] tables pin
     models to GPUs (`gpus`) and set their worker counts (`workers`, unless --workers came
@@ -863,6 +865,7 @@ def pool_settings(
             if warmup
             else None,
             **(dataclasses.asdict(steps) if steps is not None else {}),
+            pin_cpus=pin_cpus,
         )
     except (ValueError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
@@ -1037,7 +1040,18 @@ def gateway(
     help="Model to serve: sim, echo, pkg.module:attr, onnx:PATH or NAME=SPEC; repeat for "
     "several. The first is the default for requests that name none.",
 )
-@threads_option("the cores divided among the workers on this machine (workers x threads <= cores)")
+@threads_option(
+    "the cores divided among the workers on this machine (workers x threads <= cores; with "
+    "--pin-cpus, the cores but one)"
+)
+@option(
+    "--pin-cpus",
+    is_flag=True,
+    default=False,
+    help="Run each worker on cores of its own (--threads-per-worker of them, from the "
+    "highest-numbered down) and the broker on the rest: no model competes for a core with "
+    "the broker or another worker. Linux only; needs a core left for the broker.",
+)
 @no_warmup_option
 @_HTTP_PORT
 @_GRPC_PORT
@@ -1058,6 +1072,7 @@ def serve(
     workers_per_gpu: int,
     models: tuple[str, ...],
     threads_per_worker: int | None,
+    pin_cpus: bool,
     no_warmup: bool,
     http_port: int,
     grpc_port: int,
@@ -1103,6 +1118,7 @@ def serve(
         threads_per_worker=threads_per_worker,
         warmup=not no_warmup,
         steps=steps,
+        pin_cpus=pin_cpus,
     )
     ctx = click.get_current_context()
     reread = None if config is None else functools.partial(_reread_batching, ctx, config, settings.models)
@@ -1177,6 +1193,13 @@ def broker(
 @option("--gpu", type=int_range(0, MAX_GPU), default=None, help="GPU id (sets CUDA_VISIBLE_DEVICES).")
 @threads_option("every core (one worker); `serve` divides the cores among its workers")
 @option(
+    "--cpus",
+    callback=_int_list(parse_cpus),
+    default=None,
+    help="Run this worker and its model's threads on these CPUs only, e.g. 1 or 2-3 "
+    "(Linux). `serve --pin-cpus` gives each worker its own.",
+)
+@option(
     "--warmup-sizes",
     callback=_int_list(_parse_batch_sizes),
     default=None,
@@ -1195,6 +1218,7 @@ def worker(
     model: str,
     gpu: int | None,
     threads_per_worker: int | None,
+    cpus: tuple[int, ...] | None,
     warmup_sizes: tuple[int, ...] | None,
     no_warmup: bool,
     parent_pid: int | None,
@@ -1222,6 +1246,7 @@ def worker(
                 () if no_warmup else (warmup_sizes or WorkerSettings().warmup_sizes),
                 steps.max_active,
                 steps.batching_level,
+                cpus,
             )
         )
     except ModelLoadError as exc:

@@ -54,11 +54,16 @@ def run_serve(
     start, ModelLoadFailed (once everything has stopped) if a model could not be loaded.
     """
     from workers.models import ModelSpec
+    from workers.placement import pin_to
     from workers.rollout import Rollouts, serve_tick
     from workers.supervisor import Supervisor
 
+    plan = pool.cpu_plan()  # --pin-cpus: planned from serve's own cores, before pinning it
+    if plan is not None:  # before the broker's context starts its I/O thread
+        pin_to(plan.broker)
+        log.info("broker pinned to cpus %s", ",".join(map(str, plan.broker)))
     broker = Broker(settings)  # bind before the workers start, so a busy port fails fast
-    supervisor = Supervisor(pool)
+    supervisor = Supervisor(pool, plan)
     fatal: list[str] = []
 
     def on_worker_event(model: str, event: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 #: Where the NVIDIA driver lists one folder per GPU.
 NVIDIA_GPUS_DIR = "/proc/driver/nvidia/gpus"
@@ -97,3 +98,79 @@ def _allowed(model: str, devices: Sequence[int], pins: Sequence[int] | None) -> 
 def threads_per_worker(workers_on_host: int) -> int:
     """Intra-op threads per worker so that workers x threads <= cores."""
     return max(1, (os.cpu_count() or 1) // max(1, workers_on_host))
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """CPU ids from the list syntax of `taskset -c` and cpusets: "0,2-3" -> (0, 2, 3)."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"CPU list {text!r}: {part.strip()!r} is not an id or a range like 2-3")
+        low, high = int(first), int(last) if dash else int(first)
+        if high < low:
+            raise ValueError(f"CPU list {text!r}: the range {part.strip()!r} runs backwards")
+        cpus.extend(range(low, high + 1))
+    return tuple(sorted(set(cpus)))
+
+
+def usable_cpus() -> tuple[int, ...]:
+    """The CPUs this process may run on (its affinity, which a cpuset or taskset may
+    narrow); () where the platform cannot say or pin (not Linux)."""
+    getter = getattr(os, "sched_getaffinity", None)
+    return tuple(sorted(getter(0))) if getter is not None else ()
+
+
+def pin_to(cpus: Sequence[int]) -> None:
+    """Run the calling thread, and the threads it starts from now on, on `cpus` only.
+    Call it before a zmq context or a model starts its threads: they keep the mask they
+    were started with. A process may widen its mask to any CPU of its cpuset, so a
+    worker can be given cores its parent was kept off."""
+    setter = getattr(os, "sched_setaffinity", None)
+    if setter is None:
+        raise ValueError("pinning to CPUs needs Linux (os.sched_setaffinity)")
+    wanted = set(cpus)
+    try:
+        setter(0, wanted)
+    except OSError as exc:  # EINVAL: none of them is usable here
+        raise ValueError(f"cannot run on CPUs {_cpu_list(cpus)}: {exc.strerror}") from None
+    missing = sorted(wanted - set(usable_cpus()))  # the kernel drops CPUs outside the cpuset
+    if missing:
+        raise ValueError(f"CPU {missing[0]} is not one this machine lets this process use")
+
+
+def _cpu_list(cpus: Sequence[int]) -> str:
+    return ",".join(map(str, cpus))
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """serve --pin-cpus: the cores the broker (and serve's gateway) keep, and each
+    worker's own, in placement order."""
+
+    broker: tuple[int, ...]
+    workers: tuple[tuple[int, ...], ...]
+
+
+def plan_cpus(usable: Sequence[int], workers: int, threads: int) -> CpuPlan:
+    """Give each worker `threads` cores of its own, from the highest-numbered down, and
+    leave the rest (at least one) to the broker, so that no worker's model competes with
+    the broker, the other workers or each other for a core."""
+    cores = sorted(usable)
+    if not cores:
+        raise ValueError("--pin-cpus needs Linux (os.sched_setaffinity)")
+    need = workers * threads
+    if need >= len(cores):
+        raise ValueError(
+            f"--pin-cpus needs a core left for the broker: {workers} worker(s) x {threads} "
+            f"thread(s) on {len(cores)} core(s); lower --workers or --threads-per-worker"
+        )
+    top = len(cores)
+    own = tuple(tuple(cores[top - (i + 1) * threads : top - i * threads]) for i in range(workers))
+    return CpuPlan(tuple(cores[: top - need]), own)
+
+
+def pinned_threads_per_worker(usable: Sequence[int], workers: int) -> int:
+    """--pin-cpus without --threads-per-worker: the cores but one (the broker's) divided
+    among the workers, at least 1."""
+    return max(1, (len(usable) - 1) // max(1, workers))

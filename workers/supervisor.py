@@ -23,7 +23,15 @@ from dataclasses import dataclass, field
 from batcher.protocol import Heartbeat
 from batcher.stopping import stop_signals_blocked
 from workers.models import ModelSpec, SimSettings
-from workers.placement import place_workers, threads_per_worker, visible_gpus
+from workers.placement import (
+    CpuPlan,
+    pinned_threads_per_worker,
+    place_workers,
+    plan_cpus,
+    threads_per_worker,
+    usable_cpus,
+    visible_gpus,
+)
 from workers.worker import EXIT_HUNG
 
 log = logging.getLogger("batcher.supervisor")
@@ -55,6 +63,8 @@ class PoolSettings:
     #: A step-level model's most sequences per worker, and when it admits new ones.
     max_active: int = 32
     batching_level: str = "step"
+    #: --pin-cpus: each worker on cores of its own, the broker on the rest (CpuPlan).
+    pin_cpus: bool = False
 
     def __post_init__(self) -> None:
         if self.workers_per_model is not None and self.workers_per_model < 0:
@@ -69,6 +79,24 @@ class PoolSettings:
             if count < 0:
                 raise ValueError(f"workers of model {name!r} must be >= 0, got {count}")
         self.placement()  # raises, naming the model, when the workers do not fit
+        if self.pin_cpus:
+            self.cpu_plan()  # raises when no core would be left to the broker
+
+    def threads(self) -> int:
+        """Each worker's intra-op threads: --threads-per-worker, or the cores (but the
+        broker's one, when pinned) divided among this serve's workers."""
+        if self.threads_per_worker is not None:
+            return self.threads_per_worker
+        workers = len(self.placement())
+        if self.pin_cpus:
+            return pinned_threads_per_worker(usable_cpus(), workers)
+        return threads_per_worker(workers)
+
+    def cpu_plan(self) -> CpuPlan | None:
+        """With --pin-cpus, the cores of the broker and of each worker; else None."""
+        if not self.pin_cpus:
+            return None
+        return plan_cpus(usable_cpus(), len(self.placement()), self.threads())
 
     def placement(self) -> list[tuple[str, int | None]]:
         """(model spec, GPU id or None) of every worker, in start order."""
@@ -116,6 +144,7 @@ class WorkerProcess:
     respawn_at: float | None = None  # when to (re)start it; it waits longer for a free start slot
     given_up: bool = False
     retired: bool = False  # replaced by a reload: told to stop, never respawned
+    cpus: tuple[int, ...] | None = None  # --pin-cpus: its own cores, kept across respawns
 
     @property
     def name(self) -> str:
@@ -142,8 +171,18 @@ def child_environment(**extra: str) -> dict[str, str]:
 class Supervisor:
     """Owns the worker processes of one `serve`."""
 
-    def __init__(self, settings: PoolSettings, on_event: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        settings: PoolSettings,
+        cpu_plan: CpuPlan | None = None,
+        on_event: Callable[[str, str], None] | None = None,
+    ) -> None:
         self.settings = settings
+        #: --pin-cpus: planned once, from serve's cores before serve pinned itself.
+        self.cpu_plan = cpu_plan if cpu_plan is not None else settings.cpu_plan()
+        plan = self.cpu_plan
+        #: Fixed now: once serve is pinned, its own cores no longer say what the workers get.
+        self.threads_per_worker = len(plan.workers[0]) if plan and plan.workers else settings.threads()
         self.workers: list[WorkerProcess] = []
         self.on_event = on_event or (lambda model, event: None)  # (model, "respawned"|"given_up")
         #: (pid, exit code) of each worker process found exited, once: `serve` tells its
@@ -152,7 +191,7 @@ class Supervisor:
         self._exits_told: set[int] = set()
         self._killed_hung: set[int] = set()  # pids killed for a hung model: not start-up deaths
 
-    def command(self, model: str, gpu: int | None) -> list[str]:
+    def command(self, model: str, gpu: int | None, cpus: tuple[int, ...] | None = None) -> list[str]:
         """The command line of one worker process."""
         s = self.settings
         return [
@@ -190,6 +229,7 @@ class Supervisor:
             "--threads-per-worker",
             str(self.threads_per_worker),
             *self._warmup_args(model),
+            *(["--cpus", ",".join(map(str, cpus))] if cpus else []),
         ] + (
             ["--curve-server-key", s.curve_secret_key, "--curve-secret-key", s.curve_secret_key]
             if s.curve_secret_key
@@ -204,12 +244,6 @@ class Supervisor:
         return [] if own is None else ["--warmup-sizes", ",".join(map(str, own))]
 
     @property
-    def threads_per_worker(self) -> int:
-        """--threads-per-worker, or the cores divided among this serve's workers."""
-        given = self.settings.threads_per_worker
-        return given if given is not None else threads_per_worker(len(self.settings.placement()))
-
-    @property
     def max_starting(self) -> int:
         return self.settings.max_starting or default_max_starting()
 
@@ -217,8 +251,10 @@ class Supervisor:
         """Start the workers where placement puts them: `max_starting` now, the others from
         `check` as those have been up for STARTING_S."""
         now = time.monotonic() if now is None else now
-        for model, gpu in self.settings.placement():
-            self.workers.append(WorkerProcess(model, gpu, None, respawn_at=now))
+        plan = self.cpu_plan
+        for i, (model, gpu) in enumerate(self.settings.placement()):
+            cpus = plan.workers[i] if plan is not None else None
+            self.workers.append(WorkerProcess(model, gpu, None, respawn_at=now, cpus=cpus))
         self._start_due(now)
 
     def starting(self, now: float) -> int:
@@ -252,10 +288,11 @@ class Supervisor:
         # The worker ignores SIGINT/SIGTERM; it starts with them blocked, so one sent to
         # the group before it could ignore them waits instead of killing it.
         with stop_signals_blocked():
-            w.process = subprocess.Popen(self.command(w.model, w.gpu), env=env, stdin=subprocess.PIPE)
+            w.process = subprocess.Popen(self.command(w.model, w.gpu, w.cpus), env=env, stdin=subprocess.PIPE)
         w.started_at = now
         w.respawn_at = None
-        log.info("started worker for model %s on gpu %s (pid %d)", w.model, w.gpu, w.process.pid)
+        where = "" if w.cpus is None else f", cpus {','.join(map(str, w.cpus))}"
+        log.info("started worker for model %s on gpu %s%s (pid %d)", w.model, w.gpu, where, w.process.pid)
 
     def all_given_up(self, model: str) -> bool:
         """Whether every worker of `model` kept dying at start-up and was given up."""
@@ -269,7 +306,9 @@ class Supervisor:
     def start_generation(self, model: str, now: float) -> list[WorkerProcess]:
         """New workers for every current worker of `model`, on the same GPUs, started now
         (within the start limit); the old ones serve on until `retire`d."""
-        fresh = [WorkerProcess(w.model, w.gpu, None, respawn_at=now) for w in self.current(model)]
+        fresh = [
+            WorkerProcess(w.model, w.gpu, None, respawn_at=now, cpus=w.cpus) for w in self.current(model)
+        ]
         self.workers.extend(fresh)
         self._start_due(now)
         return fresh

@@ -37,6 +37,7 @@ from batcher.stopping import StopSignals, ignore_stop_signals
 from batcher.zmqio import recv_frames, send_frames
 from workers import fastpath, warmup
 from workers.models import ModelFn, ModelSpec, SimSettings, load_model
+from workers.placement import pin_to
 from workers.steps import BATCHING_LEVELS, BatchingLevel, StepRunner, is_step_model
 
 log = logging.getLogger("batcher.worker")
@@ -73,6 +74,8 @@ class WorkerSettings:
     #: When a step-level model admits new sequences (workers/steps.py): "step", between
     #: any two steps; "request", once all it holds have ended (the baseline).
     batching_level: str = BatchingLevel.STEP.value
+    #: The CPUs this worker and every thread it starts run on (--cpus); None: not pinned.
+    cpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         ModelSpec.parse(self.model)  # raises with a precise message
@@ -90,6 +93,8 @@ class WorkerSettings:
             raise ValueError(f"warmup sizes must be ints >= 1, got {list(self.warmup_sizes)}")
         if self.gpu is not None and self.gpu < 0:
             raise ValueError(f"gpu must be >= 0, got {self.gpu}")
+        if self.cpus is not None and (not self.cpus or not all(type(c) is int and c >= 0 for c in self.cpus)):
+            raise ValueError(f"cpus must be a non-empty list of ids >= 0, got {self.cpus!r}")
 
 
 #: The exit code of a worker the broker told to exit, its batch past its time limit.
@@ -833,6 +838,12 @@ def run_worker(settings: WorkerSettings) -> None:
     control_fd = control_pipe(settings)
     if control_fd is not None:
         ignore_stop_signals()
+    if settings.cpus is not None:  # before any thread starts: zmq's, the model's
+        try:
+            pin_to(settings.cpus)
+        except (ValueError, OSError) as exc:
+            log.error("--cpus %s: %s", ",".join(map(str, settings.cpus)), exc)
+            raise SystemExit(EXIT_BAD_ADDRESS) from None
     worker = Worker(settings, control_fd=control_fd)
     try:
         try:
