@@ -217,3 +217,49 @@ def test_the_last_reply_of_a_broker_that_closes_still_reaches_its_row() -> None:
             ctx.term()
 
     asyncio.run(main())
+
+
+def test_a_peer_that_drops_every_connection_is_retried_with_back_off_not_in_a_loop() -> None:
+    """A connection that never got through its handshake left nothing unsent: the link
+    keeps its socket, so libzmq's reconnect back-off holds (a fresh socket each time
+    would reconnect at once, for ever)."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.05)
+    accepted = 0
+    done = threading.Event()
+
+    def refuse_all() -> None:
+        nonlocal accepted
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            accepted += 1
+            conn.close()
+
+    thread = threading.Thread(target=refuse_all)
+    thread.start()
+
+    async def main() -> None:
+        link = BrokerLink(settings(f"tcp://127.0.0.1:{listener.getsockname()[1]}"))
+        try:
+            await asyncio.sleep(1.5)  # the window in which connections are counted
+            with pytest.raises(oip.OipError) as refused:
+                link.send({"input": 1, "model": "m"})
+            assert refused.value.code == "unavailable"
+        finally:
+            link.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        done.set()
+        thread.join(5)
+        listener.close()
+    # RECONNECT_IVL 100 ms (a TCP connect that succeeded restarts libzmq's back-off):
+    # about 15 attempts in 1.5 s; a fresh socket each time made thousands
+    assert 1 <= accepted <= 40, accepted

@@ -115,6 +115,7 @@ class BrokerLink:
         """A lost connection fails the rows in flight at once (503): the broker that held
         them is gone, and they would otherwise wait for their deadline."""
         while int(self._watch.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            was_up = self._watch.handshake_ok  # rows may have been sent (and wait unsent)
             events = self._watch.poll()
             if any(event == zmq.EVENT_DISCONNECTED for event, _ in events):
                 self._drain()  # the replies that came before the connection went: theirs
@@ -123,9 +124,10 @@ class BrokerLink:
                         ErrorCode.UNAVAILABLE, f"the connection to the broker at {self.address} was lost"
                     )
                 )
-                self._shut()
-                self._open()
-                return
+                if was_up:  # else nothing was sent, and libzmq's reconnect back-off holds
+                    self._shut()
+                    self._open()
+                    return
             if not events:
                 break
 
