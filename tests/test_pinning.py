@@ -122,3 +122,16 @@ def test_serve_refuses_pin_cpus_with_no_core_left_for_the_broker(cli: Any) -> No
     result = cli("serve", "--model", "echo", "--workers", str(len(CORES)), "--pin-cpus", timeout_s=15)
     assert result.returncode == 2, result
     assert "needs a core left for the broker" in result.stderr
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs Linux and 2 cores")
+def test_the_default_threads_count_the_cores_this_process_may_use_not_the_machines() -> None:
+    from workers.placement import threads_per_worker
+
+    assert threads_per_worker(1) == len(CORES)
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {CORES[0]})  # as a container's cpuset or taskset would
+    try:
+        assert threads_per_worker(1) == 1
+    finally:
+        os.sched_setaffinity(0, before)

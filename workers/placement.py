@@ -96,8 +96,10 @@ def _allowed(model: str, devices: Sequence[int], pins: Sequence[int] | None) -> 
 
 
 def threads_per_worker(workers_on_host: int) -> int:
-    """Intra-op threads per worker so that workers x threads <= cores."""
-    return max(1, (os.cpu_count() or 1) // max(1, workers_on_host))
+    """Intra-op threads per worker so that workers x threads <= the cores this process
+    may use (its affinity, which a container's cpuset narrows; else every core)."""
+    cores = len(usable_cpus()) or os.cpu_count() or 1
+    return max(1, cores // max(1, workers_on_host))
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:
