@@ -263,3 +263,33 @@ def test_a_peer_that_drops_every_connection_is_retried_with_back_off_not_in_a_lo
     # RECONNECT_IVL 100 ms (a TCP connect that succeeded restarts libzmq's back-off):
     # about 15 attempts in 1.5 s; a fresh socket each time made thousands
     assert 1 <= accepted <= 40, accepted
+
+
+def test_rows_past_their_deadline_are_cancelled_before_their_client_is_given_up_on(
+    fake_broker: Any,
+) -> None:
+    """A broker that does not answer (paused): the gateway cancels the rows there half a
+    second before it answers the client 504, so a broker that resumes finds the cancels
+    already waiting ahead of anything that could run those rows."""
+    fb = fake_broker(
+        lambda body: {"id": body["id"], "ok": True, "output": {}} if body.get("op") == "stats" else None
+    )
+
+    async def main() -> None:
+        gateway = Gateway(settings(fb.address))
+        try:
+            await connected(gateway.link)
+            request = oip.InferRequest(
+                model="m", inputs=[oip.json_input("x", "FP32", [2], [1.0, 2.0])], timeout_ms=200
+            )
+            with pytest.raises(oip.OipError) as timed_out:
+                await gateway.infer(request)
+            assert timed_out.value.code == "timeout"
+            rows = [b["id"] for b in fb.received if "input" in b]
+            cancels = [b["id"] for b in fb.received if b.get("op") == "cancel"]
+            assert len(rows) == 2 and sorted(cancels) == sorted(rows), fb.received
+            assert gateway.link._pending == {}
+        finally:
+            await gateway.close()
+
+    asyncio.run(main())

@@ -31,6 +31,11 @@ log = logging.getLogger("batcher.gateway")
 LINK_HWM = 100_000
 #: How long a model's output names (from its signature) are taken as known.
 NAMES_TTL_S = 1.0
+#: How long past a row's deadline the gateway waits for the broker's answer (a 504 then).
+REPLY_GRACE_S = 1.0
+#: When, past a row's deadline, the gateway cancels it at the broker if still unanswered:
+#: after the broker's own deadline_exceeded would have come, before the 504.
+CANCEL_AFTER_S = 0.5
 #: What `GET /v2` and ServerMetadata say the gateway supports.
 EXTENSIONS = ["binary_tensor_data"]
 
@@ -171,11 +176,16 @@ class BrokerLink:
         if fut is not None and not fut.done():
             fut.cancel()
         if cancel:
-            try:
-                with contextlib.suppress(zmq.Again, zmq.ZMQError):
-                    send_frames(self._sock, [b"", cancel_body(req_id)])
-            finally:
-                self._drain()  # as after any send: a reply may be waiting unsignalled
+            self.cancel(req_id)
+
+    def cancel(self, req_id: int) -> None:
+        """Ask the broker to drop `req_id` if it is still queued; its reply, if one comes
+        (it was in a batch already), is still awaited."""
+        try:
+            with contextlib.suppress(zmq.Again, zmq.ZMQError):
+                send_frames(self._sock, [b"", cancel_body(req_id)])
+        finally:
+            self._drain()  # as after any send: a reply may be waiting unsignalled
 
     def _drain(self) -> None:
         """Every reply waiting on the socket to its future (late and unknown ones dropped)."""
@@ -288,11 +298,19 @@ class Gateway:
         timeout_ms = request.timeout_ms or self.settings.request_timeout_ms
         fields = [_row_fields(request, row, timeout_ms) for row in rows]
         sent: list[tuple[int, asyncio.Future[dict[str, Any]]]] = []
+        # Rows still unanswered CANCEL_AFTER_S past their deadline (which the broker
+        # enforces itself unless it is paused or swamped) are dropped at the broker before
+        # their client is given up on, so the cancels have left well before a 504 tells
+        # anyone, and a broker that resumes reads them before it could run those rows.
+        cancelled: set[int] = set()
+        cancels = asyncio.get_running_loop().call_later(
+            timeout_ms / 1000.0 + CANCEL_AFTER_S, self._cancel_unanswered, sent, cancelled
+        )
         try:
             for f in fields:
                 sent.append(self.link.send(f))
-            # the broker answers by the deadline; a second more for the trip back
-            async with asyncio.timeout(timeout_ms / 1000.0 + 1.0):
+            # the broker answers by the deadline; REPLY_GRACE_S more for the trip back
+            async with asyncio.timeout(timeout_ms / 1000.0 + REPLY_GRACE_S):
                 if len(sent) == 1:
                     replies = [await sent[0][1]]
                     _raise_if_error(replies[0])
@@ -303,9 +321,10 @@ class Gateway:
                 "timeout", f"no reply from the broker at {self.link.address} in time"
             ) from None
         finally:  # rows not answered (an error, a timeout, a client gone): dropped at the broker
+            cancels.cancel()
             for req_id, fut in sent:
                 if _unanswered(fut):
-                    self.link.forget(req_id, cancel=True)
+                    self.link.forget(req_id, cancel=req_id not in cancelled)
         values = [r.get("output") for r in replies]
         names = None if oip.named_outputs(values[0]) else await self._names_of(request.model)
         outputs = oip.select_outputs(oip.join_outputs(values, names), request.outputs)
@@ -315,6 +334,14 @@ class Gateway:
                 ErrorCode.TOO_LARGE, f"the outputs hold {size} bytes, over the gateway's {limit}"
             )
         return outputs
+
+    def _cancel_unanswered(
+        self, sent: list[tuple[int, asyncio.Future[dict[str, Any]]]], cancelled: set[int]
+    ) -> None:
+        for req_id, fut in sent:
+            if not fut.done():
+                self.link.cancel(req_id)
+                cancelled.add(req_id)
 
     async def _names_of(self, model: str) -> list[str] | None:
         """A model's output names from its signature, asked at most once a second."""
