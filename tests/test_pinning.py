@@ -24,7 +24,8 @@ def test_cpu_lists_read_like_taskset() -> None:
     assert parse_cpus("0,2-3") == (0, 2, 3)
     assert parse_cpus(" 5 , 1-2,2 ") == (1, 2, 5)
     for bad, why in [("", "not an id"), ("a", "not an id"), ("1-", "not an id"), ("-1", "not an id"),
-                     ("3-1", "runs backwards"), ("1,,2", "not an id")]:  # fmt: skip
+                     ("3-1", "runs backwards"), ("1,,2", "not an id"),
+                     ("0-100000000", "go up to 8191"), ("8192", "go up to 8191")]:  # fmt: skip
         with pytest.raises(ValueError, match=why):
             parse_cpus(bad)
 

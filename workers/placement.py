@@ -15,6 +15,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+#: The highest CPU id a CPU list may name (Linux's largest NR_CPUS is 8192).
+MAX_CPU_ID = 8191
 #: Where the NVIDIA driver lists one folder per GPU.
 NVIDIA_GPUS_DIR = "/proc/driver/nvidia/gpus"
 #: Workers of a model when nothing says how many and it has no device.
@@ -112,6 +114,8 @@ def parse_cpus(text: str) -> tuple[int, ...]:
         low, high = int(first), int(last) if dash else int(first)
         if high < low:
             raise ValueError(f"CPU list {text!r}: the range {part.strip()!r} runs backwards")
+        if high > MAX_CPU_ID:
+            raise ValueError(f"CPU list {text!r}: CPU ids go up to {MAX_CPU_ID}, got {high}")
         cpus.extend(range(low, high + 1))
     return tuple(sorted(set(cpus)))
 
