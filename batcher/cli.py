@@ -383,6 +383,16 @@ def _gpus(ctx: click.Context, param: click.Parameter, value: str | None) -> tupl
         raise click.BadParameter(str(exc)) from None
 
 
+def _cpu_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    """--cpus: an empty list (`--cpus ""`, `BATCHER_CPUS=`) is refused, not taken as none."""
+    if value is None:
+        return None
+    try:
+        return parse_cpus(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 def _int_list(parse: Callable[[str], tuple[int, ...]]) -> Callable[..., tuple[int, ...] | None]:
     """A click callback: an option's `1,2,4` through `parse`, its ValueError a usage error."""
 
@@ -1194,7 +1204,7 @@ def broker(
 @threads_option("every core (one worker); `serve` divides the cores among its workers")
 @option(
     "--cpus",
-    callback=_int_list(parse_cpus),
+    callback=_cpu_list,
     default=None,
     help="Run this worker and its model's threads on these CPUs only, e.g. 1 or 2-3 "
     "(Linux). `serve --pin-cpus` gives each worker its own.",

@@ -25,7 +25,8 @@ def test_cpu_lists_read_like_taskset() -> None:
     assert parse_cpus(" 5 , 1-2,2 ") == (1, 2, 5)
     for bad, why in [("", "not an id"), ("a", "not an id"), ("1-", "not an id"), ("-1", "not an id"),
                      ("3-1", "runs backwards"), ("1,,2", "not an id"),
-                     ("0-100000000", "go up to 8191"), ("8192", "go up to 8191")]:  # fmt: skip
+                     ("0-100000000", "go up to 8191"), ("8192", "go up to 8191"),
+                     ("²", "not an id"), ("\uff11", "not an id")]:  # fmt: skip
         with pytest.raises(ValueError, match=why):
             parse_cpus(bad)
 
@@ -115,6 +116,22 @@ def test_a_worker_given_cpus_it_cannot_use_fails_at_once_with_one_line(cli: Any)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and f"--cpus {absent}: cannot run on CPUs {absent}" in lines[0], result.stderr
     assert "loaded" not in result.stderr  # refused before the model loads
+
+
+@pytest.mark.integration
+def test_an_empty_cpu_list_is_refused_not_taken_as_none(cli: Any) -> None:
+    # (an empty BATCHER_CPUS is unset, as every empty BATCHER_* variable is for click)
+    result = cli("worker", "--connect", free_tcp_address(), "--cpus", "", timeout_s=15)
+    assert result.returncode == 2 and "is not an id" in result.stderr, result
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(len(CORES) < 2, reason="needs Linux and 2 cores")
+def test_batcher_cpus_of_serves_environment_does_not_pin_its_workers(serve: Any, monkeypatch: Any) -> None:
+    monkeypatch.setenv("BATCHER_CPUS", str(CORES[0]))  # meant for a lone worker, if anything
+    sp = serve("--model", "echo", "--workers", "1", workers=1)
+    children = [c for c in psutil.Process(sp.process.pid).children() if "worker" in c.cmdline()]
+    assert len(children) == 1 and _affinities(children[0].pid) == {tuple(CORES)}
 
 
 @pytest.mark.integration

@@ -109,7 +109,7 @@ def parse_cpus(text: str) -> tuple[int, ...]:
     cpus: list[int] = []
     for part in text.split(","):
         first, dash, last = part.strip().partition("-")
-        if not first.isdigit() or (dash and not last.isdigit()):
+        if not _is_id(first) or (dash and not _is_id(last)):
             raise ValueError(f"CPU list {text!r}: {part.strip()!r} is not an id or a range like 2-3")
         low, high = int(first), int(last) if dash else int(first)
         if high < low:
@@ -118,6 +118,10 @@ def parse_cpus(text: str) -> tuple[int, ...]:
             raise ValueError(f"CPU list {text!r}: CPU ids go up to {MAX_CPU_ID}, got {high}")
         cpus.extend(range(low, high + 1))
     return tuple(sorted(set(cpus)))
+
+
+def _is_id(text: str) -> bool:
+    return text.isascii() and text.isdigit()  # not "²" or a full-width digit, which isdigit() takes
 
 
 def usable_cpus() -> tuple[int, ...]:

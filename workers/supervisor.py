@@ -284,6 +284,7 @@ class Supervisor:
             w.process.stdin.close()  # the dead predecessor's pipe
         # A worker without a GPU keeps the environment it inherits (there is none to hide).
         env = child_environment() if w.gpu is None else child_environment(CUDA_VISIBLE_DEVICES=str(w.gpu))
+        env.pop("BATCHER_CPUS", None)  # a lone worker's option: serve gives cores by --pin-cpus
         # Same process group as `serve` (so SIGKILL to the group leaves nothing behind).
         # The worker ignores SIGINT/SIGTERM; it starts with them blocked, so one sent to
         # the group before it could ignore them waits instead of killing it.
