@@ -315,7 +315,7 @@ class ConnectionWatch:
                 )
             return (
                 f"the broker refused our CURVE key {self.public_key} (ZAP status {value}): is our "
-                f"public key in its {self.allow_list} directory? (it reads that only at start)"
+                f"public key in its {self.allow_list} directory? (it reads that at start and on SIGHUP)"
             )
         if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
             if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:

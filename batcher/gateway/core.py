@@ -20,13 +20,18 @@ from typing import Any
 import zmq
 
 from batcher import __version__, protocol, tensor
-from batcher.client import cancel_body, open_dealer
+from batcher.client import ConnectionWatch, cancel_body, open_dealer
 from batcher.gateway import oip
 from batcher.protocol import ErrorCode
 from batcher.zmqio import recv_frames, send_frames
 
 log = logging.getLogger("batcher.gateway")
 
+#: The link's back-off between sockets (after a lost connection or a refused handshake),
+#: doubling while connections last less than STABLE_S, as libzmq's RECONNECT_IVL(_MAX).
+RECONNECT_MIN_S = 0.1
+RECONNECT_MAX_S = 2.0
+STABLE_S = 1.0
 #: Messages the link may hold each way before a send is refused (`unavailable`).
 LINK_HWM = 100_000
 #: How long a model's output names (from its signature) are taken as known.
@@ -82,9 +87,12 @@ class BrokerLink:
     It queues nothing while no broker is connected: a row that cannot leave is refused
     at once (503 `unavailable`) instead of waiting. A lost connection fails the rows in
     flight and replaces the socket, so a row given up on is never delivered to a broker
-    that comes back later. Not ZMQ_IMMEDIATE, which would do the same with less code:
-    libzmq then drops a reply that arrived just before the connection closed (the last
-    reply of a draining broker) unless the socket had already read it."""
+    that comes back later; so does a handshake libzmq gives up on (a refused CURVE key),
+    which libzmq would never retry. A new socket comes after a back-off (RECONNECT_MIN_S
+    doubling to RECONNECT_MAX_S, while connections do not last), as libzmq's own
+    reconnects do. Not ZMQ_IMMEDIATE, which would do the first with less code: libzmq
+    then drops a reply that arrived just before the connection closed (the last reply of
+    a draining broker) unless the socket had already read it."""
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.address = settings.connect
@@ -93,46 +101,77 @@ class BrokerLink:
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._ids = itertools.count(1)
         self._loop = asyncio.get_running_loop()
-        self._open()
+        self._sock: zmq.Socket[Any] | None = None  # None between a lost socket and the next
+        self._watch: ConnectionWatch | None = None
+        self._why_down = "not connected yet"
+        self._reopen: asyncio.TimerHandle | None = None
+        self._backoff_s = RECONNECT_MIN_S
+        self._up_at: float | None = None  # when the current connection's handshake succeeded
+        self._open()  # raises (a key file that does not load): the gateway does not start
 
     def _open(self) -> None:
         s = self._settings
-        self._sock, self._watch = open_dealer(self._ctx, s.connect, s.curve_server_key, s.curve_secret_key)
-        self._sock.setsockopt(zmq.SNDHWM, LINK_HWM)
-        self._sock.setsockopt(zmq.RCVHWM, LINK_HWM)
-        self._fd = int(self._sock.getsockopt(zmq.FD))
+        self._reopen = None
+        sock, watch = open_dealer(self._ctx, s.connect, s.curve_server_key, s.curve_secret_key)
+        sock.setsockopt(zmq.SNDHWM, LINK_HWM)
+        sock.setsockopt(zmq.RCVHWM, LINK_HWM)
+        self._sock, self._watch, self._up_at = sock, watch, None
+        self._fd = int(sock.getsockopt(zmq.FD))
         self._loop.add_reader(self._fd, self._drain)
-        self._monitor_fd = int(self._watch.monitor.getsockopt(zmq.FD))
+        self._monitor_fd = int(watch.monitor.getsockopt(zmq.FD))
         self._loop.add_reader(self._monitor_fd, self._on_monitor)
         self._on_monitor()  # the descriptor signals only once its socket has been looked at
 
+    def _reopen_now(self) -> None:
+        try:
+            self._open()
+        except Exception as exc:  # a key file gone, no descriptors left: try again later
+            log.error("broker link: cannot open a socket to %s: %s", self.address, exc)
+            self._why_down = f"cannot open a socket to it: {exc}"
+            self._replace_later()
+
+    def _replace_later(self) -> None:
+        """Drop the socket now; open a new one after the back-off."""
+        self._shut()
+        lasted = self._up_at is not None and self._loop.time() - self._up_at >= STABLE_S
+        delay = RECONNECT_MIN_S if lasted else self._backoff_s
+        self._backoff_s = min(RECONNECT_MAX_S, delay * 2)
+        self._reopen = self._loop.call_later(delay, self._reopen_now)
+
     def _shut(self) -> None:
+        sock, watch, self._sock, self._watch = self._sock, self._watch, None, None
+        if sock is None or watch is None:
+            return
         self._loop.remove_reader(self._fd)
         self._loop.remove_reader(self._monitor_fd)
-        self._watch.close()
-        self._sock.close(0)  # linger 0: what was not sent yet is dropped with it
+        watch.close()
+        sock.close(0)  # linger 0: what was not sent yet is dropped with it
 
     def _why_unavailable(self) -> str:
-        refusal = self._watch.refusal()
+        refusal = self._watch.refusal() if self._watch is not None else self._why_down
         return f"the broker at {self.address} is not connected" + (f": {refusal}" if refusal else "")
 
     def _on_monitor(self) -> None:
         """A lost connection fails the rows in flight at once (503): the broker that held
         them is gone, and they would otherwise wait for their deadline."""
-        while int(self._watch.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            was_up = self._watch.handshake_ok  # rows may have been sent (and wait unsent)
-            events = self._watch.poll()
-            if any(event == zmq.EVENT_DISCONNECTED for event, _ in events):
+        watch = self._watch
+        while watch is not None and int(watch.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            was_up = watch.handshake_ok  # rows may have been sent (and wait unsent)
+            events = watch.poll()
+            if any(event == zmq.EVENT_HANDSHAKE_SUCCEEDED for event, _ in events):
+                self._up_at = self._loop.time()
+            lost = any(event == zmq.EVENT_DISCONNECTED for event, _ in events)
+            if lost:
                 self._drain()  # the replies that came before the connection went: theirs
                 self._fail_pending(
                     oip.OipError(
                         ErrorCode.UNAVAILABLE, f"the connection to the broker at {self.address} was lost"
                     )
                 )
-                if was_up:  # else nothing was sent, and libzmq's reconnect back-off holds
-                    self._shut()
-                    self._open()
-                    return
+            if (lost and was_up) or watch.dead:  # else libzmq's own reconnects hold
+                self._why_down = watch.refusal() or "the connection was lost; reconnecting"
+                self._replace_later()
+                return
             if not events:
                 break
 
@@ -144,6 +183,8 @@ class BrokerLink:
 
     def close(self) -> None:
         """Stop reading; every row still waiting is answered `closed` (503)."""
+        if self._reopen is not None:
+            self._reopen.cancel()
         self._shut()
         self._ctx.term()
         self._fail_pending(oip.OipError("closed", "the gateway is closing"))
@@ -151,15 +192,17 @@ class BrokerLink:
     def send(self, fields: dict[str, Any]) -> tuple[int, asyncio.Future[dict[str, Any]]]:
         """Send one request now; (its id, the future of its reply). OipError `unavailable`
         when it cannot leave (no broker connected, or the link's queue is full)."""
-        if not self._watch.handshake_ok:
+        sock, watch = self._sock, self._watch
+        if sock is None or watch is None or not watch.handshake_ok:
             self._on_monitor()  # the handshake may be done with its event not yet read
-            if not self._watch.handshake_ok:
+            sock, watch = self._sock, self._watch
+            if sock is None or watch is None or not watch.handshake_ok:
                 raise oip.OipError(ErrorCode.UNAVAILABLE, self._why_unavailable())
         req_id = next(self._ids)
         body = protocol.pack_carrying({"id": req_id, **fields}, fields.get("input"))
         fut = self._pending[req_id] = self._loop.create_future()
         try:
-            send_frames(self._sock, [b"", body])
+            send_frames(sock, [b"", body])
         except zmq.Again:
             del self._pending[req_id]
             raise oip.OipError(ErrorCode.UNAVAILABLE, self._why_unavailable()) from None
@@ -181,17 +224,23 @@ class BrokerLink:
     def cancel(self, req_id: int) -> None:
         """Ask the broker to drop `req_id` if it is still queued; its reply, if one comes
         (it was in a batch already), is still awaited."""
+        sock = self._sock
+        if sock is None:
+            return  # no broker: nothing of ours is queued anywhere
         try:
             with contextlib.suppress(zmq.Again, zmq.ZMQError):
-                send_frames(self._sock, [b"", cancel_body(req_id)])
+                send_frames(sock, [b"", cancel_body(req_id)])
         finally:
             self._drain()  # as after any send: a reply may be waiting unsignalled
 
     def _drain(self) -> None:
         """Every reply waiting on the socket to its future (late and unknown ones dropped)."""
+        sock = self._sock
+        if sock is None:
+            return
         try:
-            while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                frames = recv_frames(self._sock, copied=1)
+            while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                frames = recv_frames(sock, copied=1)
                 try:
                     reply = _decode_reply(frames[-1])
                     fut = self._pending.pop(reply["id"], None)
