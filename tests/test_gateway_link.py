@@ -5,6 +5,7 @@ the broker and forgotten by the gateway, nothing queued for a broker not connect
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import msgpack
@@ -293,3 +294,59 @@ def test_rows_past_their_deadline_are_cancelled_before_their_client_is_given_up_
             await gateway.close()
 
     asyncio.run(main())
+
+
+def test_a_peer_that_drops_every_connection_after_its_handshake_is_retried_with_back_off() -> None:
+    """After a connection whose handshake succeeded, the link takes a new socket (rows
+    may wait unsent in the old one), but only after a back-off that doubles while
+    connections do not last: without it, a fresh socket connects at once, for ever."""
+    import socket
+    import threading
+    import time
+
+    greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL" + b"\x00" * 16 + b"\x00" + b"\x00" * 31
+    ready_body = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"ROUTER"
+    ready = b"\x04" + bytes([len(ready_body)]) + ready_body  # a ZMTP 3.0 NULL handshake, as a ROUTER
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.05)
+    accepted = 0
+    done = threading.Event()
+
+    def handshake_then_drop() -> None:
+        nonlocal accepted
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            accepted += 1
+            with contextlib.suppress(OSError):
+                conn.settimeout(0.5)
+                conn.sendall(greeting + ready)
+                got = b""
+                while len(got) < 64 + 2 + 22:  # their greeting and their READY
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        break
+                    got += chunk
+                time.sleep(0.02)  # the peer holds the connection a moment, then drops it
+            conn.close()
+
+    thread = threading.Thread(target=handshake_then_drop)
+    thread.start()
+
+    async def main() -> None:
+        link = BrokerLink(settings(f"tcp://127.0.0.1:{listener.getsockname()[1]}"))
+        try:
+            await asyncio.sleep(2.0)  # the window in which connections are counted
+        finally:
+            link.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        done.set()
+        thread.join(5)
+        listener.close()
+    # back-offs 0.1, 0.2, 0.4, 0.8 s: about 5 connections in 2 s; without, about 300
+    assert 2 <= accepted <= 15, accepted

@@ -134,6 +134,7 @@ class BrokerLink:
         """Drop the socket now; open a new one after the back-off."""
         self._shut()
         lasted = self._up_at is not None and self._loop.time() - self._up_at >= STABLE_S
+        self._up_at = None  # a failure before the next handshake doubles the back-off
         delay = RECONNECT_MIN_S if lasted else self._backoff_s
         self._backoff_s = min(RECONNECT_MAX_S, delay * 2)
         self._reopen = self._loop.call_later(delay, self._reopen_now)
