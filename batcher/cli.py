@@ -1058,9 +1058,10 @@ def gateway(
     "--pin-cpus",
     is_flag=True,
     default=False,
-    help="Run each worker on cores of its own (--threads-per-worker of them, from the "
-    "highest-numbered down) and the broker on the rest: no model competes for a core with "
-    "the broker or another worker. Linux only; needs a core left for the broker.",
+    help="Run each worker on CPUs of its own (--threads-per-worker of them, from the "
+    "highest-numbered down) and the broker on the rest, so that no model competes for a CPU "
+    "with the broker or another worker (logical CPUs: on SMT hosts, see docs/deployment.md). "
+    "Linux only; needs a CPU left for the broker.",
 )
 @no_warmup_option
 @_HTTP_PORT
