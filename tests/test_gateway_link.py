@@ -350,3 +350,67 @@ def test_a_peer_that_drops_every_connection_after_its_handshake_is_retried_with_
         listener.close()
     # back-offs 0.1, 0.2, 0.4, 0.8 s: about 5 connections in 2 s; without, about 300
     assert 2 <= accepted <= 15, accepted
+
+
+def test_a_socket_that_cannot_be_opened_after_a_lost_connection_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a lost connection the link opens a new socket; when that fails (a CURVE key
+    file unreadable for a moment, no descriptors left), rows get 503 meanwhile and the
+    link tries again after its back-off, instead of being left without a socket."""
+    import msgpack
+    import zmq
+
+    from batcher.gateway import core
+
+    failures = [OSError("cannot load key file gw.key_secret")] * 2
+    real_open = core.open_dealer
+
+    def flaky_open(*args: Any) -> Any:
+        if failures and opened:
+            raise failures.pop()
+        opened.append(1)
+        return real_open(*args)
+
+    opened: list[int] = []
+    monkeypatch.setattr(core, "open_dealer", flaky_open)
+
+    async def main() -> None:
+        ctx: zmq.Context[Any] = zmq.Context()
+        address = free_tcp_address()
+        router = ctx.socket(zmq.ROUTER)
+        router.bind(address)
+        link = BrokerLink(settings(address))
+        try:
+            deadline = asyncio.get_running_loop().time() + 10
+            while link._watch is None or not link._watch.handshake_ok:
+                assert asyncio.get_running_loop().time() < deadline, "never connected"
+                link._on_monitor()
+                await asyncio.sleep(0.01)  # between looks while the connection comes up
+            router.close(0)  # the broker goes: the link drops its socket, then fails to open one
+            while failures:
+                assert asyncio.get_running_loop().time() < deadline, "no new socket was tried"
+                await asyncio.sleep(0.01)  # between looks while the link backs off
+            with pytest.raises(oip.OipError) as refused:
+                link.send({"input": 1, "model": "m"})
+            assert refused.value.code == "unavailable" and "cannot load key file" in str(refused.value)
+            router = ctx.socket(zmq.ROUTER)
+            router.bind(address)  # the broker is back, and the key file readable again
+            while True:
+                try:
+                    row = link.send({"input": 1, "model": "m"})[1]
+                    break
+                except oip.OipError:
+                    assert asyncio.get_running_loop().time() < deadline, "never reconnected"
+                    await asyncio.sleep(0.01)  # between attempts while the link reconnects
+            assert router.poll(5000)
+            *envelope, body = router.recv_multipart()
+            reply = {"id": msgpack.unpackb(body)["id"], "ok": True, "output": "back"}
+            router.send_multipart([*envelope, msgpack.packb(reply)])
+            assert (await asyncio.wait_for(row, 5.0))["output"] == "back"
+        finally:
+            link.close()
+            router.close(0)
+            ctx.term()
+
+    asyncio.run(main())
