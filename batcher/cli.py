@@ -374,35 +374,28 @@ def _parse_gpus(value: str) -> tuple[int, ...]:
     return gpus
 
 
-def _gpus(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    try:
-        return _parse_gpus(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
-
-
-def _cpu_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
-    """--cpus: an empty list (`--cpus ""`, `BATCHER_CPUS=`) is refused, not taken as none."""
-    if value is None:
-        return None
-    try:
-        return parse_cpus(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
-
-
-def _int_list(parse: Callable[[str], tuple[int, ...]]) -> Callable[..., tuple[int, ...] | None]:
-    """A click callback: an option's `1,2,4` through `parse`, its ValueError a usage error."""
+def _parsed(parse: Callable[[str], tuple[int, ...]]) -> Callable[..., tuple[int, ...] | None]:
+    """A click callback: an option's text through `parse`, its ValueError a usage error.
+    An empty text is parsed too (`--cpus ""` is refused, not taken as none); click
+    itself takes an empty environment variable as unset."""
 
     def callback(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
-        if not value:
+        if value is None:
             return None
         try:
             return parse(value)
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from None
+
+    return callback
+
+
+def _int_list(parse: Callable[[str], tuple[int, ...]]) -> Callable[..., tuple[int, ...] | None]:
+    """As `_parsed`, for an option's `1,2,4`; an empty text is none."""
+    parsed = _parsed(parse)
+
+    def callback(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+        return parsed(ctx, param, value) if value else None
 
     return callback
 
@@ -1031,7 +1024,7 @@ def gateway(
 )
 @option(
     "--gpus",
-    callback=_gpus,
+    callback=_parsed(_parse_gpus),
     default=None,
     show_default=False,
     help=f"GPU ids the workers may use, e.g. 0,1 (each 0..{MAX_GPU}). Default: the visible devices.",
@@ -1205,7 +1198,7 @@ def broker(
 @threads_option("every core (one worker); `serve` divides the cores among its workers")
 @option(
     "--cpus",
-    callback=_cpu_list,
+    callback=_parsed(parse_cpus),
     default=None,
     help="Run this worker and its model's threads on these CPUs only, e.g. 1 or 2-3 "
     "(Linux). `serve --pin-cpus` gives each worker its own.",

@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
 import pytest
+import zmq
 
 from batcher.gateway import oip
 from batcher.gateway.core import BrokerLink, Gateway, GatewaySettings
@@ -33,6 +38,43 @@ async def connected(link: BrokerLink, timeout_s: float = 5.0) -> None:
             if asyncio.get_running_loop().time() > deadline:
                 raise
             await asyncio.sleep(0.02)  # between attempts while the connection comes up
+
+
+class DroppingPeer:
+    """A TCP peer on a free loopback port that accepts each connection, does `on_accept`
+    with it (errors ignored), closes it, and counts them."""
+
+    def __init__(self, on_accept: Callable[[socket.socket], None]) -> None:
+        self.on_accept = on_accept
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.05)  # wakes to look at `done`
+        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.accepted = 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._serve)
+
+    def _serve(self) -> None:
+        while not self.done.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            self.accepted += 1
+            with contextlib.suppress(OSError):
+                self.on_accept(conn)
+            conn.close()
+
+
+@contextlib.contextmanager
+def dropping_peer(on_accept: Callable[[socket.socket], None]) -> Iterator[DroppingPeer]:
+    peer = DroppingPeer(on_accept)
+    peer.thread.start()
+    try:
+        yield peer
+    finally:
+        peer.done.set()
+        peer.thread.join(5)
+        peer.listener.close()
 
 
 def test_replies_in_any_order_reach_their_rows(fake_broker: Any) -> None:
@@ -127,7 +169,6 @@ def test_a_reply_waiting_when_a_cancel_is_sent_is_still_read(fake_broker: Any) -
     """Sending (a cancel among them) may take the socket descriptor's edge while a reply
     waits unread: the link reads what is there after every send, so that reply, and the
     ones after it, still reach their rows."""
-    import zmq
 
     def answer(body: dict[str, Any]) -> dict[str, Any] | None:
         if body.get("op") == "stats":
@@ -175,7 +216,6 @@ def test_the_last_reply_of_a_broker_that_closes_still_reaches_its_row() -> None:
     """A draining broker sends its last reply and closes at once: the reply, there before
     the connection went, still answers its row (with ZMQ_IMMEDIATE libzmq dropped it
     unless it had been read already). A broker at the same address later is used anew."""
-    import zmq
 
     def answer_one(router: zmq.Socket[Any]) -> None:
         assert router.poll(5000), "the broker got no request"
@@ -224,29 +264,9 @@ def test_a_peer_that_drops_every_connection_is_retried_with_back_off_not_in_a_lo
     """A connection that never got through its handshake left nothing unsent: the link
     keeps its socket, so libzmq's reconnect back-off holds (a fresh socket each time
     would reconnect at once, for ever)."""
-    import socket
-    import threading
 
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.05)
-    accepted = 0
-    done = threading.Event()
-
-    def refuse_all() -> None:
-        nonlocal accepted
-        while not done.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            accepted += 1
-            conn.close()
-
-    thread = threading.Thread(target=refuse_all)
-    thread.start()
-
-    async def main() -> None:
-        link = BrokerLink(settings(f"tcp://127.0.0.1:{listener.getsockname()[1]}"))
+    async def main(address: str) -> None:
+        link = BrokerLink(settings(address))
         try:
             await asyncio.sleep(1.5)  # the window in which connections are counted
             with pytest.raises(oip.OipError) as refused:
@@ -255,15 +275,11 @@ def test_a_peer_that_drops_every_connection_is_retried_with_back_off_not_in_a_lo
         finally:
             link.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        done.set()
-        thread.join(5)
-        listener.close()
+    with dropping_peer(lambda conn: None) as peer:
+        asyncio.run(main(peer.address))
     # RECONNECT_IVL 100 ms (a TCP connect that succeeded restarts libzmq's back-off):
     # about 15 attempts in 1.5 s; a fresh socket each time made thousands
-    assert 1 <= accepted <= 40, accepted
+    assert 1 <= peer.accepted <= 40, peer.accepted
 
 
 def test_rows_past_their_deadline_are_cancelled_before_their_client_is_given_up_on(
@@ -300,56 +316,32 @@ def test_a_peer_that_drops_every_connection_after_its_handshake_is_retried_with_
     """After a connection whose handshake succeeded, the link takes a new socket (rows
     may wait unsent in the old one), but only after a back-off that doubles while
     connections do not last: without it, a fresh socket connects at once, for ever."""
-    import socket
-    import threading
-    import time
-
     greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL" + b"\x00" * 16 + b"\x00" + b"\x00" * 31
     ready_body = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"ROUTER"
     ready = b"\x04" + bytes([len(ready_body)]) + ready_body  # a ZMTP 3.0 NULL handshake, as a ROUTER
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.05)
-    accepted = 0
-    done = threading.Event()
 
-    def handshake_then_drop() -> None:
-        nonlocal accepted
-        while not done.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            accepted += 1
-            with contextlib.suppress(OSError):
-                conn.settimeout(0.5)
-                conn.sendall(greeting + ready)
-                got = b""
-                while len(got) < 64 + 2 + 22:  # their greeting and their READY
-                    chunk = conn.recv(4096)
-                    if not chunk:
-                        break
-                    got += chunk
-                time.sleep(0.02)  # the peer holds the connection a moment, then drops it
-            conn.close()
+    def handshake(conn: Any) -> None:
+        conn.settimeout(0.5)
+        conn.sendall(greeting + ready)
+        got = b""
+        while len(got) < 64 + 2 + 22:  # their greeting and their READY
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+        time.sleep(0.02)  # the peer holds the connection a moment, then drops it
 
-    thread = threading.Thread(target=handshake_then_drop)
-    thread.start()
-
-    async def main() -> None:
-        link = BrokerLink(settings(f"tcp://127.0.0.1:{listener.getsockname()[1]}"))
+    async def main(address: str) -> None:
+        link = BrokerLink(settings(address))
         try:
             await asyncio.sleep(2.0)  # the window in which connections are counted
         finally:
             link.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        done.set()
-        thread.join(5)
-        listener.close()
+    with dropping_peer(handshake) as peer:
+        asyncio.run(main(peer.address))
     # back-offs 0.1, 0.2, 0.4, 0.8 s: about 5 connections in 2 s; without, about 300
-    assert 2 <= accepted <= 15, accepted
+    assert 2 <= peer.accepted <= 15, peer.accepted
 
 
 def test_a_socket_that_cannot_be_opened_after_a_lost_connection_is_tried_again(
@@ -358,9 +350,6 @@ def test_a_socket_that_cannot_be_opened_after_a_lost_connection_is_tried_again(
     """After a lost connection the link opens a new socket; when that fails (a CURVE key
     file unreadable for a moment, no descriptors left), rows get 503 meanwhile and the
     link tries again after its back-off, instead of being left without a socket."""
-    import msgpack
-    import zmq
-
     from batcher.gateway import core
 
     failures = [OSError("cannot load key file gw.key_secret")] * 2

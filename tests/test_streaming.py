@@ -731,15 +731,12 @@ def test_sigterm_drains_a_running_stream_and_refuses_new_ones(
 
 
 def queue_then_start_worker(
-    spawn: Spawn, zctx: zmq.Context[Any], level: str, lengths: list[int], fifth: int
+    spawn: Spawn, zctx: zmq.Context[Any], connect: Connect, level: str, lengths: list[int], fifth: int
 ) -> tuple[Dealer, str]:
     """A broker holding 5 streams in its queue before its one worker (4 slots) joins, so
     the worker gets the first 4 in one START and the 5th when a slot frees."""
     frontend, backend = start_broker(spawn, zctx, "--model", "simlm", *HEARTBEAT)
-    sock = zctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(frontend)
-    d = Dealer(sock)
+    d = Dealer(connect(zmq.DEALER, frontend))
     for i, k in enumerate(lengths):
         d.stream(i, k)
     d.stream("fifth", fifth)
@@ -752,10 +749,10 @@ def queue_then_start_worker(
 
 
 def test_request_level_admits_nothing_new_until_the_batch_has_ended(
-    spawn: Spawn, zctx: zmq.Context[Any]
+    spawn: Spawn, zctx: zmq.Context[Any], connect: Connect
 ) -> None:
     lengths = [5, 10, 15, 20]
-    d, _ = queue_then_start_worker(spawn, zctx, "request", lengths, 3)
+    d, _ = queue_then_start_worker(spawn, zctx, connect, "request", lengths, 3)
     try:
         d.finish(0, 1, 2, 3, "fifth")
         for i, k in enumerate(lengths):
@@ -770,10 +767,12 @@ def test_request_level_admits_nothing_new_until_the_batch_has_ended(
         d.sock.close(0)
 
 
-def test_step_level_admits_a_new_sequence_between_steps(spawn: Spawn, zctx: zmq.Context[Any]) -> None:
+def test_step_level_admits_a_new_sequence_between_steps(
+    spawn: Spawn, zctx: zmq.Context[Any], connect: Connect
+) -> None:
     # The contrast: at step level the 5th runs as soon as a slot frees, while the others go on.
     lengths = [5, ENDLESS, ENDLESS, ENDLESS]
-    d, _ = queue_then_start_worker(spawn, zctx, "step", lengths, 3)
+    d, _ = queue_then_start_worker(spawn, zctx, connect, "step", lengths, 3)
     try:
         d.finish(0, "fifth")
         assert_complete(d.of(0), 5, 0)
@@ -811,7 +810,7 @@ def test_a_long_request_without_stream_is_not_taken_for_a_hung_step(
 
 
 def test_a_paused_broker_does_not_take_its_step_workers_for_hung(
-    spawn: Spawn, zctx: zmq.Context[Any]
+    spawn: Spawn, zctx: zmq.Context[Any], connect: Connect
 ) -> None:
     """CHUNKs that wait unread while the broker is stopped (SIGSTOP) past the step time
     limit are no silence of the workers: every stream ends well once it resumes."""
@@ -822,29 +821,23 @@ def test_a_paused_broker_does_not_take_its_step_workers_for_hung(
     )  # fmt: skip
     spawn("worker", "--connect", backend, "--model", "simlm", "--heartbeat-ms", "2000")
     wait_until(lambda: lm_stats(frontend, zctx).get("workers") == 1, 10, "the worker joined")
-    sock = zctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(frontend)
-    d = Dealer(sock)
+    d = Dealer(connect(zmq.DEALER, frontend))
+    for i in range(32):
+        d.stream(i, 60)
+    d.chunks(31, 2)  # every stream runs
+    os.kill(broker.pid, signal.SIGSTOP)
     try:
-        for i in range(32):
-            d.stream(i, 60)
-        d.chunks(31, 2)  # every stream runs
-        os.kill(broker.pid, signal.SIGSTOP)
-        try:
-            time.sleep(1.2)  # the fault itself: a broker paused for more than twice the limit
-        finally:
-            os.kill(broker.pid, signal.SIGCONT)
-        d.finish(*range(32), timeout_s=30)
-        for i in range(32):
-            assert_complete(d.of(i), 60, i)
-        assert broker_stats(frontend, zctx)["batches_timed_out"] == 0
+        time.sleep(1.2)  # the fault itself: a broker paused for more than twice the limit
     finally:
-        sock.close(0)
+        os.kill(broker.pid, signal.SIGCONT)
+    d.finish(*range(32), timeout_s=30)
+    for i in range(32):
+        assert_complete(d.of(i), 60, i)
+    assert broker_stats(frontend, zctx)["batches_timed_out"] == 0
 
 
 def test_a_broker_that_reads_slowly_slows_its_worker_and_loses_no_chunk(
-    spawn: Spawn, zctx: zmq.Context[Any]
+    spawn: Spawn, zctx: zmq.Context[Any], connect: Connect
 ) -> None:
     """A fast worker fills its socket's queue while the broker is stopped: it waits for
     room instead of dropping CHUNKs, so every stream has every token, in order."""
@@ -857,27 +850,23 @@ def test_a_broker_that_reads_slowly_slows_its_worker_and_loses_no_chunk(
         "--simlm-step-base-ms", "0", "--simlm-step-per-seq-ms", "0.01",
     )  # fmt: skip
     wait_until(lambda: lm_stats(frontend, zctx).get("workers") == 1, 10, "the worker joined")
-    sock = zctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(frontend)
-    d = Dealer(sock)
+    d = Dealer(connect(zmq.DEALER, frontend))
+    for i in range(32):
+        d.stream(i, 8000)
+    d.chunks(31, 2)
+    os.kill(broker.pid, signal.SIGSTOP)
     try:
-        for i in range(32):
-            d.stream(i, 8000)
-        d.chunks(31, 2)
-        os.kill(broker.pid, signal.SIGSTOP)
-        try:
-            time.sleep(3.5)  # the fault itself: more CHUNKs pile up than queues and buffers hold
-        finally:
-            os.kill(broker.pid, signal.SIGCONT)
-        d.finish(*range(32), timeout_s=45)
-        for i in range(32):
-            assert_complete(d.of(i), 8000, i)
+        time.sleep(3.5)  # the fault itself: more CHUNKs pile up than queues and buffers hold
     finally:
-        sock.close(0)
+        os.kill(broker.pid, signal.SIGCONT)
+    d.finish(*range(32), timeout_s=45)
+    for i in range(32):
+        assert_complete(d.of(i), 8000, i)
 
 
-def test_a_burst_of_slow_cancels_does_not_silence_the_worker(spawn: Spawn, zctx: zmq.Context[Any]) -> None:
+def test_a_burst_of_slow_cancels_does_not_silence_the_worker(
+    spawn: Spawn, zctx: zmq.Context[Any], connect: Connect
+) -> None:
     """12 cancels of a model whose stop takes 100 ms keep the worker busy 1.2 s, past the
     0.75 s heartbeat expiry: its heartbeats go on meanwhile, and its other streams end well."""
     frontend, backend = start_broker(spawn, zctx, "--model", "simlm", *HEARTBEAT)
@@ -886,23 +875,17 @@ def test_a_burst_of_slow_cancels_does_not_silence_the_worker(spawn: Spawn, zctx:
         "--max-active", "16",
     )  # fmt: skip
     wait_until(lambda: lm_stats(frontend, zctx).get("workers") == 1, 10, "the worker joined")
-    sock = zctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(frontend)
-    d = Dealer(sock)
-    try:
-        for i in range(12):
-            d.stream(i, ENDLESS)
-        for i in range(12, 16):
-            d.stream(i, 1000)
-        d.chunks(15, 2)
-        for i in range(12):
-            d.cancel(i)
-        d.finish(*range(16), timeout_s=30)
-        for i in range(12):
-            assert_one_final_error(d.of(i), "cancelled")
-        for i in range(12, 16):
-            assert_complete(d.of(i), 1000, i)
-        assert broker_stats(frontend, zctx)["workers_lost"] == 0
-    finally:
-        sock.close(0)
+    d = Dealer(connect(zmq.DEALER, frontend))
+    for i in range(12):
+        d.stream(i, ENDLESS)
+    for i in range(12, 16):
+        d.stream(i, 1000)
+    d.chunks(15, 2)
+    for i in range(12):
+        d.cancel(i)
+    d.finish(*range(16), timeout_s=30)
+    for i in range(12):
+        assert_one_final_error(d.of(i), "cancelled")
+    for i in range(12, 16):
+        assert_complete(d.of(i), 1000, i)
+    assert broker_stats(frontend, zctx)["workers_lost"] == 0
