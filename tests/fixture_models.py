@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 from typing import Any
 
 
@@ -96,3 +98,30 @@ class SlowStopLM:
 
         time.sleep(0.1)
         self.lm.stop(key)
+
+
+class NoGil:
+    """A model that says it computes without the GIL (`releases_gil`), as ONNX Runtime's
+    session does, so the worker runs it on its model thread (workers/overlap.py). It
+    echoes its inputs; a batch sleeps (without the GIL) the largest `sleep` of its map
+    inputs, and, when BATCHER_TEST_RUNS names a file, appends "start IDS" and "end IDS"
+    lines to it (IDS: the inputs' `i`, then the thread's name), so a test sees what ran, and when."""
+
+    releases_gil = True
+
+    def __init__(self, gpu: int | None) -> None:
+        self.runs = os.environ.get("BATCHER_TEST_RUNS")
+
+    def __call__(self, inputs: list[Any]) -> list[Any]:
+        maps = [x for x in inputs if isinstance(x, dict)]
+        ids = " ".join(str(x.get("i")) for x in maps)
+        thread = threading.current_thread().name
+        self._note(f"start {ids} {thread}")
+        time.sleep(max((float(x.get("sleep", 0)) for x in maps), default=0.0))
+        self._note(f"end {ids} {thread}")
+        return list(inputs)
+
+    def _note(self, line: str) -> None:
+        if self.runs:
+            with open(self.runs, "a") as f:
+                f.write(line + "\n")

@@ -18,6 +18,7 @@ import msgpack
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from batcher import protocol
 from batcher.client import BatcherError, Client
 from batcher.launcher import free_tcp_address
 
@@ -242,3 +243,28 @@ def sample(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: 
     key = (name, tuple(sorted(labels.items())))
     assert key in samples, f"no sample {name}{labels}; have {sorted(k for k in samples if k[0] == name)}"
     return samples[key]
+
+
+class FakeBackend:
+    """A broker's backend (ROUTER) driven by the test: sends BATCH messages, reads REPLYs."""
+
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
+        self.sock: zmq.Socket[Any] = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind("tcp://127.0.0.1:*")
+        self.address: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def next(self, command: bytes, timeout_s: float) -> list[bytes]:
+        """The next message with `command` (heartbeats skipped): [identity, *rest]."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0 and self.sock.poll(int(left * 1000)), f"no {command!r} within {timeout_s}s"
+            frames = self.sock.recv_multipart()
+            if frames[2] == command:
+                return frames
+            assert frames[2] == protocol.CMD_HEARTBEAT, frames
+
+    def send_batch(self, worker: bytes, header: bytes, bodies: list[bytes]) -> None:
+        frames = [worker, protocol.WORKER_PROTOCOL, protocol.CMD_BATCH, header, b"".join(bodies)]
+        self.sock.send_multipart(frames)

@@ -31,7 +31,7 @@ import zmq
 from batcher import protocol
 from batcher.launcher import ServeProcess, free_tcp_address
 from batcher.stopping import StopSignals
-from tests.helpers import broker_stats, pack, recv_reply, start_broker, unpack, wait_until
+from tests.helpers import FakeBackend, broker_stats, pack, recv_reply, start_broker, unpack, wait_until
 from workers.supervisor import STARTING_S, PoolSettings, Supervisor
 from workers.worker import EXIT_BAD_ADDRESS
 
@@ -306,36 +306,13 @@ def test_supervisor_workers_connect_to_loopback_for_a_wildcard_backend() -> None
 # --- 4. malformed BATCH messages ----------------------------------------------------------------------
 
 
-class FakeBackend:
-    """A broker's backend (ROUTER) driven by the test: sends BATCH messages, reads REPLYs."""
-
-    def __init__(self, ctx: zmq.Context[Any]) -> None:
-        self.sock: zmq.Socket[Any] = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind("tcp://127.0.0.1:*")
-        self.address: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-
-    def next(self, command: bytes, timeout_s: float) -> list[bytes]:
-        """The next message with `command` (heartbeats skipped): [identity, *rest]."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0 and self.sock.poll(int(left * 1000)), f"no {command!r} within {timeout_s}s"
-            frames = self.sock.recv_multipart()
-            if frames[2] == command:
-                return frames
-            assert frames[2] == protocol.CMD_HEARTBEAT, frames
-
-    def send_batch(self, worker: bytes, header: bytes, bodies: list[bytes]) -> None:
-        frames = [worker, protocol.WORKER_PROTOCOL, protocol.CMD_BATCH, header, b"".join(bodies)]
-        self.sock.send_multipart(frames)
-
-
+# echo, and a model run on the worker's model thread (workers/overlap.py), which decodes apart
+@pytest.mark.parametrize("model", ["echo", "nogil=tests.fixture_models:NoGil"], ids=["echo", "model-thread"])
 def test_malformed_batches_are_answered_or_dropped_and_the_worker_serves_on(
-    spawn: Any, zctx: zmq.Context[Any]
+    spawn: Any, zctx: zmq.Context[Any], model: str
 ) -> None:
     fb = FakeBackend(zctx)
-    worker = spawn("worker", "--connect", fb.address, "--model", "echo", "--heartbeat-ms", "10000")
+    worker = spawn("worker", "--connect", fb.address, "--model", model, "--heartbeat-ms", "10000")
     ident = fb.next(protocol.CMD_READY, 20)[0]
     one = pack({"id": "a", "input": 1})
     three = [pack({"id": i, "input": i}) for i in range(3)]

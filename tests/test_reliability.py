@@ -532,15 +532,22 @@ def test_a_poison_request_takes_down_at_most_max_retries_plus_one_workers_and_it
     assert "its model hung" in s.log()
 
 
-def test_a_remote_worker_whose_batch_hangs_is_told_to_exit(spawn, zctx, connect):
+# hang_on runs on the main thread (told to exit by the heartbeat thread), NoGil on the
+# worker's model thread (told to exit by the main thread, free meanwhile)
+@pytest.mark.parametrize(
+    ("model", "poison"),
+    [(HANG, "hang"), ("hangs=tests.fixture_models:NoGil", {"i": 1, "sleep": 3600})],
+    ids=["main-thread", "model-thread"],
+)
+def test_a_remote_worker_whose_batch_hangs_is_told_to_exit(spawn, zctx, connect, model, poison):
     frontend, backend = start_broker(spawn, zctx, "--model", "hangs", "--batch-timeout-ms", "300")
-    hung = spawn("worker", "--connect", backend, "--model", HANG)
+    hung = spawn("worker", "--connect", backend, "--model", model)
     wait_until(lambda: model_stats(frontend, zctx, "hangs").get("workers") == 1, 30, "the worker joined")
     sock = connect(zmq.DEALER, frontend)
-    sock.send_multipart([b"", pack({"id": 1, "model": "hangs", "input": "hang"})])
-    assert hung.process.wait(timeout=30) == 75  # told to exit, from its heartbeat thread
+    sock.send_multipart([b"", pack({"id": 1, "model": "hangs", "input": poison})])
+    assert hung.process.wait(timeout=30) == 75  # told to exit
     assert "the broker took a batch of ours for hung" in hung.stderr_path.read_text()
-    spare = spawn("worker", "--connect", backend, "--model", HANG)  # the request is retried on it...
+    spare = spawn("worker", "--connect", backend, "--model", model)  # the request is retried on it...
     (reply,) = recv_replies(sock, 1, timeout_s=30)
     assert reply["error"] == {  # ...hangs it too, and has used its one retry (--max-retries 1)
         "code": "worker_failed",

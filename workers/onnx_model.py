@@ -52,6 +52,10 @@ class OnnxModel:
     each group stacked and run in one `session.run`, and each output split back per
     request. A model whose batch axis is fixed at 1 runs its requests one by one."""
 
+    #: session.run computes without the GIL: the worker runs it on a thread of its own and
+    #: decodes and encodes around it meanwhile (workers/overlap.py).
+    releases_gil = True
+
     def __init__(self, path: str, gpu: int | None, threads: int) -> None:
         try:
             import onnxruntime as ort

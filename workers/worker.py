@@ -37,6 +37,7 @@ from batcher.stopping import StopSignals, ignore_stop_signals
 from batcher.zmqio import recv_frames, send_frames
 from workers import fastpath, warmup
 from workers.models import ModelFn, ModelSpec, SimSettings, load_model
+from workers.overlap import ModelThread
 from workers.placement import pin_to
 from workers.steps import BATCHING_LEVELS, BatchingLevel, StepRunner, is_step_model
 
@@ -49,6 +50,8 @@ RECONNECT_MAX_S = 8.0
 REFUSAL_LOG_EVERY_S = 60.0
 #: How long a step-level worker waits at a time for its socket to take a CHUNK (ms).
 OUTBOX_WAIT_MS = 10
+#: Batches with a model thread at once (workers/overlap.py): the one it runs and the next.
+OVERLAP_BATCHES = 2
 #: Exit code of a worker given an address it cannot connect to (sysexits.h EX_USAGE).
 EXIT_BAD_ADDRESS = 64
 
@@ -190,24 +193,35 @@ def _array(value: dict[Any, Any]) -> tuple[Any, str | None]:
         return value, "this worker takes no tensors: numpy is not installed here"
 
 
-def run_batch(
-    model: ModelFn,
-    header_frame: bytes,
-    body_frames: list[Any],
-    worker_name: str,
-    arrived_at: float | None = None,
-) -> list[Any]:
-    """Run one BATCH message through the model; returns the REPLY frames.
+@dataclass
+class PreparedBatch:
+    """A BATCH decoded and ready for the model: what run_batch does before the model call,
+    apart from it so that an overlapping worker does it while the model runs another."""
 
-    Whatever the model does, every request of the batch gets a reply: its output, or
-    `model_error` for all of them when the model raises or returns the wrong count,
-    or for one alone when its output is an exception instance or cannot be encoded.
-    `arrived_at` (time.monotonic()) is when the BATCH reached the worker: the wait from
-    then until the model ran (behind other batches) is part of each request's queue
-    time, so it is added to `queue_ms`, given as `worker_wait_ms` and sent to the broker
-    as the REPLY header's 5th element. Raises MalformedBatch for a message that cannot
-    be run (see `_run_safely`).
-    """
+    batch_id: int
+    queue_ms: list[Any]
+    everything: list[Any]  # every request map, by position
+    bad: dict[int, str]  # position -> why that request never reaches the model
+    live: list[int]  # the positions the model runs
+    inputs: Any  # the model's argument: the live requests' inputs
+    arrived_at: float | None
+
+
+@dataclass
+class ModelOutcome:
+    """What the model call gave: its outputs, or the exception that failed the batch."""
+
+    outputs: Any
+    error: Exception | None
+    infer_ms: float
+    wait_ms: float | None  # from the BATCH's arrival to the model call
+    padding: tuple[int, int] | None
+
+
+def prepare_batch(
+    header_frame: bytes, body_frames: list[Any], arrived_at: float | None = None
+) -> PreparedBatch:
+    """Decode a BATCH for the model; MalformedBatch for one that cannot be run."""
     batch_id, queue_ms, lengths = _decode_header(header_frame)
     try:
         bodies = protocol.split_bodies(lengths, body_frames)
@@ -223,41 +237,56 @@ def run_batch(
             len(everything),
         )
         queue_ms = [None] * len(everything)
-    wait_ms = None if arrived_at is None else round(max(0.0, (time.monotonic() - arrived_at) * 1000.0), 3)
-    replies: list[bytes | None] = [None] * len(everything)
-    for i, why in bad.items():  # a malformed tensor: answered here, never given to the model
-        replies[i] = protocol.error_reply(
-            protocol.answer_id(everything[i]), ErrorCode.BAD_REQUEST, why, _streamed(everything[i])
-        )
     live = [i for i in range(len(everything)) if i not in bad]
-    requests = [everything[i] for i in live]
-    n = len(requests)
+    inputs = fast[1] if fast is not None else [everything[i].get("input") for i in live]
+    return PreparedBatch(batch_id, queue_ms, everything, bad, live, inputs, arrived_at)
+
+
+def call_model(model: ModelFn, batch: PreparedBatch) -> ModelOutcome:
+    """Run the model on a prepared batch; the model's exception, or a wrong count of
+    outputs, is the outcome's error, not raised."""
+    arrived_at = batch.arrived_at
+    wait_ms = None if arrived_at is None else round(max(0.0, (time.monotonic() - arrived_at) * 1000.0), 3)
     if getattr(model, "last_padding", None) is not None:
         with contextlib.suppress(AttributeError, TypeError):
             model.last_padding = None  # type: ignore[attr-defined]  # only this batch's counts
+    n = len(batch.live)
     t0 = time.perf_counter()
     try:
-        inputs = fast[1] if fast is not None else [r.get("input") for r in requests]
-        outputs = model(inputs) if requests else []
+        outputs = model(batch.inputs) if n else []
         if not isinstance(outputs, list | tuple) or len(outputs) != n:
             got = f"{len(outputs)} outputs" if isinstance(outputs, list | tuple) else repr(type(outputs))
             raise ValueError(f"model returned {got} for a batch of {n}")
     except Exception as exc:
-        infer_ms = (time.perf_counter() - t0) * 1000.0
+        return ModelOutcome(None, exc, (time.perf_counter() - t0) * 1000.0, wait_ms, None)
+    infer_ms = round((time.perf_counter() - t0) * 1000.0, 3)
+    return ModelOutcome(outputs, None, infer_ms, wait_ms, _padding_of(model))
+
+
+def finish_batch(batch: PreparedBatch, outcome: ModelOutcome, worker_name: str) -> list[Any]:
+    """The REPLY frames of a batch the model ran (see run_batch)."""
+    everything, live, wait_ms, infer_ms = batch.everything, batch.live, outcome.wait_ms, outcome.infer_ms
+    replies: list[bytes | None] = [None] * len(everything)
+    for i, why in batch.bad.items():  # a malformed tensor: answered here, never given to the model
+        replies[i] = protocol.error_reply(
+            protocol.answer_id(everything[i]), ErrorCode.BAD_REQUEST, why, _streamed(everything[i])
+        )
+    if outcome.error is not None:
+        exc = outcome.error
         message = f"{type(exc).__name__}: {exc}"
-        log.warning("model raised on a batch of %d: %s", n, message)
-        log.debug("batch %d: the model's traceback", batch_id, exc_info=True)
+        log.warning("model raised on a batch of %d: %s", len(live), message)
+        log.debug("batch %d: the model's traceback", batch.batch_id, exc_info=exc)
         for i in live:
             replies[i] = protocol.error_reply(
                 protocol.answer_id(everything[i]), ErrorCode.MODEL_ERROR, message, _streamed(everything[i])
             )
-        errors = protocol.error_counts(len(live), len(bad))
-        return protocol.reply_frames(batch_id, infer_ms, _all(replies), errors, wait_ms)
-    infer_ms = round((time.perf_counter() - t0) * 1000.0, 3)
-    padding = _padding_of(model)
-    refused, model_errors = len(bad), 0
+        errors = protocol.error_counts(len(live), len(batch.bad))
+        return protocol.reply_frames(batch.batch_id, infer_ms, _all(replies), errors, wait_ms)
+    n = len(live)
+    refused, model_errors = len(batch.bad), 0
     encoder = fastpath.ReplyEncoder(n, worker_name, wait_ms, infer_ms)
-    for i, r, out in zip(live, requests, outputs, strict=True):
+    for i, out in zip(live, outcome.outputs, strict=True):
+        r = everything[i]
         req_id = protocol.answer_id(r)
         stream = _streamed(r)
         if isinstance(out, tensor.TensorError):  # its input does not fit the model's batch
@@ -268,10 +297,10 @@ def run_batch(
             model_errors += 1
             message = f"{type(out).__name__}: {out}"
             trace = out if out.__traceback__ is not None else None
-            log.debug("batch %d: the model failed item %d: %s", batch_id, i, message, exc_info=trace)
+            log.debug("batch %d: the model failed item %d: %s", batch.batch_id, i, message, exc_info=trace)
             replies[i] = protocol.error_reply(req_id, ErrorCode.MODEL_ERROR, message, stream)
             continue
-        q = queue_ms[i]
+        q = batch.queue_ms[i]
         if not isinstance(q, int | float) or isinstance(q, bool):
             q = None  # forwarded to the client: only a number from the broker
         elif wait_ms is not None:
@@ -292,7 +321,29 @@ def run_batch(
                 req_id, ErrorCode.MODEL_ERROR, f"output cannot be encoded: {exc}", stream
             )
     errors = protocol.error_counts(model_errors, refused)
-    return protocol.reply_frames(batch_id, infer_ms, _all(replies), errors, wait_ms, padding)
+    return protocol.reply_frames(batch.batch_id, infer_ms, _all(replies), errors, wait_ms, outcome.padding)
+
+
+def run_batch(
+    model: ModelFn,
+    header_frame: bytes,
+    body_frames: list[Any],
+    worker_name: str,
+    arrived_at: float | None = None,
+) -> list[Any]:
+    """Run one BATCH message through the model; returns the REPLY frames.
+
+    Whatever the model does, every request of the batch gets a reply: its output, or
+    `model_error` for all of them when the model raises or returns the wrong count,
+    or for one alone when its output is an exception instance or cannot be encoded.
+    `arrived_at` (time.monotonic()) is when the BATCH reached the worker: the wait from
+    then until the model ran (behind other batches) is part of each request's queue
+    time, so it is added to `queue_ms`, given as `worker_wait_ms` and sent to the broker
+    as the REPLY header's 5th element. Raises MalformedBatch for a message that cannot
+    be run (see `_run_safely`).
+    """
+    batch = prepare_batch(header_frame, body_frames, arrived_at)
+    return finish_batch(batch, call_model(model, batch), worker_name)
 
 
 def _streamed(request: dict[str, Any]) -> bool:
@@ -359,6 +410,9 @@ class Worker:
         self._sock: zmq.Socket[Any] | None = None
         self._watch: ConnectionWatch | None = None  # the socket's monitor
         self._pending: deque[tuple[float, list[Any]]] = deque()  # (arrived at, BATCH frames) not run yet
+        # A model that releases the GIL runs on a thread of its own (workers/overlap.py):
+        # its jobs: (a batch, self.reconnects when it came); at most OVERLAP_BATCHES at once
+        self._model_thread: ModelThread[tuple[PreparedBatch, int], ModelOutcome] | None = None
         self._steps: StepRunner | None = None  # a step-level model's sequences
         self._inbox: deque[tuple[float, list[Any]]] = deque()  # (arrived at, START or CANCEL) not read yet
         self._outbox: deque[list[Any]] = deque()  # CHUNKs the socket could not take yet
@@ -394,6 +448,9 @@ class Worker:
                 s.max_active,
             )
             return
+        if getattr(self.model, "releases_gil", False) is True:
+            model = self.model
+            self._model_thread = ModelThread(lambda job: call_model(model, job[0]))
         declared = signature_of(self.model)  # ValueError for a malformed one: the load fails
         self.signature = None if declared is None else declared.wire()
         if declared is not None and self.settings.warmup_sizes:
@@ -448,6 +505,8 @@ class Worker:
         finally:
             self._stopped.set()
             beat.join(timeout=1.0)
+            if self._model_thread is not None:
+                self._model_thread.close(timeout_s=1.0)
             with self._socket_lock:
                 self._disconnect(linger_ms=500)
             self.signals.close()
@@ -457,6 +516,8 @@ class Worker:
         self._poller.register(self.signals.fd, zmq.POLLIN)
         if self.control_fd is not None:
             self._poller.register(self.control_fd, zmq.POLLIN)
+        if self._model_thread is not None:
+            self._poller.register(self._model_thread.fd, zmq.POLLIN)
         if self.stop_requested():  # e.g. serve stopped while the model was loading
             log.info("worker %s stopping before it connected", self.name)
             return
@@ -481,7 +542,9 @@ class Worker:
             if self.control_fd is not None and self.control_fd in events and self._read_control():
                 break
             hb = self.heartbeat  # the broker's, once it said it
-            if self._pending:
+            if self._model_thread is not None:
+                self._overlap(self._model_thread)
+            elif self._pending:
                 self._run_pending()
                 continue  # poll again first: what the broker sent meanwhile is news of it
             if self._sock is not None and self._refused is not None:
@@ -500,7 +563,7 @@ class Worker:
             if self._sock is not None and now >= next_beat:
                 self._send([protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
                 next_beat = now + hb.interval_s
-            if trim is not None and now >= next_trim:  # idle: what a burst took goes back
+            if trim is not None and now >= next_trim and not self._busy():  # what a burst took goes back
                 trim()
                 next_trim = now + TRIM_INTERVAL_S
             next_beat = min(next_beat, now + hb.interval_s)  # the broker's may be shorter
@@ -512,8 +575,63 @@ class Worker:
             log.info("worker %s stopping: serve closed its pipe (it stopped, or died)", self.name)
         elif not self._parent_alive():
             log.info("worker %s stopping: its parent is gone", self.name)
+        if self._model_thread is not None:  # the batch at hand finishes and is answered
+            self._model_thread.retract()  # the broker gets those back
+            for job, outcome in self._wait_for_model(self._model_thread):
+                self._answer(job, outcome)
         # Batches received but not run go back to the broker's queue when it reads this.
         self._send([protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
+
+    def _busy(self) -> bool:
+        return bool(self._pending) or (self._model_thread is not None and self._model_thread.in_flight > 0)
+
+    def _overlap(self, runner: ModelThread[tuple[PreparedBatch, int], ModelOutcome]) -> None:
+        """Answer the batches the model thread finished, and keep OVERLAP_BATCHES with it:
+        the one it runs and the next, decoded meanwhile."""
+        for job, outcome in runner.take():
+            self._answer(job, outcome)
+        while runner.in_flight < OVERLAP_BATCHES and (batch := self._prepare()) is not None:
+            runner.put((batch, self.reconnects))
+
+    def _wait_for_model(
+        self, runner: ModelThread[tuple[PreparedBatch, int], ModelOutcome]
+    ) -> list[tuple[tuple[PreparedBatch, int], ModelOutcome]]:
+        """Block until the model thread is done, the socket left to the heartbeat thread."""
+        done: list[tuple[tuple[PreparedBatch, int], ModelOutcome]] = []
+        self._unlocked(lambda: done.extend(runner.wait()))
+        return done
+
+    def _prepare(self) -> PreparedBatch | None:
+        """The next pending batch decoded; one that cannot be run is answered (or
+        dropped) at once, as `_run_safely` does."""
+        while self._pending and self._sock is not None:
+            arrived_at, frames = self._pending.popleft()
+            try:
+                return prepare_batch(frames[2], frames[3:], arrived_at)
+            except Exception as exc:  # MalformedBatch, or a bug of ours
+                reply = _failed_batch(exc, frames[2])
+                if reply is not None:
+                    self._send(reply)
+        return None
+
+    def _answer(self, job: tuple[PreparedBatch, int], outcome: ModelOutcome) -> None:
+        """Send the replies of a batch the model thread ran, on the connection it came on
+        (a broker that lost us re-dispatched it: any other gets nothing)."""
+        batch, connection = job
+        try:
+            reply = finish_batch(batch, outcome, self.name)
+        except Exception:  # a bug of ours; the worker goes on, and answers if it can
+            log.exception("could not answer a batch")
+            reply = protocol.reply_frames(batch.batch_id, 0.0, [])
+        if connection != self.reconnects:
+            return
+        self.batches += 1
+        if not self._send(reply):
+            log.warning(
+                "worker %s: the reply to a batch could not be sent (no connection to the broker, "
+                "which re-dispatches that batch)",
+                self.name,
+            )
 
     def _run_pending(self) -> None:
         """Run the batches received so far, in order, answering each on its connection;
@@ -676,6 +794,8 @@ class Worker:
         self._sock.close(linger=linger_ms)
         self._sock = None
         self._pending.clear()
+        if self._model_thread is not None:
+            self._model_thread.retract()
         self._inbox.clear()
         self._outbox.clear()
         if self._steps is not None:
@@ -792,23 +912,29 @@ class Worker:
 def _run_safely(
     model: ModelFn, header_frame: bytes, body_frames: list[Any], name: str, arrived_at: float | None = None
 ) -> list[Any] | None:
-    """run_batch that never raises: a batch whose body cannot be read gets an empty REPLY
-    (the broker fails all its requests); one without a readable batch id is dropped
-    (None: nothing to answer; its broker re-dispatches it when it loses this worker)."""
+    """run_batch that never raises (see `_failed_batch`)."""
     try:
         return run_batch(model, header_frame, body_frames, name, arrived_at)
-    except MalformedBatch as exc:
+    except Exception as exc:
+        return _failed_batch(exc, header_frame)
+
+
+def _failed_batch(exc: Exception, header_frame: bytes) -> list[Any] | None:
+    """The answer to a batch that could not be run: a batch whose body cannot be read gets
+    an empty REPLY (the broker fails all its requests); one without a readable batch id
+    is dropped (None: nothing to answer; its broker re-dispatches it when it loses this
+    worker); any other exception is a bug of ours, logged, and the worker goes on."""
+    if isinstance(exc, MalformedBatch):
         if exc.batch_id is None:
             log.warning("dropped a batch whose header cannot be read: %s", exc)
             return None
         log.warning("batch %d cannot be read (%s); failing its requests", exc.batch_id, exc)
         return protocol.reply_frames(exc.batch_id, 0.0, [])
-    except Exception:  # a bug of ours; the worker goes on, and answers if it can
-        log.exception("could not run a batch")
-        try:
-            return protocol.reply_frames(_decode_header(header_frame)[0], 0.0, [])
-        except MalformedBatch:
-            return None
+    log.error("could not run a batch", exc_info=exc)
+    try:
+        return protocol.reply_frames(_decode_header(header_frame)[0], 0.0, [])
+    except MalformedBatch:
+        return None
 
 
 class ModelLoadError(RuntimeError):

@@ -1,0 +1,178 @@
+"""A model that releases the GIL runs on the worker's model thread (workers/overlap.py):
+the thread itself, then a worker serving such a model through a scripted backend, where
+the batch at hand, the next one (queued with the thread) and the rest (pending) must each
+be answered, or handed back to the broker, exactly as on the main thread."""
+
+from __future__ import annotations
+
+import select
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from batcher import protocol
+from tests.helpers import FakeBackend, pack, unpack, wait_until
+from workers.overlap import ModelThread
+
+NOGIL = "nogil=tests.fixture_models:NoGil"
+
+
+def readable(fd: int, timeout_s: float) -> bool:
+    return bool(select.select([fd], [], [], timeout_s)[0])
+
+
+# --- the thread ------------------------------------------------------------------------------
+
+
+def test_jobs_run_in_order_on_their_thread_and_the_fd_says_when_one_is_done() -> None:
+    gate = threading.Event()
+    ran: list[tuple[int, str]] = []
+
+    def run(job: int) -> int:
+        gate.wait(10)
+        ran.append((job, threading.current_thread().name))
+        return job * 10
+
+    runner: ModelThread[int, int] = ModelThread(run)
+    try:
+        for job in (1, 2, 3):
+            runner.put(job)
+        assert runner.in_flight == 3
+        assert not readable(runner.fd, 0.05) and runner.take() == []
+        gate.set()
+        assert readable(runner.fd, 10)
+        assert runner.wait() == [(1, 10), (2, 20), (3, 30)]
+        assert runner.in_flight == 0 and runner.take() == []
+        assert ran == [(1, "model"), (2, "model"), (3, "model")]
+    finally:
+        gate.set()
+        runner.close(timeout_s=10)
+
+
+def test_jobs_not_started_are_taken_back() -> None:
+    started, gate = threading.Event(), threading.Event()
+
+    def run(job: int) -> int:
+        started.set()
+        gate.wait(10)
+        return job
+
+    runner: ModelThread[int, int] = ModelThread(run)
+    try:
+        runner.put(1)
+        assert started.wait(10)
+        runner.put(2)
+        runner.put(3)
+        assert runner.retract() == [2, 3]
+        assert runner.in_flight == 1
+        gate.set()
+        assert runner.wait() == [(1, 1)]
+    finally:
+        gate.set()
+        runner.close(timeout_s=10)
+
+
+def test_what_escapes_a_job_is_raised_by_take() -> None:
+    def run(job: int) -> int:
+        raise SystemExit(job)
+
+    runner: ModelThread[int, int] = ModelThread(run)
+    runner.put(7)
+    assert readable(runner.fd, 10)
+    with pytest.raises(SystemExit):
+        runner.take()
+    runner.close(timeout_s=10)
+
+
+def test_close_gives_up_on_a_job_that_does_not_end() -> None:
+    gate = threading.Event()
+    runner: ModelThread[int, bool] = ModelThread(lambda job: gate.wait(10))
+    runner.put(1)
+    runner.close(timeout_s=0.05)  # returns; the thread is a daemon and ends with its job
+    gate.set()
+
+
+# --- a worker with a model thread, through a scripted backend ---------------------------------------
+
+
+def batch(batch_id: int, *ids: int, sleep: float = 0.0) -> tuple[bytes, list[bytes]]:
+    bodies = [pack({"id": i, "input": {"i": i, "sleep": sleep}}) for i in ids]
+    return pack([batch_id, [0.0] * len(ids), [len(b) for b in bodies]]), bodies
+
+
+def reply_of(frames: list[bytes]) -> tuple[int, list[dict[str, Any]]]:
+    batch_id, _, lengths, *_ = unpack(frames[3])
+    return batch_id, [unpack(r) for r in protocol.split_bodies(lengths, frames[4:])]
+
+
+def runs(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.fixture
+def nogil_worker(spawn: Any, zctx: zmq.Context[Any], tmp_path: Path) -> tuple[Any, FakeBackend, bytes, Path]:
+    """A worker of the NoGil model on a scripted backend: (worker, backend, its identity,
+    the file where the model notes what it runs)."""
+    fb = FakeBackend(zctx)
+    log = tmp_path / "runs"
+    worker = spawn(
+        "worker", "--connect", fb.address, "--model", NOGIL, "--heartbeat-ms", "10000",
+        env={"BATCHER_TEST_RUNS": str(log)},
+    )  # fmt: skip
+    return worker, fb, fb.next(protocol.CMD_READY, 20)[0], log
+
+
+@pytest.mark.integration
+def test_batches_run_one_at_a_time_on_the_model_thread_and_are_answered_in_order(nogil_worker: Any) -> None:
+    worker, fb, ident, log = nogil_worker
+    for k in range(1, 5):
+        fb.send_batch(ident, *batch(k, 10 * k, 10 * k + 1, sleep=0.05))
+    for k in range(1, 5):
+        batch_id, replies = reply_of(fb.next(protocol.CMD_REPLY, 10))
+        assert batch_id == k
+        assert [(r["id"], r["ok"], r["output"]["i"]) for r in replies] == [
+            (10 * k, True, 10 * k),
+            (10 * k + 1, True, 10 * k + 1),
+        ]
+    expected = []
+    for k in range(1, 5):
+        expected += [f"start {10 * k} {10 * k + 1} model", f"end {10 * k} {10 * k + 1} model"]
+    assert runs(log) == expected  # never two at once, each on the model thread
+    assert "Traceback" not in worker.stderr_path.read_text()
+
+
+@pytest.mark.integration
+def test_a_stop_answers_the_batch_at_hand_and_hands_the_rest_back(nogil_worker: Any) -> None:
+    worker, fb, ident, log = nogil_worker
+    fb.send_batch(ident, *batch(1, 1, sleep=1.0))  # at hand
+    wait_until(lambda: runs(log) == ["start 1 model"], 10, "the first batch running")
+    fb.send_batch(ident, *batch(2, 2))  # queued with the model thread
+    fb.send_batch(ident, *batch(3, 3))  # pending
+    worker.process.send_signal(signal.SIGTERM)
+    batch_id, replies = reply_of(fb.next(protocol.CMD_REPLY, 10))
+    assert (batch_id, [r["ok"] for r in replies]) == (1, [True])
+    fb.next(protocol.CMD_DISCONNECT, 10)  # the broker re-dispatches 2 and 3
+    assert worker.process.wait(10) == 0
+    assert runs(log) == ["start 1 model", "end 1 model"]
+
+
+@pytest.mark.integration
+def test_a_broker_that_forgot_the_worker_gets_no_reply_of_the_old_connection(nogil_worker: Any) -> None:
+    worker, fb, ident, log = nogil_worker
+    fb.send_batch(ident, *batch(1, 1, sleep=0.5))
+    wait_until(lambda: runs(log) == ["start 1 model"], 10, "the first batch running")
+    fb.send_batch(ident, *batch(2, 2))  # queued with the model thread
+    fb.sock.send_multipart([ident, protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
+    again = fb.next(protocol.CMD_READY, 10)[0]
+    assert again != ident, "a new connection, so a new identity"
+    wait_until(lambda: "end 1 model" in runs(log), 10, "the first batch ended")
+    fb.send_batch(again, *batch(4, 4))
+    batch_id, replies = reply_of(fb.next(protocol.CMD_REPLY, 10))
+    assert batch_id == 4, "a reply of the old connection came on the new one"
+    assert [r["output"]["i"] for r in replies] == [4]
+    assert runs(log) == ["start 1 model", "end 1 model", "start 4 model", "end 4 model"]
+    assert worker.process.poll() is None
