@@ -130,6 +130,8 @@ class HttpApi:
 async def read_body(request: web.Request) -> bytes:
     """The request's body; too large (413), stalled (408) or undecodable (400) as OipError."""
     try:
+        if request.content.is_eof():  # all of it came with the headers: nothing to time
+            return await request.read()
         async with asyncio.timeout(BODY_TIMEOUT_S):
             return await request.read()
     except TimeoutError:
