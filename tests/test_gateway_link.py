@@ -403,3 +403,53 @@ def test_a_socket_that_cannot_be_opened_after_a_lost_connection_is_tried_again(
             ctx.term()
 
     asyncio.run(main())
+
+
+# --- the body of an HTTP request: whole with its headers, late, or stalled ------------------------
+
+
+def test_a_body_is_read_whole_when_late_and_a_stalled_one_is_answered_408(monkeypatch) -> None:
+    """A body that came with its headers is read at once (no timer); one that comes later
+    is waited for; one that stalls is answered 408 after BODY_TIMEOUT_S (shortened here)."""
+    from aiohttp import web
+
+    from batcher.gateway import http_api
+
+    monkeypatch.setattr(http_api, "BODY_TIMEOUT_S", 0.3)
+    body = b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "data": [1, 2]}]}'
+    head = (
+        "POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+
+    async def exchange(port: int, parts: list[bytes], pause_s: float) -> tuple[int, float]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        started = asyncio.get_running_loop().time()
+        for i, part in enumerate(parts):
+            if i:
+                await asyncio.sleep(pause_s)  # the client's own pace, not a wait for the server
+            writer.write(part)
+            await writer.drain()
+        status = int((await asyncio.wait_for(reader.readline(), 10)).split()[1])
+        took_s = asyncio.get_running_loop().time() - started
+        writer.close()
+        await writer.wait_closed()
+        return status, took_s
+
+    async def main() -> None:
+        gateway = Gateway(settings(free_tcp_address()))  # no broker: a read body is answered 503
+        runner = web.AppRunner(http_api.make_app(gateway, 1 << 20), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            assert (await exchange(port, [head + body], 0))[0] == 503  # read, then unavailable
+            assert (await exchange(port, [head, body[:10], body[10:]], 0.1))[0] == 503  # late, read
+            status, took_s = await exchange(port, [head + body[:10]], 0)  # stalled
+            assert status == 408 and 0.25 < took_s < 0.9, (status, took_s)
+        finally:
+            await runner.cleanup()
+            await gateway.close()
+
+    asyncio.run(main())
