@@ -14,12 +14,15 @@ tensor of 4 values (one row) with its reply checked:
 Each path runs a closed loop with --concurrency requests in flight (requests/s, ratio to
 direct) and one request at a time from the lightest blocking client of its protocol
 (http.client, grpcio's blocking stub, a blocking DEALER): p50 and p99, and the p50 added
-over direct; and for HTTP from libcurl (pycurl, in the bench extra) too, the lightest
-client, whose own work is C as the direct path's pre-encoded DEALER is light: http.client
-spends about a quarter of a millisecond of Python a request, which is the client's cost,
-not the gateway's. The target (<= 0.5 ms added) is read from the lightest client. The floor row sends the direct requests through a
-process that only forwards them (libzmq's proxy): what any process between client and
-broker costs on this machine.
+over direct. HTTP lone requests are also sent from libcurl (pycurl, in the bench
+extra), whose own work is C, as the direct path's pre-encoded DEALER does little:
+http.client spends about a quarter of a millisecond of Python a request, the client's
+cost, not the gateway's. The target (<= 0.5 ms added) is read from the lightest client.
+Two floor rows: the direct requests through a process that only forwards them
+(libzmq's proxy), what any process between client and broker costs on this machine;
+and a minimal aiohttp process that forwards each POST as one pre-encoded batcher
+request and answers its values as JSON, what the HTTP server and the hop cost in
+Python before any of the gateway's v2 work.
 Then rows: HTTP binary requests of 8 rows against 1 row, in rows/s (the gateway splits
 a request of k rows into k batcher requests; docs/gateway.md says why).
 
@@ -303,6 +306,59 @@ def zmq_proxy(frontend: str, backend: str) -> None:
     zmq.proxy(front, back)
 
 
+def minimal_forwarder(broker: str, port: int) -> None:
+    """The least an aiohttp gateway can do: take a POST, send one pre-encoded batcher
+    request (no v2 parsing or checks), and answer the reply's values as v2 JSON. What the
+    HTTP server and the ZeroMQ hop cost in Python, before any of the gateway's work."""
+    import itertools
+
+    from aiohttp import web
+
+    from batcher.zmqio import recv_frames, send_frames
+
+    async def serve() -> None:
+        ctx: zmq.Context[Any] = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(broker)
+        loop = asyncio.get_running_loop()
+        pending: dict[int, asyncio.Future[bytes]] = {}
+        ids = itertools.count(1)
+        tensor = {"datatype": "FP32", "shape": [4], "data": struct.pack("<4f", *VALUES)}
+
+        def drain() -> None:
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                reply = msgpack.unpackb(recv_frames(sock)[-1])
+                fut = pending.pop(reply["id"], None)
+                if fut is not None:
+                    fut.set_result(reply["output"]["data"])
+
+        loop.add_reader(sock.getsockopt(zmq.FD), drain)
+
+        async def infer(request: web.Request) -> web.Response:
+            await request.read()
+            req_id = next(ids)
+            fut = pending[req_id] = loop.create_future()
+            send_frames(sock, [b"", msgpack.packb({"id": req_id, "model": "echo", "input": tensor})])
+            drain()
+            data = list(struct.unpack("<4f", await fut))
+            doc = {"outputs": [{"name": "output", "datatype": "FP32", "shape": [1, 4], "data": data}]}
+            return web.Response(body=json.dumps(doc).encode(), content_type="application/json")
+
+        async def live(request: web.Request) -> web.Response:
+            return web.Response()
+
+        app = web.Application()
+        app.router.add_post("/v2/models/{model}/infer", infer)
+        app.router.add_get("/v2/health/live", live)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.Event().wait()  # until killed
+
+    asyncio.run(serve())
+
+
 def run_load(target: Any, *args: Any) -> dict[str, Any]:
     """One load process (spawned: no zmq context or event loop carried over)."""
     mp = multiprocessing.get_context("spawn")
@@ -342,10 +398,22 @@ def main() -> None:
             target=zmq_proxy, args=(proxy_address, srv.frontend)
         )
         proxy.start()
+        minimal_port = free_port()
+        minimal = multiprocessing.get_context("spawn").Process(
+            target=minimal_forwarder, args=(srv.frontend, minimal_port)
+        )
+        minimal.start()
+        wait_for_gateway(minimal_port)
         # path: (its loaded client, its lone client, the lightest one if another, the arguments)
         paths: dict[str, tuple[Any, Any, Any, tuple[Any, ...]]] = {
             "direct (ZeroMQ)": (direct_load, direct_load, None, (srv.frontend,)),
             "floor: direct through a C zmq proxy process": (direct_load, direct_load, None, (proxy_address,)),
+            "floor: a minimal aiohttp forwarder, no v2 work (HTTP JSON)": (
+                http_load,
+                lone_http,
+                lone_curl,
+                (minimal_port, 1, False),
+            ),
             "HTTP, JSON": (http_load, lone_http, lone_curl, (http_port, 1, False)),
             "HTTP, binary data": (http_load, lone_http, lone_curl, (http_port, 1, True)),
             "gRPC, raw contents": (grpc_load, lone_grpc, None, (grpc_port,)),
@@ -372,8 +440,9 @@ def main() -> None:
                         results[name]["lightest"].append(lone)
                 rows8.append(run_load(http_load, http_port, args.concurrency, warmup_s, seconds, 8, True))
         finally:
-            proxy.kill()
-            proxy.join(10)
+            for process in (proxy, minimal):
+                process.kill()
+                process.join(10)
     summary = {
         name: {
             "rps": statistics.median(r["rps"] for r in res["loaded"]),
