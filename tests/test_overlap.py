@@ -5,9 +5,12 @@ be answered, or handed back to the broker, exactly as on the main thread."""
 
 from __future__ import annotations
 
+import gc
 import select
 import signal
 import threading
+import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -175,4 +178,51 @@ def test_a_broker_that_forgot_the_worker_gets_no_reply_of_the_old_connection(nog
     assert batch_id == 4, "a reply of the old connection came on the new one"
     assert [r["output"]["i"] for r in replies] == [4]
     assert runs(log) == ["start 1 model", "end 1 model", "start 4 model", "end 4 model"]
+    assert worker.process.poll() is None
+
+
+def test_a_job_is_not_kept_once_it_is_done() -> None:
+    """The thread waits for the next job without holding the last (a whole batch)."""
+
+    class Job:
+        pass
+
+    runner: ModelThread[Job, int] = ModelThread(lambda job: 1)
+    try:
+        job = Job()
+        alive = weakref.ref(job)
+        runner.put(job)
+        del job
+        assert runner.wait()[0][1] == 1
+        wait_until(lambda: gc.collect() >= 0 and alive() is None, 5, "the job let go")
+    finally:
+        runner.close(timeout_s=10)
+
+
+@pytest.mark.integration
+def test_heartbeats_go_on_while_a_large_batch_is_decoded_and_encoded(
+    spawn: Any, zctx: zmq.Context[Any]
+) -> None:
+    """Decoding and encoding happen on the main thread, outside the model: a batch that
+    takes longer than the broker's heartbeat expiry to read must not silence the worker."""
+    heavy = [{"a": k} for k in range(100_000)]  # a map each: slow to decode, and to encode back
+    bodies = [pack({"id": i, "input": {"i": i, "v": heavy}}) for i in range(8)]
+    header = pack([1, [0.0] * len(bodies), [len(b) for b in bodies]])
+    fb = FakeBackend(zctx)  # silent until the batch is sent: the worker's expiry is 150 ms
+    worker = spawn("worker", "--connect", fb.address, "--model", NOGIL, "--heartbeat-ms", "50", "--no-warmup")
+    ident = fb.next(protocol.CMD_READY, 20)[0]
+    started = last = time.monotonic()
+    fb.send_batch(ident, header, bodies)
+    silence, replied = 0.0, False
+    while not replied:
+        assert time.monotonic() - started < 60, "no reply"
+        if fb.sock.poll(20):
+            frames = fb.sock.recv_multipart()
+            now = time.monotonic()
+            silence, last = max(silence, now - last), now
+            replied = frames[2] == protocol.CMD_REPLY
+        fb.sock.send_multipart([ident, protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])  # the broker's
+    took_s = time.monotonic() - started
+    assert took_s > 0.4, f"the batch took {took_s:.2f} s: too little to tell"
+    assert silence < 0.3, f"the worker was silent {silence:.2f} s of {took_s:.2f} s (heartbeat 50 ms)"
     assert worker.process.poll() is None

@@ -81,11 +81,15 @@ class ModelThread(Generic[J, T]):
         return done
 
     def _loop(self) -> None:
-        while (job := self._todo.get()) is not None:
+        while True:
+            job: J | None = self._todo.get()
+            if job is None:
+                return
             try:
                 self._done.append((job, self._run(job)))
             except BaseException as exc:  # for the main thread to raise
                 self._crash = exc
+            job = None  # not kept (a whole batch, its inputs) while the next is awaited
             with contextlib.suppress(BlockingIOError):  # a wake-up is pending already
                 os.write(self._write_fd, b"\0")
 

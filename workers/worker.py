@@ -10,6 +10,7 @@ then says why, and tries again with back-off.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -21,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import msgspec
@@ -42,6 +43,7 @@ from workers.placement import pin_to
 from workers.steps import BATCHING_LEVELS, BatchingLevel, StepRunner, is_step_model
 
 log = logging.getLogger("batcher.worker")
+R = TypeVar("R")
 
 #: Back-off between attempts to reach a broker that stopped answering (seconds).
 RECONNECT_MIN_S = 0.25
@@ -593,36 +595,38 @@ class Worker:
         while runner.in_flight < OVERLAP_BATCHES and (batch := self._prepare()) is not None:
             runner.put((batch, self.reconnects))
 
+    def _finished(self, batch: PreparedBatch, outcome: ModelOutcome) -> list[Any]:
+        try:
+            return finish_batch(batch, outcome, self.name)
+        except Exception:  # a bug of ours; the worker goes on, and answers if it can
+            log.exception("could not answer a batch")
+            return protocol.reply_frames(batch.batch_id, 0.0, [])
+
     def _wait_for_model(
         self, runner: ModelThread[tuple[PreparedBatch, int], ModelOutcome]
     ) -> list[tuple[tuple[PreparedBatch, int], ModelOutcome]]:
         """Block until the model thread is done, the socket left to the heartbeat thread."""
-        done: list[tuple[tuple[PreparedBatch, int], ModelOutcome]] = []
-        self._unlocked(lambda: done.extend(runner.wait()))
-        return done
+        return self._unlocked(runner.wait)
 
     def _prepare(self) -> PreparedBatch | None:
-        """The next pending batch decoded; one that cannot be run is answered (or
-        dropped) at once, as `_run_safely` does."""
+        """The next pending batch decoded, the socket left to the heartbeat thread the
+        while (a large batch may take longer than the broker's heartbeat expiry); one
+        that cannot be run is answered (or dropped) at once, as `_run_safely` does."""
         while self._pending and self._sock is not None:
             arrived_at, frames = self._pending.popleft()
-            try:
-                return prepare_batch(frames[2], frames[3:], arrived_at)
-            except Exception as exc:  # MalformedBatch, or a bug of ours
-                reply = _failed_batch(exc, frames[2])
-                if reply is not None:
-                    self._send(reply)
+            prepared = self._unlocked(functools.partial(_prepared_or_error, frames, arrived_at))
+            if isinstance(prepared, PreparedBatch):
+                return prepared
+            reply = _failed_batch(prepared, frames[2])
+            if reply is not None:
+                self._send(reply)
         return None
 
     def _answer(self, job: tuple[PreparedBatch, int], outcome: ModelOutcome) -> None:
         """Send the replies of a batch the model thread ran, on the connection it came on
         (a broker that lost us re-dispatched it: any other gets nothing)."""
         batch, connection = job
-        try:
-            reply = finish_batch(batch, outcome, self.name)
-        except Exception:  # a bug of ours; the worker goes on, and answers if it can
-            log.exception("could not answer a batch")
-            reply = protocol.reply_frames(batch.batch_id, 0.0, [])
+        reply = self._unlocked(functools.partial(self._finished, batch, outcome))  # heartbeats go on
         if connection != self.reconnects:
             return
         self.batches += 1
@@ -670,12 +674,13 @@ class Worker:
             self._unlocked(lambda: steps.run_step(time.monotonic()))
             self._send_chunks(steps)
 
-    def _unlocked(self, work: Callable[[], None]) -> None:
-        """Run `work` (the model's) with the socket left to the heartbeat thread."""
+    def _unlocked(self, work: Callable[[], R]) -> R:
+        """Run `work` (the model's, or decoding or encoding a batch) with the socket left
+        to the heartbeat thread; its result."""
         self._in_model = True
         self._socket_lock.release()
         try:
-            work()
+            return work()
         finally:
             self._socket_lock.acquire()
             self._in_model = False
@@ -917,6 +922,13 @@ def _run_safely(
         return run_batch(model, header_frame, body_frames, name, arrived_at)
     except Exception as exc:
         return _failed_batch(exc, header_frame)
+
+
+def _prepared_or_error(frames: list[Any], arrived_at: float) -> PreparedBatch | Exception:
+    try:
+        return prepare_batch(frames[2], frames[3:], arrived_at)
+    except Exception as exc:  # MalformedBatch, or a bug of ours
+        return exc
 
 
 def _failed_batch(exc: Exception, header_frame: bytes) -> list[Any] | None:
