@@ -372,9 +372,12 @@ class Worker:
     """Connects to the broker's backend and serves batches until told to stop.
 
     The model runs in the main thread, right where the batch arrives (no hand-off to
-    another thread on the hot path). The socket belongs to whichever thread holds
-    `_socket_lock`: the main thread, except while the model runs, when a small thread
-    may take it to send heartbeats, so a worker in a long batch is not taken for dead.
+    another thread on the hot path), unless it releases the GIL (`releases_gil`, as the
+    ONNX model does): then it runs on a model thread of its own (workers/overlap.py) and
+    the main thread decodes and encodes around it. The socket belongs to whichever
+    thread holds `_socket_lock`: the main thread, except while the model runs or a
+    batch is decoded or encoded, when a small thread may take it to send heartbeats, so
+    a worker in a long batch is not taken for dead.
 
     Told to stop by SIGINT/SIGTERM (`signals`), or, for a worker of `serve`, by end of
     file on `control_fd`: the read end of a pipe whose only writer is `serve`, which
