@@ -411,9 +411,8 @@ def test_a_socket_that_cannot_be_opened_after_a_lost_connection_is_tried_again(
 def test_a_body_is_read_whole_when_late_and_a_stalled_one_is_answered_408(monkeypatch) -> None:
     """A body that came with its headers is read at once (no timer); one that comes later
     is waited for; one that stalls is answered 408 after BODY_TIMEOUT_S (shortened here)."""
-    from aiohttp import web
-
     from batcher.gateway import http_api
+    from batcher.gateway.http_server import HttpServer
 
     monkeypatch.setattr(http_api, "BODY_TIMEOUT_S", 0.3)
     body = b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "data": [1, 2]}]}'
@@ -438,18 +437,15 @@ def test_a_body_is_read_whole_when_late_and_a_stalled_one_is_answered_408(monkey
 
     async def main() -> None:
         gateway = Gateway(settings(free_tcp_address()))  # no broker: a read body is answered 503
-        runner = web.AppRunner(http_api.make_app(gateway, 1 << 20), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        server = HttpServer(gateway, "127.0.0.1", 0, 1 << 20, 1.0, asyncio.Event())
+        port = server._socket.getsockname()[1]
         try:
             assert (await exchange(port, [head + body], 0))[0] == 503  # read, then unavailable
             assert (await exchange(port, [head, body[:10], body[10:]], 0.1))[0] == 503  # late, read
             status, took_s = await exchange(port, [head + body[:10]], 0)  # stalled
             assert status == 408 and 0.25 < took_s < 0.9, (status, took_s)
         finally:
-            await runner.cleanup()
+            await server.close()
             await gateway.close()
 
     asyncio.run(main())

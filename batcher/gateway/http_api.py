@@ -1,8 +1,12 @@
-"""The v2 REST API on aiohttp (chosen by measurement: docs/benchmarks.md, "Gateway").
+"""The v2 REST API: an ASGI application served by uvicorn on httptools (chosen by
+measurement: docs/benchmarks.md, "Gateway").
 
-JSON tensors and the binary tensor data extension both ways; a client that disconnects
-cancels its handler (aiohttp's handler_cancellation), and with it its rows still queued
-at the broker.
+JSON tensors and the binary tensor data extension both ways. No framework between
+uvicorn and the handlers: the routes are three shapes of path, and each layer a request
+crosses costs its latency (docs/gateway.md). A client that disconnects while its rows
+wait cancels them at the broker: `http_server` cancels its handler, as aiohttp's
+handler_cancellation did, with no task per request to watch for it. `http_server`
+serves it.
 """
 
 from __future__ import annotations
@@ -10,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from aiohttp import web
 
 from batcher.gateway import oip
 from batcher.gateway.core import Gateway
@@ -21,127 +27,197 @@ from batcher.protocol import ErrorCode
 
 log = logging.getLogger("batcher.gateway")
 HEADER_LENGTH = "Inference-Header-Content-Length"
+_HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode()
 #: The most JSON one request may hold (the whole body, or the header before binary
 #: data): decoding JSON takes many times its size in memory; large tensors go binary.
 MAX_JSON_BYTES = 16 * 1024 * 1024
 #: How long a client may take to send its body (a stalled upload is answered 408).
 BODY_TIMEOUT_S = 30.0
 _json_decode = msgspec.json.Decoder().decode
-_json_encode = msgspec.json.Encoder().encode
+json_encode = msgspec.json.Encoder().encode
+
+#: Scope keys the server reads: the task of a request waiting on the broker, which it
+#: cancels (setting GONE first) when the client disconnects.
+HANDLER = "batcher.handler"
+GONE = "batcher.gone"
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+JSON = "application/json"
 
 
-def make_app(gateway: Gateway, max_body_bytes: int) -> web.Application:
-    """The aiohttp application of the v2 endpoints over `gateway`."""
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
-    api = HttpApi(gateway)
-    app.router.add_get("/v2/health/live", api.live)
-    app.router.add_get("/v2/health/ready", api.ready)
-    app.router.add_get("/v2", api.server_metadata)
-    for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-        app.router.add_get(base, api.model_metadata)
-        app.router.add_get(base + "/ready", api.model_ready)
-        app.router.add_post(base + "/infer", api.infer)
-    return app
+@dataclass(frozen=True)
+class Response:
+    """What a handler answers; written by `HttpApi` as one status, headers and body."""
+
+    status: int = 200
+    body: bytes = b""
+    content_type: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
 
 
-@web.middleware
-async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """aiohttp's own errors (no such route, a method not allowed, a body too large) as
-    v2 error bodies, so every client reads `{"error": ...}`."""
-    try:
-        response: web.StreamResponse = await handler(request)
-        return response
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        headers = {k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After")}
-        return web.Response(
-            status=exc.status,
-            body=_json_encode({"error": exc.text or exc.reason}),
-            content_type="application/json",
-            headers=headers,
-        )
-
-
-def error_response(code: str, message: str) -> web.Response:
+def error_response(code: str, message: str) -> Response:
     """An error as v2 gives one: `{"error": message}`, with the status of its code."""
-    headers = {"Retry-After": "1"} if code == "overloaded" else None
-    return web.Response(
-        status=oip.http_status(code),
-        body=_json_encode({"error": message}),
-        content_type="application/json",
-        headers=headers,
-    )
+    headers = {"Retry-After": "1"} if code == "overloaded" else {}
+    if code == ErrorCode.TOO_LARGE:
+        headers["Connection"] = "close"  # the rest of a large body is not read
+    return Response(oip.http_status(code), json_encode({"error": message}), JSON, headers)
 
 
-def _json(value: Any) -> web.Response:
-    return web.Response(body=_json_encode(value), content_type="application/json")
+def _json(value: Any) -> Response:
+    return Response(body=json_encode(value), content_type=JSON)
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its request was answered."""
 
 
 class HttpApi:
-    """The handlers; each turns an OipError into its status."""
+    """The ASGI application: routes, handlers, and every OipError as its status."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, max_body_bytes: int) -> None:
         self.gateway = gateway
+        self.max_body_bytes = max_body_bytes
 
-    async def live(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
-
-    async def ready(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if await self.gateway.ready() else 503)
-
-    async def server_metadata(self, request: web.Request) -> web.Response:
-        return _json(self.gateway.server_metadata())
-
-    async def model_metadata(self, request: web.Request) -> web.Response:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # lifespan is off; websockets are not served
         try:
-            meta = await self.gateway.metadata(
-                request.match_info["model"], request.match_info.get("version", "")
-            )
+            response = await self._route(scope, receive)
+        except ClientGone:
+            return  # nobody to answer; its rows are cancelled at the broker
         except oip.OipError as exc:
-            return error_response(exc.code, str(exc))
+            response = error_response(exc.code, str(exc))
+        except Exception as exc:  # a bug of ours: the client still gets a v2 error
+            log.exception("HTTP request failed")
+            response = error_response(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        await write(send, response)
+
+    async def _route(self, scope: Scope, receive: Receive) -> Response:
+        route = match(scope["raw_path"])
+        if route is None:
+            return Response(404, json_encode({"error": "no such endpoint"}), JSON)
+        name, model, version = route
+        method = scope["method"]
+        allowed = ("POST",) if name == "infer" else ("GET", "HEAD")
+        if method not in allowed:
+            return Response(
+                405,
+                json_encode({"error": f"method {method} is not allowed here"}),
+                JSON,
+                {"Allow": ",".join(allowed)},
+            )
+        if name == "infer":
+            return await self.infer(scope, receive, model, version)
+        if name == "live":
+            return Response()
+        if name == "ready":
+            return Response(200 if await self.gateway.ready() else 503)
+        if name == "server":
+            return _json(self.gateway.server_metadata())
+        if name == "model_ready":
+            return Response(200 if await self.gateway.model_ready(model, version) else 503)
+        meta = await self.gateway.metadata(model, version)
         meta.pop("ready")
         return _json(meta)
 
-    async def model_ready(self, request: web.Request) -> web.Response:
-        ready = await self.gateway.model_ready(
-            request.match_info["model"], request.match_info.get("version", "")
-        )
-        return web.Response(status=200 if ready else 503)
-
-    async def infer(self, request: web.Request) -> web.Response:
+    async def infer(self, scope: Scope, receive: Receive, model: str, version: str) -> Response:
+        body = await read_body(scope, receive, self.max_body_bytes)
+        infer, binary_default, binary_outputs = parse_infer(model, version, body, _header_length(scope))
+        scope[HANDLER] = asyncio.current_task()  # cancelled if the client goes: see http_server
         try:
-            body = await read_body(request)
-            infer, binary_default, binary_outputs = parse_infer(
-                request.match_info["model"],
-                request.match_info.get("version", ""),
-                body,
-                request.headers.get(HEADER_LENGTH),
-            )
             outputs = await self.gateway.infer(infer)
-            return infer_response(infer, outputs, binary_default, binary_outputs)
-        except oip.OipError as exc:
-            return error_response(exc.code, str(exc))
-        except Exception as exc:  # a bug of ours: the client still gets a v2 error
-            log.exception("infer request failed")
-            return error_response(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        except asyncio.CancelledError:
+            if scope.get(GONE):
+                raise ClientGone from None
+            raise
+        return infer_response(infer, outputs, binary_default, binary_outputs)
 
 
-async def read_body(request: web.Request) -> bytes:
-    """The request's body; too large (413), stalled (408) or undecodable (400) as OipError."""
+async def write(send: Send, response: Response) -> None:
+    headers = [(b"content-length", str(len(response.body)).encode())]
+    if response.content_type is not None:
+        headers.append((b"content-type", response.content_type.encode()))
+    headers.extend((k.lower().encode(), v.encode()) for k, v in response.headers.items())
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    await send({"type": "http.response.body", "body": response.body})
+
+
+def match(raw_path: bytes) -> tuple[str, str, str] | None:
+    """(the endpoint, the model, its version) of a path, or None: /v2, /v2/health/live,
+    /v2/health/ready, /v2/models/{model}[/versions/{version}][/ready | /infer]. Each
+    segment is percent-decoded on its own, so a model's name may hold an encoded '/'."""
+    parts = raw_path.split(b"/")
+    if parts[:2] != [b"", b"v2"]:
+        return None
+    if len(parts) == 2:
+        return "server", "", ""
+    if len(parts) == 4 and parts[2] == b"health" and parts[3] in (b"live", b"ready"):
+        return parts[3].decode(), "", ""
+    if len(parts) < 4 or parts[2] != b"models" or not parts[3]:
+        return None
+    rest, version = parts[4:], b""
+    if rest[:1] == [b"versions"]:
+        if len(rest) < 2 or not rest[1]:
+            return None
+        version, rest = rest[1], rest[2:]
+    endpoint = {(): "model", (b"ready",): "model_ready", (b"infer",): "infer"}.get(tuple(rest))
+    if endpoint is None:
+        return None
     try:
-        if request.content.is_eof():  # all of it came with the headers: nothing to time
-            return await request.read()
+        return endpoint, _segment(parts[3]), _segment(version)
+    except UnicodeDecodeError:
+        raise oip.bad_request("the path is not UTF-8 once percent-decoded") from None
+
+
+def _segment(raw: bytes) -> str:
+    text = raw.decode("ascii", "strict") if raw.isascii() else raw.decode("utf-8")
+    return urllib.parse.unquote(text, errors="strict") if "%" in text else text
+
+
+def _header(scope: Scope, key: bytes) -> str | None:
+    for name, value in scope["headers"]:
+        if name == key:
+            return str(value.decode("latin-1"))
+    return None
+
+
+def _header_length(scope: Scope) -> str | None:
+    return _header(scope, _HEADER_LENGTH_KEY)
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The request's body; too large (413) or stalled (408) as OipError, ClientGone when
+    the client left. A body that came with its headers is read with no timer."""
+    declared = _header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    message = await receive()
+    if message["type"] != "http.request":
+        raise ClientGone
+    if not message.get("more_body"):
+        return bytes(message.get("body", b""))
+    chunks, size = [message.get("body", b"")], len(message.get("body", b""))
+    try:
         async with asyncio.timeout(BODY_TIMEOUT_S):
-            return await request.read()
+            while message.get("more_body"):
+                message = await receive()
+                if message["type"] != "http.request":
+                    raise ClientGone
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(size, limit)
+                chunks.append(chunk)
     except TimeoutError:
         raise oip.OipError(
             "request_timeout", f"the body did not arrive within {BODY_TIMEOUT_S:g} s"
         ) from None
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise oip.OipError(ErrorCode.TOO_LARGE, exc.text or "the body is too large") from None
-    except web.RequestPayloadError as exc:
-        raise oip.bad_request(f"the body cannot be read: {exc}") from None
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> oip.OipError:
+    return oip.OipError(ErrorCode.TOO_LARGE, f"the body of {size} bytes is over the gateway's {limit}")
 
 
 def parse_infer(
@@ -246,7 +322,7 @@ def infer_response(
     outputs: list[oip.OutputTensor],
     binary_default: bool,
     binary_outputs: dict[str, bool],
-) -> web.Response:
+) -> Response:
     """JSON, or a JSON header and the binary outputs after it when any output is binary."""
     described: list[dict[str, Any]] = []
     parts: list[bytes | memoryview] = []
@@ -274,10 +350,10 @@ def infer_response(
     }
     if infer.id:
         doc["id"] = infer.id
-    head = _json_encode(doc)
+    head = json_encode(doc)
     if not parts:
-        return web.Response(body=head, content_type="application/json")
-    return web.Response(
+        return Response(body=head, content_type=JSON)
+    return Response(
         body=b"".join([head, *parts]),
         content_type="application/octet-stream",
         headers={HEADER_LENGTH: str(len(head))},

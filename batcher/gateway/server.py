@@ -18,7 +18,8 @@ from batcher.stopping import ignore_stop_signals
 
 if TYPE_CHECKING:
     import grpc
-    from aiohttp import web
+
+    from batcher.gateway.http_server import HttpServer
 
 log = logging.getLogger("batcher.gateway")
 
@@ -39,11 +40,13 @@ async def serve(
     if stop is None:
         stop = _stop_on_signals() if control_fd is None else _stop_on_pipe_close(control_fd)
     gateway = Gateway(settings)
-    runner = None
+    http: HttpServer | None = None
     grpc_server = None
     try:
         if settings.http_port:
-            runner = await _start_http(gateway, settings, grace_s)
+            from batcher.gateway.http_server import HttpServer
+
+            http = HttpServer(gateway, settings.host, settings.http_port, MAX_BODY_BYTES, grace_s, stop)
         if settings.grpc_port:
             grpc_server = await _start_grpc(gateway, settings)
         log.info(
@@ -55,8 +58,8 @@ async def serve(
         await stop.wait()
     finally:  # both listeners close at once; what is in flight gets grace_s
         closing = [] if grpc_server is None else [grpc_server.stop(grace_s)]
-        if runner is not None:
-            closing.append(runner.cleanup())
+        if http is not None:
+            closing.append(http.close())
         await asyncio.gather(*closing)
         await gateway.close()
 
@@ -84,22 +87,6 @@ def _stop_on_pipe_close(fd: int) -> asyncio.Event:
 
     loop.add_reader(fd, on_readable)
     return stop
-
-
-async def _start_http(gateway: Gateway, settings: GatewaySettings, grace_s: float) -> web.AppRunner:
-    from aiohttp import web
-
-    from batcher.gateway.http_api import make_app
-
-    runner = web.AppRunner(
-        make_app(gateway, MAX_BODY_BYTES),
-        access_log=None,
-        handler_cancellation=True,
-        shutdown_timeout=grace_s,
-    )
-    await runner.setup()
-    await web.TCPSite(runner, settings.host, settings.http_port, reuse_address=True).start()
-    return runner
 
 
 async def _start_grpc(gateway: Gateway, settings: GatewaySettings) -> grpc.aio.Server:
