@@ -18,11 +18,12 @@ over direct. HTTP lone requests are also sent from libcurl (pycurl, in the bench
 extra), whose own work is C, as the direct path's pre-encoded DEALER does little:
 http.client spends about a quarter of a millisecond of Python a request, the client's
 cost, not the gateway's. The target (<= 0.5 ms added) is read from the lightest client.
-Two floor rows: the direct requests through a process that only forwards them
+Three floor rows: the direct requests through a process that only forwards them
 (libzmq's proxy), what any process between client and broker costs on this machine;
-and a minimal aiohttp process that forwards each POST as one pre-encoded batcher
-request and answers its values as JSON, what the HTTP server and the hop cost in
-Python before any of the gateway's v2 work.
+and a minimal process that forwards each POST as one pre-encoded batcher request and
+answers its values as JSON, what the HTTP server and the hop cost in Python before any
+of the gateway's v2 work, on uvicorn (httptools, a raw ASGI app: what the gateway runs
+on) and on aiohttp (what it ran on before).
 Then rows: HTTP binary requests of 8 rows against 1 row, in rows/s (the gateway splits
 a request of k rows into k batcher requests; docs/gateway.md says why).
 
@@ -306,44 +307,56 @@ def zmq_proxy(frontend: str, backend: str) -> None:
     zmq.proxy(front, back)
 
 
+class _Forwarder:
+    """What the minimal forwarders share: one DEALER read by the event loop, one
+    pre-encoded request per POST, the reply's values as v2 JSON."""
+
+    def __init__(self, broker: str) -> None:
+        import itertools
+
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(broker)
+        self.loop = asyncio.get_running_loop()
+        self.pending: dict[int, asyncio.Future[bytes]] = {}
+        self.ids = itertools.count(1)
+        self.tensor = {"datatype": "FP32", "shape": [4], "data": struct.pack("<4f", *VALUES)}
+        self.loop.add_reader(self.sock.getsockopt(zmq.FD), self.drain)
+
+    def drain(self) -> None:
+        from batcher.zmqio import recv_frames
+
+        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            reply = msgpack.unpackb(recv_frames(self.sock)[-1])
+            fut = self.pending.pop(reply["id"], None)
+            if fut is not None:
+                fut.set_result(reply["output"]["data"])
+
+    async def infer(self) -> bytes:
+        from batcher.zmqio import send_frames
+
+        req_id = next(self.ids)
+        fut = self.pending[req_id] = self.loop.create_future()
+        send_frames(self.sock, [b"", msgpack.packb({"id": req_id, "model": "echo", "input": self.tensor})])
+        self.drain()
+        data = list(struct.unpack("<4f", await fut))
+        doc = {"outputs": [{"name": "output", "datatype": "FP32", "shape": [1, 4], "data": data}]}
+        return json.dumps(doc).encode()
+
+
 def minimal_forwarder(broker: str, port: int) -> None:
     """The least an aiohttp gateway can do: take a POST, send one pre-encoded batcher
     request (no v2 parsing or checks), and answer the reply's values as v2 JSON. What the
     HTTP server and the ZeroMQ hop cost in Python, before any of the gateway's work."""
-    import itertools
-
     from aiohttp import web
 
-    from batcher.zmqio import recv_frames, send_frames
-
     async def serve() -> None:
-        ctx: zmq.Context[Any] = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(broker)
-        loop = asyncio.get_running_loop()
-        pending: dict[int, asyncio.Future[bytes]] = {}
-        ids = itertools.count(1)
-        tensor = {"datatype": "FP32", "shape": [4], "data": struct.pack("<4f", *VALUES)}
-
-        def drain() -> None:
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                reply = msgpack.unpackb(recv_frames(sock)[-1])
-                fut = pending.pop(reply["id"], None)
-                if fut is not None:
-                    fut.set_result(reply["output"]["data"])
-
-        loop.add_reader(sock.getsockopt(zmq.FD), drain)
+        forwarder = _Forwarder(broker)
 
         async def infer(request: web.Request) -> web.Response:
             await request.read()
-            req_id = next(ids)
-            fut = pending[req_id] = loop.create_future()
-            send_frames(sock, [b"", msgpack.packb({"id": req_id, "model": "echo", "input": tensor})])
-            drain()
-            data = list(struct.unpack("<4f", await fut))
-            doc = {"outputs": [{"name": "output", "datatype": "FP32", "shape": [1, 4], "data": data}]}
-            return web.Response(body=json.dumps(doc).encode(), content_type="application/json")
+            return web.Response(body=await forwarder.infer(), content_type="application/json")
 
         async def live(request: web.Request) -> web.Response:
             return web.Response()
@@ -355,6 +368,34 @@ def minimal_forwarder(broker: str, port: int) -> None:
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         await asyncio.Event().wait()  # until killed
+
+    asyncio.run(serve())
+
+
+def minimal_uvicorn_forwarder(broker: str, port: int) -> None:
+    """The same least work on uvicorn (httptools, a raw ASGI app), what the gateway
+    runs on."""
+    import uvicorn
+
+    async def serve() -> None:
+        forwarder = _Forwarder(broker)
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                return
+            more = True
+            while more:
+                more = (await receive()).get("more_body", False)
+            body = await forwarder.infer() if scope["method"] == "POST" else b""
+            headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=port, http="httptools", lifespan="off", access_log=False,
+            log_level="warning",
+        )  # fmt: skip
+        await uvicorn.Server(config).serve()
 
     asyncio.run(serve())
 
@@ -403,11 +444,23 @@ def main() -> None:
             target=minimal_forwarder, args=(srv.frontend, minimal_port)
         )
         minimal.start()
+        uvicorn_port = free_port()
+        minimal_uvicorn = multiprocessing.get_context("spawn").Process(
+            target=minimal_uvicorn_forwarder, args=(srv.frontend, uvicorn_port)
+        )
+        minimal_uvicorn.start()
         wait_for_gateway(minimal_port)
+        wait_for_gateway(uvicorn_port)
         # path: (its loaded client, its lone client, the lightest one if another, the arguments)
         paths: dict[str, tuple[Any, Any, Any, tuple[Any, ...]]] = {
             "direct (ZeroMQ)": (direct_load, direct_load, None, (srv.frontend,)),
             "floor: direct through a C zmq proxy process": (direct_load, direct_load, None, (proxy_address,)),
+            "floor: a minimal uvicorn forwarder, no v2 work (HTTP JSON)": (
+                http_load,
+                lone_http,
+                lone_curl,
+                (uvicorn_port, 1, False),
+            ),
             "floor: a minimal aiohttp forwarder, no v2 work (HTTP JSON)": (
                 http_load,
                 lone_http,
@@ -440,7 +493,7 @@ def main() -> None:
                         results[name]["lightest"].append(lone)
                 rows8.append(run_load(http_load, http_port, args.concurrency, warmup_s, seconds, 8, True))
         finally:
-            for process in (proxy, minimal):
+            for process in (proxy, minimal, minimal_uvicorn):
                 process.kill()
                 process.join(10)
     summary = {

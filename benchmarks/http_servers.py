@@ -7,7 +7,12 @@ request (psutil), which does not depend on how fast the load generator is. Candi
 that are not installed are skipped, saying so:
 
 - aiohttp on asyncio's loop, and on uvloop;
-- uvicorn (httptools, uvloop) with starlette.
+- uvicorn (httptools, uvloop) with starlette;
+- uvicorn (httptools, asyncio's loop) with a raw ASGI app: what the gateway runs on.
+
+The gateway's own figure that decided it, a lone request's added latency, is measured
+by benchmarks/gateway.py (its floor rows): CPU per request under load is close for all
+of them.
 
     python benchmarks/http_servers.py [--quick]
 """
@@ -33,6 +38,7 @@ CANDIDATES = {
     "aiohttp (asyncio)": ["aiohttp"],
     "aiohttp (uvloop)": ["aiohttp", "uvloop"],
     "uvicorn + starlette (httptools, uvloop)": ["uvicorn", "starlette", "httptools", "uvloop"],
+    "uvicorn, raw ASGI (httptools, asyncio)": ["uvicorn", "httptools"],
 }
 BODY = json.dumps(
     {"id": "1", "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
@@ -56,6 +62,26 @@ def server(kind: str, port: int) -> None:
         app = web.Application()
         app.router.add_post("/v2/models/{name}/infer", infer)
         web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+    elif "raw ASGI" in kind:
+        import uvicorn
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                return
+            body, more = b"", True
+            while more:
+                message = await receive()
+                body, more = body + message.get("body", b""), message.get("more_body", False)
+            doc = json.loads(body)
+            out = json.dumps({"id": doc.get("id"), "outputs": doc["inputs"]}).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(out))]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": out})
+
+        uvicorn.run(
+            app, host="127.0.0.1", port=port, http="httptools", loop="asyncio", lifespan="off",
+            log_level="error", access_log=False,
+        )  # fmt: skip
     else:
         import uvicorn
         from starlette.applications import Starlette

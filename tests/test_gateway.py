@@ -611,6 +611,48 @@ def test_disconnect_and_cancel_drop_queued_rows(gateway: Callable[..., Gateway])
     assert stats(gw.serve.frontend, "probe")["outcomes"]["ok"] == 1
 
 
+def test_a_client_gone_with_a_request_pipelined_behind_still_cancels_its_rows(
+    gateway: Callable[..., Gateway],
+) -> None:
+    """An infer with a second request pipelined behind it on the same connection: the
+    connection closing cancels the infer's queued row (the running request is found,
+    not the newest one parsed)."""
+    import socket
+
+    gw = gateway(
+        "--model", PROBE, "--workers", "1", "--max-batch-size", "1", "--worker-prefetch", "1", workers=1
+    )
+    slow = np.array([b"slow"], dtype=np.object_)
+    busy = gw.http.async_infer("probe", [http_input("x", slow, "BYTES", True)])
+    wait_until(lambda: stats(gw.serve.frontend, "probe").get("busy_workers") == 1, 10, "busy")
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["a"]}]}).encode()
+    request = (
+        f"POST /v2/models/probe/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    with socket.create_connection(("127.0.0.1", gw.http_port), timeout=10) as client:
+        client.sendall(request + b"GET /v2 HTTP/1.1\r\nHost: x\r\n\r\n")
+        wait_until(lambda: stats(gw.serve.frontend, "probe").get("queued") == 1, 10, "1 row queued")
+    wait_until(
+        lambda: stats(gw.serve.frontend, "probe").get("outcomes", {}).get("cancelled") == 1, 10, "cancelled"
+    )
+    busy.get_result(timeout=30)
+    assert stats(gw.serve.frontend, "probe")["outcomes"]["ok"] == 1
+
+
+def test_compressed_requests_from_tritonclient(gateway: Callable[..., Gateway]) -> None:
+    """tritonclient's request_compression_algorithm, gzip and deflate, JSON and binary."""
+    gw = gateway("--model", "echo", "--workers", "1", workers=1)
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    for algorithm in ("gzip", "deflate"):
+        for binary in (False, True):
+            result = gw.http.infer(
+                "echo",
+                [http_input("x", array, "FP32", binary)],
+                request_compression_algorithm=algorithm,
+            )
+            np.testing.assert_array_equal(result.as_numpy("output"), array)
+
+
 # --- processes ----------------------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import math
 import urllib.parse
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,8 @@ json_encode = msgspec.json.Encoder().encode
 #: cancels (setting GONE first) when the client disconnects.
 HANDLER = "batcher.handler"
 GONE = "batcher.gone"
+#: Set by the server in the scope of a request whose body has all arrived.
+BODY_COMPLETE = "batcher.body_complete"
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -123,6 +126,9 @@ class HttpApi:
 
     async def infer(self, scope: Scope, receive: Receive, model: str, version: str) -> Response:
         body = await read_body(scope, receive, self.max_body_bytes)
+        encoding = _header(scope, b"content-encoding")
+        if encoding is not None:
+            body = decompressed(body, encoding, self.max_body_bytes)
         infer, binary_default, binary_outputs = parse_infer(model, version, body, _header_length(scope))
         scope[HANDLER] = asyncio.current_task()  # cancelled if the client goes: see http_server
         try:
@@ -130,17 +136,24 @@ class HttpApi:
         except asyncio.CancelledError:
             if scope.get(GONE):
                 raise ClientGone from None
-            raise
+            # uvicorn's shutdown, past its grace: the rows are cancelled at the broker
+            # (Gateway.infer's cleanup) and the client told so, in v2's form.
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            raise oip.OipError("closed", "the gateway is closing") from None
         return infer_response(infer, outputs, binary_default, binary_outputs)
 
 
 async def write(send: Send, response: Response) -> None:
-    headers = [(b"content-length", str(len(response.body)).encode())]
+    headers = [(b"content-length", b"%d" % len(response.body))]
     if response.content_type is not None:
         headers.append((b"content-type", response.content_type.encode()))
-    headers.extend((k.lower().encode(), v.encode()) for k, v in response.headers.items())
+    for k, v in response.headers.items():
+        headers.append((k.lower().encode(), v.encode()))
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
     await send({"type": "http.response.body", "body": response.body})
+
+
+_MODEL_ENDPOINTS = {(): "model", (b"ready",): "model_ready", (b"infer",): "infer"}
 
 
 def match(raw_path: bytes) -> tuple[str, str, str] | None:
@@ -161,7 +174,7 @@ def match(raw_path: bytes) -> tuple[str, str, str] | None:
         if len(rest) < 2 or not rest[1]:
             return None
         version, rest = rest[1], rest[2:]
-    endpoint = {(): "model", (b"ready",): "model_ready", (b"infer",): "infer"}.get(tuple(rest))
+    endpoint = _MODEL_ENDPOINTS.get(tuple(rest))
     if endpoint is None:
         return None
     try:
@@ -192,12 +205,13 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     declared = _header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
-    message = await receive()
-    if message["type"] != "http.request":
-        raise ClientGone
-    if not message.get("more_body"):
+    if scope.get(BODY_COMPLETE):  # whole with its head: one read, nothing to time
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientGone
         return bytes(message.get("body", b""))
-    chunks, size = [message.get("body", b"")], len(message.get("body", b""))
+    chunks: list[bytes] = []
+    size, message = 0, {"more_body": True}
     try:
         async with asyncio.timeout(BODY_TIMEOUT_S):
             while message.get("more_body"):
@@ -214,6 +228,36 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             "request_timeout", f"the body did not arrive within {BODY_TIMEOUT_S:g} s"
         ) from None
     return b"".join(chunks)
+
+
+#: zlib's window bits for each Content-Encoding taken: gzip, and deflate (zlib's format,
+#: as RFC 9110 has it and tritonclient sends it; a gzip header is taken there too).
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": 32 + zlib.MAX_WBITS}
+
+
+def decompressed(body: bytes, encoding: str, limit: int) -> bytes:
+    """A body sent with Content-Encoding gzip or deflate (tritonclient's
+    request_compression_algorithm), decoded; at most `limit` bytes of it (413 past that,
+    so a small bomb cannot fill memory), 400 if it does not decode, 415 for another
+    encoding."""
+    coding = encoding.strip().lower()
+    if coding == "identity":
+        return body
+    wbits = _WBITS.get(coding)
+    if wbits is None:
+        raise oip.OipError(
+            "unsupported_encoding", f"Content-Encoding {encoding!r} is not supported: gzip, deflate or none"
+        )
+    decoder = zlib.decompressobj(wbits)
+    try:
+        out = decoder.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise oip.bad_request(f"the body does not decode as {coding}: {exc}") from None
+    if len(out) > limit or decoder.unconsumed_tail:
+        raise oip.OipError(ErrorCode.TOO_LARGE, f"the body decodes to over the gateway's {limit} bytes")
+    if not decoder.eof:
+        raise oip.bad_request(f"the body ends inside its {coding} stream")
+    return out
 
 
 def _too_large(size: int, limit: int) -> oip.OipError:

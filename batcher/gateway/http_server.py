@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import socket
+from collections import deque
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -14,7 +16,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from batcher.gateway.core import Gateway
-from batcher.gateway.http_api import GONE, HANDLER, HttpApi, json_encode
+from batcher.gateway.http_api import BODY_COMPLETE, GONE, HANDLER, HttpApi, json_encode
 
 #: How long an idle connection is kept open (aiohttp's default, which clients that pool
 #: connections, such as tritonclient's, have met so far).
@@ -50,6 +52,11 @@ class HttpServer:
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self._socket]))
         self._task.add_done_callback(lambda _: stop.set())
 
+    @property
+    def port(self) -> int:
+        """The port it listens on (the one asked for, or the one the system gave for 0)."""
+        return int(self._socket.getsockname()[1])
+
     async def close(self) -> None:
         self._server.should_exit = True
         await self._task
@@ -79,41 +86,112 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a bound on a request's head: MAX_HEAD_BYTES of
-    request line and headers, then 431 and the connection closed (unbounded, a client
-    sending one endless header grows the gateway's memory without end). A connection
-    lost before its response is complete cancels the request's handler (the scope's
-    HANDLER), and so its rows at the broker."""
+    """uvicorn's httptools protocol with what the gateway needs beyond it:
+
+    - A request's head is read whole before httptools parses it, and bounded:
+      MAX_HEAD_BYTES, then 431 and the connection closed (httptools alone keeps an
+      endless header growing).
+    - An `Upgrade` header is renamed before parsing (the gateway upgrades to nothing:
+      no h2c, no websockets), so the request is served as HTTP/1.1, as aiohttp served
+      it: httptools drops the body of a request that asks to upgrade, and would parse a
+      body that comes later as a request of its own (uvicorn issue 2722). Should a
+      request reach httptools as an upgrade anyway (in a pipelined burst), nothing more
+      is read from that connection.
+    - A connection lost before its responses are complete cancels the handlers of its
+      requests (each scope's HANDLER, set while it waits on the broker), and so their
+      rows at the broker; the scope of a request whose body came whole with its head
+      says so (BODY_COMPLETE), so that reading it needs no timer.
+    """
+
+    _head: bytes | None = b""  # the head read so far, while between messages; else None
+    _between = True  # httptools has no message begun
+    _partial = 0  # bytes fed while httptools is inside a head (of a pipelined request)
+    _upgraded = False  # httptools took a request as an upgrade, or it was refused: read no more
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._open: deque[dict[str, Any]] = deque()  # scopes whose response is not complete
+
+    def data_received(self, data: bytes) -> None:
+        if self._upgraded:
+            return
+        if self._head is not None:
+            if self._head:
+                data = self._head + data
+            end = _head_end(data)
+            if end < 0 and len(data) <= MAX_HEAD_BYTES:
+                self._head = data  # not whole yet
+                return
+            if end < 0 or end > MAX_HEAD_BYTES:
+                self._refuse_head()
+                return
+            if _UPGRADE.search(data, 0, end):
+                data = _UPGRADE.sub(b"\\1X-Upgrade-Ignored:", data[:end]) + data[end:]
+        elif self._partial:
+            self._partial += len(data)
+            if self._partial > MAX_HEAD_BYTES:
+                self._refuse_head()
+                return
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        # Past this read: between messages, the next head is read whole first; inside a
+        # head already begun (a pipelined request's), its bytes are counted instead.
+        self._head = b"" if self._between else None
+        self._partial = 1 if self._in_head else 0
+        if self.parser is not None and self.parser.should_upgrade():
+            self._upgraded = True
+            if self.cycle is not None:
+                self.cycle.keep_alive = False  # answered, then closed
+
+    _in_head = False
+
+    def on_message_begin(self) -> None:
+        self._between, self._in_head = False, True
+        super().on_message_begin()
+
+    def _refuse_head(self) -> None:
+        message = json_encode({"error": f"the request's head is over {MAX_HEAD_BYTES} bytes"})
+        self.transport.write(
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(message), message)
+        )
+        self.transport.close()
+        self._upgraded = True  # nothing more is read
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        super().on_headers_complete()
+        self._open.append(cast(dict[str, Any], self.scope))
+
+    def on_message_complete(self) -> None:
+        self.scope[BODY_COMPLETE] = True  # type: ignore[literal-required]
+        self._between = True
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        if self._open:
+            self._open.popleft()  # responses complete in the order their requests came
+        super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        cycle = self.cycle
         super().connection_lost(exc)
-        if cycle is not None and not cycle.response_complete:
-            scope = cast(dict[str, Any], cycle.scope)
+        for scope in getattr(self, "_open", ()):
             handler: asyncio.Task[None] | None = scope.get(HANDLER)
             if handler is not None and not handler.done():
                 scope[GONE] = True
                 handler.cancel()
 
-    _head_bytes = 0
-    _in_head = True
 
-    def data_received(self, data: bytes) -> None:
-        if self._in_head:
-            self._head_bytes += len(data)
-        super().data_received(data)
-        if self._in_head and self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
-            message = json_encode({"error": f"the request's head is over {MAX_HEAD_BYTES} bytes"})
-            self.transport.write(
-                b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(message), message)
-            )
-            self.transport.close()
+#: A header line naming an upgrade (its name is replaced, keeping the line's start).
+_UPGRADE = re.compile(rb"(\n)upgrade[ \t]*:", re.IGNORECASE)
 
-    def on_headers_complete(self) -> None:
-        self._in_head, self._head_bytes = False, 0
-        super().on_headers_complete()
 
-    def on_message_complete(self) -> None:
-        self._in_head = True
-        super().on_message_complete()
+def _head_end(data: bytes) -> int:
+    """Where a request's head ends in `data` (just past its blank line), or -1. A bare
+    LF line counts too, so that httptools sees, and refuses, such a head at once."""
+    crlf = data.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES + 4)
+    lf = data.find(b"\n\n", 0, crlf + 4 if crlf >= 0 else MAX_HEAD_BYTES + 2)
+    if lf >= 0 and (crlf < 0 or lf < crlf):
+        return lf + 2
+    return crlf + 4 if crlf >= 0 else -1

@@ -84,7 +84,7 @@ class InferRequest:
 
 def check_shape(name: str, shape: Sequence[Any]) -> tuple[int, ...]:
     """The shape as ints, with the batch axis first; a 0-d input has no rows to batch."""
-    if not isinstance(shape, Sequence) or isinstance(shape, str | bytes):
+    if type(shape) is not list and (not isinstance(shape, Sequence) or isinstance(shape, str | bytes)):
         raise bad_request(f"input '{name}': shape must be a list of ints, got {shape!r}")
     if not all(type(d) is int and d >= 0 for d in shape):
         raise bad_request(f"input '{name}': shape must be a list of ints >= 0, got {list(shape)}")
@@ -141,7 +141,8 @@ def json_input(name: str, datatype: object, shape: Sequence[Any], data: object) 
     if dtype == BYTES:
         _check_cells(name, dims)
     try:
-        flat = list(_flatten(data if isinstance(data, list) else [data]))
+        values: list[Any] = data if isinstance(data, list) else [data]
+        flat = list(_flatten(values)) if list in set(map(type, values)) else values
     except RecursionError:
         raise bad_request(f"input '{name}': data is nested too deeply") from None
     if len(flat) != elements(dims):
@@ -181,8 +182,8 @@ def _flatten(data: list[Any]) -> Iterator[Any]:
 def pack_numbers(name: str, dtype: str, values: list[Any]) -> bytes:
     """JSON numbers as the datatype's little-endian bytes; a wrong kind is bad_request."""
     code = tensor.STRUCT_CODES[dtype]
-    kind_ok = _is_bool if dtype == "BOOL" else (_is_number if dtype.startswith("FP") else _is_int)
-    if not all(kind_ok(v) for v in values):
+    kinds = _BOOL if dtype == "BOOL" else (_NUMBER if dtype.startswith("FP") else _INT)
+    if not kinds.issuperset(map(type, values)):
         want = "true/false" if dtype == "BOOL" else ("numbers" if dtype.startswith("FP") else "integers")
         raise bad_request(f"input '{name}': {dtype} data must be {want}")
     try:
@@ -191,16 +192,8 @@ def pack_numbers(name: str, dtype: str, values: list[Any]) -> bytes:
         raise bad_request(f"input '{name}': a value does not fit {dtype}: {exc}") from None
 
 
-def _is_bool(v: object) -> bool:
-    return type(v) is bool
-
-
-def _is_int(v: object) -> bool:
-    return type(v) is int
-
-
-def _is_number(v: object) -> bool:
-    return type(v) is int or type(v) is float
+#: The Python types JSON numbers of each kind of datatype may come as (bool is no int here).
+_BOOL, _INT, _NUMBER = frozenset({bool}), frozenset({int}), frozenset({int, float})
 
 
 def split_bytes_elements(name: str, raw: bytes | memoryview, most: int | None = None) -> list[bytes]:
@@ -260,6 +253,8 @@ def row_inputs(inputs: Sequence[InputTensor]) -> list[Any]:
 
 def _rows_of(t: InputTensor, rows: int) -> list[Any]:
     row_shape = list(t.shape[1:])
+    if rows == 1 and t.datatype != BYTES:  # the common case: the tensor as it came
+        return [{"datatype": t.datatype, "shape": row_shape, "data": t.data}]
     if t.datatype == BYTES:
         per_row = elements(row_shape)
         items = t.data
@@ -310,6 +305,9 @@ def join_outputs(outputs: Sequence[Any], output_names: Sequence[str] | None) -> 
 
 
 def _join(name: str, rows: list[Any]) -> OutputTensor:
+    if len(rows) == 1:  # the common case: nothing to compare or join
+        dtype, shape, data = _describe(name, rows[0])
+        return OutputTensor(name, dtype, (1, *shape), data)
     described = [_describe(name, r) for r in rows]
     dtype, shape, _ = described[0]
     for d, s, _ in described:
@@ -470,6 +468,7 @@ HTTP_STATUS: dict[str, int] = {
     ErrorCode.CANCELLED: 499,
     "timeout": 504,  # the gateway's own wait for the broker ran out
     "request_timeout": 408,  # the client's body did not arrive in time
+    "unsupported_encoding": 415,  # a Content-Encoding other than gzip or deflate
     "closed": 503,  # the gateway is closing its connection to the broker
 }
 
