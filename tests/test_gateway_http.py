@@ -133,6 +133,27 @@ def test_a_head_over_its_bound_is_431_and_the_connection_closes() -> None:
     served(test)
 
 
+def test_a_connection_that_never_finishes_a_head_is_closed(monkeypatch) -> None:
+    """Idle from its start, inside its first head (slowloris), or inside the next head
+    after a response: closed at the keep-alive timeout (shortened here), not held."""
+    monkeypatch.setattr(http_server, "KEEP_ALIVE_S", 1)
+
+    async def test(port: int) -> None:
+        for first in (b"", b"GET /v2/hea", b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\nGET /v2"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                started = asyncio.get_running_loop().time()
+                writer.write(first)
+                if first.count(b"GET") == 2:
+                    assert (await read_response(reader))[0] == 200
+                assert await asyncio.wait_for(reader.read(), 10) == b"", first
+                assert asyncio.get_running_loop().time() - started < 5
+            finally:
+                writer.close()
+
+    served(test)
+
+
 def test_a_body_over_the_limit_is_413_before_it_is_read() -> None:
     """A declared Content-Length over the gateway's limit is refused at once, and the
     connection closes (the rest of the body is not read)."""

@@ -1,5 +1,7 @@
 """uvicorn serving the v2 REST API (`http_api`) inside the gateway's event loop, on
-httptools, with the bound uvicorn lacks on a request's head."""
+httptools, with what its httptools protocol lacks for a server open to any client: a
+bound on a request's head, requests that ask to upgrade served as HTTP/1.1, and a lost
+connection cancelling the requests it was waiting for (`BoundedHttpToolsProtocol`)."""
 
 from __future__ import annotations
 
@@ -90,7 +92,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     - A request's head is read whole before httptools parses it, and bounded:
       MAX_HEAD_BYTES, then 431 and the connection closed (httptools alone keeps an
-      endless header growing).
+      endless header growing); in time too: a connection that sends no whole head
+      within the keep-alive timeout of its start or of its last response is closed.
     - An `Upgrade` header is renamed before parsing (the gateway upgrades to nothing:
       no h2c, no websockets), so the request is served as HTTP/1.1, as aiohttp served
       it: httptools drops the body of a request that asks to upgrade, and would parse a
@@ -106,14 +109,20 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     _head: bytes | None = b""  # the head read so far, while between messages; else None
     _between = True  # httptools has no message begun
     _partial = 0  # bytes fed while httptools is inside a head (of a pipelined request)
-    _upgraded = False  # httptools took a request as an upgrade, or it was refused: read no more
+    _deaf = False  # a request httptools took as an upgrade, or a head refused: read no more
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._open: deque[dict[str, Any]] = deque()  # scopes whose response is not complete
+        # A new connection has as long to send its first head as an idle one its next:
+        # the keep-alive timeout, which only a whole head stops (partial heads are held
+        # here, before uvicorn sees them), so a client that never finishes one is closed.
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
 
     def data_received(self, data: bytes) -> None:
-        if self._upgraded:
+        if self._deaf:
             return
         if self._head is not None:
             if self._head:
@@ -140,7 +149,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._head = b"" if self._between else None
         self._partial = 1 if self._in_head else 0
         if self.parser is not None and self.parser.should_upgrade():
-            self._upgraded = True
+            self._deaf = True
             if self.cycle is not None:
                 self.cycle.keep_alive = False  # answered, then closed
 
@@ -157,7 +166,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(message), message)
         )
         self.transport.close()
-        self._upgraded = True  # nothing more is read
+        self._deaf = True  # nothing more is read
 
     def on_headers_complete(self) -> None:
         self._in_head = False
