@@ -122,6 +122,19 @@ def test_a_head_over_its_bound_is_431_and_the_connection_closes() -> None:
             assert await asyncio.wait_for(reader.read(), 10) == b""  # closed
         finally:
             writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:  # a head pipelined behind a request, growing in small writes: counted across them
+            writer.write(
+                b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\nGET /v2/health/live HTTP/1.1\r\nX: "
+            )
+            assert (await read_response(reader))[0] == 200
+            for _ in range(http_server.MAX_HEAD_BYTES // 2048 + 1):
+                writer.write(b"a" * 2048)
+                await writer.drain()
+                await asyncio.sleep(0.001)  # each its own read
+            assert (await read_response(reader))[0] == 431
+        finally:
+            writer.close()
         over = "X-Pad: " + "a" * http_server.MAX_HEAD_BYTES + "\r\n"
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:  # a whole head over the bound in one write: refused too
@@ -134,8 +147,9 @@ def test_a_head_over_its_bound_is_431_and_the_connection_closes() -> None:
 
 
 def test_a_connection_that_never_finishes_a_head_is_closed(monkeypatch) -> None:
-    """Idle from its start, inside its first head (slowloris), or inside the next head
-    after a response: closed at the keep-alive timeout (shortened here), not held."""
+    """Idle from its start, inside its first head (slowloris), or inside a head
+    pipelined behind a request (408 then): closed at the keep-alive timeout (shortened
+    here), not held."""
     monkeypatch.setattr(http_server, "KEEP_ALIVE_S", 1)
 
     async def test(port: int) -> None:
@@ -146,6 +160,7 @@ def test_a_connection_that_never_finishes_a_head_is_closed(monkeypatch) -> None:
                 writer.write(first)
                 if first.count(b"GET") == 2:
                     assert (await read_response(reader))[0] == 200
+                    assert (await read_response(reader))[0] == 408
                 assert await asyncio.wait_for(reader.read(), 10) == b"", first
                 assert asyncio.get_running_loop().time() - started < 5
             finally:
@@ -197,6 +212,14 @@ def test_a_body_is_read_whole_when_late_and_a_stalled_one_is_answered_408(monkey
         assert (await exchange(port, [head, BODY[:10], BODY[10:]], 0.1))[0] == 503  # late, read
         status, took_s = await exchange(port, [head + BODY[:10]], 0)  # stalled
         assert status == 408 and 0.25 < took_s < 0.9, (status, took_s)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:  # what follows a stalled body is not read as a request: the connection closes
+            writer.write(head + BODY[:10])
+            status, headers, _ = await read_response(reader)
+            assert status == 408 and headers.get("connection") == "close"
+            assert await asyncio.wait_for(reader.read(), 10) == b""
+        finally:
+            writer.close()
         chunked_head = b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
         chunked = (
             chunked_head

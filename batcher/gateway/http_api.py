@@ -62,8 +62,8 @@ class Response:
 def error_response(code: str, message: str) -> Response:
     """An error as v2 gives one: `{"error": message}`, with the status of its code."""
     headers = {"Retry-After": "1"} if code == "overloaded" else {}
-    if code == ErrorCode.TOO_LARGE:
-        headers["Connection"] = "close"  # the rest of a large body is not read
+    if code in (ErrorCode.TOO_LARGE, "request_timeout"):
+        headers["Connection"] = "close"  # the rest of the body is not read
     return Response(oip.http_status(code), json_encode({"error": message}), JSON, headers)
 
 

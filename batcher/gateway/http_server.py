@@ -93,7 +93,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     - A request's head is read whole before httptools parses it, and bounded:
       MAX_HEAD_BYTES, then 431 and the connection closed (httptools alone keeps an
       endless header growing); in time too: a connection that sends no whole head
-      within the keep-alive timeout of its start or of its last response is closed.
+      within the keep-alive timeout of its start or of its last response is closed,
+      and a head pipelined behind another (fed to httptools as it comes, since its
+      start shared a read with the request before) is counted and timed the same.
     - An `Upgrade` header is renamed before parsing (the gateway upgrades to nothing:
       no h2c, no websockets), so the request is served as HTTP/1.1, as aiohttp served
       it: httptools drops the body of a request that asks to upgrade, and would parse a
@@ -109,6 +111,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     _head: bytes | None = b""  # the head read so far, while between messages; else None
     _between = True  # httptools has no message begun
     _partial = 0  # bytes fed while httptools is inside a head (of a pipelined request)
+    _partial_timer: asyncio.TimerHandle | None = None  # closes a pipelined head that never ends
     _deaf = False  # a request httptools took as an upgrade, or a head refused: read no more
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -125,9 +128,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._deaf:
             return
         if self._head is not None:
+            seen = max(0, len(self._head) - 3)  # searched already, but for a blank line's start
             if self._head:
                 data = self._head + data
-            end = _head_end(data)
+            end = _head_end(data, seen)
             if end < 0 and len(data) <= MAX_HEAD_BYTES:
                 self._head = data  # not whole yet
                 return
@@ -147,7 +151,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         # Past this read: between messages, the next head is read whole first; inside a
         # head already begun (a pipelined request's), its bytes are counted instead.
         self._head = b"" if self._between else None
-        self._partial = 1 if self._in_head else 0
+        if not self._in_head:
+            self._partial = 0
+        elif not self._partial:  # a pipelined head begun: counted from here, and timed
+            self._partial = 1
+            self._partial_timer = self.loop.call_later(self.timeout_keep_alive, self._head_too_slow)
         if self.parser is not None and self.parser.should_upgrade():
             self._deaf = True
             if self.cycle is not None:
@@ -160,16 +168,32 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
 
     def _refuse_head(self) -> None:
-        message = json_encode({"error": f"the request's head is over {MAX_HEAD_BYTES} bytes"})
+        self._refuse(
+            b"431 Request Header Fields Too Large", f"the request's head is over {MAX_HEAD_BYTES} bytes"
+        )
+
+    def _head_too_slow(self) -> None:
+        self._refuse(
+            b"408 Request Timeout", f"the request's head did not end within {self.timeout_keep_alive} s"
+        )
+
+    def _refuse(self, status: bytes, error: str) -> None:
+        """Answer `status` as a v2 error, close, and read nothing more."""
+        self._deaf = True
+        if self.transport.is_closing():
+            return
+        message = json_encode({"error": error})
         self.transport.write(
-            b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(message), message)
+            b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (status, len(message), message)
         )
         self.transport.close()
-        self._deaf = True  # nothing more is read
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        if self._partial_timer is not None:
+            self._partial_timer.cancel()
+            self._partial_timer = None
         super().on_headers_complete()
         self._open.append(cast(dict[str, Any], self.scope))
 
@@ -184,6 +208,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._partial_timer is not None:
+            self._partial_timer.cancel()
         super().connection_lost(exc)
         for scope in getattr(self, "_open", ()):
             handler: asyncio.Task[None] | None = scope.get(HANDLER)
@@ -196,11 +222,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 _UPGRADE = re.compile(rb"(\n)upgrade[ \t]*:", re.IGNORECASE)
 
 
-def _head_end(data: bytes) -> int:
-    """Where a request's head ends in `data` (just past its blank line), or -1. A bare
-    LF line counts too, so that httptools sees, and refuses, such a head at once."""
-    crlf = data.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES + 4)
-    lf = data.find(b"\n\n", 0, crlf + 4 if crlf >= 0 else MAX_HEAD_BYTES + 2)
+def _head_end(data: bytes, start: int = 0) -> int:
+    """Where a request's head ends in `data` (just past its blank line), searching from
+    `start`, or -1. A bare LF line counts too, so that httptools sees, and refuses, such
+    a head at once."""
+    crlf = data.find(b"\r\n\r\n", start, MAX_HEAD_BYTES + 4)
+    lf = data.find(b"\n\n", start, crlf + 4 if crlf >= 0 else MAX_HEAD_BYTES + 2)
     if lf >= 0 and (crlf < 0 or lf < crlf):
         return lf + 2
     return crlf + 4 if crlf >= 0 else -1
