@@ -3,10 +3,9 @@ measurement: docs/benchmarks.md, "Gateway").
 
 JSON tensors and the binary tensor data extension both ways. No framework between
 uvicorn and the handlers: the routes are three shapes of path, and each layer a request
-crosses costs its latency (docs/gateway.md). A client that disconnects while its rows
-wait cancels them at the broker: `http_server` cancels its handler, as aiohttp's
-handler_cancellation did, with no task per request to watch for it. `http_server`
-serves it.
+crosses costs its latency (docs/gateway.md). `http_server` serves it, and cancels the
+handler of a request whose client disconnects (as aiohttp's handler_cancellation did,
+with no task per request to watch for it), and so its rows at the broker.
 """
 
 from __future__ import annotations
