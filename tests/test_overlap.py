@@ -206,7 +206,8 @@ def test_heartbeats_go_on_while_a_large_batch_is_decoded_and_encoded(
     """Decoding and encoding happen on the main thread, outside the model: a batch that
     takes longer than the broker's heartbeat expiry to read must not silence the worker."""
     heavy = [{"a": k} for k in range(100_000)]  # a map each: slow to decode, and to encode back
-    bodies = [pack({"id": i, "input": {"i": i, "v": heavy}}) for i in range(8)]
+    # 16 bodies: over 0.4 s at this VM's fast moments too (8 took 0.39 s once, too short to tell)
+    bodies = [pack({"id": i, "input": {"i": i, "v": heavy}}) for i in range(16)]
     header = pack([1, [0.0] * len(bodies), [len(b) for b in bodies]])
     fb = FakeBackend(zctx)  # silent until the batch is sent: the worker's expiry is 150 ms
     worker = spawn("worker", "--connect", fb.address, "--model", NOGIL, "--heartbeat-ms", "50", "--no-warmup")
