@@ -46,6 +46,7 @@ import zmq
 from common import handle_sigterm, md_table, running_serve, write_results
 
 from batcher.launcher import free_tcp_address
+from batcher.zmqio import recv_frames, send_frames
 
 NAME = "gateway"
 TITLE = "The Open Inference Protocol gateway against the direct ZeroMQ path"
@@ -325,8 +326,6 @@ class _Forwarder:
         self.loop.add_reader(self.sock.getsockopt(zmq.FD), self.drain)
 
     def drain(self) -> None:
-        from batcher.zmqio import recv_frames
-
         while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             reply = msgpack.unpackb(recv_frames(self.sock)[-1])
             fut = self.pending.pop(reply["id"], None)
@@ -334,8 +333,6 @@ class _Forwarder:
                 fut.set_result(reply["output"]["data"])
 
     async def infer(self) -> bytes:
-        from batcher.zmqio import send_frames
-
         req_id = next(self.ids)
         fut = self.pending[req_id] = self.loop.create_future()
         send_frames(self.sock, [b"", msgpack.packb({"id": req_id, "model": "echo", "input": self.tensor})])

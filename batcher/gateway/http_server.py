@@ -110,6 +110,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     _head: bytes | None = b""  # the head read so far, while between messages; else None
     _between = True  # httptools has no message begun
+    _in_head = False  # httptools has begun a message whose head has not ended
     _partial = 0  # bytes fed while httptools is inside a head (of a pipelined request)
     _partial_timer: asyncio.TimerHandle | None = None  # closes a pipelined head that never ends
     _deaf = False  # a request httptools took as an upgrade, or a head refused: read no more
@@ -160,8 +161,6 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._deaf = True
             if self.cycle is not None:
                 self.cycle.keep_alive = False  # answered, then closed
-
-    _in_head = False
 
     def on_message_begin(self) -> None:
         self._between, self._in_head = False, True
