@@ -14,16 +14,18 @@ tensor of 4 values (one row) with its reply checked:
 Each path runs a closed loop with --concurrency requests in flight (requests/s, ratio to
 direct) and one request at a time from the lightest blocking client of its protocol
 (http.client, grpcio's blocking stub, a blocking DEALER): p50 and p99, and the p50 added
-over direct. HTTP lone requests are also sent from libcurl (pycurl, in the bench
-extra), whose own work is C, as the direct path's pre-encoded DEALER does little:
-http.client spends about a quarter of a millisecond of Python a request, the client's
-cost, not the gateway's. The target (<= 0.5 ms added) is read from the lightest client.
-Three floor rows: the direct requests through a process that only forwards them
+over direct. Lone requests are also sent from libcurl (pycurl, in the bench extra; over
+HTTP/2 for gRPC), whose own work is C, as the direct path's pre-encoded DEALER does
+little: http.client spends about a quarter of a millisecond of Python a request, and
+grpcio's stub about a tenth, the client's cost, not the gateway's. The target (<= 0.5 ms
+added) is read from the lightest client.
+Five floor rows: the direct requests through a process that only forwards them
 (libzmq's proxy), what any process between client and broker costs on this machine;
-and a minimal process that forwards each POST as one pre-encoded batcher request and
-answers its values as JSON, what the HTTP server and the hop cost in Python before any
-of the gateway's v2 work, on uvicorn (httptools, a raw ASGI app: what the gateway runs
-on) and on aiohttp (what it ran on before).
+and a minimal process that forwards each request as one pre-encoded batcher request and
+answers its values, what the server library and the hop cost in Python before any of
+the gateway's v2 work: for HTTP on uvicorn (httptools, a raw ASGI app: what the gateway
+runs on) and on aiohttp (what it ran on before), for gRPC on grpcio's asyncio server
+(what the gateway runs on) and on grpclib (pure asyncio, in the bench extra).
 Then rows: HTTP binary requests of 8 rows against 1 row, in rows/s (the gateway splits
 a request of k rows into k batcher requests; docs/gateway.md says why).
 
@@ -169,17 +171,23 @@ def http_load(
     out.put(asyncio.run(main()))
 
 
+def grpc_request() -> bytes:
+    """A pre-serialized ModelInferRequest: one FP32 row of 4 values, as raw contents."""
+    from batcher.gateway import inference_pb2 as pb
+
+    return pb.ModelInferRequest(  # type: ignore[no-any-return]
+        model_name="echo",
+        inputs=[pb.ModelInferRequest.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])],
+        raw_input_contents=[struct.pack("<4f", *VALUES)],
+    ).SerializeToString()
+
+
 def grpc_load(port: int, concurrency: int, warmup_s: float, seconds: float, out: Any) -> None:
     import grpc
 
     from batcher.gateway import inference_pb2 as pb
 
-    request = pb.ModelInferRequest(
-        model_name="echo",
-        inputs=[pb.ModelInferRequest.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])],
-        raw_input_contents=[struct.pack("<4f", *VALUES)],
-    ).SerializeToString()
-    expected = struct.pack("<4f", *VALUES)
+    request, expected = grpc_request(), struct.pack("<4f", *VALUES)
 
     async def main() -> dict[str, Any]:
         window = Window(warmup_s, seconds)
@@ -277,11 +285,7 @@ def lone_grpc(port: int, concurrency: int, warmup_s: float, seconds: float, out:
 
     from batcher.gateway import inference_pb2 as pb
 
-    request = pb.ModelInferRequest(
-        model_name="echo",
-        inputs=[pb.ModelInferRequest.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])],
-        raw_input_contents=[struct.pack("<4f", *VALUES)],
-    ).SerializeToString()
+    request = grpc_request()
     window = Window(warmup_s, seconds)
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         infer = channel.unary_unary(
@@ -295,6 +299,40 @@ def lone_grpc(port: int, concurrency: int, warmup_s: float, seconds: float, out:
                 break
             assert infer(request).raw_output_contents[0] == struct.pack("<4f", *VALUES)
             window.done(t0)
+    out.put(window.result(seconds))
+
+
+def lone_curl_grpc(port: int, concurrency: int, warmup_s: float, seconds: float, out: Any) -> None:
+    """One call at a time from libcurl (pycurl) over HTTP/2 with prior knowledge: a gRPC
+    call is a POST of one length-prefixed message, its status in the trailers. Its own
+    work is C (nghttp2), lighter than grpcio's stub, as pycurl is for HTTP."""
+    import io
+
+    import pycurl
+
+    from batcher.gateway import inference_pb2 as pb
+
+    message = grpc_request()
+    curl = pycurl.Curl()
+    curl.setopt(pycurl.URL, f"http://127.0.0.1:{port}/inference.GRPCInferenceService/ModelInfer")
+    curl.setopt(pycurl.HTTP_VERSION, pycurl.CURL_HTTP_VERSION_2_PRIOR_KNOWLEDGE)
+    curl.setopt(pycurl.POSTFIELDS, b"\0" + struct.pack(">I", len(message)) + message)
+    curl.setopt(pycurl.HTTPHEADER, ["Content-Type: application/grpc", "TE: trailers", "Expect:"])
+    expected = struct.pack("<4f", *VALUES)
+    window = Window(warmup_s, seconds)
+    for _ in range(100_000_000):  # bounded; ends at the window's stop
+        reply, head = io.BytesIO(), io.BytesIO()
+        curl.setopt(pycurl.WRITEDATA, reply)
+        curl.setopt(pycurl.HEADERFUNCTION, head.write)
+        t0 = time.perf_counter()
+        if t0 >= window.stop:
+            break
+        curl.perform()
+        assert b"grpc-status: 0" in head.getvalue(), head.getvalue()
+        response = pb.ModelInferResponse.FromString(reply.getvalue()[5:])
+        assert response.raw_output_contents[0] == expected, response
+        window.done(t0)
+    curl.close()
     out.put(window.result(seconds))
 
 
@@ -332,12 +370,18 @@ class _Forwarder:
             if fut is not None:
                 fut.set_result(reply["output"]["data"])
 
-    async def infer(self) -> bytes:
+    async def raw(self) -> bytes:
+        """The reply's values, as the worker packed them."""
         req_id = next(self.ids)
-        fut = self.pending[req_id] = self.loop.create_future()
+        fut: asyncio.Future[bytes] = self.loop.create_future()
+        self.pending[req_id] = fut
         send_frames(self.sock, [b"", msgpack.packb({"id": req_id, "model": "echo", "input": self.tensor})])
         self.drain()
-        data = list(struct.unpack("<4f", await fut))
+        return await fut
+
+    async def infer(self) -> bytes:
+        """The reply's values as a v2 JSON response."""
+        data = list(struct.unpack("<4f", await self.raw()))
         doc = {"outputs": [{"name": "output", "datatype": "FP32", "shape": [1, 4], "data": data}]}
         return json.dumps(doc).encode()
 
@@ -397,6 +441,101 @@ def minimal_uvicorn_forwarder(broker: str, port: int) -> None:
     asyncio.run(serve())
 
 
+def minimal_grpc_forwarder(broker: str, port: int) -> None:
+    """The same least work on grpcio's asyncio server (what the gateway's gRPC runs on):
+    each ModelInfer sends one pre-encoded batcher request and answers its values as raw
+    output contents, with no v2 parsing or checks."""
+    import grpc
+
+    from batcher.gateway import inference_pb2 as pb
+
+    async def serve() -> None:
+        forwarder = _Forwarder(broker)
+
+        async def infer(request: Any, context: Any) -> Any:
+            return pb.ModelInferResponse(model_name="echo", raw_output_contents=[await forwarder.raw()])
+
+        async def live(request: Any, context: Any) -> Any:
+            return pb.ServerLiveResponse(live=True)
+
+        server = grpc.aio.server()
+        handlers = {
+            "ModelInfer": grpc.unary_unary_rpc_method_handler(
+                infer,
+                request_deserializer=pb.ModelInferRequest.FromString,
+                response_serializer=pb.ModelInferResponse.SerializeToString,
+            ),
+            "ServerLive": grpc.unary_unary_rpc_method_handler(
+                live,
+                request_deserializer=pb.ServerLiveRequest.FromString,
+                response_serializer=pb.ServerLiveResponse.SerializeToString,
+            ),
+        }
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("inference.GRPCInferenceService", handlers),)
+        )
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def minimal_grpclib_forwarder(broker: str, port: int) -> None:
+    """The same least work on grpclib (pure asyncio on h2, no threads of its own): the
+    other well-kept gRPC server for asyncio, measured against grpcio's."""
+    from grpclib.const import Cardinality, Handler
+    from grpclib.server import Server
+
+    from batcher.gateway import inference_pb2 as pb
+
+    class Service:
+        def __init__(self, forwarder: _Forwarder) -> None:
+            self.forwarder = forwarder
+
+        async def infer(self, stream: Any) -> None:
+            await stream.recv_message()
+            raw = await self.forwarder.raw()
+            await stream.send_message(pb.ModelInferResponse(model_name="echo", raw_output_contents=[raw]))
+
+        async def live(self, stream: Any) -> None:
+            await stream.recv_message()
+            await stream.send_message(pb.ServerLiveResponse(live=True))
+
+        def __mapping__(self) -> dict[str, Any]:
+            service = "/inference.GRPCInferenceService/"
+            return {
+                service + "ModelInfer": Handler(
+                    self.infer, Cardinality.UNARY_UNARY, pb.ModelInferRequest, pb.ModelInferResponse
+                ),
+                service + "ServerLive": Handler(
+                    self.live, Cardinality.UNARY_UNARY, pb.ServerLiveRequest, pb.ServerLiveResponse
+                ),
+            }
+
+    async def serve() -> None:
+        server = Server([Service(_Forwarder(broker))])
+        await server.start("127.0.0.1", port)
+        await server.wait_closed()
+
+    asyncio.run(serve())
+
+
+def wait_for_grpc(port: int, timeout_s: float = 30.0) -> None:
+    """Until ServerLive answers on `port`."""
+    import grpc
+
+    from batcher.gateway import inference_pb2 as pb
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        live = channel.unary_unary(
+            "/inference.GRPCInferenceService/ServerLive",
+            request_serializer=pb.ServerLiveRequest.SerializeToString,
+            response_deserializer=pb.ServerLiveResponse.FromString,
+        )
+        assert live(pb.ServerLiveRequest(), timeout=timeout_s, wait_for_ready=True).live
+
+
 def run_load(target: Any, *args: Any) -> dict[str, Any]:
     """One load process (spawned: no zmq context or event loop carried over)."""
     mp = multiprocessing.get_context("spawn")
@@ -446,8 +585,20 @@ def main() -> None:
             target=minimal_uvicorn_forwarder, args=(srv.frontend, uvicorn_port)
         )
         minimal_uvicorn.start()
+        grpc_floor_port = free_port()
+        minimal_grpc = multiprocessing.get_context("spawn").Process(
+            target=minimal_grpc_forwarder, args=(srv.frontend, grpc_floor_port)
+        )
+        minimal_grpc.start()
+        grpclib_port = free_port()
+        minimal_grpclib = multiprocessing.get_context("spawn").Process(
+            target=minimal_grpclib_forwarder, args=(srv.frontend, grpclib_port)
+        )
+        minimal_grpclib.start()
         wait_for_gateway(minimal_port)
         wait_for_gateway(uvicorn_port)
+        wait_for_grpc(grpc_floor_port)
+        wait_for_grpc(grpclib_port)
         # path: (its loaded client, its lone client, the lightest one if another, the arguments)
         paths: dict[str, tuple[Any, Any, Any, tuple[Any, ...]]] = {
             "direct (ZeroMQ)": (direct_load, direct_load, None, (srv.frontend,)),
@@ -464,9 +615,21 @@ def main() -> None:
                 lone_curl,
                 (minimal_port, 1, False),
             ),
+            "floor: a minimal grpcio forwarder, no v2 work (gRPC)": (
+                grpc_load,
+                lone_grpc,
+                lone_curl_grpc,
+                (grpc_floor_port,),
+            ),
+            "floor: a minimal grpclib forwarder, no v2 work (gRPC)": (
+                grpc_load,
+                lone_grpc,
+                lone_curl_grpc,
+                (grpclib_port,),
+            ),
             "HTTP, JSON": (http_load, lone_http, lone_curl, (http_port, 1, False)),
             "HTTP, binary data": (http_load, lone_http, lone_curl, (http_port, 1, True)),
-            "gRPC, raw contents": (grpc_load, lone_grpc, None, (grpc_port,)),
+            "gRPC, raw contents": (grpc_load, lone_grpc, lone_curl_grpc, (grpc_port,)),
         }
         results: dict[str, dict[str, Any]] = {
             name: {"loaded": [], "lone": [], "lightest": []} for name in paths
@@ -490,7 +653,7 @@ def main() -> None:
                         results[name]["lightest"].append(lone)
                 rows8.append(run_load(http_load, http_port, args.concurrency, warmup_s, seconds, 8, True))
         finally:
-            for process in (proxy, minimal, minimal_uvicorn):
+            for process in (proxy, minimal, minimal_uvicorn, minimal_grpc, minimal_grpclib):
                 process.kill()
                 process.join(10)
     summary = {
@@ -500,7 +663,7 @@ def main() -> None:
             "gateway_cpu_us": statistics.median(r["gateway_cpu_us"] for r in res["loaded"]),
             "p50_ms": statistics.median(r["p50_ms"] for r in res["lone"]),
             "p99_ms": statistics.median(r["p99_ms"] for r in res["lone"]),
-            # the lone figures of the lightest client (pycurl for HTTP; the same client otherwise)
+            # the lone figures of the lightest client (pycurl; the same client for direct)
             "lightest_p50_ms": statistics.median(r["p50_ms"] for r in res["lightest"] or res["lone"]),
             "lightest_p99_ms": statistics.median(r["p99_ms"] for r in res["lightest"] or res["lone"]),
         }
@@ -531,9 +694,9 @@ def main() -> None:
     body = (
         f"echo model, 1 worker, max batch 32, max wait 1 ms; one gateway process; every request "
         f"FP32 [1, 4]; {runs} interleaved run(s) of {seconds:g} s after {warmup_s:g} s, median. Lone "
-        "requests: http.client and grpcio's blocking stub; the lightest client is libcurl (pycurl) "
-        "for HTTP, whose own work is C, as the direct path's pre-encoded DEALER does little, and "
-        "grpcio's stub (C core) for gRPC.\n\n"
+        "requests: http.client and grpcio's blocking stub; the lightest client is libcurl (pycurl, "
+        "over HTTP/2 for gRPC), whose own work is C, as the direct path's pre-encoded DEALER does "
+        "little.\n\n"
         f"{table}\n\nRows: HTTP binary requests of 8 rows move {eight:,.0f} rows/s against "
         f"{one_row:,.0f} of 1 row ({eight / one_row:.2f}x).\n"
     )

@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -715,7 +716,7 @@ def test_gateway_says_why_it_cannot_start(spawn: Callable[..., Any], tmp_path: P
             (["--connect", "nonsense", "--http-port", str(free_port())], "cannot connect to nonsense"),
         ):
             result = subprocess.run(
-                ["python", "-m", "batcher", "gateway", *args],
+                [sys.executable, "-m", "batcher", "gateway", *args],
                 capture_output=True,
                 text=True,
                 timeout=30,
@@ -758,7 +759,7 @@ def test_the_gateway_of_a_curve_broker_is_admitted_with_the_brokers_key(tmp_path
 
 def test_gateway_refuses_to_serve_nothing() -> None:
     result = subprocess.run(
-        ["python", "-m", "batcher", "gateway"], capture_output=True, text=True, timeout=30, cwd=ROOT
+        [sys.executable, "-m", "batcher", "gateway"], capture_output=True, text=True, timeout=30, cwd=ROOT
     )
     assert result.returncode == 2 and "--http-port or --grpc-port" in result.stderr
 

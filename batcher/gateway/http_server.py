@@ -46,6 +46,7 @@ class HttpServer:
             log_config=None,
             access_log=False,
             server_header=False,
+            proxy_headers=False,  # nothing here reads the client's address
             timeout_keep_alive=KEEP_ALIVE_S,
             timeout_graceful_shutdown=max(1, round(grace_s)),
         )
