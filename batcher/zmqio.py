@@ -15,7 +15,7 @@ that buffer on by reference. A smaller frame is copied to bytes, which costs it 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import zmq
 from zmq.backend import Frame
@@ -30,6 +30,8 @@ _get = _BaseSocket.get
 _MORE = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 _LAST = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 #: A frame as received: bytes, or a zmq.Frame when large (both are buffers).
 Buffer = bytes | Frame
@@ -39,6 +41,13 @@ def _recv_large(sock: zmq.Socket[Any]) -> Buffer:
     """One frame: a zmq.Frame sharing libzmq's buffer when large, else copied to bytes."""
     frame = _recv(sock, _LAST, False)
     return frame if len(frame) >= ZERO_COPY_BYTES else frame.bytes
+
+
+def readable(sock: zmq.Socket[Any]) -> bool:
+    """Whether a message waits on `sock` (its ZMQ_EVENTS has POLLIN), as an event loop
+    reading the socket's edge-triggered descriptor must ask until it is not: half the
+    cost of pyzmq's getsockopt with its enum flags."""
+    return bool(cast(int, _get(sock, _EVENTS)) & _POLLIN)
 
 
 def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:

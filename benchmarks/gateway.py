@@ -48,7 +48,7 @@ import zmq
 from common import handle_sigterm, md_table, running_serve, write_results
 
 from batcher.launcher import free_tcp_address
-from batcher.zmqio import recv_frames, send_frames
+from batcher.zmqio import readable, recv_frames, send_frames
 
 NAME = "gateway"
 TITLE = "The Open Inference Protocol gateway against the direct ZeroMQ path"
@@ -364,7 +364,7 @@ class _Forwarder:
         self.loop.add_reader(self.sock.getsockopt(zmq.FD), self.drain)
 
     def drain(self) -> None:
-        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while readable(self.sock):
             reply = msgpack.unpackb(recv_frames(self.sock)[-1])
             fut = self.pending.pop(reply["id"], None)
             if fut is not None:

@@ -23,7 +23,7 @@ from batcher import __version__, protocol, tensor
 from batcher.client import ConnectionWatch, cancel_body, open_dealer
 from batcher.gateway import oip
 from batcher.protocol import ErrorCode
-from batcher.zmqio import recv_frames, send_frames
+from batcher.zmqio import readable, recv_frames, send_frames
 
 log = logging.getLogger("batcher.gateway")
 
@@ -156,7 +156,7 @@ class BrokerLink:
         """A lost connection fails the rows in flight at once (503): the broker that held
         them is gone, and they would otherwise wait for their deadline."""
         watch = self._watch
-        while watch is not None and int(watch.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        while watch is not None and readable(watch.monitor):
             was_up = watch.handshake_ok  # rows may have been sent (and wait unsent)
             events = watch.poll()
             if any(event == zmq.EVENT_HANDSHAKE_SUCCEEDED for event, _ in events):
@@ -240,7 +240,7 @@ class BrokerLink:
         if sock is None:
             return
         try:
-            while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            while readable(sock):
                 frames = recv_frames(sock, copied=1)
                 try:
                     reply = _decode_reply(frames[-1])
