@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import statistics
 import struct
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -536,6 +538,18 @@ def wait_for_grpc(port: int, timeout_s: float = 30.0) -> None:
         assert live(pb.ServerLiveRequest(), timeout=timeout_s, wait_for_ready=True).live
 
 
+@contextlib.contextmanager
+def floor_process(target: Any, *args: Any) -> Iterator[None]:
+    """A floor's process (spawned), killed on the way out, whatever happened."""
+    proc = multiprocessing.get_context("spawn").Process(target=target, args=args)
+    proc.start()
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.join(10)
+
+
 def run_load(target: Any, *args: Any) -> dict[str, Any]:
     """One load process (spawned: no zmq context or event loop carried over)."""
     mp = multiprocessing.get_context("spawn")
@@ -568,37 +582,23 @@ def main() -> None:
         "--model", "echo", "--workers", "1", "--max-batch-size", "32", "--max-wait-ms", "1",
         "--http-port", str(http_port), "--grpc-port", str(grpc_port),
     ]  # fmt: skip
-    with running_serve(serve, 1) as srv:
+    with running_serve(serve, 1) as srv, contextlib.ExitStack() as floors:
         wait_for_gateway(http_port)
         proxy_address = free_tcp_address()
-        proxy = multiprocessing.get_context("spawn").Process(
-            target=zmq_proxy, args=(proxy_address, srv.frontend)
-        )
-        proxy.start()
-        minimal_port = free_port()
-        minimal = multiprocessing.get_context("spawn").Process(
-            target=minimal_forwarder, args=(srv.frontend, minimal_port)
-        )
-        minimal.start()
-        uvicorn_port = free_port()
-        minimal_uvicorn = multiprocessing.get_context("spawn").Process(
-            target=minimal_uvicorn_forwarder, args=(srv.frontend, uvicorn_port)
-        )
-        minimal_uvicorn.start()
-        grpc_floor_port = free_port()
-        minimal_grpc = multiprocessing.get_context("spawn").Process(
-            target=minimal_grpc_forwarder, args=(srv.frontend, grpc_floor_port)
-        )
-        minimal_grpc.start()
-        grpclib_port = free_port()
-        minimal_grpclib = multiprocessing.get_context("spawn").Process(
-            target=minimal_grpclib_forwarder, args=(srv.frontend, grpclib_port)
-        )
-        minimal_grpclib.start()
-        wait_for_gateway(minimal_port)
-        wait_for_gateway(uvicorn_port)
-        wait_for_grpc(grpc_floor_port)
-        wait_for_grpc(grpclib_port)
+        floors.enter_context(floor_process(zmq_proxy, proxy_address, srv.frontend))
+        port: dict[str, int] = {}
+        for name, forwarder in (
+            ("aiohttp", minimal_forwarder),
+            ("uvicorn", minimal_uvicorn_forwarder),
+            ("grpcio", minimal_grpc_forwarder),
+            ("grpclib", minimal_grpclib_forwarder),
+        ):
+            port[name] = free_port()
+            floors.enter_context(floor_process(forwarder, srv.frontend, port[name]))
+        wait_for_gateway(port["aiohttp"])
+        wait_for_gateway(port["uvicorn"])
+        wait_for_grpc(port["grpcio"])
+        wait_for_grpc(port["grpclib"])
         # path: (its loaded client, its lone client, the lightest one if another, the arguments)
         paths: dict[str, tuple[Any, Any, Any, tuple[Any, ...]]] = {
             "direct (ZeroMQ)": (direct_load, direct_load, None, (srv.frontend,)),
@@ -607,25 +607,25 @@ def main() -> None:
                 http_load,
                 lone_http,
                 lone_curl,
-                (uvicorn_port, 1, False),
+                (port["uvicorn"], 1, False),
             ),
             "floor: a minimal aiohttp forwarder, no v2 work (HTTP JSON)": (
                 http_load,
                 lone_http,
                 lone_curl,
-                (minimal_port, 1, False),
+                (port["aiohttp"], 1, False),
             ),
             "floor: a minimal grpcio forwarder, no v2 work (gRPC)": (
                 grpc_load,
                 lone_grpc,
                 lone_curl_grpc,
-                (grpc_floor_port,),
+                (port["grpcio"],),
             ),
             "floor: a minimal grpclib forwarder, no v2 work (gRPC)": (
                 grpc_load,
                 lone_grpc,
                 lone_curl_grpc,
-                (grpclib_port,),
+                (port["grpclib"],),
             ),
             "HTTP, JSON": (http_load, lone_http, lone_curl, (http_port, 1, False)),
             "HTTP, binary data": (http_load, lone_http, lone_curl, (http_port, 1, True)),
@@ -637,25 +637,18 @@ def main() -> None:
         rows8: list[dict[str, Any]] = []
         assert srv.process is not None
         gw = gateway_process(srv.process.pid)
-        try:
-            for _ in range(runs):  # interleaved, so a noisy moment hits every path alike
-                for name, (loaded_client, lone_client, lightest, (where, *extra)) in paths.items():
-                    cpu0 = cpu_s(gw)
-                    loaded = run_load(loaded_client, where, args.concurrency, warmup_s, seconds, *extra)
-                    # the gateway's CPU per request of the loaded run (warm-up included: an estimate)
-                    loaded["gateway_cpu_us"] = (
-                        (cpu_s(gw) - cpu0) / (loaded["rps"] * (seconds + warmup_s)) * 1e6
-                    )
-                    results[name]["loaded"].append(loaded)
-                    results[name]["lone"].append(run_load(lone_client, where, 1, warmup_s, seconds, *extra))
-                    if lightest is not None:
-                        lone = run_load(lightest, where, 1, warmup_s, seconds, *extra)
-                        results[name]["lightest"].append(lone)
-                rows8.append(run_load(http_load, http_port, args.concurrency, warmup_s, seconds, 8, True))
-        finally:
-            for process in (proxy, minimal, minimal_uvicorn, minimal_grpc, minimal_grpclib):
-                process.kill()
-                process.join(10)
+        for _ in range(runs):  # interleaved, so a noisy moment hits every path alike
+            for name, (loaded_client, lone_client, lightest, (where, *extra)) in paths.items():
+                cpu0 = cpu_s(gw)
+                loaded = run_load(loaded_client, where, args.concurrency, warmup_s, seconds, *extra)
+                # the gateway's CPU per request of the loaded run (warm-up included: an estimate)
+                loaded["gateway_cpu_us"] = (cpu_s(gw) - cpu0) / (loaded["rps"] * (seconds + warmup_s)) * 1e6
+                results[name]["loaded"].append(loaded)
+                results[name]["lone"].append(run_load(lone_client, where, 1, warmup_s, seconds, *extra))
+                if lightest is not None:
+                    lone = run_load(lightest, where, 1, warmup_s, seconds, *extra)
+                    results[name]["lightest"].append(lone)
+            rows8.append(run_load(http_load, http_port, args.concurrency, warmup_s, seconds, 8, True))
     summary = {
         name: {
             "rps": statistics.median(r["rps"] for r in res["loaded"]),

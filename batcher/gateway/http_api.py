@@ -63,7 +63,11 @@ def error_response(code: str, message: str) -> Response:
     headers = {"Retry-After": "1"} if code == "overloaded" else {}
     if code in (ErrorCode.TOO_LARGE, "request_timeout"):
         headers["Connection"] = "close"  # the rest of the body is not read
-    return Response(oip.http_status(code), json_encode({"error": message}), JSON, headers)
+    return _error(oip.http_status(code), message, headers)
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return Response(status, json_encode({"error": message}), JSON, headers or {})
 
 
 def _json(value: Any) -> Response:
@@ -98,17 +102,12 @@ class HttpApi:
     async def _route(self, scope: Scope, receive: Receive) -> Response:
         route = match(scope["raw_path"])
         if route is None:
-            return Response(404, json_encode({"error": "no such endpoint"}), JSON)
+            return _error(404, "no such endpoint")
         name, model, version = route
         method = scope["method"]
         allowed = ("POST",) if name == "infer" else ("GET", "HEAD")
         if method not in allowed:
-            return Response(
-                405,
-                json_encode({"error": f"method {method} is not allowed here"}),
-                JSON,
-                {"Allow": ",".join(allowed)},
-            )
+            return _error(405, f"method {method} is not allowed here", {"Allow": ",".join(allowed)})
         if name == "infer":
             return await self.infer(scope, receive, model, version)
         if name == "live":
@@ -128,7 +127,9 @@ class HttpApi:
         encoding = _header(scope, b"content-encoding")
         if encoding is not None:
             body = decompressed(body, encoding, self.max_body_bytes)
-        infer, binary_default, binary_outputs = parse_infer(model, version, body, _header_length(scope))
+        infer, binary_default, binary_outputs = parse_infer(
+            model, version, body, _header(scope, _HEADER_LENGTH_KEY)
+        )
         scope[HANDLER] = asyncio.current_task()  # cancelled if the client goes: see http_server
         try:
             outputs = await self.gateway.infer(infer)
@@ -192,10 +193,6 @@ def _header(scope: Scope, key: bytes) -> str | None:
         if name == key:
             return str(value.decode("latin-1"))
     return None
-
-
-def _header_length(scope: Scope) -> str | None:
-    return _header(scope, _HEADER_LENGTH_KEY)
 
 
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
