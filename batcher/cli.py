@@ -47,7 +47,7 @@ from batcher.scheduler import BUCKET_BY, POLICIES, BatchSettings
 from batcher.security import CurveServerKeys, KeyFileError
 from batcher.serving import ModelLoadFailed, run_serve
 from workers import warmup
-from workers.models import ModelSpec, SimSettings
+from workers.models import MAX_PADDED_ELEMENTS, ModelSpec, SimSettings
 from workers.placement import parse_cpus
 from workers.steps import BATCHING_LEVELS
 from workers.supervisor import EXIT_MODEL_LOAD_FAILED, PoolSettings
@@ -418,6 +418,18 @@ no_warmup_option = option(
     default=False,
     help="Do not run the model before READY (by default a model with a signature, an ONNX "
     "model say, runs at each batch size it may get, on zero inputs, and announces its cost).",
+)
+
+
+#: --max-padded-elements: serve, worker.
+max_padded_elements_option = option(
+    "--max-padded-elements",
+    type=int_range(1, 2**62),
+    default=MAX_PADDED_ELEMENTS,
+    show_default=True,
+    help="The most elements a stacked model's batch may hold once padded (n x the longest "
+    "shape, summed over its inputs): requests that would pad past it are run in separate "
+    "model calls, and one over it alone is answered bad_request.",
 )
 
 
@@ -832,6 +844,7 @@ def pool_settings(
     warmup: bool = True,
     steps: StepOptions | None = None,
     pin_cpus: bool = False,
+    max_padded_elements: int = MAX_PADDED_ELEMENTS,
 ) -> PoolSettings:
     """serve's PoolSettings from CLI values. The config file's [models.NAME] tables pin
     models to GPUs (`gpus`) and set their worker counts (`workers`, unless --workers came
@@ -869,6 +882,7 @@ def pool_settings(
             else None,
             **(dataclasses.asdict(steps) if steps is not None else {}),
             pin_cpus=pin_cpus,
+            max_padded_elements=max_padded_elements,
         )
     except (ValueError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
@@ -1057,6 +1071,7 @@ def gateway(
     "Linux only; needs a CPU left for the broker.",
 )
 @no_warmup_option
+@max_padded_elements_option
 @_HTTP_PORT
 @_GRPC_PORT
 @_GATEWAY_HOST
@@ -1078,6 +1093,7 @@ def serve(
     threads_per_worker: int | None,
     pin_cpus: bool,
     no_warmup: bool,
+    max_padded_elements: int,
     http_port: int,
     grpc_port: int,
     host: str,
@@ -1123,6 +1139,7 @@ def serve(
         warmup=not no_warmup,
         steps=steps,
         pin_cpus=pin_cpus,
+        max_padded_elements=max_padded_elements,
     )
     ctx = click.get_current_context()
     reread = None if config is None else functools.partial(_reread_batching, ctx, config, settings.models)
@@ -1211,6 +1228,7 @@ def broker(
     "each model's allowed sizes).",
 )
 @no_warmup_option
+@max_padded_elements_option
 @option("--parent-pid", type=int_range(1, 2**31 - 1), default=None, hidden=True)
 @heartbeat_options
 @curve_worker_options
@@ -1225,6 +1243,7 @@ def worker(
     cpus: tuple[int, ...] | None,
     warmup_sizes: tuple[int, ...] | None,
     no_warmup: bool,
+    max_padded_elements: int,
     parent_pid: int | None,
     heartbeat: Heartbeat,
     curve: ClientKeys,
@@ -1251,6 +1270,7 @@ def worker(
                 steps.max_active,
                 steps.batching_level,
                 cpus,
+                max_padded_elements,
             )
         )
     except ModelLoadError as exc:

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import msgpack
 import msgspec
 
-from batcher import tensor
+from batcher import aligned, tensor
 
 #: First frame of every backend message, so a peer speaking anything else is spotted.
 WORKER_PROTOCOL = b"BATCHER-W2"
@@ -434,15 +434,33 @@ def _plain_leaf(value: object) -> bool:
 
 
 def pack_carrying(fields: dict[str, Any], payload: object) -> bytes:
-    """A request or reply map whose `input` or `output` is `payload`, encoded: by msgspec,
-    with one copy of a tensor's bytes, when the payload is plain (`_plain_payload`; the
-    other fields are the protocol's own scalars); by msgpack's Packer otherwise."""
+    """A request or reply map whose `input` or `output` is `payload`, encoded with every
+    tensor in it aligned (batcher.aligned: its data at a multiple of 8 bytes from the
+    body's start, docs/protocol.md 3.1). A payload without tensors is encoded by msgspec
+    when it is plain (`_plain_payload`; the other fields are the protocol's own scalars),
+    by msgpack's Packer otherwise."""
     if _plain_payload(payload):
+        if _holds_array(payload):
+            return aligned.pack(fields)
         try:
             return _encode(fields)
         except (TypeError, ValueError, OverflowError, RecursionError):
             pass  # the Packer says what is wrong, as for any other payload
-    return _packer_pack(fields)
+    body = _packer_pack(fields)
+    if aligned.DATATYPE_KEY in body:  # perhaps a tensor inside: written again, aligned
+        return aligned.pack(fields)
+    return body
+
+
+def _holds_array(payload: object) -> bool:
+    """Whether a plain payload (`_plain_payload`) is or holds a numpy array."""
+    if tensor.is_array(payload):
+        return True
+    if type(payload) is dict:
+        return any(tensor.is_array(v) for v in payload.values())  # type: ignore[attr-defined]
+    if type(payload) is list:
+        return any(tensor.is_array(v) for v in payload)  # type: ignore[attr-defined]
+    return False
 
 
 def error_reply(req_id: object, code: str, message: str, stream: bool = False) -> bytes:

@@ -111,15 +111,18 @@ def test_named_tensors_are_stacked_by_name_and_outputs_split_by_name() -> None:
     assert [float(o["first"]) for o in out] == [0, 1, 2]
 
 
-def test_inputs_that_do_not_fit_the_batch_are_answered_alone_and_the_rest_served() -> None:
+def test_inputs_of_other_forms_run_in_their_own_call_and_only_unstackable_ones_are_refused() -> None:
+    calls: list[tuple[str, tuple[int, ...]]] = []
+
     def model(batch: Any) -> Any:
+        calls.append((batch.dtype.str, batch.shape))
         return batch + 1
 
     frames = run_batch(
         wrap(model, Stack()),
         *batch(
             "text",  # not a tensor
-            tensor.from_array(np.zeros((2, 2), np.float32)),  # the batch's form
+            tensor.from_array(np.zeros((2, 2), np.float32)),
             tensor.from_array(np.zeros((2, 3), np.float32)),  # another shape
             tensor.from_array(np.zeros((2, 2), np.float64)),  # another dtype
             tensor.from_array(np.ones((2, 2), np.float32)),
@@ -127,15 +130,16 @@ def test_inputs_that_do_not_fit_the_batch_are_answered_alone_and_the_rest_served
         "w",
     )
     out = replies_of(frames)
-    assert [r["ok"] for r in out] == [False, True, False, False, True]
+    assert [r["ok"] for r in out] == [False, True, True, True, True]
     assert out[0]["error"] == {
         "code": "bad_request",
         "message": "input must be a tensor or a map of tensors, got str",
     }
-    assert out[2]["error"]["message"] == "shape [2, 3] differs from the batch's [2, 2]"
-    assert out[3]["error"]["message"] == "float64 of rank 2, the batch is float32 of rank 2"
+    assert out[2]["output"].tolist() == [[1, 1, 1], [1, 1, 1]]
+    assert out[3]["output"].dtype == np.float64 and out[3]["output"].tolist() == [[1, 1], [1, 1]]
     assert out[4]["output"].tolist() == [[2, 2], [2, 2]]
-    assert out[1]["batch_size"] == 5  # the batch the broker sent; the model ran on the 2 that fit
+    assert sorted(calls) == [("<f4", (1, 2, 3)), ("<f4", (2, 2, 2)), ("<f8", (1, 2, 2))]
+    assert out[1]["batch_size"] == 5  # the batch the broker sent; the model ran per form
 
 
 def test_a_model_returning_the_wrong_batch_fails_the_batch_as_a_model_error() -> None:
@@ -180,11 +184,11 @@ def test_example_mean_pool_and_token_doubler_through_serve(serve, connect):
     assert [tensor.to_array(got[i]["output"]).tolist() for i in range(2)] == [[10, 12, 14], [2]]
 
 
-def test_an_odd_input_first_in_the_batch_is_the_one_refused() -> None:
+def test_an_odd_input_first_in_the_batch_is_served_as_it_would_be_alone() -> None:
     out = wrap(lambda b: b + 1, Stack())(
         [np.zeros(2, np.float64), np.zeros(2, np.float32), np.ones(2, np.float32)]
     )
-    assert isinstance(out[0], BadInput) and str(out[0]) == "float64 of rank 1, the batch is float32 of rank 1"
+    assert out[0].dtype == np.float64 and out[0].tolist() == [1, 1]
     assert [o.tolist() for o in out[1:]] == [[1, 1], [2, 2]]
 
 
@@ -227,3 +231,145 @@ def test_padding_a_model_reported_once_is_not_reported_again_for_later_batches()
     second = run_batch(model, *batch(1, 2), "w")
     assert protocol.parse_reply_header(first[2]).padding == (4, 6)
     assert protocol.parse_reply_header(second[2]).padding is None
+
+
+# --- issue 28 items 9 and 10: forms never mix, padding is bounded ---------------------------------------
+
+forms = st.lists(
+    st.tuples(
+        st.sampled_from(["<f4", "<f8", "<i8"]),  # dtype
+        st.integers(0, 5),  # length along the padded axis
+        st.integers(1, 3),  # width: another width is another form
+        st.booleans(),  # a map of one named tensor rather than a tensor
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+def _input(dtype: str, length: int, width: int, named: bool, seed: int) -> Any:
+    x = np.random.default_rng(seed).integers(-9, 9, (length, width)).astype(np.dtype(dtype))
+    return {"x": x} if named else x
+
+
+@given(forms)
+def test_a_request_gets_the_answer_it_gets_alone_whatever_its_batch_mates(specs: list[Any]) -> None:
+    """Item 10: a stacked batch of mixed dtypes, widths and map forms answers each request
+    as a batch of that request alone does (the old batch took its majority's form and
+    refused or failed the others)."""
+
+    def model(batch: Any, lengths: Any) -> Any:
+        if isinstance(batch, dict):
+            return {"y": batch["x"] * 2 + lengths[:, :1, None]}
+        return batch * 2 + lengths[:, :1, None]
+
+    wrapped = wrap(model, Stack(pad_axes=(0,), pad_value=0, unpad_axes=(0,)))
+    inputs = [_input(*spec, seed=i) for i, spec in enumerate(specs)]
+    together = wrapped(inputs)
+    for x, got in zip(inputs, together, strict=True):
+        (alone,) = wrapped([x])
+        if isinstance(alone, dict):
+            assert got.keys() == alone.keys() and np.array_equal(got["y"], alone["y"])
+            assert got["y"].dtype == alone["y"].dtype
+        else:
+            assert np.array_equal(got, alone) and got.dtype == alone.dtype
+
+
+extents = st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=12)
+
+
+@given(extents, st.integers(1, 2000))
+def test_planned_runs_stay_within_the_budget_and_hold_every_input_once(
+    shapes2: list[tuple[int, int]], budget: int
+) -> None:
+    from workers.stacking import padded_size, plan_runs
+
+    ext = [(s,) for s in shapes2]
+    runs, alone_over = plan_runs(ext, budget)
+    placed = sorted([i for run in runs for i in run] + alone_over)
+    assert placed == list(range(len(ext)))
+    assert all(padded_size([ext[i] for i in run]) <= budget for run in runs)
+    assert alone_over == [i for i in range(len(ext)) if padded_size([ext[i]]) > budget]
+
+
+def test_padded_size_is_n_times_the_longest_shape_summed_over_named_tensors() -> None:
+    from workers.stacking import padded_size
+
+    assert padded_size([((2, 3),), ((4, 1),)]) == 2 * 4 * 3
+    assert padded_size([((2, 3), (5,)), ((4, 1), (1,))]) == 2 * 4 * 3 + 2 * 5
+    assert padded_size([((2**40, 0),), ((0, 2**40),)]) == 2 * 2**80
+
+
+def test_two_empty_tensors_padded_along_two_axes_no_longer_spoil_the_batch() -> None:
+    """Item 9 (f_pad_two_axes_empty_spoils_batch.py): FP32 [2**40, 0] and [0, 2**40] once
+    padded the batch to (n, 2**40, 2**40) and every request got model_error. Each now runs
+    apart from the rest, and the well-formed requests share their own call."""
+    calls: list[tuple[int, ...]] = []
+
+    def total(batch: Any, lengths: Any) -> Any:
+        calls.append(batch.shape)
+        return batch.reshape(batch.shape[0], -1).sum(axis=1)
+
+    wrapped = wrap(total, Stack(pad_axes=(0, 1)))
+    good = [tensor.from_array(np.full((2, 3), i, np.float32)) for i in range(4)]
+    empty = [tensor.from_array(np.zeros(s, np.float32)) for s in ((2**40, 0), (0, 2**40))]
+    out = replies_of(run_batch(wrapped, *batch(good[0], empty[0], good[1], empty[1], good[2], good[3]), "w"))
+    assert all(r["ok"] for r in out), out
+    assert [float(out[i]["output"]) for i in (0, 2, 4, 5)] == [0.0, 6.0, 12.0, 18.0]
+    assert sorted(calls) == [(1, 0, 2**40), (1, 2**40, 0), (4, 2, 3)]
+
+
+def test_a_request_alone_over_the_budget_is_refused_and_its_batch_mates_served() -> None:
+    wrapped = wrap(lambda b, lengths: b.sum(axis=1), Stack(pad_axes=(0,)), max_padded_elements=100)
+    out = replies_of(
+        run_batch(
+            wrapped,
+            *batch(*[tensor.from_array(np.ones(n, np.float32)) for n in (10, 101, 40, 60)]),
+            "w",
+        )
+    )
+    assert [r["ok"] for r in out] == [True, False, True, True]
+    assert out[1]["error"] == {
+        "code": "bad_request",
+        "message": "its stacked array would hold 101 elements, more than the 100 a batch may "
+        "(--max-padded-elements)",
+    }
+    # 10, 40 and 60 pad to 3 x 60 = 180 > 100: they ran as (10, 40) = 80 and (60) = 60
+    assert [float(out[i]["output"]) for i in (0, 2, 3)] == [10.0, 40.0, 60.0]
+    assert wrapped.last_padding == (2 * 40 - 50, 110)
+
+
+def test_max_padded_elements_is_checked_where_it_is_set() -> None:
+    from workers.models import check_max_padded_elements
+    from workers.worker import WorkerSettings
+
+    for bad in (0, -1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="max_padded_elements must be an int >= 1, got"):
+            check_max_padded_elements(bad)
+    with pytest.raises(ValueError, match="max_padded_elements must be an int >= 1, got 0"):
+        WorkerSettings(max_padded_elements=0)
+
+
+@pytest.mark.integration
+def test_serve_bounds_padding_with_max_padded_elements(serve, connect):
+    """Through serve (its --max-padded-elements reaches each worker): a request over the
+    budget alone is bad_request; two that would pad past it together are both served, in
+    one broker batch, by separate model calls."""
+    s = serve(
+        "--model", "tokens=examples.python.mymodels:TokenDoubler", "--workers", "1",
+        "--max-batch-size", "4", "--max-wait-ms", "5000", "--policy", "window",
+        "--max-padded-elements", "40",
+        workers=1,
+    )  # fmt: skip
+    sock = connect(zmq.DEALER, s.frontend)
+    lengths = {"over": 41, "a": 30, "b": 1, "c": 15}
+    for rid, n in lengths.items():
+        body = {"id": rid, "model": "tokens", "input": np.arange(n, dtype=np.int64)}
+        sock.send_multipart([b"", protocol.pack(body)])
+    got = {r["id"]: r for r in recv_replies(sock, 4)}
+    assert got["over"]["error"]["code"] == "bad_request", got["over"]
+    assert "more than the 40 a batch may (--max-padded-elements)" in got["over"]["error"]["message"]
+    for rid in ("a", "b", "c"):
+        assert got[rid]["ok"], got[rid]
+        assert tensor.to_array(got[rid]["output"]).tolist() == [2 * i for i in range(lengths[rid])]
+    assert {got[rid]["batch_size"] for rid in ("a", "b", "c")} == {4}

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from batcher import tensor
+from batcher import aligned, tensor
 from batcher.protocol import ZERO_COPY_BYTES
 
 
@@ -76,6 +76,7 @@ class _Tensor(msgspec.Struct, forbid_unknown_fields=True):
     datatype: str
     shape: list[int]
     data: memoryview
+    pad: bytes = b""  # aligns `data` (docs/protocol.md 3.1); a pad of another type: the general path
 
 
 class _Request(msgspec.Struct, forbid_unknown_fields=True):
@@ -131,6 +132,8 @@ def decode_uniform(bodies: list[Any]) -> tuple[list[dict[str, Any]], Rows] | Non
     if any(len(d) != expected for d in datas):
         return None
     joined = b"".join(datas)  # the one copy: as msgpack's decode would copy each body's bin
+    if datatype == "BOOL" and joined and np.frombuffer(joined, dtype=np.uint8).max() > 1:
+        return None  # a byte that is no BOOL: the general path refuses its request alone
     try:
         stacked = np.frombuffer(joined, dtype=tensor.DATATYPES[datatype]).reshape(len(datas), *shape)
     except ValueError:  # numpy refused the shape
@@ -150,22 +153,13 @@ def stacked_of(inputs: list[Any]) -> Any:
 _encode = msgspec.msgpack.Encoder().encode
 
 
-def _bin_header(size: int) -> bytes:
-    """msgpack's bin header for `size` bytes (bin 8, 16 or 32), as any encoder writes it."""
-    if size < 1 << 8:
-        return b"\xc4" + size.to_bytes(1, "big")
-    if size < 1 << 16:
-        return b"\xc5" + size.to_bytes(2, "big")
-    return b"\xc6" + size.to_bytes(4, "big")
-
-
 class ReplyEncoder:
     """The success replies of one batch whose outputs are arrays, each written as the
     bytes `protocol.ok_reply(req_id, output, meta)` gives, meta being `reply_meta`'s:
     every part that is the same for the whole batch (the keys, the batch's metadata, an
     output tensor's header per datatype and shape) is encoded once, and a reply is those
-    parts joined around its id, its output's bytes and its queue_ms. docs/protocol.md 4.3
-    has the reply's form."""
+    parts joined around its id, its output's bytes and its queue_ms, the tensor's data
+    aligned as batcher.aligned aligns it. docs/protocol.md 4.3 has the reply's form."""
 
     def __init__(self, n: int, worker: str, wait_ms: float | None, infer_ms: float) -> None:
         keys = 3 + len(reply_meta(n, worker, None, wait_ms, infer_ms))
@@ -176,7 +170,8 @@ class ReplyEncoder:
         tail = {"worker_wait_ms": wait_ms} if wait_ms is not None else {}
         tail["infer_ms"] = infer_ms
         self._tail = b"".join(_encode(k) + _encode(v) for k, v in tail.items())
-        self._tensor_heads: dict[tuple[str, tuple[int, ...]], bytes] = {}
+        # per dtype and shape: the tensor's entries before its pad, and its data's size
+        self._tensor_heads: dict[tuple[str, tuple[int, ...]], tuple[bytes, bytes, int]] = {}
 
     def encode(self, req_id: int | str | None, output: Any, queue_ms: float | None) -> bytes | None:
         """The reply's bytes, or None when `output` is not a C-ordered array of a
@@ -186,19 +181,28 @@ class ReplyEncoder:
         if type(output) is not np.ndarray or not output.flags.c_contiguous:
             return None
         key = (output.dtype.str, output.shape)
-        head = self._tensor_heads.get(key)
-        if head is None:
+        known = self._tensor_heads.get(key)
+        if known is None:
             datatype = tensor.DATATYPES_BY_DTYPE.get(key[0])
             if datatype is None:
                 return None
-            head = b"\x83" + _encode("datatype") + _encode(datatype) + _encode("shape")
-            head += _encode(list(output.shape)) + _encode("data") + _bin_header(output.nbytes)
-            self._tensor_heads[key] = head
+            size = output.nbytes
+            known = self._tensor_heads[key] = (
+                aligned.tensor_head(datatype, output.shape),
+                aligned.data_head(size),
+                size,
+            )
+        head, data_head, size = known
         try:
             id_bytes, queue_bytes = _encode(req_id), _encode(queue_ms)
         except (TypeError, ValueError, OverflowError):  # not the protocol's id or number
             return None
-        parts = (self._head, id_bytes, self._after_id, head, output.data, self._before_queue, queue_bytes)
+        before = len(self._head) + len(id_bytes) + len(self._after_id) + 1 + len(head)
+        pad = aligned.pad_entry(before, size)
+        parts = (
+            self._head, id_bytes, self._after_id, b"\x84" if pad else b"\x83", head, pad, data_head,
+            output.data, self._before_queue, queue_bytes,
+        )  # fmt: skip
         return b"".join((*parts, self._tail))
 
 

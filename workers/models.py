@@ -190,11 +190,29 @@ class ModelSpec:
         return cls(name, target)
 
 
+#: The most elements a stacked batch may hold by default (--max-padded-elements): 2**26,
+#: 256 MiB of FP32, twice what a full batch of 8 requests of 16 MiB of FP32 (the default
+#: --max-message-bytes) holds.
+MAX_PADDED_ELEMENTS = 2**26
+
+
+def check_max_padded_elements(value: object) -> int:
+    """`value` if it is a budget of padded elements (an int >= 1), else ValueError."""
+    if type(value) is not int or value < 1:
+        raise ValueError(f"max_padded_elements must be an int >= 1, got {value!r}")
+    return value
+
+
 def load_model(
-    spec: ModelSpec, gpu: int | None, sim: SimSettings | None = None, threads: int | None = None
+    spec: ModelSpec,
+    gpu: int | None,
+    sim: SimSettings | None = None,
+    threads: int | None = None,
+    max_padded_elements: int = MAX_PADDED_ELEMENTS,
 ) -> ModelFn:
     """Import and build the model named by `spec`, once, in the worker process; an ONNX
-    model's session uses `threads` intra-op threads (None: all cores)."""
+    model's session uses `threads` intra-op threads (None: all cores); a stacked model's
+    batches hold at most `max_padded_elements` elements (workers/stacking.py)."""
     if spec.target == "sim":
         return SimModel(sim)
     if spec.target == "echo":
@@ -221,7 +239,7 @@ def load_model(
 
         declared = stacking.stacking_of(obj)
         assert declared is not None
-        return stacking.wrap(obj, declared)
+        return stacking.wrap(obj, declared, max_padded_elements)
     return obj
 
 

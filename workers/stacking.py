@@ -23,7 +23,7 @@ shape that differs outside `pad_axes`) is answered `bad_request` on its own.
 
 from __future__ import annotations
 
-from collections import Counter
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from batcher.tensor import TensorError
+from workers.models import MAX_PADDED_ELEMENTS, check_max_padded_elements
 
 
 class BadInput(TensorError):
@@ -109,20 +110,30 @@ def unpad(batch: np.ndarray, lengths: np.ndarray, axes: tuple[int, ...]) -> list
     return rows
 
 
-def wrap(model: Callable[..., Any], stack: Stack) -> Stacked:
+def wrap(model: Callable[..., Any], stack: Stack, max_padded_elements: int = MAX_PADDED_ELEMENTS) -> Stacked:
     """A list-in, list-out model (what the worker calls) around a model that takes and
-    returns batched arrays; inputs that cannot join the batch get BadInput instances."""
-    return Stacked(model, stack)
+    returns batched arrays; inputs that cannot be stacked get BadInput instances."""
+    return Stacked(model, stack, max_padded_elements)
 
 
 class Stacked:
     """A stacked model as the worker calls it. After each batch, `last_padding` holds
     (padded elements, real elements) of its inputs, which the worker reports to the
-    broker (stats and Prometheus show padded / real as the padding waste)."""
+    broker (stats and Prometheus show padded / real as the padding waste).
 
-    def __init__(self, model: Callable[..., Any], stack: Stack) -> None:
+    A batch's inputs are grouped by form (`_form`: dtype, rank, the shape outside the
+    padded axes, the names of a map), and each group is cut into runs whose padded
+    arrays hold at most `max_padded_elements` elements (`plan_runs`): the model is called
+    once per run. So a request's answer never depends on its batch-mates: requests of
+    different forms never share a stacked array, and no mate's long axis can pad another
+    request past the budget. A request alone over the budget is answered bad_request."""
+
+    def __init__(
+        self, model: Callable[..., Any], stack: Stack, max_padded_elements: int = MAX_PADDED_ELEMENTS
+    ) -> None:
         self.model = model
         self.stack = stack
+        self.max_padded_elements = check_max_padded_elements(max_padded_elements)
         self.last_padding: tuple[int, int] | None = None
 
     @property
@@ -130,43 +141,119 @@ class Stacked:
         """The wrapped model's declared signature (batcher.signature), if any."""
         return getattr(self.model, "signature", None)
 
+    @property
+    def warmup_sample(self) -> Any:
+        """The wrapped model's warm-up input (workers/warmup.py), if it gives one."""
+        return getattr(self.model, "warmup_sample", None)
+
     def __call__(self, inputs: list[Any]) -> list[Any]:
         stack = self.stack
         self.last_padding = None
         out: list[Any] = [None] * len(inputs)
-        # The batch takes the form most of its inputs share (the earliest on a tie), so one
-        # odd request is answered alone, whatever its place in the batch.
-        forms = Counter(_form(x, stack.pad_axes) for x in inputs if _is_tensors(x))
-        common = max(forms, key=forms.__getitem__) if forms else None
-        first = next((x for x in inputs if _is_tensors(x) and _form(x, stack.pad_axes) == common), None)
-        live = []
+        groups: dict[object, list[int]] = {}
+        extents: list[tuple[tuple[int, ...], ...]] = [()] * len(inputs)
         for i, x in enumerate(inputs):
-            why = _why_not(x, first, stack.pad_axes)
-            if why is None:
-                live.append(i)
-            else:
+            why = _why_not(x, stack.pad_axes)
+            if why is not None:
                 out[i] = BadInput(why)
-        if not live:
-            return out
+                continue
+            groups.setdefault(_form(x, stack.pad_axes), []).append(i)
+            extents[i] = _extent(x)
+        runs: list[list[int]] = []
+        for members in groups.values():
+            planned, alone_over = plan_runs([extents[i] for i in members], self.max_padded_elements)
+            runs.extend([members[k] for k in run] for run in planned)
+            for k in alone_over:
+                out[members[k]] = BadInput(
+                    f"its stacked array would hold {padded_size([extents[members[k]]])} elements, more than "
+                    f"the {self.max_padded_elements} a batch may (--max-padded-elements)"
+                )
+        padded = real = 0
+        for run in runs:
+            try:
+                rows, run_padded, run_real = self._run([inputs[i] for i in run])
+            except Exception as exc:
+                if len(runs) == 1:
+                    raise  # the whole batch failed: the worker answers each request model_error
+                rows, run_padded, run_real = [exc] * len(run), 0, 0
+            for i, row in zip(run, rows, strict=True):
+                out[i] = row
+            padded += run_padded
+            real += run_real
+        if runs:
+            self.last_padding = (padded, real)
+        return out
+
+    def _run(self, arrays: list[Any]) -> tuple[list[Any], int, int]:
+        """One model call on inputs of one form: each one's output, and the padded and real
+        elements of the stacked inputs."""
+        stack = self.stack
         lengths: np.ndarray | None = None
-        real = 0
+        first = arrays[0]
         if isinstance(first, dict):
             batch: Any = {}
+            real = 0
             for k in first:
-                arrays = [inputs[i][k] for i in live]
-                batch[k], lengths = pad(arrays, stack.pad_axes, stack.pad_value)
-                real += sum(a.size for a in arrays)
+                named = [a[k] for a in arrays]
+                batch[k], lengths = pad(named, stack.pad_axes, stack.pad_value)
+                real += sum(a.size for a in named)
             padded = sum(b.size for b in batch.values()) - real
         else:
-            arrays = [inputs[i] for i in live]
             batch, lengths = pad(arrays, stack.pad_axes, stack.pad_value)
             real = sum(a.size for a in arrays)
             padded = batch.size - real
-        self.last_padding = (int(padded), int(real))
         result = self.model(batch, lengths) if stack.pad_axes else self.model(batch)
-        for i, row in zip(live, _split(result, len(live), lengths, stack.unpad_axes), strict=True):
-            out[i] = row
-        return out
+        return _split(result, len(arrays), lengths, stack.unpad_axes), int(padded), int(real)
+
+
+def _extent(x: Any) -> tuple[tuple[int, ...], ...]:
+    """An input's shapes, one per tensor (by name, for a map), as `plan_runs` takes them."""
+    if isinstance(x, dict):
+        return tuple(tuple(x[k].shape) for k in sorted(x, key=repr))
+    return (tuple(x.shape),)
+
+
+def padded_size(extents: list[tuple[tuple[int, ...], ...]]) -> int:
+    """The elements of the arrays that inputs of one form, of these extents (`_extent`),
+    are stacked into: per tensor, n x the product of the longest length along each axis."""
+    n = len(extents)
+    total = 0
+    for shapes in zip(*extents, strict=True):
+        longest = [max(axis) for axis in zip(*shapes, strict=True)]
+        total += n * math.prod(longest)
+    return total
+
+
+def plan_runs(
+    extents: list[tuple[tuple[int, ...], ...]], max_padded_elements: int
+) -> tuple[list[list[int]], list[int]]:
+    """(runs, alone_over): the inputs of one form (by their positions in `extents`) cut
+    into runs whose stacked arrays hold at most `max_padded_elements` elements
+    (`padded_size`), and the inputs over it even alone. Inputs are taken by their lengths
+    (so that like lengths share a run and pad each other least), each joining the current
+    run while the run's padded size stays within the budget, else starting the next."""
+    order = sorted(range(len(extents)), key=lambda i: extents[i])
+    runs: list[list[int]] = []
+    alone_over: list[int] = []
+    current: list[int] = []
+    longest: list[tuple[int, ...]] = []  # the current run's longest lengths, per tensor
+    for i in order:
+        if padded_size([extents[i]]) > max_padded_elements:
+            alone_over.append(i)
+            continue
+        grown = (
+            [tuple(map(max, a, b)) for a, b in zip(longest, extents[i], strict=True)]
+            if current
+            else list(extents[i])
+        )
+        if current and (len(current) + 1) * sum(math.prod(t) for t in grown) > max_padded_elements:
+            runs.append(sorted(current))
+            current, grown = [], list(extents[i])
+        current.append(i)
+        longest = grown
+    if current:
+        runs.append(sorted(current))
+    return runs, sorted(alone_over)
 
 
 def _form(x: Any, axes: tuple[int, ...]) -> object:
@@ -184,24 +271,19 @@ def _is_tensors(x: object) -> bool:
     return isinstance(x, np.ndarray)
 
 
-def _why_not(x: Any, first: Any, axes: tuple[int, ...]) -> str | None:
-    """Why input `x` cannot join a batch whose first input is `first`, or None. Named
-    tensors need the first's names, and equal lengths along the padded axes."""
-    if isinstance(first, dict):
-        if not isinstance(x, dict) or x.keys() != first.keys():
-            return f"input must be a map of the tensors {list(first)}, as the batch's first is"
-        whys = [_why_not(x[k], first[k], axes) for k in first]
-        if any(whys):
-            return next(f"tensor {k!r}: {w}" for k, w in zip(first, whys, strict=True) if w)
-        lengths = {tuple(x[k].shape[d] for d in axes) for k in x}
-        return (
-            None if len(lengths) == 1 else f"its tensors differ in length along the padded axes {list(axes)}"
-        )
-    if not isinstance(x, np.ndarray):
+def _why_not(x: Any, axes: tuple[int, ...]) -> str | None:
+    """Why input `x` cannot be stacked at all, or None: it is not a tensor or a map of
+    them, its rank has not the padded axes, or its named tensors differ in length along
+    them."""
+    if not _is_tensors(x):
         return f"input must be a tensor or a map of tensors, got {type(x).__name__}"
-    if not isinstance(first, np.ndarray):
-        return "input must be a map of tensors, as the batch's first is"
-    return misfit(x, first, axes)
+    arrays = list(x.values()) if isinstance(x, dict) else [x]
+    for a in arrays:
+        if any(d >= a.ndim for d in axes):
+            return f"the padded axes {list(axes)} do not fit a tensor of rank {a.ndim}"
+    if len({tuple(a.shape[d] for d in axes) for a in arrays}) > 1:
+        return f"its tensors differ in length along the padded axes {list(axes)}"
+    return None
 
 
 def _split(result: Any, n: int, lengths: np.ndarray | None, axes: tuple[int, ...]) -> list[Any]:

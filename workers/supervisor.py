@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from batcher.protocol import Heartbeat
 from batcher.stopping import stop_signals_blocked
-from workers.models import ModelSpec, SimSettings
+from workers.models import MAX_PADDED_ELEMENTS, ModelSpec, SimSettings, check_max_padded_elements
 from workers.placement import (
     CpuPlan,
     pinned_threads_per_worker,
@@ -65,12 +65,15 @@ class PoolSettings:
     batching_level: str = "step"
     #: --pin-cpus: each worker on cores of its own, the broker on the rest (CpuPlan).
     pin_cpus: bool = False
+    #: The most elements a stacked model's padded batch may hold (--max-padded-elements).
+    max_padded_elements: int = MAX_PADDED_ELEMENTS
 
     def __post_init__(self) -> None:
         if self.workers_per_model is not None and self.workers_per_model < 0:
             raise ValueError(f"workers must be >= 0, got {self.workers_per_model}")
         if self.max_starting is not None and self.max_starting < 1:
             raise ValueError(f"max_starting must be >= 1, got {self.max_starting}")
+        check_max_padded_elements(self.max_padded_elements)
         if self.workers_per_gpu < 1:
             raise ValueError(f"workers_per_gpu must be >= 1, got {self.workers_per_gpu}")
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
@@ -229,6 +232,8 @@ class Supervisor:
             "--threads-per-worker",
             str(self.threads_per_worker),
             *self._warmup_args(model),
+            "--max-padded-elements",
+            str(s.max_padded_elements),
             *(["--cpus", ",".join(map(str, cpus))] if cpus else []),
         ] + (
             ["--curve-server-key", s.curve_secret_key, "--curve-secret-key", s.curve_secret_key]

@@ -37,7 +37,14 @@ from batcher.signature import Signature, signature_of
 from batcher.stopping import StopSignals, ignore_stop_signals
 from batcher.zmqio import recv_frames, send_frames
 from workers import fastpath, warmup
-from workers.models import ModelFn, ModelSpec, SimSettings, load_model
+from workers.models import (
+    MAX_PADDED_ELEMENTS,
+    ModelFn,
+    ModelSpec,
+    SimSettings,
+    check_max_padded_elements,
+    load_model,
+)
 from workers.overlap import ModelThread
 from workers.placement import pin_to
 from workers.steps import BATCHING_LEVELS, BatchingLevel, StepRunner, is_step_model
@@ -81,6 +88,8 @@ class WorkerSettings:
     batching_level: str = BatchingLevel.STEP.value
     #: The CPUs this worker and every thread it starts run on (--cpus); None: not pinned.
     cpus: tuple[int, ...] | None = None
+    #: The most elements a stacked model's padded batch may hold (workers/stacking.py).
+    max_padded_elements: int = MAX_PADDED_ELEMENTS
 
     def __post_init__(self) -> None:
         ModelSpec.parse(self.model)  # raises with a precise message
@@ -98,6 +107,7 @@ class WorkerSettings:
             raise ValueError(f"warmup sizes must be ints >= 1, got {list(self.warmup_sizes)}")
         if self.gpu is not None and self.gpu < 0:
             raise ValueError(f"gpu must be >= 0, got {self.gpu}")
+        check_max_padded_elements(self.max_padded_elements)
         if self.cpus is not None and (not self.cpus or not all(type(c) is int and c >= 0 for c in self.cpus)):
             raise ValueError(f"cpus must be a non-empty list of ids >= 0, got {self.cpus!r}")
 
@@ -436,7 +446,8 @@ class Worker:
         """Load the model, with CUDA_VISIBLE_DEVICES set first as a real GPU would need."""
         if self.settings.gpu is not None:  # --gpu N means device N, whatever was inherited
             os.environ["CUDA_VISIBLE_DEVICES"] = str(self.settings.gpu)
-        self.model = load_model(self.spec, self.settings.gpu, self.settings.sim, self.settings.threads)
+        s = self.settings
+        self.model = load_model(self.spec, s.gpu, s.sim, s.threads, s.max_padded_elements)
         if is_step_model(self.model):
             s = self.settings
             self._steps = StepRunner(
