@@ -12,7 +12,7 @@ protocol's Packer writes it, byte for byte.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
@@ -22,10 +22,17 @@ from batcher import tensor
 DATATYPE_KEY = b"\xa8datatype"
 
 _packer = msgpack.Packer(use_bin_type=True, default=tensor.msgpack_default)
-_KEY_DATATYPE = _packer.pack("datatype")
-_KEY_SHAPE = _packer.pack("shape")
-_KEY_DATA = _packer.pack("data")
-_KEY_PAD = _packer.pack(tensor.PAD_KEY)
+
+
+def _pack(value: object) -> bytes:
+    """`value` as protocol's Packer writes it."""
+    return cast(bytes, _packer.pack(value))
+
+
+_KEY_DATATYPE = _pack("datatype")
+_KEY_SHAPE = _pack("shape")
+_KEY_DATA = _pack("data")
+_KEY_PAD = _pack(tensor.PAD_KEY)
 #: The bytes of a pad entry of each length, the key's 4 and the bin header's 2 included.
 _PADS = [_KEY_PAD + b"\xc4" + bytes([k]) + bytes(k) for k in range(tensor.ALIGN_BYTES)]
 #: The smallest pad entry: its key, a bin header, no bytes.
@@ -64,9 +71,9 @@ def pad_entry(offset: int, data_size: int) -> bytes:
     return _PADS[-(offset + _PAD_ENTRY_MIN + before_data) % tensor.ALIGN_BYTES]
 
 
-def tensor_head(datatype: str, shape: list[int] | tuple[int, ...]) -> bytes:
+def tensor_head(datatype: str, shape: tuple[int, ...]) -> bytes:
     """A tensor map's entries before its pad: `datatype` and `shape` (no map header)."""
-    return _KEY_DATATYPE + _packer.pack(datatype) + _KEY_SHAPE + _packer.pack(list(shape))
+    return _KEY_DATATYPE + _pack(datatype) + _KEY_SHAPE + _pack(list(shape))
 
 
 def data_head(size: int) -> bytes:
@@ -75,8 +82,9 @@ def data_head(size: int) -> bytes:
 
 
 def pack(obj: object) -> bytes:
-    """`obj` as msgpack, with every tensor in it (a numpy array, or a tensor map whose data
-    is bin) aligned; TypeError (and what else msgpack raises) for a value it cannot write."""
+    """`obj` as msgpack, with every tensor in it (a numpy array, or a valid tensor map)
+    aligned, any other value as protocol's Packer writes it; TypeError (and what else
+    msgpack raises) for a value it cannot write."""
     writer = _Writer()
     writer.value(obj)
     return b"".join(writer.parts)
@@ -97,24 +105,28 @@ class _Writer:
         kind = type(value)
         if tensor.is_array(value):
             t = tensor.from_array(value)
-            self.tensor(t["datatype"], t["shape"], t["data"])
+            self.tensor(t["datatype"], tuple(t["shape"]), t["data"])
         elif kind is dict:
             self.mapping(value)  # type: ignore[arg-type]
         elif kind is list or kind is tuple:
             self.sequence(value)  # type: ignore[arg-type]
         else:
-            self.put(_packer.pack(value))
+            self.put(_pack(value))
 
     def mapping(self, value: dict[Any, Any]) -> None:
-        data = value.get("data") if tensor.is_tensor(value) else None
-        if isinstance(data, bytes | bytearray | memoryview):
-            self.tensor(value["datatype"], value["shape"], data)
+        if tensor.is_tensor(value):
+            try:
+                datatype, shape = tensor.check(value)
+            except tensor.TensorError:  # no tensor a receiver could view: written as it is
+                self.put(_pack(value))
+                return
+            self.tensor(datatype, shape, value["data"])
             return
         if self.plain(value):
             return
         self.put(_map_header(len(value)))
         for k, v in value.items():
-            self.put(_packer.pack(k))
+            self.put(_pack(k))
             self.value(v)
 
     def sequence(self, value: list[Any] | tuple[Any, ...]) -> None:
@@ -135,11 +147,8 @@ class _Writer:
         self.put(packed)
         return True
 
-    def tensor(self, datatype: object, shape: object, data: bytes | bytearray | memoryview) -> None:
-        if not isinstance(shape, list | tuple):  # not a tensor a receiver could view: as it is
-            self.put(_packer.pack({"datatype": datatype, "shape": shape, "data": data}))
-            return
-        head = _KEY_DATATYPE + _packer.pack(datatype) + _KEY_SHAPE + _packer.pack(list(shape))
+    def tensor(self, datatype: str, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> None:
+        head = tensor_head(datatype, shape)
         size = memoryview(data).nbytes
         pad = pad_entry(self.pos + 1 + len(head), size)
         self.put(b"\x84" + head + pad if pad else b"\x83" + head)

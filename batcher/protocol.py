@@ -457,9 +457,9 @@ def _holds_array(payload: object) -> bool:
     if tensor.is_array(payload):
         return True
     if type(payload) is dict:
-        return any(tensor.is_array(v) for v in payload.values())  # type: ignore[attr-defined]
+        return any(tensor.is_array(v) for v in payload.values())
     if type(payload) is list:
-        return any(tensor.is_array(v) for v in payload)  # type: ignore[attr-defined]
+        return any(tensor.is_array(v) for v in payload)
     return False
 
 

@@ -279,7 +279,7 @@ def test_the_load_process_sends_what_pack_carrying_writes(monkeypatch: pytest.Mo
     import onnx_served
 
     x = np.arange(1024, dtype=np.float32)
-    rest = onnx_served.rest_of_body(x)
+    rest = onnx_served.RestOfBody(x)
     for req_id in [1, 127, 128, 255, 256, 65535, 65536, 2**32, 2**63]:
         expected = protocol.pack_carrying({"id": req_id, "model": "mlp", "input": x}, x)
         assert onnx_served.request_body(req_id, rest) == expected

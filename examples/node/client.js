@@ -82,13 +82,15 @@ function readKey(path, name) {
   return match[1];
 }
 
-// A tensor (docs/protocol.md 3.1): its little-endian bytes, read with a DataView.
+// A tensor (docs/protocol.md 3.1): its little-endian bytes, viewed in place as a typed
+// array when they start at a multiple of the element's size in their buffer (as the
+// reference worker aligns them: 3.1, "Alignment"), else read with a DataView.
 const TENSOR_READERS = {
-  FP32: [4, (view, at) => view.getFloat32(at, true)],
-  FP64: [8, (view, at) => view.getFloat64(at, true)],
-  INT32: [4, (view, at) => view.getInt32(at, true)],
-  INT64: [8, (view, at) => Number(view.getBigInt64(at, true))],
-  UINT8: [1, (view, at) => view.getUint8(at)],
+  FP32: [4, (view, at) => view.getFloat32(at, true), Float32Array],
+  FP64: [8, (view, at) => view.getFloat64(at, true), Float64Array],
+  INT32: [4, (view, at) => view.getInt32(at, true), Int32Array],
+  INT64: [8, (view, at) => Number(view.getBigInt64(at, true)), BigInt64Array],
+  UINT8: [1, (view, at) => view.getUint8(at), Uint8Array],
 };
 
 function tensor(values) {
@@ -96,15 +98,24 @@ function tensor(values) {
   return { datatype: "FP32", shape: [values.length], data };
 }
 
-// A tensor map of a datatype above in JSON form (data as numbers), or null.
+// A tensor map of a datatype above in JSON form (data as numbers), or null. A tensor has
+// the keys datatype, shape and data, and perhaps pad (bytes that align data: ignored).
 function tensorJson(v) {
-  if (v === null || typeof v !== "object" || Object.keys(v).length !== 3) return null;
+  if (v === null || typeof v !== "object") return null;
+  const keys = Object.keys(v).length;
+  if (keys !== 3 && !(keys === 4 && "pad" in v)) return null;
   const reader = TENSOR_READERS[v.datatype];
   if (!reader || !Array.isArray(v.shape) || !(v.data instanceof Uint8Array)) return null;
   const count = v.shape.reduce((a, b) => a * b, 1);
   if (v.data.length !== count * reader[0]) return null;
+  const [size, read, Typed] = reader;
+  if (v.data.byteOffset % size === 0) {
+    // in place, no copy (a little-endian host assumed, as in tensor() above)
+    const data = Array.from(new Typed(v.data.buffer, v.data.byteOffset, count), Number);
+    return { datatype: v.datatype, shape: v.shape, data };
+  }
   const view = new DataView(v.data.buffer, v.data.byteOffset, v.data.byteLength);
-  const data = Array.from({ length: count }, (_, i) => reader[1](view, i * reader[0]));
+  const data = Array.from({ length: count }, (_, i) => read(view, i * size));
   return { datatype: v.datatype, shape: v.shape, data };
 }
 

@@ -1,0 +1,169 @@
+"""Aligned tensors (batcher/aligned.py, docs/protocol.md 3.1 "Alignment"): every tensor
+batcher writes (worker replies, client requests) has its data at a multiple of 8 bytes
+from the body's first byte, whatever precedes it, and decodes to what it held; a real
+worker's replies, as a client receives them, are aligned (issue 28 item 22)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batcher import aligned, protocol, tensor
+from workers import fastpath
+
+DTYPES = ["|b1", "|u1", "<u2", "<i4", "<i8", "<f2", "<f4", "<f8"]
+
+
+def _array(dtype: str, shape: tuple[int, ...], seed: int) -> Any:
+    """Random contents (BOOL: 0 and 1), so that the data's bytes are found where they sit."""
+    rng = np.random.default_rng(seed)
+    if dtype == "|b1":
+        return rng.integers(0, 2, shape).astype(bool)
+    return (
+        rng.integers(0, 255, int(np.prod(shape)), dtype=np.uint8)
+        .view(np.uint8)
+        .astype(np.dtype(dtype))
+        .reshape(shape)
+    )
+
+
+arrays = st.builds(
+    _array,
+    st.sampled_from(DTYPES),
+    st.lists(st.integers(16, 40), min_size=1, max_size=2).map(tuple),
+    st.integers(0, 2**32),
+)
+ids = st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1), st.text(max_size=300))
+payloads = st.recursive(
+    arrays
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.text(max_size=40)
+    | st.binary(max_size=20)
+    | st.floats(allow_nan=False),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=8,
+)
+
+
+def _arrays_in(value: Any) -> list[Any]:
+    if tensor.is_array(value):
+        return [value]
+    if isinstance(value, dict):
+        return [a for v in value.values() for a in _arrays_in(v)]
+    if isinstance(value, list):
+        return [a for v in value for a in _arrays_in(v)]
+    return []
+
+
+def _as_plain(value: Any) -> Any:
+    """A decoded value with each tensor as (datatype, shape, its bytes), its pad dropped."""
+    if tensor.is_tensor(value):
+        return (value["datatype"], list(value["shape"]), bytes(value["data"]))
+    if isinstance(value, dict):
+        return {k: _as_plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_plain(v) for v in value]
+    return value
+
+
+def assert_aligned(body: bytes, arrays_in_it: list[Any]) -> None:
+    for a in arrays_in_it:
+        at = body.find(a.tobytes())
+        assert at >= 0 and at % tensor.ALIGN_BYTES == 0, (at, a.dtype, a.shape)
+
+
+@given(ids, payloads)
+def test_every_tensor_written_starts_at_a_multiple_of_8_and_decodes_to_what_it_held(
+    req_id: Any, payload: Any
+) -> None:
+    body = protocol.pack_carrying({"id": req_id, "ok": True, "output": payload, "batch_size": 3}, payload)
+    assert_aligned(body, _arrays_in(payload))
+    plain = protocol.pack({"id": req_id, "ok": True, "output": payload, "batch_size": 3})  # unaligned
+    decode = lambda b: msgpack.unpackb(b, raw=False, strict_map_key=False)  # noqa: E731
+    assert _as_plain(decode(body)) == _as_plain(decode(plain))
+
+
+@given(ids, arrays, st.floats(0, 1e6), st.integers(1, 4096))
+def test_the_batch_reply_encoder_writes_what_ok_reply_writes(
+    req_id: Any, array: Any, queue_ms: float, n: int
+) -> None:
+    encoder = fastpath.ReplyEncoder(n, "host/gpu0/42", 0.5, 3.25)
+    fast = encoder.encode(req_id, array, queue_ms)
+    assert fast == protocol.ok_reply(
+        req_id, array, fastpath.reply_meta(n, "host/gpu0/42", queue_ms, 0.5, 3.25)
+    )
+    assert fast is not None
+    assert_aligned(fast, [array])
+
+
+def test_a_pad_entry_is_added_only_when_the_data_would_not_be_aligned_and_any_writer_can_make_it() -> None:
+    x = np.arange(4, dtype=np.float64)
+    for req_id in range(300):
+        body = protocol.pack_carrying({"id": req_id, "input": x}, x)
+        t = msgpack.unpackb(body)["input"]
+        without = msgpack.packb(
+            {"id": req_id, "input": {"datatype": "FP64", "shape": [4], "data": x.tobytes()}}
+        )
+        if without.find(x.tobytes()) % 8 == 0:
+            assert "pad" not in t and body == without
+        else:
+            # the same map written by plain msgpack, with the pad entry before data, is the same bytes
+            assert list(t) == ["datatype", "shape", "pad", "data"] and set(t["pad"]) <= {0}
+            assert body == msgpack.packb({"id": req_id, "input": t}, use_bin_type=True)
+    for offset in range(64):
+        for size in (0, 32, 300, 70_000):
+            pad = aligned.pad_entry(offset, size)
+            assert (offset + len(pad) + len(aligned.data_head(size))) % tensor.ALIGN_BYTES == 0
+            assert len(pad) == 0 or 6 <= len(pad) <= 6 + tensor.ALIGN_BYTES  # key, bin header, 0-7 bytes
+
+
+def test_a_padded_tensor_is_a_tensor_and_any_other_fourth_key_is_not() -> None:
+    t = {"datatype": "UINT8", "shape": [2], "data": b"\1\2"}
+    assert tensor.is_tensor({**t, "pad": b"\0\0\0"}) and tensor.to_array({**t, "pad": b""}).tolist() == [1, 2]
+    assert not tensor.is_tensor({**t, "name": "x"})
+    with pytest.raises(tensor.TensorError, match="tensor pad must be msgpack bin, got int"):
+        tensor.check({**t, "pad": 3})
+
+
+def test_an_invalid_tensor_map_from_a_model_is_written_as_it_is() -> None:
+    odd = {"datatype": "BF16", "shape": [3], "data": b"\0" * 6}
+    assert msgpack.unpackb(protocol.ok_reply(1, odd))["output"] == odd
+
+
+# --- a real worker -------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_a_real_workers_replies_reach_the_client_aligned(serve, connect):
+    """Every datatype, small (joined in one REPLY frame) and large (64 KiB and more, a frame
+    of its own), alone and as named outputs, with ids of every length: as the client's
+    socket receives each reply body, each tensor's data sits at a multiple of 8."""
+    s = serve("--model", "echo", "--workers", "1", "--max-batch-size", "16", "--max-wait-ms", "20", workers=1)
+    sock = connect(zmq.DEALER, s.frontend)
+    sent: dict[Any, list[Any]] = {}
+    k = 0
+    for dtype in DTYPES:
+        for shape in ((5, 7), (3,), (70_000,)):
+            for req_id in (k, "r" * (k % 40), 2**40 + k):
+                a = _array(dtype, shape, k)
+                b = _array(dtype, shape, k + 10_000)
+                payload = a if k % 2 else {"first": a, "second": [b]}
+                sent[req_id] = _arrays_in(payload)
+                sock.send_multipart([b"", protocol.pack({"id": req_id, "input": payload})])  # unaligned in
+                k += 1
+    bodies = {}
+    for _ in range(len(sent)):
+        assert sock.poll(30_000), f"{len(bodies)} of {len(sent)} replies"
+        frames = sock.recv_multipart()
+        reply = msgpack.unpackb(frames[-1], raw=False)
+        assert reply["ok"], reply
+        bodies[reply["id"]] = frames[-1]
+    assert bodies.keys() == sent.keys()
+    for req_id, arrays_in_it in sent.items():
+        assert_aligned(bodies[req_id], arrays_in_it)
