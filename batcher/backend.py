@@ -122,6 +122,12 @@ class Backend:
         self.pool.joined(worker_id, info, raw.get("slots"), time.monotonic())
         self.stats.metrics.worker_event(info.model, "joined")
         log.info("worker joined: %s", self.pool.name(worker_id))
+        if info.warmup_error is not None:
+            log.warning(
+                "worker %s could not be warmed up (%s): no cost or time limit is derived from its "
+                "warm-up; its model's first batch gets the first-batch time limit",
+                self.pool.name(worker_id), info.warmup_error,
+            )  # fmt: skip
         # At once, not at the next tick: a worker started with other heartbeat flags
         # adopts the broker's before its silence could be taken for death.
         self.send(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT, self.pool.heartbeat_frame])

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from batcher.protocol import MAX_ACTIVE, MAX_REPORTED_MS, ErrorCode, Heartbeat
+from batcher.protocol import MAX_ACTIVE, MAX_REPORTED_MS, MAX_WARMUP_ERROR_CHARS, ErrorCode, Heartbeat
 from batcher.scheduler import Batch, QueuedRequest, Scheduler
 from batcher.signature import Signature
 from batcher.streams import Streams
@@ -36,6 +36,14 @@ class WorkerInfo(NamedTuple):
     signature: Signature | None = None
     cost_ms: tuple[float, float] | None = None  # t(n) = a + b*n its warm-up measured
     max_active: int | None = None  # a step-level worker's credit: the sequences it holds at once
+    warmup_error: str | None = None  # why its warm-up failed: it announced no cost
+
+    @property
+    def warmup(self) -> str | None:
+        """What its warm-up gave: "measured" (cost_ms), "failed: WHY", or None (none ran)."""
+        if self.cost_ms is not None:
+            return "measured"
+        return None if self.warmup_error is None else f"failed: {self.warmup_error}"
 
     def name(self, worker_id: bytes) -> str:
         """`model/gpuN/pidP/idHEX`: the worker's name in logs and stats."""
@@ -84,6 +92,13 @@ class WorkerPool:
         for info in reversed(self._info.values()):
             if info.model == model:
                 return info.signature
+        return None
+
+    def warmup(self, model: str) -> str | None:
+        """What the warm-up of the model's newest live worker gave (WorkerInfo.warmup)."""
+        for info in reversed(self._info.values()):
+            if info.model == model:
+                return info.warmup
         return None
 
     def info(self, worker_id: bytes) -> WorkerInfo | None:
@@ -225,4 +240,9 @@ def worker_info(info: Any) -> WorkerInfo:
         raise ValueError(
             f"bad READY max_active: must be an int in [1, {MAX_ACTIVE}], got {max_active!r}"[:200]
         )
-    return WorkerInfo(model, info.get("gpu"), info.get("pid"), signature, cost_ms, max_active)
+    warmup_error = info.get("warmup_error")
+    if warmup_error is not None and not isinstance(warmup_error, str):
+        raise ValueError(f"bad READY warmup_error: must be a str, got {warmup_error!r}"[:200])
+    if warmup_error is not None:
+        warmup_error = warmup_error[:MAX_WARMUP_ERROR_CHARS]
+    return WorkerInfo(model, info.get("gpu"), info.get("pid"), signature, cost_ms, max_active, warmup_error)

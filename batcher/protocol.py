@@ -682,12 +682,13 @@ def ready_frames(
     signature: dict[str, Any] | None = None,
     cost_ms: list[float] | None = None,
     max_active: int | None = None,
+    warmup_error: str | None = None,
 ) -> list[bytes]:
     """Backend READY message, a worker's first words: what it serves (and, optionally, how
     many batches it accepts at once, the broker's --worker-prefetch applying otherwise,
     its model's signature in wire form, batcher.signature, the [a, b] ms of the
-    t(n) = a + b*n its warm-up measured, and, for a step-level worker, the sequences it
-    holds at once: its credit)."""
+    t(n) = a + b*n its warm-up measured, or why its warm-up failed, and, for a step-level
+    worker, the sequences it holds at once: its credit)."""
     info: dict[str, Any] = {"model": model, "gpu": gpu, "pid": pid}
     if slots is not None:
         info["slots"] = slots
@@ -697,7 +698,13 @@ def ready_frames(
         info["cost_ms"] = cost_ms
     if max_active is not None:  # a step-level worker: it takes sequences, not batches
         info["max_active"] = max_active
+    if warmup_error is not None:
+        info["warmup_error"] = warmup_error[:MAX_WARMUP_ERROR_CHARS]
     return [WORKER_PROTOCOL, CMD_READY, _packer_pack(info)]
+
+
+#: The longest `warmup_error` a READY carries (characters).
+MAX_WARMUP_ERROR_CHARS = 500
 
 
 # --- step-level workers (docs/generative.md) ------------------------------------------------

@@ -208,6 +208,7 @@ class BrokerStats:
             "length_buckets": None if settings.length_buckets is None else list(settings.length_buckets),
             "batch_cost_ms": None if cost is None else [cost[0] * 1000, cost[1] * 1000],
             "batch_cost_basis": view.cost_basis,
+            "warmup": pool.warmup(name),
             "signature": None if (sig := pool.signature(name)) is None else sig.wire(),
             "active_sequences": streams.active(name),
             "sequences": st.sequences,

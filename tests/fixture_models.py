@@ -125,3 +125,36 @@ class NoGil:
         if self.runs:
             with open(self.runs, "a") as f:
                 f.write(line + "\n")
+
+
+class TripleWidth:
+    """Signature x FP32 [-1, -1]; each input's sum, but an input whose width is not a
+    multiple of 3 fails alone (an exception instance, as the ONNX model answers a run that
+    fails): the warm-up's zeros, a dynamic axis taken as 1, fail."""
+
+    signature = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, -1]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1]}],
+    }
+
+    def __init__(self, gpu_id: int | None = None) -> None:
+        self.seen_widths: list[int] = []
+
+    def __call__(self, inputs: list[Any]) -> list[Any]:
+        out: list[Any] = []
+        for x in inputs:
+            if x.shape[0] % 3:
+                out.append(ValueError(f"width {x.shape[0]} is not a multiple of 3"))
+            else:
+                out.append(x.sum(keepdims=True))
+        return out
+
+
+class SampledTripleWidth(TripleWidth):
+    """TripleWidth with a warm-up sample it accepts (width 3)."""
+
+    @property
+    def warmup_sample(self) -> Any:
+        import numpy as np
+
+        return np.ones(3, np.float32)

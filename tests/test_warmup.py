@@ -46,7 +46,7 @@ def test_the_profile_fits_the_fastest_time_of_each_size() -> None:
         now[0] += (0.004 + 0.001 * n) * (3 if calls.count(n) == 1 else 1)  # the first run is slow
         return inputs
 
-    a, b = warmup.profile(model, SIG, (1, 2, 4, 8), clock=lambda: now[0])
+    a, b = warmup.profile(model, warmup.zero_input(SIG), (1, 2, 4, 8), clock=lambda: now[0])
     assert (a, b) == (pytest.approx(4.0), pytest.approx(1.0))
     assert calls == [1] * 3 + [2] * 3 + [4] * 3 + [8] * 3
 
@@ -89,3 +89,79 @@ def test_an_onnx_worker_announces_its_cost_before_the_first_request(
         assert cost is not None and cost[0] >= 0 and cost[1] >= 0  # known before any request
     else:
         assert cost is None
+
+
+# --- issue 28 item 6: a failed warm-up is never measured ---------------------------------------------
+
+
+def test_a_run_that_fails_is_never_measured_and_the_warm_up_says_why() -> None:
+    np = pytest.importorskip("numpy")
+    from tests.fixture_models import TripleWidth
+
+    calls: list[int] = []
+
+    def fails_alone(inputs: list[Any]) -> list[Any]:  # as the ONNX model answers a failed run
+        calls.append(len(inputs))
+        return [ValueError("cannot reshape") for _ in inputs]
+
+    with pytest.raises(
+        warmup.WarmupFailed, match="at batch size 1 the model failed its input: ValueError: cannot"
+    ):
+        warmup.profile(fails_alone, np.zeros(1, np.float32), (1, 2, 4))
+    assert calls == [1]  # it stopped at the first failed run
+    with pytest.raises(
+        warmup.WarmupFailed, match="at batch size 2 the model returned 1 outputs for a batch of 2"
+    ):
+        warmup.profile(lambda xs: xs[:1], 0, (1, 2))
+    with pytest.raises(warmup.WarmupFailed, match="at batch size 1 the model raised KeyError"):
+        warmup.profile(lambda xs: {}[0], 0, (1,))
+    model = TripleWidth()
+    with pytest.raises(warmup.WarmupFailed, match="width 1 is not a multiple of 3"):
+        warmup.profile(model, warmup.sample_of(model, Signature.from_wire(model.signature)), (1,))
+
+
+def test_the_warm_up_input_is_the_models_sample_else_zeros_of_its_signature_else_none() -> None:
+    np = pytest.importorskip("numpy")
+    from tests.fixture_models import SampledTripleWidth
+
+    assert warmup.sample_of(SampledTripleWidth(), SIG).tolist() == [1, 1, 1]
+    assert set(warmup.sample_of(object(), SIG)) == {"x", "m"}
+    assert warmup.sample_of(object(), None) is None
+    a, b = warmup.profile(SampledTripleWidth(), warmup.sample_of(SampledTripleWidth(), None), (1, 2))
+    assert a >= 0 and b >= 0
+    assert np is not None
+
+
+def test_a_ready_says_why_its_warm_up_failed_and_the_pool_tells_it() -> None:
+    info = worker_info({"model": "m", "pid": 1, "warmup_error": "x" * 900})
+    assert info.warmup == "failed: " + "x" * 500 and info.cost_ms is None
+    assert worker_info({"model": "m", "pid": 1, "cost_ms": [1, 2]}).warmup == "measured"
+    assert worker_info({"model": "m", "pid": 1}).warmup is None
+    with pytest.raises(ValueError, match="bad READY warmup_error: must be a str, got 3"):
+        worker_info({"model": "m", "pid": 1, "warmup_error": 3})
+
+
+@pytest.mark.integration
+def test_a_model_that_cannot_be_warmed_up_says_so_and_gets_no_cost_from_it(serve, client, tmp_path: Path):
+    """Its error path was measured as its cost (and set a 1 s time limit for 2 s batches):
+    now stats and the worker's log say the warm-up failed, no cost is known before the
+    first batch (so the first-batch time limit holds), and the model is served; a model
+    given a warmup_sample it accepts is measured."""
+    np = pytest.importorskip("numpy")
+    s = serve(
+        "--model", "fails=tests.fixture_models:TripleWidth",
+        "--model", "sampled=tests.fixture_models:SampledTripleWidth",
+        "--workers", "1",
+        workers=2,
+    )  # fmt: skip
+    c = client(s.frontend)
+    models = c.control("stats")["models"]
+    assert models["fails"]["warmup"].startswith(
+        "failed: at batch size 1 the model failed its input: ValueError"
+    )
+    assert models["fails"]["batch_cost_ms"] is None
+    assert models["sampled"]["warmup"] == "measured" and models["sampled"]["batch_cost_ms"] is not None
+    for model in ("fails", "sampled"):
+        assert c.request(np.ones(6, np.float32), model=model).tolist() == [6.0]
+    log = (tmp_path / "serve-0.stderr").read_text()
+    assert "warm-up failed, so no cost is announced" in log and "could not be warmed up" in log

@@ -1,11 +1,19 @@
 """Warm-up and cost profiling: before READY, a worker runs its model at each batch size
-it may get, on zero inputs of its signature, and fits t(n) = a + b*n to the times.
+it may get, on one request's input repeated, and fits t(n) = a + b*n to the times.
 
 Two things come of it. The first real request does not pay for the model's first run
 (memory allocation, kernel selection, lazy initialisation), and the broker's adaptive
 policy knows the model's cost from the first request on, instead of learning it from
-live batches (READY carries `cost_ms`: [a, b] in milliseconds). Only a model with a
-signature can be warmed up: its zero inputs are built from it.
+live batches (READY carries `cost_ms`: [a, b] in milliseconds).
+
+The input is the model's own `warmup_sample` (one request's input as the model gets
+it: an array, a map of them, any value), as Triton's model_warmup takes a sample from
+the model's configuration; else zeros of its signature, each dynamic axis taken as 1.
+A model with neither is not warmed up. A run that fails (the model raises, returns
+the wrong count, or fails any input alone, as the ONNX model does per request) is
+never measured: the warm-up stops there and says why (WarmupFailed), the worker
+announces no cost and says so in READY (`warmup_error`), and the broker derives no
+time limit from it (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -32,6 +40,19 @@ def warmup_sizes(max_batch_size: int, batch_sizes: tuple[int, ...] | None = None
     return (*sizes, max_batch_size)
 
 
+class WarmupFailed(Exception):
+    """A warm-up run failed: nothing it measured is used; the message says why."""
+
+
+def sample_of(model: object, signature: Signature | None) -> Any:
+    """The input a model is warmed up on: its `warmup_sample`, else zeros of its signature;
+    None when it has neither (it is not warmed up)."""
+    sample = getattr(model, "warmup_sample", None)
+    if sample is not None:
+        return sample
+    return None if signature is None else zero_input(signature)
+
+
 def zero_input(signature: Signature) -> Any:
     """One request's input of zeros: its tensor (a map of them for several inputs), each
     without the batch axis, a dynamic axis taken as 1."""
@@ -46,22 +67,40 @@ def zero_input(signature: Signature) -> Any:
 
 def profile(
     model: Callable[[list[Any]], list[Any]],
-    signature: Signature,
+    sample: Any,
     sizes: tuple[int, ...],
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, float]:
-    """Run `model` RUNS times at each size on zero inputs; (a, b) in ms of the least
-    squares line through the fastest time of each size (b = 0 with one size)."""
-    x = zero_input(signature)
+    """Run `model` RUNS times at each size on `sample` repeated; (a, b) in ms of the least
+    squares line through the fastest time of each size (b = 0 with one size).
+    WarmupFailed at the first run that fails: no failed run is ever measured."""
     points = []
     for n in sizes:
         best = float("inf")
         for _ in range(RUNS):
             t0 = clock()
-            model([x] * n)
-            best = min(best, clock() - t0)
+            try:
+                outputs = model([sample] * n)
+            except Exception as exc:
+                raise WarmupFailed(f"at batch size {n} the model raised {type(exc).__name__}: {exc}") from exc
+            elapsed = clock() - t0
+            why = _failure(outputs, n)
+            if why is not None:
+                raise WarmupFailed(f"at batch size {n} {why}")
+            best = min(best, elapsed)
         points.append((n, best * 1000.0))
     return fit(points)
+
+
+def _failure(outputs: object, n: int) -> str | None:
+    """Why a run's outputs are no success (the worker would answer an error), or None."""
+    if not isinstance(outputs, list | tuple) or len(outputs) != n:
+        got = f"{len(outputs)} outputs" if isinstance(outputs, list | tuple) else repr(type(outputs))
+        return f"the model returned {got} for a batch of {n}"
+    failed = next((out for out in outputs if isinstance(out, BaseException)), None)
+    if failed is not None:
+        return f"the model failed its input: {type(failed).__name__}: {failed}"
+    return None
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:

@@ -33,7 +33,7 @@ from batcher.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
 from batcher.client import HANDSHAKE_FAILED, ConnectionWatch
 from batcher.protocol import ErrorCode, Heartbeat
 from batcher.security import secure_client
-from batcher.signature import Signature, signature_of
+from batcher.signature import signature_of
 from batcher.stopping import StopSignals, ignore_stop_signals
 from batcher.zmqio import recv_frames, send_frames
 from workers import fastpath, warmup
@@ -420,6 +420,7 @@ class Worker:
         self.model: ModelFn | None = None
         self.signature: dict[str, Any] | None = None  # the model's, as READY carries it
         self.cost_ms: list[float] | None = None  # t(n) = a + b*n from the warm-up, for READY
+        self.warmup_error: str | None = None  # why the warm-up failed, for READY
         self.batches = 0
         self.reconnects = 0
         self._sock: zmq.Socket[Any] | None = None
@@ -469,20 +470,27 @@ class Worker:
             self._model_thread = ModelThread(lambda job: call_model(model, job[0]))
         declared = signature_of(self.model)  # ValueError for a malformed one: the load fails
         self.signature = None if declared is None else declared.wire()
-        if declared is not None and self.settings.warmup_sizes:
-            self._warm_up(declared)
+        sample = warmup.sample_of(self.model, declared) if self.settings.warmup_sizes else None
+        if sample is not None:
+            self._warm_up(sample)
         log.info("model %s loaded (%s) on gpu %s", self.spec.name, self.spec.target, self.settings.gpu)
 
-    def _warm_up(self, signature: Signature) -> None:
+    def _warm_up(self, sample: Any) -> None:
         """Run the model at each warm-up size (workers/warmup.py) and keep its fitted cost
-        for READY; a model that fails on zero inputs is served without it."""
+        for READY; a model whose warm-up fails is served without a cost, and says why."""
         sizes = self.settings.warmup_sizes
         assert self.model is not None
         t0 = time.perf_counter()
         try:
-            a_ms, b_ms = warmup.profile(self.model, signature, sizes)
+            a_ms, b_ms = warmup.profile(self.model, sample, sizes)
         except Exception as exc:  # the model's own error: serve it anyway, unprofiled
-            log.warning("worker %s: warm-up failed, the model is served without it: %s", self.name, exc)
+            self.warmup_error = str(exc)[: protocol.MAX_WARMUP_ERROR_CHARS]
+            log.warning(
+                "worker %s: warm-up failed, so no cost is announced (the broker learns it from live "
+                "batches, the first given the first-batch time limit): %s; give the model a "
+                "warmup_sample it accepts (README, \"Models\")",
+                self.name, self.warmup_error,
+            )  # fmt: skip
             return
         self.cost_ms = [round(a_ms, 4), round(b_ms, 4)]
         log.info(
@@ -798,6 +806,7 @@ class Worker:
             signature=self.signature,
             cost_ms=self.cost_ms,
             max_active=max_active,
+            warmup_error=self.warmup_error,
         )
 
     def _disconnect(self, linger_ms: int = 0) -> None:
