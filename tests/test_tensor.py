@@ -653,3 +653,16 @@ def test_a_large_body_msgspec_cannot_read_as_a_map_of_str_keys_decodes_as_usual(
     assert tensor.unpack_arrays(reply) == {1: b"x" * (2 * LARGE), "id": 4}
     with pytest.raises(msgspec.ValidationError):
         tensor.unpack_viewing(reply, "output", tensor.arrays_hook)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps (Linux)")
+def test_a_worker_has_numpy_loaded_before_its_first_tensor_request(serve, zctx):
+    """Issue 28 item 23: a model without a signature is not warmed up, so its first tensor
+    request imported numpy (40-170 ms);
+    the worker now loads it, and runs a tiny tensor batch, before READY."""
+    s = serve("--model", "echo", "--workers", "1", workers=1)
+    (entry,) = broker_stats(s.frontend, zctx, timeout_s=5)["models"]["echo"]["worker_list"]
+    pid = int(entry["worker"].split("/pid")[1].split("/")[0])
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    assert "_multiarray_umath" in maps  # numpy's core extension, mapped before any request
