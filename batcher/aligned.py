@@ -3,11 +3,13 @@ body's first byte, so that a receiver can view them in place with the alignment 
 elements need (a JavaScript Float64Array, a C `double *`): docs/protocol.md 3.1,
 "Alignment".
 
-A tensor map is written as `datatype`, `shape`, then, when the data would not land on a
-multiple of ALIGN_BYTES, a `pad` entry (a bin of 0 to 7 zero bytes: the entry takes 6 to
-13 bytes), then `data` last. Any msgpack writer can do the same: it needs only to know
-how many bytes it has written so far. Everything that is not a tensor is written as
-protocol's Packer writes it, byte for byte.
+A tensor map is written with its keys in the order `datatype`, `shape`, `data` (the
+data last), and its data is moved to the next multiple of 8 by writing some of those
+keys with a wider str header than the shortest: `datatype` as str 8 (1 byte more),
+`shape` as str 16 (2 more), `data` as str 32 (4 more), for a shift of 0 to 7 bytes.
+msgpack allows every str format for any string (the shortest is only a "should"), so
+every decoder reads the same three keys: the map is the same map, byte for byte in its
+values. Everything that is not a tensor is written as protocol's Packer writes it.
 """
 
 from __future__ import annotations
@@ -29,14 +31,62 @@ def _pack(value: object) -> bytes:
     return cast(bytes, _packer.pack(value))
 
 
-_KEY_DATATYPE = _pack("datatype")
-_KEY_SHAPE = _pack("shape")
-_KEY_DATA = _pack("data")
-_KEY_PAD = _pack(tensor.PAD_KEY)
-#: The bytes of a pad entry of each length, the key's 4 and the bin header's 2 included.
-_PADS = [_KEY_PAD + b"\xc4" + bytes([k]) + bytes(k) for k in range(tensor.ALIGN_BYTES)]
-#: The smallest pad entry: its key, a bin header, no bytes.
-_PAD_ENTRY_MIN = len(_PADS[0])
+def _key(name: str, extra: int) -> bytes:
+    """The str `name` (under 32 bytes) with a header `extra` bytes longer than fixstr's."""
+    raw = name.encode()
+    size = len(raw)
+    header = {
+        0: bytes([0xA0 | size]),
+        1: b"\xd9" + size.to_bytes(1, "big"),
+        2: b"\xda" + size.to_bytes(2, "big"),
+        4: b"\xdb" + size.to_bytes(4, "big"),
+    }[extra]
+    return header + raw
+
+
+#: The keys' encodings, by the bytes they add: one of the three per bit of the shift.
+_DATATYPE = (_key("datatype", 0), _key("datatype", 1))
+_SHAPE = (_key("shape", 0), _key("shape", 2))
+_DATA = (_key("data", 0), _key("data", 4))
+
+
+def bin_header(size: int) -> bytes:
+    """msgpack's bin header for `size` bytes (bin 8, 16 or 32), as any encoder writes it."""
+    if size < 1 << 8:
+        return b"\xc4" + size.to_bytes(1, "big")
+    if size < 1 << 16:
+        return b"\xc5" + size.to_bytes(2, "big")
+    return b"\xc6" + size.to_bytes(4, "big")
+
+
+def tensor_head(offset: int, datatype: str, shape: tuple[int, ...] | list[int], size: int) -> bytes:
+    """A tensor map's bytes up to its data (map header, `datatype`, `shape`, the `data`
+    key and bin header), for a map that starts `offset` bytes into the body and `size`
+    bytes of data: its keys widened so that the data starts at a multiple of ALIGN_BYTES."""
+    datatype_value, shape_value, data_header = _pack(datatype), _pack(list(shape)), bin_header(size)
+    shortest = 1 + len(_DATATYPE[0]) + len(datatype_value) + len(_SHAPE[0]) + len(shape_value)
+    shortest += len(_DATA[0]) + len(data_header)
+    shift = -(offset + shortest) % tensor.ALIGN_BYTES
+    return b"".join(
+        (
+            b"\x83",
+            _DATATYPE[shift & 1],
+            datatype_value,
+            _SHAPE[(shift >> 1) & 1],
+            shape_value,
+            _DATA[(shift >> 2) & 1],
+            data_header,
+        )
+    )
+
+
+def pack(obj: object) -> bytes:
+    """`obj` as msgpack, with every tensor in it (a numpy array, or a valid tensor map)
+    aligned, any other value as protocol's Packer writes it; TypeError (and what else
+    msgpack raises) for a value it cannot write."""
+    writer = _Writer()
+    writer.value(obj)
+    return b"".join(writer.parts)
 
 
 class _HoldsTensor(Exception):
@@ -50,44 +100,6 @@ def _refuse_arrays(value: object) -> Any:
 
 
 _plain = msgpack.Packer(use_bin_type=True, default=_refuse_arrays)
-
-
-def bin_header(size: int) -> bytes:
-    """msgpack's bin header for `size` bytes (bin 8, 16 or 32), as any encoder writes it."""
-    if size < 1 << 8:
-        return b"\xc4" + size.to_bytes(1, "big")
-    if size < 1 << 16:
-        return b"\xc5" + size.to_bytes(2, "big")
-    return b"\xc6" + size.to_bytes(4, "big")
-
-
-def pad_entry(offset: int, data_size: int) -> bytes:
-    """The pad entry (b"" when none is needed) that a tensor map, whose `shape` value ends
-    `offset` bytes into the body, needs before its `data` entry for the data to start at
-    a multiple of ALIGN_BYTES."""
-    before_data = len(_KEY_DATA) + len(bin_header(data_size))
-    if (offset + before_data) % tensor.ALIGN_BYTES == 0:
-        return b""
-    return _PADS[-(offset + _PAD_ENTRY_MIN + before_data) % tensor.ALIGN_BYTES]
-
-
-def tensor_head(datatype: str, shape: tuple[int, ...]) -> bytes:
-    """A tensor map's entries before its pad: `datatype` and `shape` (no map header)."""
-    return _KEY_DATATYPE + _pack(datatype) + _KEY_SHAPE + _pack(list(shape))
-
-
-def data_head(size: int) -> bytes:
-    """The `data` key and its bin header, for `size` bytes of data."""
-    return _KEY_DATA + bin_header(size)
-
-
-def pack(obj: object) -> bytes:
-    """`obj` as msgpack, with every tensor in it (a numpy array, or a valid tensor map)
-    aligned, any other value as protocol's Packer writes it; TypeError (and what else
-    msgpack raises) for a value it cannot write."""
-    writer = _Writer()
-    writer.value(obj)
-    return b"".join(writer.parts)
 
 
 class _Writer:
@@ -148,11 +160,8 @@ class _Writer:
         return True
 
     def tensor(self, datatype: str, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> None:
-        head = tensor_head(datatype, shape)
         size = memoryview(data).nbytes
-        pad = pad_entry(self.pos + 1 + len(head), size)
-        self.put(b"\x84" + head + pad if pad else b"\x83" + head)
-        self.put(data_head(size))
+        self.put(tensor_head(self.pos, datatype, shape, size))
         self.put(data)
 
 

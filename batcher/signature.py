@@ -154,7 +154,6 @@ class _TensorHeader(msgspec.Struct, forbid_unknown_fields=True):
     datatype: Any
     shape: Any
     data: msgspec.Raw
-    pad: msgspec.Raw = msgspec.Raw()  # aligns `data` (docs/protocol.md 3.1), unread
 
 
 class _One(msgspec.Struct):

@@ -1,13 +1,12 @@
 """Tensors on the wire: one msgpack encoding any language can write and read.
 
-A tensor is a msgpack map of three keys (docs/protocol.md, "Tensors"):
+A tensor is a msgpack map of exactly three keys (docs/protocol.md, "Tensors"):
 
     {"datatype": "FP32", "shape": [2, 3], "data": <bin: the C-order little-endian bytes>}
 
-and, optionally, a fourth, `pad` (a bin whose bytes mean nothing), which a writer puts
-before `data` so that the data starts at a multiple of ALIGN_BYTES in the body
-(batcher/aligned.py writes it): a receiver may then view the data in place with the
-alignment its elements need.
+Everything batcher writes puts the data at a multiple of ALIGN_BYTES from the body's
+first byte (batcher/aligned.py), so a receiver may view it with the alignment its
+elements need.
 
 The datatype names are the Open Inference Protocol's. A receiver wraps `data` without
 copying it (`np.frombuffer`). A tensor may stand anywhere in a request's `input` or a
@@ -45,11 +44,8 @@ DATATYPES: dict[str, str] = {
 }
 #: Bytes per element of each datatype.
 ITEM_BYTES: dict[str, int] = {name: int(code[2:]) for name, code in DATATYPES.items()}
-#: The keys of a tensor map; a map with exactly these keys (and perhaps PAD_KEY) is a tensor.
+#: The keys of a tensor map; a map with exactly these keys is a tensor.
 TENSOR_KEYS = frozenset({"datatype", "shape", "data"})
-#: The optional fourth key of a tensor map: a bin of any bytes, before `data`, that aligns it.
-PAD_KEY = "pad"
-PADDED_TENSOR_KEYS = TENSOR_KEYS | {PAD_KEY}
 #: Writers put a tensor's data at a multiple of this many bytes from the body's start: the
 #: largest element (INT64, UINT64, FP64) is 8 bytes.
 ALIGN_BYTES = 8
@@ -65,12 +61,8 @@ class TensorError(ValueError):
 
 def is_tensor(value: object) -> bool:
     """Whether `value` (as msgpack decoded it) is meant as a tensor: a map of exactly the
-    three tensor keys, or of those and `pad`. Whether it is a *valid* tensor is `check`'s
-    question."""
-    if not isinstance(value, dict):
-        return False
-    size = len(value)
-    return (size == 3 and value.keys() == TENSOR_KEYS) or (size == 4 and value.keys() == PADDED_TENSOR_KEYS)
+    three tensor keys. Whether it is a *valid* tensor is `check`'s question."""
+    return isinstance(value, dict) and len(value) == 3 and value.keys() == TENSOR_KEYS
 
 
 def check_header(datatype: object, shape: object) -> tuple[str, tuple[int, ...]]:
@@ -100,9 +92,6 @@ def check(value: dict[Any, Any]) -> tuple[str, tuple[int, ...]]:
     expected = math.prod(shape) * ITEM_BYTES[datatype]
     if len(data) != expected:
         raise TensorError(f"tensor data has {len(data)} bytes, but {datatype} {list(shape)} needs {expected}")
-    pad = value.get(PAD_KEY, b"")
-    if not isinstance(pad, bytes | bytearray | memoryview):
-        raise TensorError(f"tensor pad must be msgpack bin, got {type(pad).__name__}")
     if datatype == "BOOL":
         check_bool(data)
     return datatype, shape
@@ -231,7 +220,6 @@ class _Tensor(msgspec.Struct, forbid_unknown_fields=True):
     datatype: Any
     shape: Any
     data: memoryview
-    pad: Any = None
 
 
 _read_fields = msgspec.msgpack.Decoder(dict[str, msgspec.Raw]).decode

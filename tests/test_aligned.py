@@ -1,7 +1,8 @@
 """Aligned tensors (batcher/aligned.py, docs/protocol.md 3.1 "Alignment"): every tensor
 batcher writes (worker replies, client requests) has its data at a multiple of 8 bytes
-from the body's first byte, whatever precedes it, and decodes to what it held; a real
-worker's replies, as a client receives them, are aligned (issue 28 item 22)."""
+from the body's first byte, whatever precedes it, and decodes to exactly the map of
+three keys it was; a real worker's replies, as a client receives them, are aligned
+(issue 28 item 22)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def _arrays_in(value: Any) -> list[Any]:
 
 
 def _as_plain(value: Any) -> Any:
-    """A decoded value with each tensor as (datatype, shape, its bytes), its pad dropped."""
+    """A decoded value with each tensor as (datatype, shape, its bytes)."""
     if tensor.is_tensor(value):
         return (value["datatype"], list(value["shape"]), bytes(value["data"]))
     if isinstance(value, dict):
@@ -87,6 +88,7 @@ def test_every_tensor_written_starts_at_a_multiple_of_8_and_decodes_to_what_it_h
     plain = protocol.pack({"id": req_id, "ok": True, "output": payload, "batch_size": 3})  # unaligned
     decode = lambda b: msgpack.unpackb(b, raw=False, strict_map_key=False)  # noqa: E731
     assert _as_plain(decode(body)) == _as_plain(decode(plain))
+    assert decode(body) == decode(plain)  # the very same maps, keys and all
 
 
 @given(ids, arrays, st.floats(0, 1e6), st.integers(1, 4096))
@@ -102,33 +104,42 @@ def test_the_batch_reply_encoder_writes_what_ok_reply_writes(
     assert_aligned(fast, [array])
 
 
-def test_a_pad_entry_is_added_only_when_the_data_would_not_be_aligned_and_any_writer_can_make_it() -> None:
+def test_only_the_keys_headers_widen_and_the_map_decodes_to_exactly_the_three_keys() -> None:
     x = np.arange(4, dtype=np.float64)
-    for req_id in range(300):
+    shifts = set()
+    for req_id in ["i" * k for k in range(24)]:
         body = protocol.pack_carrying({"id": req_id, "input": x}, x)
-        t = msgpack.unpackb(body)["input"]
-        without = msgpack.packb(
+        plain = msgpack.packb(
             {"id": req_id, "input": {"datatype": "FP64", "shape": [4], "data": x.tobytes()}}
         )
-        if without.find(x.tobytes()) % 8 == 0:
-            assert "pad" not in t and body == without
-        else:
-            # the same map written by plain msgpack, with the pad entry before data, is the same bytes
-            assert list(t) == ["datatype", "shape", "pad", "data"] and set(t["pad"]) <= {0}
-            assert body == msgpack.packb({"id": req_id, "input": t}, use_bin_type=True)
+        # what any decoder reads is the same map as the shortest encoding's, keys in that order
+        assert msgpack.unpackb(body) == msgpack.unpackb(plain)
+        assert list(msgpack.unpackb(body)["input"]) == ["datatype", "shape", "data"]
+        assert body.find(x.tobytes()) % 8 == 0
+        shifts.add(len(body) - len(plain))
+    assert shifts == set(range(tensor.ALIGN_BYTES))  # every shift, 0 to 7 bytes, was needed
     for offset in range(64):
         for size in (0, 32, 300, 70_000):
-            pad = aligned.pad_entry(offset, size)
-            assert (offset + len(pad) + len(aligned.data_head(size))) % tensor.ALIGN_BYTES == 0
-            assert len(pad) == 0 or 6 <= len(pad) <= 6 + tensor.ALIGN_BYTES  # key, bin header, 0-7 bytes
+            head = aligned.tensor_head(offset, "UINT8", (size,), size)
+            assert (offset + len(head)) % tensor.ALIGN_BYTES == 0
 
 
-def test_a_padded_tensor_is_a_tensor_and_any_other_fourth_key_is_not() -> None:
-    t = {"datatype": "UINT8", "shape": [2], "data": b"\1\2"}
-    assert tensor.is_tensor({**t, "pad": b"\0\0\0"}) and tensor.to_array({**t, "pad": b""}).tolist() == [1, 2]
-    assert not tensor.is_tensor({**t, "name": "x"})
-    with pytest.raises(tensor.TensorError, match="tensor pad must be msgpack bin, got int"):
-        tensor.check({**t, "pad": 3})
+def test_a_widened_tensor_is_read_by_every_reader_batcher_has() -> None:
+    """msgspec (the broker's signature check, the worker's fast path and large-body views)
+    and msgpack read the widened keys as the keys they are."""
+    from batcher.signature import Signature, TensorSpec
+
+    sig = Signature((TensorSpec("x", "FP32", (-1, 3)),), (TensorSpec("y", "FP32", (-1, 3)),))
+    for req_id in range(8):
+        x = np.arange(3, dtype=np.float32)
+        body = protocol.pack_carrying({"id": "i" * req_id, "input": x}, x)
+        assert sig.misfit(body) is None
+        decoded = fastpath.decode_uniform([body])
+        assert decoded is not None and decoded[0][0]["input"].tolist() == [0, 1, 2]
+        big = np.arange(20_000, dtype=np.float32)
+        large = protocol.pack_carrying({"id": req_id, "input": big}, big)
+        viewed = tensor.unpack_viewing(large, "input", tensor.arrays_hook)
+        assert np.array_equal(viewed["input"], big)
 
 
 def test_an_invalid_tensor_map_from_a_model_is_written_as_it_is() -> None:

@@ -76,7 +76,6 @@ class _Tensor(msgspec.Struct, forbid_unknown_fields=True):
     datatype: str
     shape: list[int]
     data: memoryview
-    pad: bytes = b""  # aligns `data` (docs/protocol.md 3.1); a pad of another type: the general path
 
 
 class _Request(msgspec.Struct, forbid_unknown_fields=True):
@@ -170,8 +169,9 @@ class ReplyEncoder:
         tail = {"worker_wait_ms": wait_ms} if wait_ms is not None else {}
         tail["infer_ms"] = infer_ms
         self._tail = b"".join(_encode(k) + _encode(v) for k, v in tail.items())
-        # per dtype and shape: the tensor's entries before its pad, and its data's size
-        self._tensor_heads: dict[tuple[str, tuple[int, ...]], tuple[bytes, bytes, int]] = {}
+        # per dtype and shape, and the tensor's offset modulo ALIGN_BYTES: its bytes up to its data
+        self._tensor_heads: dict[tuple[tuple[str, tuple[int, ...]], int], bytes] = {}
+        self._datatypes: dict[tuple[str, tuple[int, ...]], str] = {}
 
     def encode(self, req_id: int | str | None, output: Any, queue_ms: float | None) -> bytes | None:
         """The reply's bytes, or None when `output` is not a C-ordered array of a
@@ -181,28 +181,24 @@ class ReplyEncoder:
         if type(output) is not np.ndarray or not output.flags.c_contiguous:
             return None
         key = (output.dtype.str, output.shape)
-        known = self._tensor_heads.get(key)
-        if known is None:
+        datatype = self._datatypes.get(key)
+        if datatype is None:
             datatype = tensor.DATATYPES_BY_DTYPE.get(key[0])
             if datatype is None:
                 return None
-            size = output.nbytes
-            known = self._tensor_heads[key] = (
-                aligned.tensor_head(datatype, output.shape),
-                aligned.data_head(size),
-                size,
-            )
-        head, data_head, size = known
+            self._datatypes[key] = datatype
         try:
             id_bytes, queue_bytes = _encode(req_id), _encode(queue_ms)
         except (TypeError, ValueError, OverflowError):  # not the protocol's id or number
             return None
-        before = len(self._head) + len(id_bytes) + len(self._after_id) + 1 + len(head)
-        pad = aligned.pad_entry(before, size)
-        parts = (
-            self._head, id_bytes, self._after_id, b"\x84" if pad else b"\x83", head, pad, data_head,
-            output.data, self._before_queue, queue_bytes,
-        )  # fmt: skip
+        offset = len(self._head) + len(id_bytes) + len(self._after_id)
+        head_key = (key, offset % tensor.ALIGN_BYTES)
+        head = self._tensor_heads.get(head_key)
+        if head is None:
+            head = self._tensor_heads[head_key] = aligned.tensor_head(
+                offset, datatype, output.shape, output.nbytes
+            )
+        parts = (self._head, id_bytes, self._after_id, head, output.data, self._before_queue, queue_bytes)
         return b"".join((*parts, self._tail))
 
 

@@ -92,9 +92,8 @@ static double tensor_element(const char *datatype, const unsigned char *p)
     return *p; /* UINT8 */
 }
 
-/* Print a tensor map ({"datatype", "shape", "data": bin}, perhaps with "pad": bytes that
- * align data, ignored) of FP32, FP64, INT32, INT64 or UINT8 in JSON form, data as
- * numbers; 0 (nothing printed) for anything else. */
+/* Print a tensor map ({"datatype", "shape", "data": bin}) of FP32, FP64, INT32, INT64
+ * or UINT8 in JSON form, data as numbers; 0 (nothing printed) for anything else. */
 static int print_tensor(const msgpack_object *o)
 {
     static const struct { const char *name; size_t size; } types[] = {
@@ -104,10 +103,9 @@ static int print_tensor(const msgpack_object *o)
     const msgpack_object *data = map_get(o, "data");
     char name[8];
     size_t size = 0, count = 1;
-    size_t keys = o->via.map.size;
 
-    if ((keys != 3 && !(keys == 4 && map_get(o, "pad"))) || !datatype ||
-        datatype->type != MSGPACK_OBJECT_STR || datatype->via.str.size >= sizeof name || !shape || shape->type != MSGPACK_OBJECT_ARRAY ||
+    if (o->via.map.size != 3 || !datatype || datatype->type != MSGPACK_OBJECT_STR ||
+        datatype->via.str.size >= sizeof name || !shape || shape->type != MSGPACK_OBJECT_ARRAY ||
         !data || data->type != MSGPACK_OBJECT_BIN)
         return 0;
     memcpy(name, datatype->via.str.ptr, datatype->via.str.size);

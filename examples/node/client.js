@@ -98,12 +98,9 @@ function tensor(values) {
   return { datatype: "FP32", shape: [values.length], data };
 }
 
-// A tensor map of a datatype above in JSON form (data as numbers), or null. A tensor has
-// the keys datatype, shape and data, and perhaps pad (bytes that align data: ignored).
+// A tensor map of a datatype above in JSON form (data as numbers), or null.
 function tensorJson(v) {
-  if (v === null || typeof v !== "object") return null;
-  const keys = Object.keys(v).length;
-  if (keys !== 3 && !(keys === 4 && "pad" in v)) return null;
+  if (v === null || typeof v !== "object" || Object.keys(v).length !== 3) return null;
   const reader = TENSOR_READERS[v.datatype];
   if (!reader || !Array.isArray(v.shape) || !(v.data instanceof Uint8Array)) return null;
   const count = v.shape.reduce((a, b) => a * b, 1);
