@@ -852,10 +852,12 @@ def pool_settings(
     hold (PoolSettings refuses it) is a usage error."""
     model_gpus: dict[str, tuple[int, ...]] = {}
     model_workers: dict[str, int] = {}
+    warmup_samples: dict[str, str] = {}
     try:
         if config:
             parsed = load_config(config)
             model_gpus = parsed.model_gpus()
+            warmup_samples = parsed.model_warmup_samples()
             if not given_outside_file(click.get_current_context(silent=True), ["workers"]):
                 model_workers = parsed.model_workers()
         return PoolSettings(
@@ -883,6 +885,7 @@ def pool_settings(
             **(dataclasses.asdict(steps) if steps is not None else {}),
             pin_cpus=pin_cpus,
             max_padded_elements=max_padded_elements,
+            warmup_samples=warmup_samples,
         )
     except (ValueError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
@@ -1228,6 +1231,14 @@ def broker(
     "each model's allowed sizes).",
 )
 @no_warmup_option
+@option(
+    "--warmup-sample",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="A JSON file holding one request's input, tensors as `batcher send` reads them, for "
+    "the warm-up to run the model on instead of its warmup_sample or zeros of its signature "
+    "(serve: a model table's warmup_sample).",
+)
 @max_padded_elements_option
 @option("--parent-pid", type=int_range(1, 2**31 - 1), default=None, hidden=True)
 @heartbeat_options
@@ -1243,6 +1254,7 @@ def worker(
     cpus: tuple[int, ...] | None,
     warmup_sizes: tuple[int, ...] | None,
     no_warmup: bool,
+    warmup_sample: str | None,
     max_padded_elements: int,
     parent_pid: int | None,
     heartbeat: Heartbeat,
@@ -1271,6 +1283,7 @@ def worker(
                 steps.batching_level,
                 cpus,
                 max_padded_elements,
+                warmup_sample,
             )
         )
     except ModelLoadError as exc:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tomllib
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -23,9 +24,10 @@ from typing import Any
 
 from batcher.scheduler import BatchSettings
 
-#: Keys of a [models.NAME] table that place the model's workers (`serve` only): the
-#: devices it is pinned to and how many workers it gets. Not batching settings.
-PLACEMENT_KEYS = ("gpus", "workers")
+#: Keys of a [models.NAME] table for the model's workers (`serve` only): the devices it
+#: is pinned to, how many workers it gets, and the file of the input its warm-up runs
+#: on (workers/warmup.py). Not batching settings.
+PLACEMENT_KEYS = ("gpus", "workers", "warmup_sample")
 #: Keys a [models.NAME] table may hold: the fields of BatchSettings, then placement.
 MODEL_KEYS = (*(f.name for f in dataclasses.fields(BatchSettings)), *PLACEMENT_KEYS)
 
@@ -62,6 +64,7 @@ MODEL_KINDS = {
     "length_buckets": Kind.INT_LIST,
     "gpus": Kind.INT_LIST,
     "workers": Kind.INT,
+    "warmup_sample": Kind.STR,
 }
 
 
@@ -159,6 +162,16 @@ class Config:
     def model_gpus(self) -> dict[str, tuple[int, ...]]:
         """The devices each model is pinned to (`gpus = [0]` in its table)."""
         return {name: tuple(t["gpus"]) for name, t in self.models.items() if "gpus" in t}
+
+    def model_warmup_samples(self) -> dict[str, str]:
+        """The warm-up sample file of each model whose table names one (`warmup_sample =
+        "x.json"`), a relative path taken from the configuration file's directory."""
+        here = os.path.dirname(os.path.abspath(self.path))
+        return {
+            name: os.path.join(here, t["warmup_sample"])
+            for name, t in self.models.items()
+            if "warmup_sample" in t
+        }
 
     def model_workers(self) -> dict[str, int]:
         """The workers of each model whose table says (`workers = N`)."""

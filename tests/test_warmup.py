@@ -165,3 +165,59 @@ def test_a_model_that_cannot_be_warmed_up_says_so_and_gets_no_cost_from_it(serve
         assert c.request(np.ones(6, np.float32), model=model).tolist() == [6.0]
     log = (tmp_path / "serve-0.stderr").read_text()
     assert "warm-up failed, so no cost is announced" in log and "could not be warmed up" in log
+
+
+def _reshape3(path: Path) -> Path:
+    """x FP32 [N, L] -> y = sum over the last axis of reshape(x, [N, -1, 3]): fails unless 3 | L."""
+    from onnx import TensorProto, helper
+
+    from tests import onnx_models
+
+    shape = helper.make_tensor("shape", TensorProto.INT64, [3], [0, -1, 3])
+    axes = helper.make_tensor("axes", TensorProto.INT64, [1], [2])
+    graph = helper.make_graph(
+        [
+            helper.make_node("Reshape", ["x", "shape"], ["r"]),
+            helper.make_node("ReduceSum", ["r", "axes"], ["y"], keepdims=0),
+        ],
+        "reshape3",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "L"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "M"])],
+        [shape, axes],
+    )
+    return onnx_models._save(graph, path)
+
+
+@pytest.mark.integration
+def test_an_onnx_model_is_warmed_up_on_the_sample_its_model_table_names(serve, client, tmp_path: Path):
+    """An ONNX model has no Python attribute to hold a sample: a model table's
+    warmup_sample names a JSON file of one request's input (as `batcher send` reads
+    tensors), which serve passes to its workers as --warmup-sample. Without it the
+    model's warm-up fails (its dynamic axis as 1), and says so."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    path = _reshape3(tmp_path / "r3.onnx")
+    (tmp_path / "r3.json").write_text('{"datatype": "FP32", "shape": [6], "data": [0, 0, 0, 0, 0, 0]}')
+    config = tmp_path / "batcher.toml"
+    config.write_text('[models.sampled]\nwarmup_sample = "r3.json"\n')
+    s = serve(
+        "--model", f"sampled=onnx:{path}", "--model", f"plain=onnx:{path}", "--config", str(config),
+        "--workers", "1", "--threads-per-worker", "1",
+        workers=2,
+    )  # fmt: skip
+    models = client(s.frontend).control("stats")["models"]
+    assert models["sampled"]["warmup"] == "measured" and models["sampled"]["batch_cost_ms"] is not None
+    assert models["plain"]["warmup"].startswith("failed: at batch size 1 the model failed its input")
+    assert models["plain"]["batch_cost_ms"] is None
+
+
+def test_a_model_tables_warmup_sample_is_a_path_from_the_config_files_directory(tmp_path: Path) -> None:
+    from batcher.config import ConfigError, load_config
+
+    (tmp_path / "c.toml").write_text('[models.a]\nwarmup_sample = "s/a.json"\n[models.b]\nworkers = 1\n')
+    assert load_config(str(tmp_path / "c.toml")).model_warmup_samples() == {
+        "a": str(tmp_path / "s" / "a.json")
+    }
+    (tmp_path / "bad.toml").write_text("[models.a]\nwarmup_sample = 3\n")
+    with pytest.raises(ConfigError, match="warmup_sample"):
+        load_config(str(tmp_path / "bad.toml"))

@@ -67,6 +67,8 @@ class PoolSettings:
     pin_cpus: bool = False
     #: The most elements a stacked model's padded batch may hold (--max-padded-elements).
     max_padded_elements: int = MAX_PADDED_ELEMENTS
+    #: By model name, the file of the input its warm-up runs on (a table's warmup_sample).
+    warmup_samples: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.workers_per_model is not None and self.workers_per_model < 0:
@@ -234,12 +236,17 @@ class Supervisor:
             *self._warmup_args(model),
             "--max-padded-elements",
             str(s.max_padded_elements),
+            *self._warmup_sample_args(model),
             *(["--cpus", ",".join(map(str, cpus))] if cpus else []),
         ] + (
             ["--curve-server-key", s.curve_secret_key, "--curve-secret-key", s.curve_secret_key]
             if s.curve_secret_key
             else []
         )
+
+    def _warmup_sample_args(self, model: str) -> list[str]:
+        path = self.settings.warmup_samples.get(ModelSpec.parse(model).name)
+        return [] if path is None or self.settings.warmup_sizes is None else ["--warmup-sample", path]
 
     def _warmup_args(self, model: str) -> list[str]:
         sizes = self.settings.warmup_sizes

@@ -6,9 +6,11 @@ Two things come of it. The first real request does not pay for the model's first
 policy knows the model's cost from the first request on, instead of learning it from
 live batches (READY carries `cost_ms`: [a, b] in milliseconds).
 
-The input is the model's own `warmup_sample` (one request's input as the model gets
-it: an array, a map of them, any value), as Triton's model_warmup takes a sample from
-the model's configuration; else zeros of its signature, each dynamic axis taken as 1.
+The input is a sample of one request's input, as Triton's model_warmup takes one from
+the model's configuration: the JSON file `worker --warmup-sample` names (serve: a model
+table's `warmup_sample`), else the model's own `warmup_sample` attribute (the input as
+the model gets it: an array, a map of them, any value); else zeros of its signature,
+each dynamic axis taken as 1.
 A model with neither is not warmed up. A run that fails (the model raises, returns
 the wrong count, or fails any input alone, as the ONNX model does per request) is
 never measured: the warm-up stops there and says why (WarmupFailed), the worker

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import math
 import os
@@ -90,6 +91,9 @@ class WorkerSettings:
     cpus: tuple[int, ...] | None = None
     #: The most elements a stacked model's padded batch may hold (workers/stacking.py).
     max_padded_elements: int = MAX_PADDED_ELEMENTS
+    #: A JSON file of one request's input for the warm-up (--warmup-sample); None: the
+    #: model's own warmup_sample, else zeros of its signature.
+    warmup_sample: str | None = None
 
     def __post_init__(self) -> None:
         ModelSpec.parse(self.model)  # raises with a precise message
@@ -485,10 +489,30 @@ class Worker:
             self._model_thread = ModelThread(lambda job: call_model(model, job[0]))
         declared = signature_of(self.model)  # ValueError for a malformed one: the load fails
         self.signature = None if declared is None else declared.wire()
-        sample = warmup.sample_of(self.model, declared) if self.settings.warmup_sizes else None
+        sample = None
+        if self.settings.warmup_sizes:
+            sample = self._sample_from_file()
+            if sample is None:
+                sample = warmup.sample_of(self.model, declared)
         if sample is not None:
             self._warm_up(sample)
         log.info("model %s loaded (%s) on gpu %s", self.spec.name, self.spec.target, self.settings.gpu)
+
+    def _sample_from_file(self) -> Any:
+        """The input of --warmup-sample's JSON file, decoded as a request's input is (its
+        tensors as arrays); None without one. ValueError saying what is wrong with it."""
+        path = self.settings.warmup_sample
+        if path is None:
+            return None
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = tensor.json_tensors(json.load(f))
+        except (OSError, ValueError) as exc:  # json's and tensor's errors are ValueErrors
+            raise ValueError(f"--warmup-sample {path}: {exc}") from None
+        request, why = _decode_request(protocol.pack({"input": value}))
+        if why is not None:
+            raise ValueError(f"--warmup-sample {path}: {why}")
+        return request["input"]
 
     def _warm_up(self, sample: Any) -> None:
         """Run the model at each warm-up size (workers/warmup.py) and keep its fitted cost
