@@ -441,7 +441,8 @@ def pack_carrying(fields: dict[str, Any], payload: object) -> bytes:
     by msgpack's Packer otherwise."""
     if _plain_payload(payload):
         if _holds_array(payload):
-            return aligned.pack(fields)
+            body = aligned.pack_plain(fields, payload)
+            return body if body is not None else aligned.pack(fields)
         try:
             return _encode(fields)
         except (TypeError, ValueError, OverflowError, RecursionError):
