@@ -8,8 +8,8 @@ A model asks for it with an attribute (docs/protocol.md, "Tensors"; examples/pyt
         def __call__(self, tokens, lengths): ...   # tokens: (n, longest); lengths: (n, 1)
 
 Without padding (`stack = True`, or `Stack()`) the model is called with one array of
-shape (n, ...), or a dict of them when each input is a map of named tensors, and every
-request's tensors must have the same dtype and shape. With `pad_axes`, the shapes may
+shape (n, ...), or a dict of them when each input is a map of named tensors, of
+requests whose tensors have the same dtype and shape. With `pad_axes`, the shapes may
 differ along those axes of a request's tensor (axis 0 is the first axis after the batch
 axis): each is padded with `pad_value` to the batch's longest, and the model gets a
 second argument, `lengths`, an int64 array (n, len(pad_axes)) of each request's true
@@ -17,8 +17,12 @@ lengths. The model returns an array (or a dict of arrays) whose first axis is th
 batch; each request gets its row, cut back to its own length along `unpad_axes` (the
 output axes matching `pad_axes`, one for one).
 
-A request whose input cannot join the batch (not a tensor, another dtype or rank, or a
-shape that differs outside `pad_axes`) is answered `bad_request` on its own.
+A batch's requests of different forms (dtype, rank, shape outside `pad_axes`, map
+names) are stacked apart, one model call per form, and no call's padded arrays hold
+more than `max_padded_elements` elements (`plan_runs`; --max-padded-elements): a
+request's answer never depends on its batch-mates. A request that cannot be stacked at
+all (not a tensor or a map of them, its rank without the padded axes), or that is over
+the budget alone, is answered `bad_request` on its own.
 """
 
 from __future__ import annotations
@@ -71,20 +75,8 @@ def stacking_of(model: object) -> Stack | None:
     return declared
 
 
-def misfit(array: np.ndarray, first: np.ndarray, axes: tuple[int, ...]) -> str | None:
-    """Why `array` cannot be stacked with `first` (padding only along `axes`), or None."""
-    if array.dtype != first.dtype or array.ndim != first.ndim:
-        return f"{array.dtype} of rank {array.ndim}, the batch is {first.dtype} of rank {first.ndim}"
-    if any(d >= array.ndim for d in axes):
-        return f"the padded axes {list(axes)} do not fit a tensor of rank {array.ndim}"
-    if any(array.shape[d] != first.shape[d] for d in range(array.ndim) if d not in axes):
-        padded = f" outside the padded axes {list(axes)}" if axes else ""
-        return f"shape {list(array.shape)} differs from the batch's {list(first.shape)}{padded}"
-    return None
-
-
 def pad(arrays: list[np.ndarray], axes: tuple[int, ...], value: float) -> tuple[np.ndarray, np.ndarray]:
-    """Stack `arrays` (each fits the first: `misfit`) into one array, each padded with
+    """Stack `arrays` (of one form: `_form`) into one array, each padded with
     `value` to the largest along `axes`; and their lengths along `axes`, (n, len(axes))."""
     first = arrays[0]
     lengths = np.array([[a.shape[d] for d in axes] for a in arrays], dtype=np.int64)
