@@ -607,7 +607,9 @@ def parse_reply_header(frame: bytes) -> ReplyHeader:
 
     if not _is_finite_ms(infer_ms):
         raise bad(f"REPLY infer_ms must be a number in [0, {MAX_REPORTED_MS:.0f}], got {infer_ms!r}")
-    if not isinstance(lengths, list) or not all(_is_int(n) and n >= 0 for n in lengths):
+    # type() is int: msgpack decodes an int as exactly int (a bool as bool), and this runs
+    # once per reply of every batch (no call per length).
+    if not isinstance(lengths, list) or not all(type(n) is int and n >= 0 for n in lengths):
         raise bad(f"REPLY lengths must be a list of ints >= 0, got {lengths!r}")
     errors, refused = _errors(header[3] if len(header) >= 4 else 0, len(lengths), bad)
     wait_ms = header[4] if len(header) >= 5 else None
@@ -654,8 +656,12 @@ def _errors(value: object, n: int, bad: Callable[[str], WorkerProtocolError]) ->
 MAX_REPORTED_MS = 86_400_000.0
 
 
+#: A number of the protocol (a tuple: `int | float` would build a union at each call).
+_NUMBER = (int, float)
+
+
 def _is_finite_ms(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= MAX_REPORTED_MS
+    return isinstance(value, _NUMBER) and not isinstance(value, bool) and 0 <= value <= MAX_REPORTED_MS
 
 
 def split_replies(lengths: list[int], blob: Any) -> list[bytes]:

@@ -100,6 +100,9 @@ def decode_uniform(bodies: list[Any]) -> tuple[list[dict[str, Any]], Rows] | Non
     and shape; None otherwise: then the general path decodes the batch."""
     if not bodies:
         return None
+    first = bodies[0]
+    if type(first) is bytes and b"datatype" not in first:  # no tensor: spares a failed decode
+        return None
     ids: list[Any] = []
     datas: list[memoryview] = []
     datatype: str | None = None
@@ -161,17 +164,26 @@ class ReplyEncoder:
     aligned as batcher.aligned aligns it. docs/protocol.md 4.3 has the reply's form."""
 
     def __init__(self, n: int, worker: str, wait_ms: float | None, infer_ms: float) -> None:
-        keys = 3 + len(reply_meta(n, worker, None, wait_ms, infer_ms))
-        self._head = bytes([0x80 | keys]) + _encode("id")  # a fixmap: at most 15 keys
-        self._after_id = _encode("ok") + _encode(True) + _encode("output")
-        self._before_queue = _encode("batch_size") + _encode(n) + _encode("worker") + _encode(worker)
-        self._before_queue += _encode("queue_ms")
-        tail = {"worker_wait_ms": wait_ms} if wait_ms is not None else {}
-        tail["infer_ms"] = infer_ms
-        self._tail = b"".join(_encode(k) + _encode(v) for k, v in tail.items())
+        self._batch = (n, worker, wait_ms, infer_ms)
+        self._parts: tuple[bytes, bytes, bytes, bytes] | None = None  # made at the first array
         # per dtype and shape, and the tensor's offset modulo ALIGN_BYTES: its bytes up to its data
         self._tensor_heads: dict[tuple[tuple[str, tuple[int, ...]], int], bytes] = {}
         self._datatypes: dict[tuple[str, tuple[int, ...]], str] = {}
+
+    def _batch_parts(self) -> tuple[bytes, bytes, bytes, bytes]:
+        """The parts shared by the batch's replies, encoded at its first array output only:
+        a batch of other outputs (bytes, lists) never pays for them (1.6 us a batch)."""
+        n, worker, wait_ms, infer_ms = self._batch
+        keys = 3 + len(reply_meta(n, worker, None, wait_ms, infer_ms))
+        head = bytes([0x80 | keys]) + _encode("id")  # a fixmap: at most 15 keys
+        after_id = _encode("ok") + _encode(True) + _encode("output")
+        before_queue = _encode("batch_size") + _encode(n) + _encode("worker") + _encode(worker)
+        before_queue += _encode("queue_ms")
+        tail = {"worker_wait_ms": wait_ms} if wait_ms is not None else {}
+        tail["infer_ms"] = infer_ms
+        encoded_tail = b"".join(_encode(k) + _encode(v) for k, v in tail.items())
+        self._parts = (head, after_id, before_queue, encoded_tail)
+        return self._parts
 
     def encode(self, req_id: int | str | None, output: Any, queue_ms: float | None) -> bytes | None:
         """The reply's bytes, or None when `output` is not a C-ordered array of a
@@ -191,15 +203,15 @@ class ReplyEncoder:
             id_bytes, queue_bytes = _encode(req_id), _encode(queue_ms)
         except (TypeError, ValueError, OverflowError):  # not the protocol's id or number
             return None
-        offset = len(self._head) + len(id_bytes) + len(self._after_id)
+        first, after_id, before_queue, tail = self._parts or self._batch_parts()
+        offset = len(first) + len(id_bytes) + len(after_id)
         head_key = (key, offset % tensor.ALIGN_BYTES)
         head = self._tensor_heads.get(head_key)
         if head is None:
             head = self._tensor_heads[head_key] = aligned.tensor_head(
                 offset, datatype, output.shape, output.nbytes
             )
-        parts = (self._head, id_bytes, self._after_id, head, output.data, self._before_queue, queue_bytes)
-        return b"".join((*parts, self._tail))
+        return b"".join((first, id_bytes, after_id, head, output.data, before_queue, queue_bytes, tail))
 
 
 def reply_meta(

@@ -301,15 +301,18 @@ def finish_batch(batch: PreparedBatch, outcome: ModelOutcome, worker_name: str) 
     n = len(live)
     refused, model_errors = len(batch.bad), 0
     encoder = fastpath.ReplyEncoder(n, worker_name, wait_ms, infer_ms)
+    # The batch's metadata once; each reply's copy gets its own queue_ms (key order kept).
+    template = fastpath.reply_meta(n, worker_name, None, wait_ms, infer_ms)
     for i, out in zip(live, outcome.outputs, strict=True):
         r = everything[i]
         req_id = protocol.answer_id(r)
         stream = _streamed(r)
-        if isinstance(out, tensor.TensorError):  # its input does not fit the model's batch
-            refused += 1
-            replies[i] = protocol.error_reply(req_id, ErrorCode.BAD_REQUEST, str(out), stream)
-            continue
-        if isinstance(out, BaseException):  # the model failed this input alone
+        if isinstance(out, BaseException):  # one check on the common path for both cases
+            if isinstance(out, tensor.TensorError):  # its input does not fit the model's batch
+                refused += 1
+                replies[i] = protocol.error_reply(req_id, ErrorCode.BAD_REQUEST, str(out), stream)
+                continue
+            # the model failed this input alone
             model_errors += 1
             message = f"{type(out).__name__}: {out}"
             trace = out if out.__traceback__ is not None else None
@@ -317,7 +320,7 @@ def finish_batch(batch: PreparedBatch, outcome: ModelOutcome, worker_name: str) 
             replies[i] = protocol.error_reply(req_id, ErrorCode.MODEL_ERROR, message, stream)
             continue
         q = batch.queue_ms[i]
-        if not isinstance(q, int | float) or isinstance(q, bool):
+        if not isinstance(q, _NUMBER) or isinstance(q, bool):
             q = None  # forwarded to the client: only a number from the broker
         elif wait_ms is not None:
             q = round(q + wait_ms, 3)
@@ -327,7 +330,8 @@ def finish_batch(batch: PreparedBatch, outcome: ModelOutcome, worker_name: str) 
             replies[i] = reply
             continue
         try:
-            meta = fastpath.reply_meta(n, worker_name, q, wait_ms, infer_ms)
+            meta = template.copy()
+            meta["queue_ms"] = q
             if stream:  # a request-level model's stream is one chunk: its last
                 meta["more"] = False
             replies[i] = protocol.ok_reply(req_id, out, meta)
@@ -338,6 +342,10 @@ def finish_batch(batch: PreparedBatch, outcome: ModelOutcome, worker_name: str) 
             )
     errors = protocol.error_counts(model_errors, refused)
     return protocol.reply_frames(batch.batch_id, infer_ms, _all(replies), errors, wait_ms, outcome.padding)
+
+
+#: What a broker's queue_ms may be (a tuple: `int | float` would build a union each time).
+_NUMBER = (int, float)
 
 
 def run_batch(
@@ -556,6 +564,12 @@ class Worker:
         """Whether a signal, serve (closing our pipe) or our parent's death says stop."""
         return bool(self.signals.count) or self._read_control() or not self._parent_alive()
 
+    def _stop_known(self) -> bool:
+        """stop_requested without reading serve's pipe: for the loop, which reads it when
+        the poll says it is readable (an empty read raises BlockingIOError: 0.8 us, twice
+        a request on a lone request's path)."""
+        return bool(self.signals.count) or self._released or not self._parent_alive()
+
     def run(self) -> None:
         """Serve until told to stop (see the class), finishing the batch at hand first."""
         if self.model is None:
@@ -590,7 +604,7 @@ class Worker:
         backoff_s, reconnect_at = RECONNECT_MIN_S, None
         trim = heap_trimmer() if keep_freed_memory() else None
         next_trim = now + TRIM_INTERVAL_S
-        while not self.stop_requested():
+        while not self._stop_known():
             wake = next_beat if reconnect_at is None else min(next_beat, reconnect_at)
             if self._steps is not None and (self._inbox or self._steps.busy()):
                 wake = 0.0  # a step is due: only look at what came meanwhile
