@@ -162,6 +162,8 @@ class Backend:
             self.fail_batch(batch, ErrorCode.WORKER_FAILED, f"the worker sent a malformed reply: {exc}")
             return
         self.stats.batch_done(batch.model, queue_ms, infer_ms, in_worker_ms, len(batch.requests), padding)
+        arrivals = [r.arrived_at for r in batch.requests]
+        self.stats.batch_timed(batch.model, arrivals, sent_at, wait_ms, infer_ms, errors, time.monotonic())
         self.stats.count(batch.model, "ok", len(replies) - errors)
         self.stats.count(batch.model, ErrorCode.MODEL_ERROR, errors - refused)
         self.stats.count(batch.model, ErrorCode.BAD_REQUEST, refused)

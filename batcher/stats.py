@@ -21,6 +21,82 @@ CHUNK_RATE_WINDOW_S = 5.0
 
 
 @dataclass
+class Totals:
+    """Cumulative counts and nanoseconds of a model's batches since the broker started, in
+    the parts Triton's statistics extension reports them (the gateway serves them so:
+    docs/gateway.md). Each part of a request's time in the broker, arrival to reply:
+    `queue` in the broker's queue until its batch was sent; `compute_input` the worker's
+    own count from reading the batch to the model starting (decoding and stacking the
+    inputs, a prefetch hold); `compute_infer` the model's call; `compute_output` the rest
+    of the batch's round trip (encoding the outputs, the trips between broker and worker,
+    a wait the worker did not see). Per request each counts its batch's time, as Triton's
+    do; per batch size, each batch once."""
+
+    success: list[int] = field(default_factory=lambda: [0, 0])  # [requests, ns arrival to reply]
+    fail: list[int] = field(default_factory=lambda: [0, 0])  # answered an error by the worker
+    queue: list[int] = field(default_factory=lambda: [0, 0])
+    compute_input: list[int] = field(default_factory=lambda: [0, 0])
+    compute_infer: list[int] = field(default_factory=lambda: [0, 0])
+    compute_output: list[int] = field(default_factory=lambda: [0, 0])
+    #: batch size -> [batches, compute_input ns, compute_infer ns, compute_output ns]
+    by_batch_size: dict[int, list[int]] = field(default_factory=dict)
+    last_batch_at: float | None = None
+
+    def add_batch(
+        self,
+        arrivals: list[float],
+        sent_at: float,
+        wait_ms: float | None,
+        infer_ms: float,
+        errors: int,
+        now: float,
+    ) -> None:
+        """A batch answered at `now` (monotonic s): its requests' arrivals, when it was
+        sent, the worker's wait before the model and the model's time (ms)."""
+        n = len(arrivals)
+        if not n:
+            return
+        round_trip_ns = max(0, round((now - sent_at) * 1e9))
+        infer_ns = max(0, round(infer_ms * 1e6))
+        input_ns = min(max(0, round((wait_ms or 0.0) * 1e6)), max(0, round_trip_ns - infer_ns))
+        output_ns = max(0, round_trip_ns - input_ns - infer_ns)
+        durations_ns = sum(max(0, round((now - t) * 1e9)) for t in arrivals)
+        queued_ns = sum(max(0, round((sent_at - t) * 1e9)) for t in arrivals)
+        failed = min(max(errors, 0), n)
+        fail_ns = durations_ns * failed // n  # the batch's mean time per failed request
+        _add(self.success, n - failed, durations_ns - fail_ns)
+        _add(self.fail, failed, fail_ns)
+        _add(self.queue, n, queued_ns)
+        _add(self.compute_input, n, n * input_ns)
+        _add(self.compute_infer, n, n * infer_ns)
+        _add(self.compute_output, n, n * output_ns)
+        per_size = self.by_batch_size.setdefault(n, [0, 0, 0, 0])
+        per_size[0] += 1
+        per_size[1] += input_ns
+        per_size[2] += infer_ns
+        per_size[3] += output_ns
+        self.last_batch_at = now
+
+    def wire(self, now: float) -> dict[str, Any]:
+        """As `stats` carries them (docs/protocol.md, 4.4)."""
+        return {
+            "success": list(self.success),
+            "fail": list(self.fail),
+            "queue": list(self.queue),
+            "compute_input": list(self.compute_input),
+            "compute_infer": list(self.compute_infer),
+            "compute_output": list(self.compute_output),
+            "by_batch_size": [[size, *v] for size, v in sorted(self.by_batch_size.items())],
+            "last_batch_s_ago": None if self.last_batch_at is None else round(now - self.last_batch_at, 6),
+        }
+
+
+def _add(counter: list[int], count: int, ns: int) -> None:
+    counter[0] += count
+    counter[1] += ns
+
+
+@dataclass
 class ModelStats:
     """Counters the `stats` control request reports for one model."""
 
@@ -34,6 +110,7 @@ class ModelStats:
     chunks: int = 0  # chunks (and final replies) of those delivered to clients
     sequences_cancelled: Counter[str] = field(default_factory=Counter)  # reason -> sequences
     chunk_times: deque[tuple[float, int]] = field(default_factory=deque)  # (when, chunks) per CHUNK
+    totals: Totals = field(default_factory=Totals)
 
     def chunks_per_s(self, now: float) -> float:
         """Chunks delivered per second over the last CHUNK_RATE_WINDOW_S."""
@@ -133,6 +210,19 @@ class BrokerStats:
             st.recent.worker_wait_ms.append(wait_ms)
             self.metrics.worker_wait(model, wait_ms / 1000.0)
 
+    def batch_timed(
+        self,
+        model: str,
+        arrivals: list[float],
+        sent_at: float,
+        wait_ms: float | None,
+        infer_ms: float,
+        errors: int,
+        now: float,
+    ) -> None:
+        """A worker answered a batch: its cumulative totals (Totals.add_batch)."""
+        self.model(model).totals.add_batch(arrivals, sent_at, wait_ms, infer_ms, errors, now)
+
     def snapshot(
         self,
         views: dict[str, ModelView],
@@ -200,6 +290,7 @@ class BrokerStats:
             "infer_ms_p99": percentile(recent.infer_ms, 99),
             "max_batch_size": settings.max_batch_size,
             "max_wait_ms": settings.max_wait_ms,
+            "batch_sizes": None if settings.batch_sizes is None else list(settings.batch_sizes),
             "policy": str(settings.policy),
             "max_queue": settings.max_queue,
             "max_batch_cost": settings.max_batch_cost,
@@ -217,6 +308,7 @@ class BrokerStats:
             "first_chunk_ms_p50": percentile(recent.first_chunk_ms, 50),
             "first_chunk_ms_p99": percentile(recent.first_chunk_ms, 99),
             "sequences_cancelled": dict(st.sequences_cancelled),
+            "totals": st.totals.wire(now),
         }
 
 

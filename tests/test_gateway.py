@@ -133,9 +133,13 @@ def test_health_and_metadata_over_both_protocols(gateway: Callable[..., Gateway]
     assert gw.http.get_server_metadata() == {
         "name": "batcher",
         "version": "0.1.0",
-        "extensions": ["binary_tensor_data"],
+        "extensions": ["binary_tensor_data", "model_configuration", "statistics"],
     }
-    assert list(gw.grpc.get_server_metadata().extensions) == ["binary_tensor_data"]
+    assert list(gw.grpc.get_server_metadata().extensions) == [
+        "binary_tensor_data",
+        "model_configuration",
+        "statistics",
+    ]
     meta = gw.http.get_model_metadata("sp")
     assert meta["name"] == "sp" and meta["versions"] == ["1"] and meta["platform"] == "batcher"
     assert meta["inputs"] == [

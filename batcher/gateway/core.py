@@ -42,7 +42,7 @@ REPLY_GRACE_S = 1.0
 #: after the broker's own deadline_exceeded would have come, before the 504.
 CANCEL_AFTER_S = 0.5
 #: What `GET /v2` and ServerMetadata say the gateway supports.
-EXTENSIONS = ["binary_tensor_data"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 
 
 @dataclass(frozen=True)

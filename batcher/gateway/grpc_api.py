@@ -11,10 +11,11 @@ import logging
 from typing import Any
 
 import grpc
+from google.protobuf import json_format
 
 from batcher.gateway import inference_pb2 as pb
 from batcher.gateway import inference_pb2_grpc as pb_grpc
-from batcher.gateway import oip
+from batcher.gateway import oip, triton
 from batcher.gateway.core import Gateway
 from batcher.protocol import ErrorCode
 
@@ -46,7 +47,8 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: oip.OipError)
 
 
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
-    """The six calls of the v2 service over one Gateway."""
+    """The six calls of the v2 service, and Triton's ModelConfig and ModelStatistics,
+    over one Gateway."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
@@ -97,6 +99,22 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             ],
             raw_output_contents=raw,
         )
+
+    async def ModelConfig(self, request: Any, context: Any) -> Any:
+        """Triton's model configuration extension (batcher/gateway/triton.py)."""
+        try:
+            config = await triton.model_config(self.gateway, request.name, request.version)
+        except oip.OipError as exc:
+            await _abort(context, exc)
+        return pb.ModelConfigResponse(config=json_format.ParseDict(config, pb.ModelConfig()))
+
+    async def ModelStatistics(self, request: Any, context: Any) -> Any:
+        """Triton's statistics extension: one model's, or every model's for no name."""
+        try:
+            stats = await triton.model_statistics(self.gateway, request.name, request.version)
+        except oip.OipError as exc:
+            await _abort(context, exc)
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
 
 
 def parse_infer(request: Any, time_remaining_s: float | None) -> oip.InferRequest:

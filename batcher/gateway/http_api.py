@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from batcher.gateway import oip
+from batcher.gateway import oip, triton
 from batcher.gateway.core import Gateway
 from batcher.protocol import ErrorCode
 
@@ -118,6 +118,8 @@ class HttpApi:
             return _json(self.gateway.server_metadata())
         if name == "model_ready":
             return Response(200 if await self.gateway.model_ready(model, version) else 503)
+        if name in TRITON_ENDPOINTS:
+            return _json(await TRITON_ENDPOINTS[name](self.gateway, model, version))
         meta = await self.gateway.metadata(model, version)
         meta.pop("ready")
         return _json(meta)
@@ -153,12 +155,21 @@ async def write(send: Send, response: Response) -> None:
     await send({"type": "http.response.body", "body": response.body})
 
 
-_MODEL_ENDPOINTS = {(): "model", (b"ready",): "model_ready", (b"infer",): "infer"}
+_MODEL_ENDPOINTS = {
+    (): "model",
+    (b"ready",): "model_ready",
+    (b"infer",): "infer",
+    (b"config",): "config",
+    (b"stats",): "stats",
+}
+#: Triton's extensions (batcher/gateway/triton.py): the handler of each endpoint.
+TRITON_ENDPOINTS = {"config": triton.model_config, "stats": triton.model_statistics}
 
 
 def match(raw_path: bytes) -> tuple[str, str, str] | None:
     """(the endpoint, the model, its version) of a path, or None: /v2, /v2/health/live,
-    /v2/health/ready, /v2/models/{model}[/versions/{version}][/ready | /infer]. Each
+    /v2/health/ready, /v2/models/stats,
+    /v2/models/{model}[/versions/{version}][/ready | /infer | /config | /stats]. Each
     segment is percent-decoded on its own, so a model's name may hold an encoded '/'."""
     parts = raw_path.split(b"/")
     if parts[:2] != [b"", b"v2"]:
@@ -169,6 +180,8 @@ def match(raw_path: bytes) -> tuple[str, str, str] | None:
         return parts[3].decode(), "", ""
     if len(parts) < 4 or parts[2] != b"models" or not parts[3]:
         return None
+    if len(parts) == 4 and parts[3] == b"stats":  # every model's (Triton's form, as there)
+        return "stats", "", ""
     rest, version = parts[4:], b""
     if rest[:1] == [b"versions"]:
         if len(rest) < 2 or not rest[1]:
