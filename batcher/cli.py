@@ -788,11 +788,11 @@ def broker_settings(
     curve: CurveServerKeys | None,
     config: str | None,
 ) -> BrokerSettings:
-    """BrokerSettings from CLI values: `batching` is every model's default, and the
+    """BrokerSettings from CLI values: `models` are the models' names or specs (each
+    configured under `served_name`), `batching` is every model's default, and the
     config file's [models.NAME] tables override what the file set (a value from the
     command line or the environment wins over the tables too)."""
-    # `serve` takes model specs (NAME=pkg.mod:attr); the broker only needs their names.
-    names = tuple(m.partition("=")[0].strip() for m in models) if models else BrokerSettings().models
+    names = tuple(dict.fromkeys(map(served_name, models))) if models else BrokerSettings().models
     fixed = given_outside_file(click.get_current_context(silent=True), BATCH_KEYS)
     try:
         per_model = load_config(config).model_settings(batching, fixed) if config else {}
@@ -921,6 +921,17 @@ def _reread_batching(ctx: click.Context, path: str, models: Iterable[str]) -> di
 
 #: The options a [models.NAME] table may set for its model: BatchSettings' fields.
 BATCH_KEYS = tuple(f.name for f in dataclasses.fields(BatchSettings))
+
+
+def served_name(text: str) -> str:
+    """The name a --model value is configured under at the broker: a worker's spec
+    (`onnx:PATH`, `NAME=SPEC`, `sim`, `pkg.mod:attr`) is named as that worker announces
+    itself (`onnx:dir/digits.onnx` is `digits`); any other text is a name as it is
+    (`batcher broker --model mymodel`)."""
+    try:
+        return ModelSpec.parse(text).name
+    except ValueError:
+        return text.strip()
 
 
 def _check_models(models: tuple[str, ...]) -> None:
