@@ -35,6 +35,7 @@ import zmq
 from click.core import ParameterSource
 
 from batcher import tensor
+from batcher.addresses import check_address
 from batcher.broker import BindError, BrokerSettings, run_broker
 from batcher.client import BatcherError, Client
 from batcher.config import COMMA_LIST_OPTIONS, Config, ConfigError, Kind, load_config, type_problem
@@ -113,6 +114,27 @@ class FiniteFloatRange(click.FloatRange):
         if isinstance(rv, float) and math.isnan(rv):
             self.fail(f"{value!r} is not a number", param, ctx)
         return rv
+
+
+class ZmqAddress(click.ParamType):
+    """A ZeroMQ address option (batcher.addresses): a malformed one is a one-line usage
+    error naming the form expected, never libzmq's EINVAL from inside a send or a bind."""
+
+    name = "ADDRESS"
+
+    def __init__(self, *, bind: bool) -> None:
+        self.bind = bind
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            return check_address(str(value), bind=self.bind)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+#: The type of an address a socket connects to (--connect) and of one a broker binds.
+CONNECT_ADDRESS = ZmqAddress(bind=False)
+BIND_ADDRESS = ZmqAddress(bind=True)
 
 
 def int_range(lo: int, hi: int) -> click.IntRange:
@@ -969,7 +991,12 @@ _GATEWAY_HOST = option(
 
 
 @main.command()
-@option("--connect", default=BrokerSettings().frontend, help="The broker's frontend address.")
+@option(
+    "--connect",
+    type=CONNECT_ADDRESS,
+    default=BrokerSettings().frontend,
+    help="The broker's frontend address.",
+)
 @_HTTP_PORT
 @_GRPC_PORT
 @_GATEWAY_HOST
@@ -1023,8 +1050,18 @@ def gateway(
 
 
 @main.command()
-@option("--frontend", default=BrokerSettings().frontend, help="Address clients connect to (ROUTER).")
-@option("--backend", default=BrokerSettings().backend, help="Address workers connect to (ROUTER).")
+@option(
+    "--frontend",
+    type=BIND_ADDRESS,
+    default=BrokerSettings().frontend,
+    help="Address clients connect to (ROUTER).",
+)
+@option(
+    "--backend",
+    type=BIND_ADDRESS,
+    default=BrokerSettings().backend,
+    help="Address workers connect to (ROUTER).",
+)
 @option(
     "--workers",
     type=int_range(0, MAX_WORKERS),
@@ -1145,8 +1182,18 @@ def serve(
 
 
 @main.command()
-@option("--frontend", default=BrokerSettings().frontend, help="Address clients connect to (ROUTER).")
-@option("--backend", default=BrokerSettings().backend, help="Address workers connect to (ROUTER).")
+@option(
+    "--frontend",
+    type=BIND_ADDRESS,
+    default=BrokerSettings().frontend,
+    help="Address clients connect to (ROUTER).",
+)
+@option(
+    "--backend",
+    type=BIND_ADDRESS,
+    default=BrokerSettings().backend,
+    help="Address workers connect to (ROUTER).",
+)
 @option(
     "--model",
     "models",
@@ -1193,6 +1240,7 @@ def broker(
 @main.command()
 @option(
     "--connect",
+    type=CONNECT_ADDRESS,
     envvar="BATCHER_WORKER_CONNECT",
     old_envvar="BATCHER_CONNECT",
     default=WorkerSettings().connect,
@@ -1356,7 +1404,12 @@ def parse_input(text: str) -> Any:
 
 
 @main.command()
-@option("--connect", default=BrokerSettings().frontend, help="The broker's frontend address.")
+@option(
+    "--connect",
+    type=CONNECT_ADDRESS,
+    default=BrokerSettings().frontend,
+    help="The broker's frontend address.",
+)
 @option(
     "--model",
     envvar="BATCHER_REQUEST_MODEL",
@@ -1455,7 +1508,7 @@ def demo(workers: int, policy: str, logs: LogOptions) -> None:
 
 
 @main.command()
-@option("--connect", default=None, help="Frontend of a running broker to load.")
+@option("--connect", type=CONNECT_ADDRESS, default=None, help="Frontend of a running broker to load.")
 @option("--spawn", is_flag=True, default=False, help="Start a broker and workers (serve options below).")
 @option(
     "--concurrency",
@@ -1660,7 +1713,12 @@ def _run_with_progress(settings: Any) -> Any:
 
 
 @main.command()
-@option("--connect", default=BrokerSettings().frontend, help="The broker's frontend address.")
+@option(
+    "--connect",
+    type=CONNECT_ADDRESS,
+    default=BrokerSettings().frontend,
+    help="The broker's frontend address.",
+)
 @local_option("--watch", is_flag=True, help="Refresh in place until Ctrl-C, with rates per second.")
 @local_option(
     "--interval-s",
@@ -1762,7 +1820,12 @@ def readiness(snapshot: Mapping[str, Any], wanted: Iterable[str]) -> tuple[list[
 
 
 @main.command()
-@option("--connect", default=BrokerSettings().frontend, help="The broker's frontend address.")
+@option(
+    "--connect",
+    type=CONNECT_ADDRESS,
+    default=BrokerSettings().frontend,
+    help="The broker's frontend address.",
+)
 @option(
     "--model",
     "models",
@@ -1821,7 +1884,12 @@ def ready(
 
 @main.command("reload")
 @click.argument("model")
-@option("--connect", default=BrokerSettings().frontend, help="The broker's frontend address.")
+@option(
+    "--connect",
+    type=CONNECT_ADDRESS,
+    default=BrokerSettings().frontend,
+    help="The broker's frontend address.",
+)
 @option(
     "--timeout-s",
     envvar="BATCHER_RELOAD_TIMEOUT_S",
