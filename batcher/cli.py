@@ -116,7 +116,7 @@ class FiniteFloatRange(click.FloatRange):
         return rv
 
 
-class ZmqAddress(click.ParamType):
+class ZmqAddress(click.ParamType[str]):
     """A ZeroMQ address option (batcher.addresses): a malformed one is a one-line usage
     error naming the form expected, never libzmq's EINVAL from inside a send or a bind."""
 
