@@ -40,6 +40,7 @@ from batcher.broker import BindError, BrokerSettings, run_broker
 from batcher.client import BatcherError, Client
 from batcher.config import COMMA_LIST_OPTIONS, Config, ConfigError, Kind, load_config, type_problem
 from batcher.demo import DEMO_POLICY, DEMO_WORKERS, run_demo
+from batcher.extras import MissingExtra, require
 from batcher.gateway.core import GatewaySettings
 from batcher.gateway.process import GatewayProcess, gateway_command, local_address
 from batcher.logs import FORMATS, setup_logging
@@ -48,7 +49,7 @@ from batcher.scheduler import BUCKET_BY, POLICIES, BatchSettings
 from batcher.security import CurveServerKeys, KeyFileError
 from batcher.serving import ModelLoadFailed, run_serve
 from workers import warmup
-from workers.models import ModelSpec, SimSettings
+from workers.models import ONNX_PREFIX, ModelSpec, SimSettings
 from workers.placement import parse_cpus
 from workers.steps import BATCHING_LEVELS
 from workers.supervisor import EXIT_MODEL_LOAD_FAILED, PoolSettings
@@ -957,11 +958,22 @@ def served_name(text: str) -> str:
 
 
 def _check_models(models: tuple[str, ...]) -> None:
+    """Each --model spec parses, and an ONNX one finds its extra installed."""
     for m in models:
         try:
-            ModelSpec.parse(m)
+            spec = ModelSpec.parse(m)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--model") from None
+        if spec.target.startswith(ONNX_PREFIX):
+            _require("onnx", f"--model {m}")
+
+
+def _require(extra: str, needed_by: str) -> None:
+    """batcher.extras.require as a one-line error of the command."""
+    try:
+        require(extra, needed_by)
+    except MissingExtra as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -1035,12 +1047,9 @@ def gateway(
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    try:
-        from batcher.gateway.server import run
-    except ImportError as exc:
-        raise click.ClickException(
-            f"the gateway needs its extra: pip install 'batcher[gateway]' ({exc})"
-        ) from None
+    _require("gateway", "batcher gateway")
+    from batcher.gateway.server import run
+
     try:
         run(settings, control_fd=0 if under_serve else None)
     except zmq.ZMQError as exc:
@@ -1147,6 +1156,8 @@ def serve(
     drained and stopped."""
     setup(logs)
     _check_models(models)
+    if http_port or grpc_port:
+        _require("gateway", "serve --http-port/--grpc-port (the gateway)")
     settings = broker_settings(
         frontend,
         backend,

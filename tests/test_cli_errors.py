@@ -7,11 +7,23 @@ Run through `python -m batcher` (the `cli` fixture), as a user runs it.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import click
 import pytest
 
 import batcher.cli
 from batcher.addresses import EXPECTED, check_address
+from batcher.client import BatcherError, Client
+from batcher.launcher import free_tcp_address
+from tests.helpers import model_stats, wait_until
+from workers.supervisor import child_environment
+
+
+def free_port() -> int:
+    return int(free_tcp_address().rsplit(":", 1)[1])
+
 
 #: Arguments a command needs before its options (reload's MODEL).
 ARGUMENTS = {"reload": ["m"]}
@@ -92,3 +104,121 @@ def test_a_config_files_address_is_checked_as_the_flag_is(cli, tmp_path) -> None
     assert result.returncode == 2, result
     assert "Traceback" not in result.stderr, result.stderr
     assert f"expected {EXPECTED}" in result.stderr, result.stderr
+
+
+# --- extras that are not installed --------------------------------------------------------------
+
+#: A sitecustomize that makes the modules named in $BATCHER_TEST_BLOCKED unimportable in
+#: every process started with its directory on PYTHONPATH (serve's workers and gateway
+#: too), as if they were not installed.
+BLOCKER = """
+import os
+import sys
+
+BLOCKED = set(filter(None, os.environ.get("BATCHER_TEST_BLOCKED", "").split(",")))
+
+
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED or name in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Blocker())
+"""
+
+
+@pytest.fixture
+def without(tmp_path, monkeypatch):
+    """`without("uvicorn", ...)`: the processes started next cannot import those modules
+    (checked: a `python -c "import M"` of each fails)."""
+
+    def block(*modules: str) -> None:
+        site = tmp_path / "blocker"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(BLOCKER)
+        monkeypatch.setenv("PYTHONPATH", str(site))
+        monkeypatch.setenv("BATCHER_TEST_BLOCKED", ",".join(modules))
+        for module in modules:
+            probe = subprocess.run(
+                [sys.executable, "-c", f"import {module}"],
+                env=child_environment(),
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr, probe
+
+    return block
+
+
+def assert_one_line_error(result, *expected: str) -> None:
+    """Exit 1, no traceback, the error one line holding each of `expected`."""
+    assert result.returncode == 1, result
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, result.stderr
+    for text in expected:
+        assert text in errors[0], result.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("module", ["uvicorn", "grpc", "google.protobuf"])
+def test_the_gateway_without_its_extra_names_the_pip_install(cli, without, module: str) -> None:
+    without(module)
+    result = cli("gateway", "--connect", free_tcp_address(), "--http-port", str(free_port()), timeout_s=30)
+    assert_one_line_error(result, "batcher gateway needs the gateway extra", "pip install 'batcher[gateway]'")
+    assert result.stderr.splitlines()[-1].startswith("Error:"), result.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("flag", ["--http-port", "--grpc-port"])
+def test_serve_with_a_gateway_port_but_no_extra_names_the_pip_install_before_starting(
+    cli, without, flag: str
+) -> None:
+    without("uvicorn", "grpc")
+    addresses = ["--frontend", free_tcp_address(), "--backend", free_tcp_address()]
+    result = cli("serve", *addresses, flag, str(free_port()), timeout_s=30)
+    assert_one_line_error(result, "needs the gateway extra", "pip install 'batcher[gateway]'")
+    assert "broker listening" not in result.stderr  # refused before anything started
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_an_onnx_model_without_onnxruntime_names_the_pip_install(cli, without, tmp_path, command) -> None:
+    onnx_models = pytest.importorskip("tests.onnx_models", reason="the onnx package builds the test model")
+    path = onnx_models.linear(tmp_path / "digits.onnx")
+    without("onnxruntime")
+    addresses = (
+        ["--frontend", free_tcp_address(), "--backend", free_tcp_address()]
+        if command == "serve"
+        else ["--connect", free_tcp_address()]
+    )
+    result = cli(command, "--model", f"onnx:{path}", *addresses, timeout_s=30)
+    assert_one_line_error(result, f"--model onnx:{path} needs the onnx extra", "pip install 'batcher[onnx]'")
+
+
+@pytest.mark.integration
+def test_a_worker_without_numpy_answers_a_tensor_naming_the_pip_install(spawn, zctx, without) -> None:
+    without("numpy")
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    spawn("serve", "--model", "echo", "--workers", "1", "--frontend", frontend, "--backend", backend)
+    wait_until(lambda: model_stats(frontend, zctx, "echo").get("workers") == 1, 30, "echo's worker")
+    with Client(frontend, timeout_s=10, context=zctx) as c, pytest.raises(BatcherError) as refused:
+        c.request({"datatype": "FP32", "shape": [1], "data": b"\0\0\0\0"})
+    assert refused.value.code == "bad_request"
+    assert "numpy is not installed here (pip install 'batcher[tensors]')" in refused.value.message
+
+
+@pytest.mark.integration
+def test_a_stacked_model_without_numpy_stops_serve_naming_the_pip_install(cli, without) -> None:
+    without("numpy")
+    addresses = ["--frontend", free_tcp_address(), "--backend", free_tcp_address()]
+    result = cli(
+        "serve", "--model", "s=tests.fixture_models:LengthSpan", "--workers", "1", *addresses, timeout_s=60
+    )
+    assert_one_line_error(result, "model 's' could not be loaded")
+    (load_error,) = [line for line in result.stderr.splitlines() if "cannot load model" in line]
+    assert "No module named 'numpy'" in load_error and "(pip install 'batcher[tensors]')" in load_error
+    assert "Traceback" not in result.stderr
