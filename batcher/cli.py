@@ -37,7 +37,7 @@ from click.core import ParameterSource
 from batcher import tensor
 from batcher.addresses import check_address
 from batcher.broker import BindError, BrokerSettings, run_broker
-from batcher.client import BatcherError, Client
+from batcher.client import TIMEOUT, UNREACHABLE, BatcherError, Client, ClientTimeout, Unreachable
 from batcher.config import COMMA_LIST_OPTIONS, Config, ConfigError, Kind, load_config, type_problem
 from batcher.demo import DEMO_POLICY, DEMO_WORKERS, run_demo
 from batcher.extras import MissingExtra, require
@@ -1492,10 +1492,10 @@ def send(
             failed |= not reply.get("ok")
             click.echo(strict_json(reply))
             error = reply.get("error")
-            if isinstance(error, dict) and error.get("code") == "timeout":
-                timeouts[str(error.get("message", ""))] = None
+            if isinstance(error, dict) and error.get("code") in (TIMEOUT, UNREACHABLE):
+                timeouts[f"{error['code']}: {error.get('message', '')}"] = None
     for message in timeouts:
-        click.echo(f"timeout: {message}", err=True)
+        click.echo(message, err=True)
     sys.exit(1 if failed else 0)
 
 
@@ -1869,13 +1869,16 @@ def ready(
     setup(logs)
     deadline = time.monotonic() + timeout_s
     problems: list[str] | None = None  # None: the broker has not answered yet
+    unanswered = ""  # why no broker can be reached, when that is known
     with curve.client(connect, timeout_s) as client:
         while True:
             client.timeout_s = max(0.01, deadline - time.monotonic())
             try:
                 ready_lines, problems = readiness(client.control("stats"), models)
+            except ClientTimeout as exc:  # no broker answered: yet, or none can (Unreachable)
+                unanswered = exc.message if isinstance(exc, Unreachable) else unanswered
             except BatcherError as exc:
-                if exc.code != "timeout" and problems is None:
+                if problems is None:
                     problems = [f"the broker answered {exc}"]
             else:
                 if not problems:
@@ -1887,8 +1890,8 @@ def ready(
             time.sleep(min(READY_POLL_S, remaining))  # between asks: a worker takes time to join
     if problems is None:
         raise click.ClickException(
-            f"no broker answered at {connect} within {timeout_s}s (is it running, and are the "
-            "CURVE keys right?)"
+            f"no broker answered at {connect} within {timeout_s}s: "
+            + (unanswered or "is it running, and are the CURVE keys right?")
         )
     raise click.ClickException(f"not ready after {timeout_s}s: {'; '.join(problems)}")
 
