@@ -679,8 +679,8 @@ _BROKER = (
         "--max-message-bytes",
         type=int_range(1024, MAX_MESSAGE_BYTES),
         default=BrokerSettings().max_message_bytes,
-        help="Largest request accepted: a bigger frame disconnects its sender (libzmq), a "
-        "bigger message of several frames is answered bad_request.",
+        help="Largest request accepted: a bigger one is answered too_large; a frame over "
+        "4 x this (the hard limit) makes libzmq drop its sender's connection.",
     ),
     option(
         "--no-worker-timeout-ms",
