@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterable
 from types import TracebackType
 from typing import Any
@@ -27,9 +28,12 @@ import zmq.asyncio
 
 from batcher import protocol, tensor
 from batcher.client import (
+    CLIENT_EVENTS,
+    CONNECT_TIMEOUT_S,
     BaseClient,
     BatcherError,
     ClientTimeout,
+    Unreachable,
     cancel_body,
     error_from_reply,
     open_dealer,
@@ -55,7 +59,8 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
     forever); with `retries`, a request that got no reply in time is sent again (only
     for idempotent models: the first attempt may still run; a second reply is dropped).
     Cancelling a coroutine that awaits `request`, or its timing out, asks the broker to
-    drop the request if it is still queued.
+    drop the request if it is still queued. Until a broker was reached, a request fails
+    `unreachable` after `connect_timeout_s` when none can be there, as with Client.
     """
 
     def __init__(
@@ -66,13 +71,16 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         context: zmq.asyncio.Context | None = None,
         curve_server_key: str | None = None,
         curve_secret_key: str | None = None,
+        connect_timeout_s: float | None = CONNECT_TIMEOUT_S,
     ) -> None:
-        super().__init__(address, timeout_s, retries)
+        super().__init__(address, timeout_s, retries, connect_timeout_s)
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket
-        self._sock, self.watch = open_dealer(self._ctx, address, curve_server_key, curve_secret_key)
+        self._sock, self.watch = open_dealer(
+            self._ctx, address, curve_server_key, curve_secret_key, CLIENT_EVENTS
+        )
         self._reader: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -176,8 +184,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
                         sent = True
                         if on_sent is not None:
                             on_sent()
-                        # shield: a timed-out wait must leave the future for a retry's reply
-                        return await asyncio.shield(fut)
+                        return await self._reply_or_unreachable(fut, request_id)
                 except TimeoutError:
                     if not self._retry_allowed(attempts):
                         if sent:
@@ -193,6 +200,23 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
                 del self._pending[request_id]
             if not fut.done():
                 fut.cancel()
+
+    async def _reply_or_unreachable(
+        self, fut: asyncio.Future[dict[str, Any]], request_id: Any
+    ) -> dict[str, Any]:
+        """`fut`'s result; raises Unreachable once no broker can be reached (the verdict
+        is looked at when due by time: the monitor is read then, not awaited)."""
+        since = time.monotonic()
+        while True:
+            why = self._unreachable(since)
+            if why is not None:
+                raise Unreachable(why, reply={"id": request_id})
+            due = self._verdict_due(since)
+            if due is None:
+                return await asyncio.shield(fut)  # shield: a timed-out wait leaves it for a retry
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.001, due - time.monotonic())):
+                    return await asyncio.shield(fut)
 
     def _send_cancel(
         self, fut: asyncio.Future[dict[str, Any]], request_id: int, fields: dict[str, Any]
@@ -345,7 +369,7 @@ class AsyncPendingReply:
         try:
             return await self._client._call(fields, wait_s, self.request_id, self._on_sent)
         except ClientTimeout as exc:  # a reply map, as the blocking client's wait() gives
-            return timeout_reply(self.request_id, exc.message)
+            return timeout_reply(self.request_id, exc.message, exc.code)
 
     def done(self) -> bool:
         """Whether the reply (or the timeout) is in."""

@@ -35,10 +35,12 @@ import zmq
 from click.core import ParameterSource
 
 from batcher import tensor
+from batcher.addresses import check_address
 from batcher.broker import BindError, BrokerSettings, run_broker
-from batcher.client import BatcherError, Client
+from batcher.client import TIMEOUT, UNREACHABLE, BatcherError, Client, ClientTimeout, Unreachable
 from batcher.config import COMMA_LIST_OPTIONS, Config, ConfigError, Kind, load_config, type_problem
 from batcher.demo import DEMO_POLICY, DEMO_WORKERS, run_demo
+from batcher.extras import MissingExtra, require
 from batcher.gateway.core import GatewaySettings
 from batcher.gateway.process import GatewayProcess, gateway_command, local_address
 from batcher.logs import FORMATS, setup_logging
@@ -47,7 +49,7 @@ from batcher.scheduler import BUCKET_BY, POLICIES, BatchSettings
 from batcher.security import CurveServerKeys, KeyFileError
 from batcher.serving import ModelLoadFailed, run_serve
 from workers import warmup
-from workers.models import MAX_PADDED_ELEMENTS, ModelSpec, SimSettings
+from workers.models import MAX_PADDED_ELEMENTS, ONNX_PREFIX, ModelSpec, SimSettings
 from workers.placement import parse_cpus
 from workers.steps import BATCHING_LEVELS
 from workers.supervisor import EXIT_MODEL_LOAD_FAILED, PoolSettings
@@ -113,6 +115,27 @@ class FiniteFloatRange(click.FloatRange):
         if isinstance(rv, float) and math.isnan(rv):
             self.fail(f"{value!r} is not a number", param, ctx)
         return rv
+
+
+class ZmqAddress(click.ParamType[str]):
+    """A ZeroMQ address option (batcher.addresses): a malformed one is a one-line usage
+    error naming the form expected, never libzmq's EINVAL from inside a send or a bind."""
+
+    name = "ADDRESS"
+
+    def __init__(self, *, bind: bool) -> None:
+        self.bind = bind
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            return check_address(str(value), bind=self.bind)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+#: The type of an address a socket connects to (--connect) and of one a broker binds.
+CONNECT_ADDRESS = ZmqAddress(bind=False)
+BIND_ADDRESS = ZmqAddress(bind=True)
 
 
 def int_range(lo: int, hi: int) -> click.IntRange:
@@ -668,8 +691,8 @@ _BROKER = (
         "--max-message-bytes",
         type=int_range(1024, MAX_MESSAGE_BYTES),
         default=BrokerSettings().max_message_bytes,
-        help="Largest request accepted: a bigger frame disconnects its sender (libzmq), a "
-        "bigger message of several frames is answered bad_request.",
+        help="Largest request accepted: a bigger one is answered too_large; a frame over "
+        "4 x this (the hard limit) makes libzmq drop its sender's connection.",
     ),
     option(
         "--no-worker-timeout-ms",
@@ -800,11 +823,11 @@ def broker_settings(
     curve: CurveServerKeys | None,
     config: str | None,
 ) -> BrokerSettings:
-    """BrokerSettings from CLI values: `batching` is every model's default, and the
+    """BrokerSettings from CLI values: `models` are the models' names or specs (each
+    configured under `served_name`), `batching` is every model's default, and the
     config file's [models.NAME] tables override what the file set (a value from the
     command line or the environment wins over the tables too)."""
-    # `serve` takes model specs (NAME=pkg.mod:attr); the broker only needs their names.
-    names = tuple(m.partition("=")[0].strip() for m in models) if models else BrokerSettings().models
+    names = tuple(dict.fromkeys(map(served_name, models))) if models else BrokerSettings().models
     fixed = given_outside_file(click.get_current_context(silent=True), BATCH_KEYS)
     try:
         per_model = load_config(config).model_settings(batching, fixed) if config else {}
@@ -940,12 +963,34 @@ def _reread_batching(ctx: click.Context, path: str, models: Iterable[str]) -> di
 BATCH_KEYS = tuple(f.name for f in dataclasses.fields(BatchSettings))
 
 
+def served_name(text: str) -> str:
+    """The name a --model value is configured under at the broker: a worker's spec
+    (`onnx:PATH`, `NAME=SPEC`, `sim`, `pkg.mod:attr`) is named as that worker announces
+    itself (`onnx:dir/digits.onnx` is `digits`); any other text is a name as it is
+    (`batcher broker --model mymodel`)."""
+    try:
+        return ModelSpec.parse(text).name
+    except ValueError:
+        return text.strip()
+
+
 def _check_models(models: tuple[str, ...]) -> None:
+    """Each --model spec parses, and an ONNX one finds its extra installed."""
     for m in models:
         try:
-            ModelSpec.parse(m)
+            spec = ModelSpec.parse(m)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--model") from None
+        if spec.target.startswith(ONNX_PREFIX):
+            _require("onnx", f"--model {m}")
+
+
+def _require(extra: str, needed_by: str) -> None:
+    """batcher.extras.require as a one-line error of the command."""
+    try:
+        require(extra, needed_by)
+    except MissingExtra as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -975,7 +1020,12 @@ _GATEWAY_HOST = option(
 
 
 @main.command()
-@option("--connect", default=BrokerSettings().frontend, help="The broker's frontend address.")
+@option(
+    "--connect",
+    type=CONNECT_ADDRESS,
+    default=BrokerSettings().frontend,
+    help="The broker's frontend address.",
+)
 @_HTTP_PORT
 @_GRPC_PORT
 @_GATEWAY_HOST
@@ -1014,12 +1064,9 @@ def gateway(
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    try:
-        from batcher.gateway.server import run
-    except ImportError as exc:
-        raise click.ClickException(
-            f"the gateway needs its extra: pip install 'batcher[gateway]' ({exc})"
-        ) from None
+    _require("gateway", "batcher gateway")
+    from batcher.gateway.server import run
+
     try:
         run(settings, control_fd=0 if under_serve else None)
     except zmq.ZMQError as exc:
@@ -1029,8 +1076,18 @@ def gateway(
 
 
 @main.command()
-@option("--frontend", default=BrokerSettings().frontend, help="Address clients connect to (ROUTER).")
-@option("--backend", default=BrokerSettings().backend, help="Address workers connect to (ROUTER).")
+@option(
+    "--frontend",
+    type=BIND_ADDRESS,
+    default=BrokerSettings().frontend,
+    help="Address clients connect to (ROUTER).",
+)
+@option(
+    "--backend",
+    type=BIND_ADDRESS,
+    default=BrokerSettings().backend,
+    help="Address workers connect to (ROUTER).",
+)
 @option(
     "--workers",
     type=int_range(0, MAX_WORKERS),
@@ -1118,6 +1175,8 @@ def serve(
     drained and stopped."""
     setup(logs)
     _check_models(models)
+    if http_port or grpc_port:
+        _require("gateway", "serve --http-port/--grpc-port (the gateway)")
     settings = broker_settings(
         frontend,
         backend,
@@ -1154,8 +1213,18 @@ def serve(
 
 
 @main.command()
-@option("--frontend", default=BrokerSettings().frontend, help="Address clients connect to (ROUTER).")
-@option("--backend", default=BrokerSettings().backend, help="Address workers connect to (ROUTER).")
+@option(
+    "--frontend",
+    type=BIND_ADDRESS,
+    default=BrokerSettings().frontend,
+    help="Address clients connect to (ROUTER).",
+)
+@option(
+    "--backend",
+    type=BIND_ADDRESS,
+    default=BrokerSettings().backend,
+    help="Address workers connect to (ROUTER).",
+)
 @option(
     "--model",
     "models",
@@ -1202,6 +1271,7 @@ def broker(
 @main.command()
 @option(
     "--connect",
+    type=CONNECT_ADDRESS,
     envvar="BATCHER_WORKER_CONNECT",
     old_envvar="BATCHER_CONNECT",
     default=WorkerSettings().connect,
@@ -1378,7 +1448,12 @@ def parse_input(text: str) -> Any:
 
 
 @main.command()
-@option("--connect", default=BrokerSettings().frontend, help="The broker's frontend address.")
+@option(
+    "--connect",
+    type=CONNECT_ADDRESS,
+    default=BrokerSettings().frontend,
+    help="The broker's frontend address.",
+)
 @option(
     "--model",
     envvar="BATCHER_REQUEST_MODEL",
@@ -1450,10 +1525,10 @@ def send(
             failed |= not reply.get("ok")
             click.echo(strict_json(reply))
             error = reply.get("error")
-            if isinstance(error, dict) and error.get("code") == "timeout":
-                timeouts[str(error.get("message", ""))] = None
+            if isinstance(error, dict) and error.get("code") in (TIMEOUT, UNREACHABLE):
+                timeouts[f"{error['code']}: {error.get('message', '')}"] = None
     for message in timeouts:
-        click.echo(f"timeout: {message}", err=True)
+        click.echo(message, err=True)
     sys.exit(1 if failed else 0)
 
 
@@ -1477,7 +1552,7 @@ def demo(workers: int, policy: str, logs: LogOptions) -> None:
 
 
 @main.command()
-@option("--connect", default=None, help="Frontend of a running broker to load.")
+@option("--connect", type=CONNECT_ADDRESS, default=None, help="Frontend of a running broker to load.")
 @option("--spawn", is_flag=True, default=False, help="Start a broker and workers (serve options below).")
 @option(
     "--concurrency",
@@ -1682,7 +1757,12 @@ def _run_with_progress(settings: Any) -> Any:
 
 
 @main.command()
-@option("--connect", default=BrokerSettings().frontend, help="The broker's frontend address.")
+@option(
+    "--connect",
+    type=CONNECT_ADDRESS,
+    default=BrokerSettings().frontend,
+    help="The broker's frontend address.",
+)
 @local_option("--watch", is_flag=True, help="Refresh in place until Ctrl-C, with rates per second.")
 @local_option(
     "--interval-s",
@@ -1784,7 +1864,12 @@ def readiness(snapshot: Mapping[str, Any], wanted: Iterable[str]) -> tuple[list[
 
 
 @main.command()
-@option("--connect", default=BrokerSettings().frontend, help="The broker's frontend address.")
+@option(
+    "--connect",
+    type=CONNECT_ADDRESS,
+    default=BrokerSettings().frontend,
+    help="The broker's frontend address.",
+)
 @option(
     "--model",
     "models",
@@ -1817,13 +1902,16 @@ def ready(
     setup(logs)
     deadline = time.monotonic() + timeout_s
     problems: list[str] | None = None  # None: the broker has not answered yet
+    unanswered = ""  # why no broker can be reached, when that is known
     with curve.client(connect, timeout_s) as client:
         while True:
             client.timeout_s = max(0.01, deadline - time.monotonic())
             try:
                 ready_lines, problems = readiness(client.control("stats"), models)
+            except ClientTimeout as exc:  # no broker answered: yet, or none can (Unreachable)
+                unanswered = exc.message if isinstance(exc, Unreachable) else unanswered
             except BatcherError as exc:
-                if exc.code != "timeout" and problems is None:
+                if problems is None:
                     problems = [f"the broker answered {exc}"]
             else:
                 if not problems:
@@ -1835,15 +1923,20 @@ def ready(
             time.sleep(min(READY_POLL_S, remaining))  # between asks: a worker takes time to join
     if problems is None:
         raise click.ClickException(
-            f"no broker answered at {connect} within {timeout_s}s (is it running, and are the "
-            "CURVE keys right?)"
+            f"no broker answered at {connect} within {timeout_s}s: "
+            + (unanswered or "is it running, and are the CURVE keys right?")
         )
     raise click.ClickException(f"not ready after {timeout_s}s: {'; '.join(problems)}")
 
 
 @main.command("reload")
 @click.argument("model")
-@option("--connect", default=BrokerSettings().frontend, help="The broker's frontend address.")
+@option(
+    "--connect",
+    type=CONNECT_ADDRESS,
+    default=BrokerSettings().frontend,
+    help="The broker's frontend address.",
+)
 @option(
     "--timeout-s",
     envvar="BATCHER_RELOAD_TIMEOUT_S",

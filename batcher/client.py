@@ -36,6 +36,12 @@ log = logging.getLogger("batcher.client")
 
 #: The client's own error code, for a request that got no reply in time (never on the wire).
 TIMEOUT = "timeout"
+#: The client's own code for a request to an address where no broker can be reached
+#: (nothing listens, or no ZeroMQ peer does): it fails after `connect_timeout_s`.
+UNREACHABLE = "unreachable"
+#: How long a Client's request waits, by default, for a first connection to a broker
+#: before failing `unreachable` (when the address refuses, or is no ZeroMQ peer).
+CONNECT_TIMEOUT_S = 1.0
 
 #: The exception class of each error code a reply can carry (error_from_reply).
 _ERRORS: dict[str, type[BatcherError]] = {}
@@ -118,6 +124,13 @@ class ClientTimeout(BatcherError, code=TIMEOUT):
     """No reply arrived within the client's own timeout (the broker may be down)."""
 
 
+class Unreachable(ClientTimeout, code=UNREACHABLE):
+    """No broker could be reached at the address, and the client says so within its
+    `connect_timeout_s` rather than waiting out its timeout: nothing listens there
+    (the connection is refused), or what listens is no ZeroMQ peer (an HTTP server).
+    A ClientTimeout too: no reply came, and none will."""
+
+
 def error_class_name(code: str) -> str:
     """The exception class name for an error code: `bad_request` is BadRequest."""
     return "".join(part.capitalize() for part in code.split("_"))
@@ -185,9 +198,10 @@ def reply_wait_s(timeout_s: float | None, timeout_ms: float | None) -> float | N
     return limit if timeout_s is None else min(timeout_s, limit)
 
 
-def timeout_reply(request_id: Any, message: str) -> dict[str, Any]:
-    """The reply map a request is answered with when no reply came in time (`timeout`)."""
-    return {"id": request_id, "ok": False, "error": {"code": TIMEOUT, "message": message}}
+def timeout_reply(request_id: Any, message: str, code: str = TIMEOUT) -> dict[str, Any]:
+    """The reply map a request is answered with when no reply came in time (`timeout`),
+    or none can come (`unreachable`)."""
+    return {"id": request_id, "ok": False, "error": {"code": code, "message": message}}
 
 
 def cancel_body(request_id: Any) -> bytes:
@@ -205,9 +219,11 @@ def open_dealer(
     address: str,
     curve_server_key: str | None,
     curve_secret_key: str | None,
+    events: int | None = None,
 ) -> tuple[Any, ConnectionWatch]:
     """The client's DEALER (linger 0, quick reconnects, CurveZMQ when a server key is
-    given) and its ConnectionWatch, which watches from before the connect."""
+    given) and its ConnectionWatch, which watches from before the connect (`events`:
+    the monitor's, WATCHED_EVENTS unless given)."""
     sock = ctx.socket(zmq.DEALER)
     watch = None
     try:
@@ -216,7 +232,7 @@ def open_dealer(
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         if curve_server_key:  # the broker's public key file; ours from curve_secret_key
             secure_client(sock, curve_server_key, curve_secret_key)
-        watch = ConnectionWatch(sock, address, "--curve-clients", curve_secret_key)
+        watch = ConnectionWatch(sock, address, "--curve-clients", curve_secret_key, events)
         sock.connect(address)
     except BaseException:
         if watch is not None:
@@ -235,6 +251,8 @@ WATCHED_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
+#: A client's: also the refused connection attempts, which say that nothing listens.
+CLIENT_EVENTS = WATCHED_EVENTS | zmq.EVENT_CONNECT_RETRIED
 HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH,
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
@@ -257,7 +275,12 @@ class ConnectionWatch:
     """
 
     def __init__(
-        self, sock: zmq.Socket[Any], address: str, allow_list: str, secret_key_file: str | None = None
+        self,
+        sock: zmq.Socket[Any],
+        address: str,
+        allow_list: str,
+        secret_key_file: str | None = None,
+        events: int | None = None,
     ) -> None:
         self.address = address
         self.allow_list = allow_list
@@ -265,11 +288,17 @@ class ConnectionWatch:
         # libzmq does not give a socket's public key back: it is read from our key file.
         self.public_key = load_public_key(secret_key_file).decode() if secret_key_file else None
         self._sock = sock
-        self.monitor: zmq.Socket[Any] = sock.get_monitor_socket(WATCHED_EVENTS)
+        self.monitor: zmq.Socket[Any] = sock.get_monitor_socket(WATCHED_EVENTS if events is None else events)
         self.monitor.setsockopt(zmq.LINGER, 0)
         self.connected_ever = False
         self.connected = False  # a TCP connection is up now
+        self.connected_at = 0.0  # when it came up (time.monotonic)
         self.handshake_ok = False  # ...and its handshake succeeded
+        self.handshake_ever = False  # some connection's handshake succeeded
+        self.refused = False  # an attempt to connect failed (EVENT_CONNECT_RETRIED, if watched)
+        #: A connection closed before its handshake said anything: the peer is no ZeroMQ one.
+        self.closed_in_handshake = False
+        self._handshake_heard = False  # the current connection's handshake ended, either way
         self.failure: tuple[int, int] | None = None  # (event, value) of the last failed handshake
 
     def poll(self) -> list[tuple[int, int]]:
@@ -290,12 +319,19 @@ class ConnectionWatch:
             events.append((event, value))
             if event == zmq.EVENT_CONNECTED:
                 self.connected_ever = self.connected = True
+                self.connected_at, self._handshake_heard = time.monotonic(), False
             elif event == zmq.EVENT_DISCONNECTED:
+                if self.connected and not self._handshake_heard:
+                    self.closed_in_handshake = True
                 self.connected = self.handshake_ok = False
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.handshake_ok, self.failure = True, None
+                self.handshake_ever = self._handshake_heard = True
             elif event in HANDSHAKE_FAILED:
                 self.handshake_ok, self.failure = False, (event, value)
+                self._handshake_heard = True
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                self.refused = True
 
     @property
     def dead(self) -> bool:
@@ -340,6 +376,41 @@ class ConnectionWatch:
             "does the broker use CURVE (--curve-server-key)?"
         )
 
+    def unreachable(self, since: float, now: float, wait_s: float) -> str | None:
+        """Why no broker can be reached at the address, once that has held for `wait_s`
+        since `since` (a request's send): nothing listens there (every connection refused),
+        or the peer is no ZeroMQ one (it closed the connection in the handshake, or never
+        answered the handshake). None while that is not known, and for good once a
+        handshake succeeded (a broker was there: a restart is waited for as ever)."""
+        self.poll()
+        if self.handshake_ever or self.failure is not None:
+            return None  # a broker, or a CURVE refusal, which `refusal` explains
+        if self.closed_in_handshake:
+            return (
+                f"{self.address} is not a batcher broker: it took the connection and closed it in "
+                "ZeroMQ's handshake (is it an HTTP or gRPC port, the gateway's say?)"
+            )
+        if self.connected:
+            if now - max(since, self.connected_at) < wait_s:
+                return None
+            return (
+                f"{self.address} is not a batcher broker (an HTTP server?): it took the connection "
+                f"but did not answer ZeroMQ's handshake in {wait_s:g} s (or the broker is frozen)"
+            )
+        if self.refused and not self.connected_ever and now - since >= wait_s:
+            return (
+                f"nothing listening at {self.address}: every connection was refused for {wait_s:g} s "
+                "(is the broker running, at this address?)"
+            )
+        return None
+
+    def next_verdict_at(self, since: float, wait_s: float) -> float | None:
+        """When `unreachable` may next change its mind with no new event (its `wait_s`
+        running out), None if only an event can."""
+        if self.handshake_ever or self.failure is not None:
+            return None
+        return max(since, self.connected_at if self.connected else since) + wait_s
+
     def hint(self) -> str:
         """Why a request may have got no reply, judged from the events read so far."""
         self.poll()
@@ -347,7 +418,14 @@ class ConnectionWatch:
         if why is not None:
             return why
         if not self.connected_ever:
+            if self.refused:
+                return f"nothing listening at {self.address} (every connection was refused)"
             return f"no connection was ever made: is a broker running at {self.address}?"
+        if not self.handshake_ever:
+            return (
+                f"connected, but {self.address} never completed ZeroMQ's handshake: is it a batcher "
+                "broker (not an HTTP server)?"
+            )
         if not self.connected:
             return f"the connection was lost: is the broker at {self.address} still running?"
         return "connected, but no reply came in time: the broker or its workers may be busy, slow or gone"
@@ -421,7 +499,8 @@ class PendingReply(_Awaited):
         self.body = body
         self.wait_s = wait_s
         self.attempts = 1
-        self.deadline = None if wait_s is None else time.monotonic() + wait_s
+        self.sent_at = time.monotonic()  # of the latest attempt
+        self.deadline = None if wait_s is None else self.sent_at + wait_s
         self.reply: dict[str, Any] | None = None
 
     def _wait(self) -> None:
@@ -450,11 +529,22 @@ class BaseClient(Generic[PendingT]):
 
     watch: ConnectionWatch  # the socket's monitor, set by the subclass that opens the socket
 
-    def __init__(self, address: str, timeout_s: float | None, retries: int) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float | None,
+        retries: int,
+        connect_timeout_s: float | None = CONNECT_TIMEOUT_S,
+    ) -> None:
         _check_retries(retries)
+        if connect_timeout_s is not None and not connect_timeout_s > 0:
+            raise ValueError(f"connect_timeout_s must be > 0 or None, got {connect_timeout_s}")
         self.address = address
         self.timeout_s = timeout_s
         self.retries = retries
+        #: Until a broker was reached, how long a request waits before it fails
+        #: `unreachable` when none can be there (ConnectionWatch.unreachable).
+        self.connect_timeout_s = connect_timeout_s
         self._ids = itertools.count(1)
         self._pending: dict[Any, PendingT] = {}
         #: Streamed requests by id: what takes their chunks (a closed one's stay until its last).
@@ -497,6 +587,20 @@ class BaseClient(Generic[PendingT]):
             self.duplicates_dropped += 1
         return pending
 
+    def _unreachable(self, since: float) -> str | None:
+        """Why no broker can be reached, for a request sent at `since` (None: one may be)."""
+        if self.connect_timeout_s is None or self.watch.handshake_ever:
+            return None
+        return self.watch.unreachable(since, time.monotonic(), self.connect_timeout_s)
+
+    def _verdict_due(self, since: float) -> float | None:
+        """When `_unreachable` is next due to change its mind by time alone (None: never,
+        or only on a monitor event)."""
+        if self.connect_timeout_s is None or self.watch.handshake_ever:
+            return None
+        due = self.watch.next_verdict_at(since, self.connect_timeout_s)
+        return due if due is not None and due > time.monotonic() else None
+
     def _retry_allowed(self, attempts: int) -> bool:
         """Whether a request sent `attempts` times without a reply in time goes again."""
         return attempts <= self.retries
@@ -511,7 +615,8 @@ class BaseClient(Generic[PendingT]):
         with a `timeout` reply and forgotten."""
         if pending.wait_s is not None and self._retry_allowed(pending.attempts):
             pending.attempts += 1
-            pending.deadline = time.monotonic() + pending.wait_s
+            pending.sent_at = time.monotonic()
+            pending.deadline = pending.sent_at + pending.wait_s
             return True
         self.forget(pending.request_id)
         pending.reply = timeout_reply(pending.request_id, self._timeout_message(pending.attempts))
@@ -532,6 +637,12 @@ class Client(BaseClient[PendingReply]):
     Beyond request, submit and control, `start`, `receive_ready`, `forget`,
     `send_cancel` and `socket` let a caller wait on several clients at once, as
     MultiClient does.
+
+    Until the first handshake with a broker, a request fails `unreachable` (Unreachable,
+    a ClientTimeout) after `connect_timeout_s` rather than its whole `timeout_s` when
+    no broker can be there: the address refuses every connection (nothing listens), or
+    what answers is no ZeroMQ peer (an HTTP port). None waits out `timeout_s`, for a
+    client started before its broker; once a broker was reached, never.
     """
 
     def __init__(
@@ -542,11 +653,14 @@ class Client(BaseClient[PendingReply]):
         context: zmq.Context[Any] | None = None,
         curve_server_key: str | None = None,
         curve_secret_key: str | None = None,
+        connect_timeout_s: float | None = CONNECT_TIMEOUT_S,
     ) -> None:
-        super().__init__(address, timeout_s, retries)
+        super().__init__(address, timeout_s, retries, connect_timeout_s)
         self._ctx: zmq.Context[Any] = context or zmq.Context.instance()
         self._sock: zmq.Socket[Any]
-        self._sock, self.watch = open_dealer(self._ctx, address, curve_server_key, curve_secret_key)
+        self._sock, self.watch = open_dealer(
+            self._ctx, address, curve_server_key, curve_secret_key, CLIENT_EVENTS
+        )
 
     def __enter__(self) -> Client:
         return self
@@ -637,9 +751,16 @@ class Client(BaseClient[PendingReply]):
         return stream
 
     def _wait_chunk(self, stream: Stream) -> None:
-        """Wait until `stream` has a reply, or past its wait for one (it then times out)."""
-        deadline = None if stream.wait_s is None else time.monotonic() + stream.wait_s
+        """Wait until `stream` has a reply, or past its wait for one (it then times out),
+        or until no broker can be reached (`unreachable`, as for a request)."""
+        since = time.monotonic()
+        deadline = None if stream.wait_s is None else since + stream.wait_s
         while not stream.received:
+            why = self._unreachable(since)
+            if why is not None:
+                self._streams.pop(stream.request_id, None)
+                stream.take(timeout_reply(stream.request_id, why, UNREACHABLE))
+                return
             timeout_ms = -1
             if deadline is not None:
                 remaining = deadline - time.monotonic()
@@ -649,7 +770,7 @@ class Client(BaseClient[PendingReply]):
                     stream.take(timeout_reply(stream.request_id, self._timeout_message(1)))
                     return
                 timeout_ms = max(1, math.ceil(remaining * 1000))
-            if self._sock.poll(timeout_ms, zmq.POLLIN):
+            if self._poll_reply(timeout_ms, since):
                 self.receive_ready()
 
     def start(self, fields: dict[str, Any], wait_s: float | None) -> PendingReply:
@@ -719,6 +840,11 @@ class Client(BaseClient[PendingReply]):
     def _wait_for(self, target: PendingReply) -> None:
         self.watch.poll()  # keeps the monitor's queue short, so no event is dropped
         while target.reply is None:
+            why = self._unreachable(target.sent_at)
+            if why is not None:
+                self.forget(target.request_id)
+                target.reply = timeout_reply(target.request_id, why, UNREACHABLE)
+                return
             timeout_ms = -1
             if target.deadline is not None:
                 remaining = target.deadline - time.monotonic()
@@ -727,8 +853,23 @@ class Client(BaseClient[PendingReply]):
                         self._send_body(target.body, target.deadline)
                     continue
                 timeout_ms = max(1, math.ceil(remaining * 1000))
-            if self._sock.poll(timeout_ms, zmq.POLLIN):
+            if self._poll_reply(timeout_ms, target.sent_at):
                 self.receive_ready()
+
+    def _poll_reply(self, timeout_ms: int, since: float) -> bool:
+        """Wait up to `timeout_ms` (-1: for ever) for a reply; True if one waits. Until a
+        broker was reached, the wait also ends on a monitor event or when the verdict of
+        `_unreachable` is due, so that it is given at once."""
+        if self.connect_timeout_s is None or self.watch.handshake_ever:
+            return bool(self._sock.poll(timeout_ms, zmq.POLLIN))
+        due = self._verdict_due(since)
+        if due is not None:
+            due_ms = max(1, math.ceil((due - time.monotonic()) * 1000))
+            timeout_ms = due_ms if timeout_ms < 0 else min(timeout_ms, due_ms)
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self.watch.monitor, zmq.POLLIN)
+        return self._sock in dict(poller.poll(timeout_ms))
 
 
 class Stream:

@@ -27,6 +27,8 @@ from typing import Any
 
 import msgspec
 
+from batcher.extras import install_command
+
 #: Open Inference Protocol datatype -> the numpy dtype string (little-endian).
 DATATYPES: dict[str, str] = {
     "BOOL": "|b1",
@@ -132,8 +134,12 @@ def check_bool(data: bytes | bytearray | memoryview) -> None:
 
 
 def _numpy() -> Any:
-    import numpy
-
+    try:
+        import numpy
+    except ModuleNotFoundError as exc:  # say which pip install brings it
+        raise ModuleNotFoundError(
+            f"tensors as arrays need numpy: {install_command('tensors')} ({exc})", name=exc.name
+        ) from None
     return numpy
 
 

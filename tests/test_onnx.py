@@ -5,6 +5,7 @@ inputs and outputs; a file that does not load stops `serve` with its reason."""
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,55 @@ def test_served_outputs_equal_the_offline_ones(serve, client, tmp_path: Path) ->
     (expected,) = offline(path, {"x": rows})
     assert all(np.array_equal(o, e) for o, e in zip(outputs, expected, strict=True))
     assert c.control("stats")["models"]["linear"]["mean_batch_size"] > 1  # batched, and still exact
+
+
+@pytest.mark.parametrize(
+    ("text", "name"),
+    [
+        ("onnx:/m/digits.onnx", "digits"),
+        ("d=onnx:/m/x.onnx", "d"),
+        ("a=sim", "a"),
+        ("sim", "sim"),
+        ("mine", "mine"),
+    ],
+)
+def test_the_broker_configures_a_spec_under_the_name_its_worker_announces(text: str, name: str) -> None:
+    from batcher.cli import served_name
+
+    assert served_name(text) == name
+
+
+@pytest.mark.integration
+def test_an_onnx_path_is_served_listed_defaulted_and_ready_under_its_files_stem(
+    serve, client, cli, tmp_path: Path
+) -> None:
+    """The README's `--model onnx:PATH`: the broker configures the name the worker
+    announces (the file's stem), so it is listed once, a request without `model` gets
+    it, `batcher ready` passes, and so does the gateway's readiness."""
+    import urllib.request
+
+    path = onnx_models.linear(tmp_path / "digits.onnx", inputs=4, outputs=3, seed=1)
+    http_port = int(free_tcp_address().rsplit(":", 1)[1])
+    s = serve("--model", f"onnx:{path}", "--workers", "1", "--http-port", str(http_port), workers=1)
+    c = client(s.frontend, timeout_s=10)
+    models = c.control("stats")["models"]
+    assert list(models) == ["digits"], models
+    assert models["digits"]["configured"] and models["digits"]["workers"] == 1
+    row = np.arange(4, dtype=np.float32)
+    (expected,) = offline(path, {"x": row[None]})
+    assert np.array_equal(c.request(row), expected[0])  # no `model`: the default is the file's stem
+    result = cli("ready", "--connect", s.frontend, "--timeout-s", "5")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ready: digits (1 worker)"
+    deadline = time.monotonic() + 20
+    while True:  # the gateway process starts beside the broker: wait for its port
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=5) as r:
+                assert r.status == 200
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
 
 
 @pytest.mark.integration

@@ -27,7 +27,7 @@ from tests.helpers import curve_broker_stats, start_broker, wait_until
 
 pytestmark = pytest.mark.integration
 
-NO_BROKER = "no connection was ever made: is a broker running at {address}?"
+NO_BROKER = "nothing listening at {address} (every connection was refused)"
 REFUSED = "the broker refused our CURVE key"
 MISMATCH = "plaintext vs CURVE mismatch"
 UNANSWERED = "connected, but no reply came in time"

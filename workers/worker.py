@@ -32,6 +32,7 @@ import zmq
 from batcher import protocol, tensor
 from batcher.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
 from batcher.client import HANDSHAKE_FAILED, ConnectionWatch
+from batcher.extras import extra_of, install_command
 from batcher.protocol import ErrorCode, Heartbeat
 from batcher.security import secure_client
 from batcher.signature import signature_of
@@ -206,7 +207,10 @@ def _array(value: dict[Any, Any]) -> tuple[Any, str | None]:
     except (tensor.TensorError, ValueError) as exc:  # ValueError: numpy refused the shape
         return value, str(exc)
     except ImportError:
-        return value, "this worker takes no tensors: numpy is not installed here"
+        return (
+            value,
+            f"this worker takes no tensors: numpy is not installed here ({install_command('tensors')})",
+        )
 
 
 @dataclass
@@ -1069,6 +1073,9 @@ def run_worker(settings: WorkerSettings) -> None:
             worker.load()
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
+            extra = extra_of(exc.name) if isinstance(exc, ModuleNotFoundError) else None
+            if extra is not None:  # numpy, onnxruntime: say which pip install brings it
+                why += f" ({install_command(extra)})"
             raise ModelLoadError(f"cannot load model {settings.model!r}: {why}") from exc
         if control_fd is None:
             worker.signals.install()
