@@ -255,15 +255,13 @@ class Backend:
     def check_time_limits(self, now: float, limit_s: float | None) -> None:
         """Take every worker whose batch ran past its time limit for hung (its heartbeats
         prove only that the process lives): it is told to exit (`serve` also kills its
-        own), and its requests go back to their queue within their retries, each marked
-        so that it runs alone from then on."""
+        own), and its requests go back to their queue within their retries, each a
+        suspect that runs alone from then on (the pool's rule for the batch blamed)."""
         for batch, limit in self.scheduler.hung_batches(now, limit_s):
             worker_id = batch.worker
             if worker_id not in self.pool:
                 continue  # lost already, with another of its batches
             limit_ms = 1000.0 * limit
-            for req in batch.requests:
-                req.hung += 1
             log.warning(
                 "worker %s: a batch of %d ran past its time limit (%.0f ms): taken for hung, told to exit",
                 self.pool.name(worker_id), len(batch.requests), limit_ms,
