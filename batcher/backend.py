@@ -55,6 +55,8 @@ class Backend:
         self.fail_batch = fail_batch
         #: Set by `serve`: kill the local worker process of this pid (a hung model).
         self.on_hung: Callable[[int], None] = lambda pid: None
+        #: Set by `serve`: the worker process of this pid announced itself (READY).
+        self.on_joined: Callable[[int], None] = lambda pid: None
 
     def drain(self) -> bool:
         """Handle what the workers sent, within one budget; True once read to the end."""
@@ -122,6 +124,8 @@ class Backend:
         self.pool.joined(worker_id, info, raw.get("slots"), time.monotonic())
         self.stats.metrics.worker_event(info.model, "joined")
         log.info("worker joined: %s", self.pool.name(worker_id))
+        if type(info.pid) is int:
+            self.on_joined(info.pid)
         # At once, not at the next tick: a worker started with other heartbeat flags
         # adopts the broker's before its silence could be taken for death.
         self.send(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT, self.pool.heartbeat_frame])

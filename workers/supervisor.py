@@ -120,7 +120,9 @@ def default_max_starting() -> int:
 
 #: Exit code of a worker whose model cannot be imported or built.
 EXIT_MODEL_LOAD_FAILED = 78  # sysexits.h EX_CONFIG
-#: A worker that dies sooner than this after starting counts as failing at start-up.
+#: A worker that dies sooner than this after starting, before it joined the broker,
+#: counts as failing at start-up (one that joined had loaded its model: its death is a
+#: request's doing, or the machine's, and the broker retries or quarantines its requests).
 EARLY_DEATH_S = 10.0
 #: Start-up failures in a row after which a GPU's worker is given up.
 MAX_EARLY_DEATHS = 5
@@ -145,11 +147,23 @@ class WorkerProcess:
     given_up: bool = False
     retired: bool = False  # replaced by a reload: told to stop, never respawned
     cpus: tuple[int, ...] | None = None  # --pin-cpus: its own cores, kept across respawns
+    joined: bool = False  # its current process announced itself to the broker (READY)
+    #: Started by a reload: until it joins, its exit fails that reload, not serve (the old
+    #: workers serve on), and it is not respawned.
+    replacing: bool = False
+    failure: str | None = None  # why a replacing worker did not start, for the reload's reply
 
     @property
     def name(self) -> str:
         """The model name the worker announces (the broker knows models by it)."""
         return ModelSpec.parse(self.model).name
+
+
+def _start_failure(code: int | None) -> str:
+    """Why a worker process that exited with `code` before joining did not start."""
+    if code == EXIT_MODEL_LOAD_FAILED:
+        return f"could not load the model (exit code {code}; its error is in serve's log)"
+    return f"exited with code {code} before it joined the broker (its error is in serve's log)"
 
 
 def connect_address(bind_address: str) -> str:
@@ -292,6 +306,7 @@ class Supervisor:
             w.process = subprocess.Popen(self.command(w.model, w.gpu, w.cpus), env=env, stdin=subprocess.PIPE)
         w.started_at = now
         w.respawn_at = None
+        w.joined = False
         where = "" if w.cpus is None else f", cpus {','.join(map(str, w.cpus))}"
         log.info("started worker for model %s on gpu %s%s (pid %d)", w.model, w.gpu, where, w.process.pid)
 
@@ -308,7 +323,8 @@ class Supervisor:
         """New workers for every current worker of `model`, on the same GPUs, started now
         (within the start limit); the old ones serve on until `retire`d."""
         fresh = [
-            WorkerProcess(w.model, w.gpu, None, respawn_at=now, cpus=w.cpus) for w in self.current(model)
+            WorkerProcess(w.model, w.gpu, None, respawn_at=now, cpus=w.cpus, replacing=True)
+            for w in self.current(model)
         ]
         self.workers.extend(fresh)
         self._start_due(now)
@@ -325,6 +341,14 @@ class Supervisor:
     def running(self, w: WorkerProcess) -> bool:
         return w.process is not None and w.process.poll() is None
 
+    def joined(self, pid: int) -> None:
+        """The broker heard READY from the worker process `pid`: it loaded its model and
+        started, so its death is no start-up failure (and no reload's)."""
+        for w in self.workers:
+            if w.process is not None and w.process.pid == pid:
+                w.joined = True
+                w.replacing = False
+
     def check(self, now: float) -> None:
         """Respawn dead workers with back-off; give up on one that keeps dying at start-up;
         start the workers waiting for a start slot. Called from the broker's loop (its
@@ -338,6 +362,18 @@ class Supervisor:
                 continue
             code = w.process.returncode
             lived_s = now - w.started_at
+            if w.replacing:
+                # A reload's new worker that exited before it joined: the new version does
+                # not start. The reload fails (workers/rollout.py), serve and the old
+                # workers go on, and respawning it could not fix it.
+                w.given_up = True
+                w.failure = _start_failure(code)
+                log.error(
+                    "new worker for model %s on gpu %s (pid %d) %s; the reload fails",
+                    w.model, w.gpu, w.process.pid, w.failure,
+                )  # fmt: skip
+                self.on_event(w.name, "reload_failed")
+                continue
             if code == EXIT_MODEL_LOAD_FAILED and w.restarts == 0:
                 # A model that does not load on the first try is a configuration error
                 # (a typo in --model, a missing package): respawning cannot fix it.
@@ -346,8 +382,11 @@ class Supervisor:
                 continue
             hung = w.process.pid in self._killed_hung or code == EXIT_HUNG
             self._killed_hung.discard(w.process.pid)
-            # A worker stopped for a hung model (a poison request) did start: not a start-up death.
-            w.early_deaths = w.early_deaths + 1 if lived_s < EARLY_DEATH_S and not hung else 0
+            # A worker that joined the broker, or was stopped for a hung model (a poison
+            # request), did start: its death is not a start-up failure, and one client's
+            # poison requests cannot make serve give up on the model.
+            started = w.joined or hung
+            w.early_deaths = w.early_deaths + 1 if lived_s < EARLY_DEATH_S and not started else 0
             if w.early_deaths >= MAX_EARLY_DEATHS:
                 w.given_up = True
                 self.on_event(w.name, "given_up")
