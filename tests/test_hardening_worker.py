@@ -249,7 +249,7 @@ def test_worker_bad_curve_key_fails_at_once_with_one_line(cli: Any, tmp_path: Pa
 class CatSupervisor(Supervisor):
     """Runs `cat` as each worker: it lives until its stdin, serve's pipe, is closed."""
 
-    def command(self, model: str, gpu: int | None, cpus: tuple[int, ...] | None = None) -> list[str]:
+    def command(self, model: str, gpu: int | None, *args: Any, **kwargs: Any) -> list[str]:
         cat = shutil.which("cat")
         assert cat is not None
         return [cat]

@@ -161,8 +161,8 @@ def test_a_reload_to_a_version_that_does_not_load_fails_alone_and_the_old_worker
     serve, zctx, cli, tmp_path, monkeypatch
 ):
     """Issue 28 item 5: the new workers' model raises in its constructor (exit 78, which
-    at serve's start is a configuration error). `reload` exits 1 saying the model could
-    not be loaded, serve lives on, the old workers keep serving, nothing is refused or lost."""
+    at serve's start is a configuration error). `reload` exits 1 with the model's error,
+    serve lives on, the old workers keep serving, nothing is refused or lost."""
     flag = tmp_path / "broken"
     monkeypatch.setenv(BROKEN_ENV, str(flag))
     s = serve(
@@ -182,7 +182,9 @@ def test_a_reload_to_a_version_that_does_not_load_fails_alone_and_the_old_worker
     assert load.drain(20), f"never answered: {sorted(load.outstanding())[:5]}"
     (result,) = done
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "could not load the model" in result.stderr and "the old workers serve on" in result.stderr
+    assert "could not load the model (exit code 78)" in result.stderr, result.stderr
+    assert "FileNotFoundError: weights missing" in result.stderr  # the model's own error
+    assert "the old workers serve on" in result.stderr
     assert s.process is not None and s.process.poll() is None, "serve stopped"
     after = {w["worker"] for w in broker_stats(s.frontend, zctx)["models"]["flaky"]["worker_list"]}
     assert after == before

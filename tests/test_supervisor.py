@@ -7,6 +7,7 @@ and a reload's new worker that cannot load its model fails that reload alone."""
 from __future__ import annotations
 
 import shutil
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,19 +29,31 @@ class ScriptedSupervisor(Supervisor):
     pipe is closed) when `exit_code` is None."""
 
     exit_code: int | None = 3
+    says: str = ""  # what a worker given a load-error pipe writes there before it exits
 
     def __init__(self, settings: PoolSettings) -> None:
         super().__init__(settings)
         self.events: list[tuple[str, str]] = []
         self.on_event = lambda model, event: self.events.append((model, event))
 
-    def command(self, model: str, gpu: int | None, cpus: tuple[int, ...] | None = None) -> list[str]:
+    def command(
+        self,
+        model: str,
+        gpu: int | None,
+        cpus: tuple[int, ...] | None = None,
+        load_error_fd: int | None = None,
+    ) -> list[str]:
         if self.exit_code is None:
             cat = shutil.which("cat")
             assert cat is not None
             return [cat]
         sh = shutil.which("sh")
         assert sh is not None
+        if load_error_fd is not None and self.says:
+            script = (
+                "import os, sys; os.write(int(sys.argv[1]), sys.argv[2].encode()); sys.exit(int(sys.argv[3]))"
+            )
+            return [sys.executable, "-c", script, str(load_error_fd), self.says, str(self.exit_code)]
         return [sh, "-c", f"exit {self.exit_code}"]
 
 
@@ -95,9 +108,8 @@ def test_a_worker_that_dies_before_it_joins_is_given_up_after_max_early_deaths(s
     assert sup.events[-1] == ("sim", "given_up")
 
 
-def test_a_reload_worker_that_cannot_load_its_model_fails_the_reload_not_serve(sup: Any) -> None:
-    """At serve's start, exit 78 is a configuration error (serve stops); from a reload's new
-    worker it fails that reload: no `load_failed`, no respawn, and the old worker serves on."""
+def reload_that_fails(sup: ScriptedSupervisor) -> tuple[WorkerProcess, list[tuple[bool, Any]], Rollouts]:
+    """Start one worker that lives, then reload it to workers exiting with EXIT_MODEL_LOAD_FAILED."""
     sup.exit_code = None
     sup.start(now=0.0)
     (old,) = sup.workers
@@ -118,6 +130,13 @@ def test_a_reload_worker_that_cannot_load_its_model_fails_the_reload_not_serve(s
     dead(new)
     sup.check(1.5)
     rollouts.step(1.5)
+    return old, replies, rollouts
+
+
+def test_a_reload_worker_that_cannot_load_its_model_fails_the_reload_not_serve(sup: Any) -> None:
+    """At serve's start, exit 78 is a configuration error (serve stops); from a reload's new
+    worker it fails that reload: no `load_failed`, no respawn, and the old worker serves on."""
+    old, replies, rollouts = reload_that_fails(sup)
     assert replies == [
         (
             False,
@@ -141,3 +160,18 @@ def test_a_first_start_that_cannot_load_its_model_is_still_a_configuration_error
     dead(sup.workers[0])
     sup.check(0.5)
     assert sup.events == [("sim", "load_failed")]
+
+
+def test_a_failed_reload_says_the_error_its_new_worker_wrote(sup: Any) -> None:
+    sup.says = "cannot load model 'sim=pkg.mod:Net': FileNotFoundError: weights.bin"
+    _, replies, _ = reload_that_fails(sup)
+    assert replies == [
+        (
+            False,
+            (
+                "worker_failed",
+                "a new worker of 'sim' could not load the model (exit code 78): cannot load model "
+                "'sim=pkg.mod:Net': FileNotFoundError: weights.bin; the old workers serve on",
+            ),
+        )
+    ]

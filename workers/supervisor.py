@@ -152,6 +152,22 @@ class WorkerProcess:
     #: workers serve on), and it is not respawned.
     replacing: bool = False
     failure: str | None = None  # why a replacing worker did not start, for the reload's reply
+    load_error_fd: int | None = None  # a replacing worker's pipe: why its model did not load
+
+    def load_error(self) -> str | None:
+        """What the exited worker wrote on its load-error pipe (None: nothing)."""
+        if self.load_error_fd is None:
+            return None
+        try:
+            said = os.read(self.load_error_fd, 4096)
+        except OSError:  # nothing written (BlockingIOError) or unreadable
+            return None
+        return said.decode("utf-8", "replace").strip() or None
+
+    def close_load_error(self) -> None:
+        if self.load_error_fd is not None:
+            os.close(self.load_error_fd)
+            self.load_error_fd = None
 
     @property
     def name(self) -> str:
@@ -159,8 +175,11 @@ class WorkerProcess:
         return ModelSpec.parse(self.model).name
 
 
-def _start_failure(code: int | None) -> str:
-    """Why a worker process that exited with `code` before joining did not start."""
+def _start_failure(code: int | None, load_error: str | None) -> str:
+    """Why a worker process that exited with `code` before joining did not start (with
+    the error it wrote on its load-error pipe, if any)."""
+    if load_error is not None:
+        return f"could not load the model (exit code {code}): {load_error}"
     if code == EXIT_MODEL_LOAD_FAILED:
         return f"could not load the model (exit code {code}; its error is in serve's log)"
     return f"exited with code {code} before it joined the broker (its error is in serve's log)"
@@ -205,8 +224,15 @@ class Supervisor:
         self._exits_told: set[int] = set()
         self._killed_hung: set[int] = set()  # pids killed for a hung model: not start-up deaths
 
-    def command(self, model: str, gpu: int | None, cpus: tuple[int, ...] | None = None) -> list[str]:
-        """The command line of one worker process."""
+    def command(
+        self,
+        model: str,
+        gpu: int | None,
+        cpus: tuple[int, ...] | None = None,
+        load_error_fd: int | None = None,
+    ) -> list[str]:
+        """The command line of one worker process; `load_error_fd`: where it writes why its
+        model did not load (a pipe serve reads)."""
         s = self.settings
         return [
             sys.executable,
@@ -244,6 +270,7 @@ class Supervisor:
             str(self.threads_per_worker),
             *self._warmup_args(model),
             *(["--cpus", ",".join(map(str, cpus))] if cpus else []),
+            *(["--load-error-fd", str(load_error_fd)] if load_error_fd is not None else []),
         ] + (
             ["--curve-server-key", s.curve_secret_key, "--curve-secret-key", s.curve_secret_key]
             if s.curve_secret_key
@@ -299,11 +326,24 @@ class Supervisor:
         # A worker without a GPU keeps the environment it inherits (there is none to hide).
         env = child_environment() if w.gpu is None else child_environment(CUDA_VISIBLE_DEVICES=str(w.gpu))
         env.pop("BATCHER_CPUS", None)  # a lone worker's option: serve gives cores by --pin-cpus
+        w.close_load_error()
+        # A reload's new worker says why its model did not load, for the reload's reply.
+        write_fd = None
+        if w.replacing:
+            w.load_error_fd, write_fd = os.pipe()
+            os.set_blocking(w.load_error_fd, False)
+        command = self.command(w.model, w.gpu, w.cpus, load_error_fd=write_fd)
         # Same process group as `serve` (so SIGKILL to the group leaves nothing behind).
         # The worker ignores SIGINT/SIGTERM; it starts with them blocked, so one sent to
         # the group before it could ignore them waits instead of killing it.
-        with stop_signals_blocked():
-            w.process = subprocess.Popen(self.command(w.model, w.gpu, w.cpus), env=env, stdin=subprocess.PIPE)
+        try:
+            with stop_signals_blocked():
+                w.process = subprocess.Popen(
+                    command, env=env, stdin=subprocess.PIPE, pass_fds=() if write_fd is None else (write_fd,)
+                )
+        finally:
+            if write_fd is not None:
+                os.close(write_fd)  # the worker holds the only write end: its exit ends the pipe
         w.started_at = now
         w.respawn_at = None
         w.joined = False
@@ -354,7 +394,10 @@ class Supervisor:
         start the workers waiting for a start slot. Called from the broker's loop (its
         timer heap, also while it drains), so it never blocks."""
         self._tell_exits()
-        self.workers = [w for w in self.workers if not (w.retired and not self.running(w))]
+        gone = [w for w in self.workers if w.retired and not self.running(w)]
+        for w in gone:
+            w.close_load_error()
+        self.workers = [w for w in self.workers if w not in gone]
         for w in self.workers:
             if w.retired or w.given_up or w.respawn_at is not None or w.process is None:
                 continue
@@ -367,7 +410,8 @@ class Supervisor:
                 # not start. The reload fails (workers/rollout.py), serve and the old
                 # workers go on, and respawning it could not fix it.
                 w.given_up = True
-                w.failure = _start_failure(code)
+                w.failure = _start_failure(code, w.load_error())
+                w.close_load_error()
                 log.error(
                     "new worker for model %s on gpu %s (pid %d) %s; the reload fails",
                     w.model, w.gpu, w.process.pid, w.failure,
@@ -451,4 +495,6 @@ class Supervisor:
                 log.warning("worker pid %d did not stop in %.1fs; killing it", p.pid, timeout_s)
                 p.kill()
                 p.wait()
+        for w in self.workers:
+            w.close_load_error()
         self.workers.clear()
