@@ -55,6 +55,8 @@ class Backend:
         self.fail_batch = fail_batch
         #: Set by `serve`: kill the local worker process of this pid (a hung model).
         self.on_hung: Callable[[int], None] = lambda pid: None
+        #: Set by `serve`: the worker process of this pid announced itself (READY).
+        self.on_joined: Callable[[int], None] = lambda pid: None
 
     def drain(self) -> bool:
         """Handle what the workers sent, within one budget; True once read to the end."""
@@ -128,6 +130,8 @@ class Backend:
                 "warm-up; its model's first batch gets the first-batch time limit",
                 self.pool.name(worker_id), info.warmup_error,
             )  # fmt: skip
+        if type(info.pid) is int:
+            self.on_joined(info.pid)
         # At once, not at the next tick: a worker started with other heartbeat flags
         # adopts the broker's before its silence could be taken for death.
         self.send(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT, self.pool.heartbeat_frame])
@@ -263,15 +267,13 @@ class Backend:
     def check_time_limits(self, now: float, limit_s: float | None) -> None:
         """Take every worker whose batch ran past its time limit for hung (its heartbeats
         prove only that the process lives): it is told to exit (`serve` also kills its
-        own), and its requests go back to their queue within their retries, each marked
-        so that it runs alone from then on."""
+        own), and its requests go back to their queue within their retries, each a
+        suspect that runs alone from then on (the pool's rule for the batch blamed)."""
         for batch, limit in self.scheduler.hung_batches(now, limit_s):
             worker_id = batch.worker
             if worker_id not in self.pool:
                 continue  # lost already, with another of its batches
             limit_ms = 1000.0 * limit
-            for req in batch.requests:
-                req.hung += 1
             log.warning(
                 "worker %s: a batch of %d ran past its time limit (%.0f ms): taken for hung, told to exit",
                 self.pool.name(worker_id), len(batch.requests), limit_ms,

@@ -1311,6 +1311,13 @@ def broker(
 )
 @max_padded_elements_option
 @option("--parent-pid", type=int_range(1, 2**31 - 1), default=None, hidden=True)
+@local_option(
+    "--load-error-fd",
+    type=int_range(0, 2**31 - 1),
+    default=None,
+    hidden=True,
+    help="Started by serve for a reload: write why the model did not load to this pipe.",
+)
 @heartbeat_options
 @curve_worker_options
 @sim_options
@@ -1327,6 +1334,7 @@ def worker(
     warmup_sample: str | None,
     max_padded_elements: int,
     parent_pid: int | None,
+    load_error_fd: int | None,
     heartbeat: Heartbeat,
     curve: ClientKeys,
     sim: SimSettings,
@@ -1358,7 +1366,16 @@ def worker(
         )
     except ModelLoadError as exc:
         logging.getLogger("batcher.worker").error("%s", exc)
+        if load_error_fd is not None:
+            _tell_load_error(load_error_fd, str(exc))
         sys.exit(EXIT_MODEL_LOAD_FAILED)
+
+
+def _tell_load_error(fd: int, message: str) -> None:
+    """Write why the model did not load to serve's pipe, at most one pipe buffer (written
+    at once), ignoring a pipe that is gone: serve then has only the log."""
+    with contextlib.suppress(OSError):
+        os.write(fd, message.encode("utf-8", "replace")[:4000])
 
 
 def _json_key(key: object) -> str:

@@ -4,10 +4,14 @@ scheduler (no zmq, the time passed in), tested on a float clock (tests/test_pool
 - **Liveness.** A worker is alive while it has been heard from within its heartbeat
   expiry, counted up to the last time the broker read its backend to the end: a worker
   whose messages arrived while the broker was busy is never taken for dead for it.
-- **Lost workers.** A worker that failed costs each of its requests an attempt; one
-  that left on its own (DISCONNECT) hands its batches back free the first time only.
-  A request whose attempts reach `max_retries` is answered `worker_failed`; the others
-  go back to their queue, ahead of later arrivals.
+- **Lost workers.** A worker that failed (it crashed, hung or fell silent) was running
+  one batch, its first (batches run in the order sent), or the one that hung: each of
+  that batch's requests costs an attempt and becomes a suspect, which runs alone from
+  then on (batcher.scheduler), so that a request that kills every worker it meets
+  takes none of its batch-mates with it again. The batches behind it, which the worker
+  had not begun, are handed back as by a worker that left on its own (DISCONNECT):
+  free the first time only. A request whose attempts reach `max_retries` is answered
+  `worker_failed`; the others go back to their queue, ahead of later arrivals.
 - **Lost sequences.** A step-level worker's sequences follow batcher.streams: one
   that has sent no chunk is a request like any other here (retried, or answered
   `worker_failed` past its retries); one that has sent a chunk is answered
@@ -151,13 +155,16 @@ class WorkerPool:
 
     def lose(self, worker_id: bytes, failed: bool, blame: int | None = None) -> Lost:
         """Forget a worker; requeue its batches' requests or fail them (module docstring).
-        With `blame`, the one batch that failed it (a hung one): the others, which it had
-        not begun, are handed back as by a worker that left."""
+        `blame` names the batch that failed it when that is known (one that hung); by
+        default a failed worker's running batch is blamed: its first."""
         self._heard_at.pop(worker_id, None)
         self._info.pop(worker_id, None)
         lost = Lost()
-        for batch in self.scheduler.remove_worker(worker_id):
-            self._hand_back(batch, failed and (blame is None or batch.batch_id == blame), lost)
+        batches = self.scheduler.remove_worker(worker_id)
+        if failed and blame is None and batches:
+            blame = batches[0].batch_id
+        for batch in batches:
+            self._hand_back(batch, failed and batch.batch_id == blame, lost)
         retry: list[tuple[str, QueuedRequest]] = []
         for seq in self.streams.remove_worker(worker_id):
             # One that sent a chunk cannot start over: its client holds part of an answer.
@@ -181,8 +188,11 @@ class WorkerPool:
         return True
 
     def _hand_back(self, batch: Batch, failed: bool, lost: Lost) -> None:
+        """Requeue or fail a lost worker's batch; `failed`: the batch that failed it, whose
+        requests are suspects from now on."""
         retry: list[QueuedRequest] = []
         for req in batch.requests:
+            req.suspect += failed
             if self._retries(req, failed):
                 retry.append(req)
             else:

@@ -189,7 +189,7 @@ class QueuedRequest:
     attempts: int = 0  # batches it was sent in whose worker failed
     handbacks: int = 0  # batches it was sent in whose worker left and handed it back
     cost: float = 1.0  # its share of max_batch_cost (tokens, pixels, bytes...)
-    hung: int = 0  # batches it was in that ran past their time limit: it then runs alone
+    suspect: int = 0  # batches it was in whose worker died or hung on them: it then runs alone
     rank: float = 0.0  # its place by priority: lower first (set when it is queued)
     stream: bool = False  # answered chunk by chunk; its error reply says "more": false
     bucket: int | None = None  # its length bucket, with --bucket-by: batches never mix buckets
@@ -366,7 +366,7 @@ class ModelQueue:
     by_client: dict[bytes, dict[object, QueuedRequest | list[QueuedRequest]]] = field(default_factory=dict)
     size: int = 0
     queued_cost: float = 0.0  # the sum of the queued requests' costs
-    suspects: int = 0  # queued requests whose batch hung before (each runs alone)
+    suspects: int = 0  # queued requests whose batch killed or hung its worker before (each runs alone)
     workers: dict[bytes, None] = field(default_factory=dict)  # an ordered set
     cost: CostModel = field(default_factory=CostModel)
     rate: ArrivalRate = field(default_factory=ArrivalRate)
@@ -439,12 +439,12 @@ class ModelQueue:
         """Count a request just put in a lane."""
         self.size += 1
         self.queued_cost += req.cost
-        self.suspects += req.hung > 0
+        self.suspects += req.suspect > 0
 
     def _forget(self, req: QueuedRequest) -> None:
         self.size -= 1
         self.queued_cost = self.queued_cost - req.cost if self.size else 0.0  # no drift when empty
-        self.suspects -= req.hung > 0
+        self.suspects -= req.suspect > 0
 
     def full(self) -> bool:
         """Whether the queue holds a whole batch: max_batch_size requests, or costs that
@@ -1038,21 +1038,21 @@ class Scheduler:
     def _take(self, name: str, mq: ModelQueue) -> list[QueuedRequest]:
         """The next batch's requests, in scheduling order: cut_size of them, fewer when
         their costs would pass max_batch_cost (the first is always taken), or before a
-        request whose batch hung before: such a suspect runs alone, so that a poison
-        request takes none of its batch-mates down with it again."""
+        request whose batch killed or hung its worker before: such a suspect runs alone,
+        so that a poison request takes none of its batch-mates down with it again."""
         s = mq.settings
         n = s.cut_size(mq.size)
         cap = s.max_batch_cost
         if cap is None and not mq.suspects:
             return [mq.pop() for _ in range(n)]
-        if mq.peek().hung:
+        if mq.peek().suspect:
             return [mq.pop()]
         requests: list[QueuedRequest] = []
         total = 0.0
         while len(requests) < n:
             if requests:
                 following = mq.peek()
-                if following.hung or (cap is not None and total + following.cost > cap):
+                if following.suspect or (cap is not None and total + following.cost > cap):
                     break
             requests.append(mq.pop())
             total += requests[-1].cost

@@ -77,6 +77,7 @@ def run_serve(
     supervisor.on_event = on_worker_event
     supervisor.on_exit = broker.workers.process_exited  # its batches move on at once
     broker.workers.on_hung = supervisor.kill  # a hung model: its worker killed, then respawned
+    broker.workers.on_joined = supervisor.joined  # it started: its death is no start-up failure
     rollouts = Rollouts(broker.controls, supervisor)
     broker.controls.on_reload = lambda model, reply: rollouts.start(model, reply, time.monotonic())
     names = tuple(dict.fromkeys(ModelSpec.parse(m).name for m in pool.models))

@@ -32,6 +32,23 @@ def crash(inputs: list[Any]) -> list[Any]:
     return list(inputs)
 
 
+#: The file whose presence breaks LoadsUnlessBroken (a new version that does not load).
+BROKEN_ENV = "BATCHER_TEST_BROKEN_FLAG"
+
+
+class LoadsUnlessBroken:
+    """Echo ({"input": x}); its constructor raises while the file named by $BATCHER_TEST_BROKEN_FLAG
+    exists, as a new version of a model whose weights file is missing would."""
+
+    def __init__(self, gpu_id: int | None) -> None:
+        flag = os.environ.get(BROKEN_ENV)
+        if flag and os.path.exists(flag):
+            raise FileNotFoundError(f"weights missing ({flag} exists)")
+
+    def __call__(self, inputs: list[Any]) -> list[Any]:
+        return [{"input": x} for x in inputs]
+
+
 def hang_on(inputs: list[Any]) -> list[Any]:
     """A model that hangs (for an hour) on a batch holding "hang", its heartbeat thread
     alive all the while; any other batch is echoed with the worker's pid."""

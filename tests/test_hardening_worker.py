@@ -219,6 +219,28 @@ def test_lone_worker_stops_cleanly_on_sigterm_and_sigint(
     wait_until(lambda: workers() == 0, 5, "the broker saw the worker leave")
 
 
+def test_a_worker_whose_broker_is_gone_exits_promptly_on_sigterm(spawn: Any, zctx: zmq.Context[Any]) -> None:
+    """Issue 28 item 23: a worker's goodbye (DISCONNECT) was closed with a 500 ms linger
+    even with no broker to take it, so the process waited that long after "stopped" (and
+    the orphan of a killed serve longer still until reaped). With the broker gone it now
+    exits at once. The deadline is generous for the work left (close, interpreter exit:
+    about 30 ms), and shorter than that linger."""
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    broker = spawn("broker", "--frontend", frontend, "--backend", backend, "--model", "echo")
+    worker = spawn("worker", "--connect", backend, "--model", "echo", "--heartbeat-ms", "100")
+    wait_until(lambda: "ready for model" in worker.stderr_path.read_text(), 20, "worker connected")
+    broker.process.kill()
+    broker.process.wait(5)
+    # It saw the broker go and connected a fresh socket, whose READY waits for a broker.
+    wait_until(lambda: worker.stderr_path.read_text().count("ready for model") >= 2, 10, "reconnected")
+    worker.process.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    assert worker.process.wait(10) == 0
+    took_s = time.monotonic() - started
+    assert "stopped after 0 batches" in worker.stderr_path.read_text()
+    assert took_s < 0.45, f"the worker took {took_s:.2f}s to exit after SIGTERM"
+
+
 # --- 2. bad --connect -----------------------------------------------------------------------------------
 
 
@@ -249,7 +271,7 @@ def test_worker_bad_curve_key_fails_at_once_with_one_line(cli: Any, tmp_path: Pa
 class CatSupervisor(Supervisor):
     """Runs `cat` as each worker: it lives until its stdin, serve's pipe, is closed."""
 
-    def command(self, model: str, gpu: int | None, cpus: tuple[int, ...] | None = None) -> list[str]:
+    def command(self, model: str, gpu: int | None, *args: Any, **kwargs: Any) -> list[str]:
         cat = shutil.which("cat")
         assert cat is not None
         return [cat]

@@ -16,6 +16,7 @@ from batcher import protocol
 from batcher.client import Client
 from batcher.launcher import free_tcp_address
 from batcher.protocol import pack, unpack
+from tests.fixture_models import BROKEN_ENV
 from tests.helpers import FLAT_SIM, broker_stats, curve_broker_stats, recv_replies, start_broker, wait_until
 from tests.reliability_models import DealerLoad
 
@@ -154,6 +155,45 @@ def test_reload_replaces_every_worker_under_load_and_loses_nothing(serve, zctx, 
     assert summary["sent"] > 100, summary
     assert summary["ok"] == summary["sent"], summary  # none refused, lost or wrong
     assert summary["duplicated"] == summary["foreign"] == summary["lost"] == 0, summary
+
+
+def test_a_reload_to_a_version_that_does_not_load_fails_alone_and_the_old_workers_serve_on(
+    serve, zctx, cli, tmp_path, monkeypatch
+):
+    """Issue 28 item 5: the new workers' model raises in its constructor (exit 78, which
+    at serve's start is a configuration error). `reload` exits 1 with the model's error,
+    serve lives on, the old workers keep serving, nothing is refused or lost."""
+    flag = tmp_path / "broken"
+    monkeypatch.setenv(BROKEN_ENV, str(flag))
+    s = serve(
+        "--model", "flaky=tests.fixture_models:LoadsUnlessBroken", "--workers", "2", "--max-batch-size", "4",
+        workers=2,
+    )  # fmt: skip
+    before = {w["worker"] for w in broker_stats(s.frontend, zctx)["models"]["flaky"]["worker_list"]}
+    flag.touch()  # the next version is broken
+    load = DealerLoad(zctx, s.frontend, clients=2, depth=4)
+    done: list[Any] = []
+    reload = ("reload", "flaky", "--connect", s.frontend, "--timeout-s", "60")
+    thread = threading.Thread(target=lambda: done.append(cli(*reload, timeout_s=90)))
+    thread.start()
+    load.run_until(lambda: not thread.is_alive(), 90, "the reload answered")
+    thread.join()
+    load.run_for(0.5)  # serve and its old workers still serve after it
+    assert load.drain(20), f"never answered: {sorted(load.outstanding())[:5]}"
+    (result,) = done
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "could not load the model (exit code 78)" in result.stderr, result.stderr
+    assert "FileNotFoundError: weights missing" in result.stderr  # the model's own error
+    assert "the old workers serve on" in result.stderr
+    assert s.process is not None and s.process.poll() is None, "serve stopped"
+    after = {w["worker"] for w in broker_stats(s.frontend, zctx)["models"]["flaky"]["worker_list"]}
+    assert after == before
+    summary = load.summary()
+    assert summary["sent"] > 20 and summary["ok"] == summary["sent"], summary
+    assert summary["duplicated"] == summary["foreign"] == summary["lost"] == 0, summary
+    flag.unlink()  # fixed: the next reload goes through
+    again = cli(*reload, timeout_s=90)
+    assert again.returncode == 0 and '"replaced": 2' in again.stdout, again.stdout + again.stderr
 
 
 def test_reload_under_a_plain_broker_says_it_needs_serve(spawn, zctx, cli):

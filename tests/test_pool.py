@@ -4,7 +4,12 @@ by attempts and hand-backs, and admission of requests for models without workers
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from batcher.pool import WorkerInfo, WorkerPool, worker_info
 from batcher.protocol import ErrorCode, Heartbeat
@@ -75,11 +80,12 @@ def test_a_failed_workers_requests_are_requeued_until_their_retries_are_used() -
     lost = p.lose(b"w1", failed=True)
     assert lost.failed == [] and lost.batches_requeued == 1
     assert p.scheduler.queued("m") == 2
-    join(p, b"w2")
-    assert p.scheduler.due_batches(0.0)
-    lost = p.lose(b"w2", failed=True)  # the second failure: retries used up
-    assert sorted(r.id for _, r in lost.failed) == [1, 2]  # type: ignore[type-var]
-    assert {m for m, _ in lost.failed} == {"m"} and lost.batches_requeued == 0
+    for worker, rid in ((b"w2", 1), (b"w3", 2)):  # suspects now: each runs alone
+        join(p, worker)
+        (batch,) = p.scheduler.due_batches(0.0)
+        assert [r.id for r in batch.requests] == [rid]
+        lost = p.lose(worker, failed=True)  # the second failure: its retries used up
+        assert [(m, r.id) for m, r in lost.failed] == [("m", rid)] and lost.batches_requeued == 0
 
 
 def test_a_worker_that_leaves_hands_back_free_only_the_first_time() -> None:
@@ -184,7 +190,7 @@ def test_losing_an_unknown_worker_changes_nothing() -> None:
     assert b"w" in p
 
 
-def test_every_batch_of_a_lost_worker_is_counted_and_attempts_add_up() -> None:
+def test_every_batch_of_a_lost_worker_is_counted_and_only_its_running_one_costs_an_attempt() -> None:
     s = Scheduler(per_model={"m": BatchSettings(max_batch_size=1, max_wait_ms=0.0)}, worker_prefetch=2)
     p = WorkerPool(s, HEARTBEAT, 5, now=0.0)
     p.joined(b"w", WorkerInfo("m", 0, 1), 2, 0.0)
@@ -195,7 +201,8 @@ def test_every_batch_of_a_lost_worker_is_counted_and_attempts_add_up() -> None:
     assert len(s.due_batches(0.0)) == 2
     lost = p.lose(b"w", failed=True)
     assert lost.batches_requeued == 2
-    assert [r.attempts for r in reqs] == [3, 1]
+    assert [r.attempts for r in reqs] == [3, 0]  # the one behind it was never begun
+    assert [(r.suspect, r.handbacks) for r in reqs] == [(1, 0), (0, 1)]
 
 
 def test_a_leave_after_a_failure_still_costs_an_attempt() -> None:
@@ -258,6 +265,123 @@ def test_losing_a_hung_worker_charges_only_the_batch_that_hung() -> None:
     lost = p.lose(b"w", failed=True, blame=first.batch_id)
     assert lost.failed == [] and lost.batches_requeued == 2
     assert (hung.attempts, behind.attempts, behind.handbacks) == (1, 0, 1)
+    assert (hung.suspect, behind.suspect) == (1, 0)
+
+
+# --- a request that kills its worker (issue 28, item 7) ------------------------------------------
+
+
+def test_a_crashed_workers_running_batch_becomes_suspects_that_run_alone() -> None:
+    """A worker died (no blame known: a crash) holding a batch of 4: all four cost an
+    attempt and are suspects; on the next worker each runs alone, a later arrival too is
+    never batched with them; a worker that left (not failed) marks nobody."""
+    s = Scheduler(per_model={"m": BatchSettings(max_batch_size=4, max_wait_ms=0.0)})
+    p = WorkerPool(s, HEARTBEAT, 1, now=0.0)
+    join(p, b"w1")
+    crashed = [request(i) for i in range(4)]
+    for r in crashed:
+        s.enqueue("m", r)
+    assert len(s.due_batches(0.0)) == 1
+    lost = p.lose(b"w1", failed=True)
+    assert lost.failed == [] and lost.batches_requeued == 1
+    assert [(r.attempts, r.suspect) for r in crashed] == [(1, 1)] * 4
+    later = request(9)
+    s.enqueue("m", later)
+    join(p, b"w2")
+    sizes = []
+    while s.queued("m"):
+        (b,) = s.due_batches(1.0)
+        sizes.append([r.id for r in b.requests])
+        s.complete(b.worker, b.batch_id)
+    assert sizes == [[0], [1], [2], [3], [9]]
+    join(p, b"w3")
+    left = [request(10), request(11)]
+    for r in left:
+        s.enqueue("m", r)
+    s.due_batches(2.0)
+    p.lose(b"w2", failed=False)
+    p.lose(b"w3", failed=False)
+    assert [r.suspect for r in left] == [0, 0]
+
+
+@dataclass
+class PoisonRun:
+    """What became of a queue holding one request that kills every worker running it."""
+
+    served: list[object]
+    failed: list[object]
+    deaths: int
+
+
+def run_with_a_poison(
+    n: int, poison_at: int, batch_size: int, prefetch: int, workers: int, max_retries: int, late: int
+) -> PoisonRun:
+    """Simulate workers on a float clock: every 10 ms each worker runs its first batch;
+    a batch holding the poison kills its worker, which the pool loses (failed, no blame:
+    a crash) and a fresh worker replaces. `late` more requests arrive one per step."""
+    s = Scheduler(
+        per_model={"m": BatchSettings(max_batch_size=batch_size, max_wait_ms=0.0, policy="window")},
+        worker_prefetch=prefetch,
+    )
+    p = WorkerPool(s, HEARTBEAT, max_retries, now=0.0)
+    ids = itertools.count()
+
+    def spawn(now: float) -> None:
+        p.joined(b"w%d" % next(ids), WorkerInfo("m", None, 1), None, now)
+
+    for _ in range(workers):
+        spawn(0.0)
+    reqs = [request(i) for i in range(n)]
+    for r in reqs:
+        s.enqueue("m", r)
+    run = PoisonRun([], [], 0)
+    now, pending_late = 0.0, list(range(n, n + late))
+    for _ in range(10_000):
+        if pending_late:
+            r = request(pending_late.pop(0))
+            r.arrived_at = now
+            s.enqueue("m", r)
+        s.due_batches(now)
+        for wid, w in list(s.workers.items()):
+            if not w.in_flight:
+                continue
+            batch = next(iter(w.in_flight.values()))
+            if any(r.id == poison_at for r in batch.requests):
+                run.deaths += 1
+                run.failed += [r.id for _, r in p.lose(wid, failed=True).failed]
+                spawn(now)
+            else:
+                s.complete(wid, batch.batch_id, 0.01, now)
+                run.served += [r.id for r in batch.requests]
+        now += 0.01
+        if not pending_late and not s.busy():
+            break
+    return run
+
+
+@given(
+    n=st.integers(1, 24),
+    data=st.data(),
+    batch_size=st.integers(1, 8),
+    prefetch=st.integers(1, 3),
+    workers=st.integers(1, 3),
+    max_retries=st.integers(1, 3),
+    late=st.integers(0, 12),
+)
+def test_a_crashing_poison_fails_alone_after_its_retries_and_every_mate_is_served(
+    n: int, data: st.DataObject, batch_size: int, prefetch: int, workers: int, max_retries: int, late: int
+) -> None:
+    poison_at = data.draw(st.integers(0, n - 1))
+    run = run_with_a_poison(n, poison_at, batch_size, prefetch, workers, max_retries, late)
+    assert run.failed == [poison_at]
+    assert sorted(run.served) == [i for i in range(n + late) if i != poison_at]  # each once
+    assert run.deaths == max_retries + 1  # it killed one worker per attempt, and no more
+
+
+def test_with_max_retries_0_a_crash_fails_the_whole_batch_it_was_in() -> None:
+    """No retry at all: nothing can tell the poison from its mates (as before)."""
+    run = run_with_a_poison(4, 2, 4, 1, 1, 0, 0)
+    assert sorted(run.failed) == [0, 1, 2, 3] and run.deaths == 1
 
 
 def test_the_pool_tells_workers_its_heartbeat_settings() -> None:

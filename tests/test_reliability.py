@@ -532,6 +532,55 @@ def test_a_poison_request_takes_down_at_most_max_retries_plus_one_workers_and_it
     assert "its model hung" in s.log()
 
 
+# --- a request that crashes its worker (issue 28, items 7 and 8) ------------------------------------
+
+CRASH = "crash=tests.fixture_models:crash"
+
+
+def test_a_request_that_kills_its_worker_fails_alone_and_its_batch_mates_are_served(served, zctx, connect):
+    """A batch of 4 holding one request on which the model kills its process (os._exit, as
+    a segfault would): the four are retried each alone, so the three others are served;
+    the poison kills a second worker and, its retry used (--max-retries 1), is answered
+    worker_failed. Both workers are respawned: a death after joining is no failed start."""
+    s = served(
+        "--workers", "2", "--model", CRASH, *HEARTBEAT, "--max-retries", "1",
+        "--max-batch-size", "4", "--max-wait-ms", "100", "--policy", "window",
+        workers=2,
+    )  # fmt: skip
+    before = s.worker_pids()
+    sock = connect(zmq.DEALER, s.frontend)
+    for i, x in enumerate(["a", "crash", "b", "c"]):
+        sock.send_multipart([b"", pack({"id": i, "model": "crash", "input": x})])
+    replies = {r["id"]: r for r in recv_replies(sock, 4, timeout_s=60)}
+    assert [replies[i].get("output") for i in (0, 2, 3)] == ["a", "b", "c"], replies
+    assert all(replies[i]["batch_size"] == 1 for i in (0, 2, 3))  # retried alone
+    poison = replies[1]["error"]
+    assert poison["code"] == "worker_failed", poison
+    assert "exited with code 3" in poison["message"] or "disconnected" in poison["message"], poison
+    assert broker_stats(s.frontend, zctx, timeout_s=5)["workers_lost"] == 2  # max_retries + 1
+    wait_until(lambda: model_stats(s.frontend, zctx, "crash").get("workers") == 2, 30, "both respawned")
+    assert len(s.worker_pids() - before) == 2
+
+
+def test_requests_that_crash_their_worker_never_make_serve_give_up_on_the_model(served, zctx, connect):
+    """One worker; three crashing requests cost it six deaths, each a second or two after
+    its start (the give-up rule counts five deaths in a row within 10 s of a start). The
+    worker had joined the broker each time, so these are no failed starts: it is respawned
+    every time, each poison gets worker_failed, and a well-formed request is served after."""
+    s = served("--workers", "1", "--model", CRASH, *HEARTBEAT, "--max-retries", "1", workers=1)
+    sock = connect(zmq.DEALER, s.frontend)
+    for i in range(3):
+        sock.send_multipart([b"", pack({"id": i, "model": "crash", "input": "crash"})])
+        reply = recv_reply(sock, timeout_s=60)
+        assert reply["id"] == i and reply["error"]["code"] == "worker_failed", reply
+        assert "failed to start" not in reply["error"]["message"], reply
+    sock.send_multipart([b"", pack({"id": "fine", "model": "crash", "input": "fine"})])
+    reply = recv_reply(sock, timeout_s=60)
+    assert reply.get("output") == "fine", reply
+    assert broker_stats(s.frontend, zctx, timeout_s=5)["workers_lost"] == 6
+    assert "giving up on it" not in s.log()
+
+
 # hang_on runs on the main thread (told to exit by the heartbeat thread), NoGil on the
 # worker's model thread (told to exit by the main thread, free meanwhile)
 @pytest.mark.parametrize(

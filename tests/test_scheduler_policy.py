@@ -2087,7 +2087,7 @@ def test_requests_of_a_hung_batch_run_alone_and_never_with_others_again() -> Non
     reqs = enqueue_many(s, "m", 4, 0.0)
     (b,) = s.due_batches(0.0)
     for r in b.requests:
-        r.hung += 1
+        r.suspect += 1
     (lost,) = s.remove_worker(b"w0")
     s.requeue("m", lost.requests)
     enqueue_many(s, "m", 2, 0.1)
@@ -2123,7 +2123,7 @@ def test_suspects_stay_alone_when_a_higher_priority_request_goes_first() -> None
     enqueue_many(s, "m", 3, 0.0)
     (hung,) = s.due_batches(0.0)
     for r in hung.requests:
-        r.hung += 1
+        r.suspect += 1
     (lost,) = s.remove_worker(b"w0")
     s.requeue("m", lost.requests)
     put(s, "m", rq(0.1, priority=5))  # goes before the suspects

@@ -9,7 +9,9 @@
    holding nothing), and answer the request when they are gone.
 Queued requests keep flowing to the old workers until the new ones are ready, and to
 the new ones after, so no request is refused or lost during the switch. New workers
-that do not all get ready within READY_TIMEOUT_S are stopped and the old ones serve on.
+that do not all get ready within READY_TIMEOUT_S, or of which one exits before it is
+ready (the new version does not load), are stopped and the old ones serve on: the
+reload fails alone, saying why.
 
 Driven from the broker's loop by `step(now)` on its timer heap: nothing here blocks.
 """
@@ -92,7 +94,13 @@ class Rollouts:
 
     def _when_ready(self, r: Rollout, now: float) -> None:
         ready = self._pids(r.model)
-        if all(w.process is not None and w.process.pid in ready for w in r.new):
+        failed = next((w for w in r.new if w.given_up), None)
+        if failed is not None:
+            self.supervisor.retire(r.new)
+            message = f"a new worker of {r.model!r} {failed.failure or 'did not start'}"
+            log.error("reload failed: %s; the old workers serve on", message)
+            self._finish(r, False, ("worker_failed", message + "; the old workers serve on"))
+        elif all(w.process is not None and w.process.pid in ready for w in r.new):
             log.info("reloading model %s: new workers ready, draining the old ones", r.model)
             r.phase = "draining"
             for w in r.old:

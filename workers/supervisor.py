@@ -125,7 +125,9 @@ def default_max_starting() -> int:
 
 #: Exit code of a worker whose model cannot be imported or built.
 EXIT_MODEL_LOAD_FAILED = 78  # sysexits.h EX_CONFIG
-#: A worker that dies sooner than this after starting counts as failing at start-up.
+#: A worker that dies sooner than this after starting, before it joined the broker,
+#: counts as failing at start-up (one that joined had loaded its model: its death is a
+#: request's doing, or the machine's, and the broker retries or quarantines its requests).
 EARLY_DEATH_S = 10.0
 #: Start-up failures in a row after which a GPU's worker is given up.
 MAX_EARLY_DEATHS = 5
@@ -150,11 +152,42 @@ class WorkerProcess:
     given_up: bool = False
     retired: bool = False  # replaced by a reload: told to stop, never respawned
     cpus: tuple[int, ...] | None = None  # --pin-cpus: its own cores, kept across respawns
+    joined: bool = False  # its current process announced itself to the broker (READY)
+    #: Started by a reload: until it joins, its exit fails that reload, not serve (the old
+    #: workers serve on), and it is not respawned.
+    replacing: bool = False
+    failure: str | None = None  # why a replacing worker did not start, for the reload's reply
+    load_error_fd: int | None = None  # a replacing worker's pipe: why its model did not load
+
+    def load_error(self) -> str | None:
+        """What the exited worker wrote on its load-error pipe (None: nothing)."""
+        if self.load_error_fd is None:
+            return None
+        try:
+            said = os.read(self.load_error_fd, 4096)
+        except OSError:  # nothing written (BlockingIOError) or unreadable
+            return None
+        return said.decode("utf-8", "replace").strip() or None
+
+    def close_load_error(self) -> None:
+        if self.load_error_fd is not None:
+            os.close(self.load_error_fd)
+            self.load_error_fd = None
 
     @property
     def name(self) -> str:
         """The model name the worker announces (the broker knows models by it)."""
         return ModelSpec.parse(self.model).name
+
+
+def _start_failure(code: int | None, load_error: str | None) -> str:
+    """Why a worker process that exited with `code` before joining did not start (with
+    the error it wrote on its load-error pipe, if any)."""
+    if load_error is not None:
+        return f"could not load the model (exit code {code}): {load_error}"
+    if code == EXIT_MODEL_LOAD_FAILED:
+        return f"could not load the model (exit code {code}; its error is in serve's log)"
+    return f"exited with code {code} before it joined the broker (its error is in serve's log)"
 
 
 def connect_address(bind_address: str) -> str:
@@ -196,8 +229,15 @@ class Supervisor:
         self._exits_told: set[int] = set()
         self._killed_hung: set[int] = set()  # pids killed for a hung model: not start-up deaths
 
-    def command(self, model: str, gpu: int | None, cpus: tuple[int, ...] | None = None) -> list[str]:
-        """The command line of one worker process."""
+    def command(
+        self,
+        model: str,
+        gpu: int | None,
+        cpus: tuple[int, ...] | None = None,
+        load_error_fd: int | None = None,
+    ) -> list[str]:
+        """The command line of one worker process; `load_error_fd`: where it writes why its
+        model did not load (a pipe serve reads)."""
         s = self.settings
         return [
             sys.executable,
@@ -238,6 +278,7 @@ class Supervisor:
             str(s.max_padded_elements),
             *self._warmup_sample_args(model),
             *(["--cpus", ",".join(map(str, cpus))] if cpus else []),
+            *(["--load-error-fd", str(load_error_fd)] if load_error_fd is not None else []),
         ] + (
             ["--curve-server-key", s.curve_secret_key, "--curve-secret-key", s.curve_secret_key]
             if s.curve_secret_key
@@ -297,13 +338,27 @@ class Supervisor:
         # A worker without a GPU keeps the environment it inherits (there is none to hide).
         env = child_environment() if w.gpu is None else child_environment(CUDA_VISIBLE_DEVICES=str(w.gpu))
         env.pop("BATCHER_CPUS", None)  # a lone worker's option: serve gives cores by --pin-cpus
+        w.close_load_error()
+        # A reload's new worker says why its model did not load, for the reload's reply.
+        write_fd = None
+        if w.replacing:
+            w.load_error_fd, write_fd = os.pipe()
+            os.set_blocking(w.load_error_fd, False)
+        command = self.command(w.model, w.gpu, w.cpus, load_error_fd=write_fd)
         # Same process group as `serve` (so SIGKILL to the group leaves nothing behind).
         # The worker ignores SIGINT/SIGTERM; it starts with them blocked, so one sent to
         # the group before it could ignore them waits instead of killing it.
-        with stop_signals_blocked():
-            w.process = subprocess.Popen(self.command(w.model, w.gpu, w.cpus), env=env, stdin=subprocess.PIPE)
+        try:
+            with stop_signals_blocked():
+                w.process = subprocess.Popen(
+                    command, env=env, stdin=subprocess.PIPE, pass_fds=() if write_fd is None else (write_fd,)
+                )
+        finally:
+            if write_fd is not None:
+                os.close(write_fd)  # the worker holds the only write end: its exit ends the pipe
         w.started_at = now
         w.respawn_at = None
+        w.joined = False
         where = "" if w.cpus is None else f", cpus {','.join(map(str, w.cpus))}"
         log.info("started worker for model %s on gpu %s%s (pid %d)", w.model, w.gpu, where, w.process.pid)
 
@@ -320,7 +375,8 @@ class Supervisor:
         """New workers for every current worker of `model`, on the same GPUs, started now
         (within the start limit); the old ones serve on until `retire`d."""
         fresh = [
-            WorkerProcess(w.model, w.gpu, None, respawn_at=now, cpus=w.cpus) for w in self.current(model)
+            WorkerProcess(w.model, w.gpu, None, respawn_at=now, cpus=w.cpus, replacing=True)
+            for w in self.current(model)
         ]
         self.workers.extend(fresh)
         self._start_due(now)
@@ -337,12 +393,23 @@ class Supervisor:
     def running(self, w: WorkerProcess) -> bool:
         return w.process is not None and w.process.poll() is None
 
+    def joined(self, pid: int) -> None:
+        """The broker heard READY from the worker process `pid`: it loaded its model and
+        started, so its death is no start-up failure (and no reload's)."""
+        for w in self.workers:
+            if w.process is not None and w.process.pid == pid:
+                w.joined = True
+                w.replacing = False
+
     def check(self, now: float) -> None:
         """Respawn dead workers with back-off; give up on one that keeps dying at start-up;
         start the workers waiting for a start slot. Called from the broker's loop (its
         timer heap, also while it drains), so it never blocks."""
         self._tell_exits()
-        self.workers = [w for w in self.workers if not (w.retired and not self.running(w))]
+        gone = [w for w in self.workers if w.retired and not self.running(w)]
+        for w in gone:
+            w.close_load_error()
+        self.workers = [w for w in self.workers if w not in gone]
         for w in self.workers:
             if w.retired or w.given_up or w.respawn_at is not None or w.process is None:
                 continue
@@ -350,6 +417,19 @@ class Supervisor:
                 continue
             code = w.process.returncode
             lived_s = now - w.started_at
+            if w.replacing:
+                # A reload's new worker that exited before it joined: the new version does
+                # not start. The reload fails (workers/rollout.py), serve and the old
+                # workers go on, and respawning it could not fix it.
+                w.given_up = True
+                w.failure = _start_failure(code, w.load_error())
+                w.close_load_error()
+                log.error(
+                    "new worker for model %s on gpu %s (pid %d) %s; the reload fails",
+                    w.model, w.gpu, w.process.pid, w.failure,
+                )  # fmt: skip
+                self.on_event(w.name, "reload_failed")
+                continue
             if code == EXIT_MODEL_LOAD_FAILED and w.restarts == 0:
                 # A model that does not load on the first try is a configuration error
                 # (a typo in --model, a missing package): respawning cannot fix it.
@@ -358,8 +438,11 @@ class Supervisor:
                 continue
             hung = w.process.pid in self._killed_hung or code == EXIT_HUNG
             self._killed_hung.discard(w.process.pid)
-            # A worker stopped for a hung model (a poison request) did start: not a start-up death.
-            w.early_deaths = w.early_deaths + 1 if lived_s < EARLY_DEATH_S and not hung else 0
+            # A worker that joined the broker, or was stopped for a hung model (a poison
+            # request), did start: its death is not a start-up failure, and one client's
+            # poison requests cannot make serve give up on the model.
+            started = w.joined or hung
+            w.early_deaths = w.early_deaths + 1 if lived_s < EARLY_DEATH_S and not started else 0
             if w.early_deaths >= MAX_EARLY_DEATHS:
                 w.given_up = True
                 self.on_event(w.name, "given_up")
@@ -424,4 +507,6 @@ class Supervisor:
                 log.warning("worker pid %d did not stop in %.1fs; killing it", p.pid, timeout_s)
                 p.kill()
                 p.wait()
+        for w in self.workers:
+            w.close_load_error()
         self.workers.clear()

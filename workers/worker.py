@@ -589,7 +589,7 @@ class Worker:
             if self._model_thread is not None:
                 self._model_thread.close(timeout_s=1.0)
             with self._socket_lock:
-                self._disconnect(linger_ms=500)
+                self._disconnect(linger_ms=self._goodbye_linger_ms())
             self.signals.close()
         log.info("worker %s stopped after %d batches", self.name, self.batches)
 
@@ -865,6 +865,19 @@ class Worker:
             max_active=max_active,
             warmup_error=self.warmup_error,
         )
+
+    def _goodbye_linger_ms(self) -> int:
+        """How long closing may wait for our DISCONNECT to leave: up to 500 ms while the
+        connection to the broker is up, none once it is gone (the broker stopped or was
+        killed, or serve, our parent, died with its broker): libzmq would hold a message
+        nobody can read for the whole linger, and the process would wait with it."""
+        parent = self.settings.parent_pid
+        if parent is not None and os.getppid() != parent:
+            return 0
+        if self._watch is None:
+            return 0
+        self._watch.poll()
+        return 500 if self._watch.connected else 0
 
     def _disconnect(self, linger_ms: int = 0) -> None:
         """Drop the socket. Batches not run yet go too: a broker that lost us re-dispatches
