@@ -290,7 +290,9 @@ def test_rows_past_their_deadline_are_cancelled_before_their_client_is_given_up_
     already waiting ahead of anything that could run those rows."""
     fb = fake_broker(
         lambda body: (
-            {"id": body["id"], "ok": True, "output": {}} if body.get("op") in ("stats", "limits") else None
+            {"id": body["id"], "ok": True, "output": {}}
+            if body.get("op") in ("stats", "limits", "metadata")
+            else None
         )
     )
 

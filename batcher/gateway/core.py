@@ -427,12 +427,22 @@ class Gateway:
         --request-timeout-ms), so the broker drops rows whose client was answered 504."""
         check_version(request.model, request.version)
         rows = oip.row_inputs(request.inputs)
-        input_names, _ = await self._names_of(request.model)
+        timeout_ms = request.timeout_ms or self.settings.request_timeout_ms
+        # What is asked before the rows go (the broker's limits, the model's input names,
+        # each once and cached) comes out of the request's own time, never on top of it.
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        budget_s = min(self.settings.probe_timeout_ms, timeout_ms) / 1000.0
+        try:
+            left_s = budget_s
+            input_names, _ = await asyncio.wait_for(self._names_of(request.model), left_s)
+        except TimeoutError:
+            input_names = None  # the broker is slow to say: it checks the signature itself
         if input_names is not None:
             check_input_names(request, input_names)
         if self.link.max_message_bytes is None:
-            await self.link.learn_limits(self.settings.probe_timeout_ms / 1000.0)
-        timeout_ms = request.timeout_ms or self.settings.request_timeout_ms
+            await self.link.learn_limits(max(0.001, budget_s - (loop.time() - started)))
+        timeout_ms = max(1.0, timeout_ms - (loop.time() - started) * 1000.0)
         fields = [_row_fields(request, row, timeout_ms) for row in rows]
         sent: list[tuple[int, asyncio.Future[dict[str, Any]]]] = []
         # Rows still unanswered CANCEL_AFTER_S past their deadline (which the broker
