@@ -187,7 +187,11 @@ class Broker:
             self._reply_error,
             self._fail_batch,
         )
-        self.controls = Controls(self.scheduler, self.pool, self.stats, self._configured, self._state)
+        limits = {
+            "max_message_bytes": settings.max_message_bytes,
+            "max_frame_bytes": hard_limit(settings.max_message_bytes),
+        }
+        self.controls = Controls(self.scheduler, self.pool, self.stats, self._configured, self._state, limits)
         self.call_every(settings.heartbeat.interval_s, self.workers.heartbeat)
         limit_s = None if settings.batch_timeout_ms is None else settings.batch_timeout_ms / 1000.0
         self.call_every(TIME_LIMIT_CHECK_S, lambda now: self.workers.check_time_limits(now, limit_s))

@@ -29,12 +29,16 @@ class Controls:
         stats: BrokerStats,
         configured: frozenset[str],
         loop_state: Callable[[], dict[str, Any]],
+        limits: dict[str, int] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.pool = pool
         self.stats = stats
         self.configured = configured
         self.loop_state = loop_state
+        #: What the `limits` op answers: the sizes past which a request is refused, so
+        #: that a client that multiplexes others (the gateway) refuses it first.
+        self.limits = dict(limits or {})
         #: Set by `serve`: starts a rolling reload of a model and answers through `reply`
         #: when it ends (a plain broker has no workers of its own to replace).
         self.on_reload: Callable[[str, Reply], None] | None = None
@@ -47,6 +51,8 @@ class Controls:
             self._reload(model, reply)
         elif op == "metadata":
             self._metadata(model, reply)
+        elif op == "limits":
+            reply(True, self.limits)
         else:
             reply(False, (ErrorCode.BAD_REQUEST, f"unknown op {op!r}"))
 

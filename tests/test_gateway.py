@@ -586,6 +586,18 @@ def test_disconnect_and_cancel_drop_queued_rows(gateway: Callable[..., Gateway])
             task.cancel()  # the connection closes
             with pytest.raises(asyncio.CancelledError):
                 await task
+        # Until the 3 are cancelled: "2 queued" below must be the gRPC rows, not 2 of these
+        # still being cancelled (the broker's ROUTER reads the test's stats between the
+        # gateway's 3 cancels); the gRPC call was then cancelled before its rows had left.
+        await asyncio.to_thread(
+            wait_until,
+            lambda: (
+                (s := stats(gw.serve.frontend, "probe")).get("outcomes", {}).get("cancelled") == 3
+                and s.get("queued") == 0
+            ),
+            10,
+            "the 3 HTTP rows cancelled",
+        )
         client = tgrpc_aio.InferenceServerClient(f"127.0.0.1:{gw.grpc_port}")
         try:
             call = asyncio.ensure_future(client.infer("probe", [grpc_input("x", slow[[0, 0]], "BYTES")]))

@@ -289,7 +289,11 @@ def test_rows_past_their_deadline_are_cancelled_before_their_client_is_given_up_
     second before it answers the client 504, so a broker that resumes finds the cancels
     already waiting ahead of anything that could run those rows."""
     fb = fake_broker(
-        lambda body: {"id": body["id"], "ok": True, "output": {}} if body.get("op") == "stats" else None
+        lambda body: (
+            {"id": body["id"], "ok": True, "output": {}}
+            if body.get("op") in ("stats", "limits", "metadata")
+            else None
+        )
     )
 
     async def main() -> None:

@@ -215,7 +215,7 @@ def test_a_json_value_that_does_not_fit_its_datatype_is_refused(datatype: str, v
 
 
 def test_a_json_element_count_that_misses_the_shape_is_refused() -> None:
-    with refused(r"input 'x': 5 data elements, but shape \[2, 3\] needs 6"):
+    with refused(r"input 'x': data\[1\] holds 2 values, but shape \[2, 3\] needs 3 there"):
         oip.json_input("x", "FP32", [2, 3], [[1, 2, 3], [4, 5]])
     with refused(r"input 'x': 7 data elements, but shape \[2, 3\] needs 6"):
         oip.json_input("x", "FP32", [2, 3], [1, 2, 3, 4, 5, 6, 7])
@@ -840,7 +840,7 @@ def test_json_data_nested_too_deeply_is_a_bad_request() -> None:
     body = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":' + deep.encode() + b"}]}"
     with refused(r"nested too deeply"):
         http_api.parse_infer("m", "", body, None)
-    with refused(r"input 'x': data is nested too deeply"):
+    with refused(r"input 'x': data holds 1 lists, but shape \[1\] has no axis left for them"):
         oip.json_input("x", "FP32", [1], _nested(3000))
 
 

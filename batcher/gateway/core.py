@@ -34,13 +34,20 @@ RECONNECT_MAX_S = 2.0
 STABLE_S = 1.0
 #: Messages the link may hold each way before a send is refused (`unavailable`).
 LINK_HWM = 100_000
-#: How long a model's output names (from its signature) are taken as known.
+#: How long a model's input and output names (from its signature) are taken as known;
+#: past it they are asked again while the old ones still serve.
 NAMES_TTL_S = 1.0
 #: How long past a row's deadline the gateway waits for the broker's answer (a 504 then).
 REPLY_GRACE_S = 1.0
 #: When, past a row's deadline, the gateway cancels it at the broker if still unanswered:
 #: after the broker's own deadline_exceeded would have come, before the 504.
 CANCEL_AFTER_S = 0.5
+#: The largest body the link sends before it knows the broker's limits (the `limits`
+#: control op): the hard frame limit of the smallest --max-message-bytes a broker takes
+#: (1024, x4), so no message can make libzmq drop the link.
+SAFE_BODY_BYTES = 4 * 1024
+#: The limit taken from a broker too old to answer `limits`: BrokerSettings' default.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 #: What `GET /v2` and ServerMetadata say the gateway supports.
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 
@@ -107,6 +114,11 @@ class BrokerLink:
         self._reopen: asyncio.TimerHandle | None = None
         self._backoff_s = RECONNECT_MIN_S
         self._up_at: float | None = None  # when the current connection's handshake succeeded
+        #: The broker's --max-message-bytes, learnt (`learn_limits`) for each connection:
+        #: a larger row is refused here (413), never sent, since past 4x that libzmq
+        #: drops the one connection every client's rows share.
+        self.max_message_bytes: int | None = None
+        self._learning: asyncio.Future[int] | None = None
         self._open()  # raises (a key file that does not load): the gateway does not start
 
     def _open(self) -> None:
@@ -116,6 +128,7 @@ class BrokerLink:
         sock.setsockopt(zmq.SNDHWM, LINK_HWM)
         sock.setsockopt(zmq.RCVHWM, LINK_HWM)
         self._sock, self._watch, self._up_at = sock, watch, None
+        self._forget_limits()
         self._fd = int(sock.getsockopt(zmq.FD))
         self._loop.add_reader(self._fd, self._drain)
         self._monitor_fd = int(watch.monitor.getsockopt(zmq.FD))
@@ -161,6 +174,7 @@ class BrokerLink:
             events = watch.poll()
             if any(event == zmq.EVENT_HANDSHAKE_SUCCEEDED for event, _ in events):
                 self._up_at = self._loop.time()
+                self._forget_limits()  # a broker (re)connected: its limits may differ
             lost = any(event == zmq.EVENT_DISCONNECTED for event, _ in events)
             if lost:
                 self._drain()  # the replies that came before the connection went: theirs
@@ -186,21 +200,84 @@ class BrokerLink:
         """Stop reading; every row still waiting is answered `closed` (503)."""
         if self._reopen is not None:
             self._reopen.cancel()
+        self._forget_limits()
         self._shut()
         self._ctx.term()
         self._fail_pending(oip.OipError("closed", "the gateway is closing"))
 
+    def _forget_limits(self) -> None:
+        self.max_message_bytes = None
+        if self._learning is not None and not self._learning.done():
+            self._learning.cancel()
+        self._learning = None
+
+    async def learn_limits(self, wait_s: float) -> int:
+        """The broker's --max-message-bytes, asked (`limits`) once per connection; until it
+        is known, nothing larger than SAFE_BODY_BYTES is sent. OipError as for `call`."""
+        while self.max_message_bytes is None:
+            if self._learning is None or self._learning.done():
+                self._learning = self._loop.create_task(self._ask_limits(wait_s))
+            learning = self._learning
+            try:
+                return await asyncio.shield(learning)
+            except asyncio.CancelledError:
+                if not learning.cancelled():
+                    raise  # we are cancelled, not the question
+                # a new connection came while it was asked: ask it
+        return self.max_message_bytes
+
+    async def _ask_limits(self, wait_s: float) -> int:
+        sock = self._sock
+        try:
+            reply = await self.call({"op": "limits"}, wait_s)
+            _raise_if_error(reply)
+            limits = reply.get("output")
+        except oip.OipError as exc:
+            if exc.code != ErrorCode.BAD_REQUEST:
+                raise
+            log.warning(
+                "broker link: the broker at %s does not say its limits (%s); taking its default "
+                "--max-message-bytes %d",
+                self.address,
+                exc,
+                DEFAULT_MAX_MESSAGE_BYTES,
+            )
+            limits = {}
+        value = limits.get("max_message_bytes") if isinstance(limits, dict) else None
+        limit = value if type(value) is int and value > 0 else DEFAULT_MAX_MESSAGE_BYTES
+        if self._sock is sock:  # still the connection it was asked on
+            self.max_message_bytes = limit
+        return limit
+
     def send(self, fields: dict[str, Any]) -> tuple[int, asyncio.Future[dict[str, Any]]]:
         """Send one request now; (its id, the future of its reply). OipError `unavailable`
         when it cannot leave (no broker connected, or the link's queue is full)."""
+        return self.send_packed(*self.pack(fields))
+
+    def pack(self, fields: dict[str, Any]) -> tuple[int, bytes]:
+        """A request's id and body, to send with `send_packed`; `too_large` (413) when it
+        is over the broker's --max-message-bytes (SAFE_BODY_BYTES while that is not
+        known), so that a request of many rows is refused before any of them leaves."""
+        req_id = next(self._ids)
+        body = protocol.pack_carrying({"id": req_id, **fields}, fields.get("input"))
+        limit = self.max_message_bytes
+        if len(body) > (limit or SAFE_BODY_BYTES):
+            where = "the broker's --max-message-bytes" if limit else "what may go before its limits are known"
+            raise oip.OipError(
+                ErrorCode.TOO_LARGE,
+                f"a row of this request is {len(body)} bytes as a batcher request, over {where} "
+                f"({limit or SAFE_BODY_BYTES})",
+            )
+        return req_id, body
+
+    def send_packed(self, req_id: int, body: bytes) -> tuple[int, asyncio.Future[dict[str, Any]]]:
+        """Send a body from `pack`; as `send`."""
         sock, watch = self._sock, self._watch
         if sock is None or watch is None or not watch.handshake_ok:
             self._on_monitor()  # the handshake may be done with its event not yet read
             sock, watch = self._sock, self._watch
             if sock is None or watch is None or not watch.handshake_ok:
                 raise oip.OipError(ErrorCode.UNAVAILABLE, self._why_unavailable())
-        req_id = next(self._ids)
-        body = protocol.pack_carrying({"id": req_id, **fields}, fields.get("input"))
         fut = self._pending[req_id] = self._loop.create_future()
         try:
             send_frames(sock, [b"", body])
@@ -286,7 +363,9 @@ class Gateway:
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self._output_names: dict[str, tuple[float, list[str] | None]] = {}
+        #: model -> (when asked, its input names, its output names); None: no signature.
+        self._names: dict[str, tuple[float, list[str] | None, list[str] | None]] = {}
+        self._asking: dict[str, asyncio.Task[tuple[list[str] | None, list[str] | None]]] = {}
         self.link = BrokerLink(settings)
 
     async def close(self) -> None:
@@ -296,7 +375,10 @@ class Gateway:
 
     async def _control(self, op: str, **fields: Any) -> Any:
         """A control request, waiting at most the probe timeout; OipError on failure."""
-        reply = await self.link.call({"op": op, **fields}, self.settings.probe_timeout_ms / 1000.0)
+        wait_s = self.settings.probe_timeout_ms / 1000.0
+        if self.link.max_message_bytes is None:
+            await self.link.learn_limits(wait_s)  # a model's name may be long (gRPC)
+        reply = await self.link.call({"op": op, **fields}, wait_s)
         _raise_if_error(reply)
         return reply.get("output")
 
@@ -317,7 +399,7 @@ class Gateway:
         """The model's v2 metadata; unknown_model (404) for a model or version not served."""
         check_version(model, version)
         meta = await self._control("metadata", model=model)
-        self._output_names[model] = (time.monotonic(), _names(meta.get("outputs")))
+        self._names[model] = (time.monotonic(), _names(meta.get("inputs")), _names(meta.get("outputs")))
         return {
             "name": model,
             "versions": [oip.MODEL_VERSION],
@@ -346,6 +428,21 @@ class Gateway:
         check_version(request.model, request.version)
         rows = oip.row_inputs(request.inputs)
         timeout_ms = request.timeout_ms or self.settings.request_timeout_ms
+        # What is asked before the rows go (the broker's limits, the model's input names,
+        # each once and cached) comes out of the request's own time, never on top of it.
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        budget_s = min(self.settings.probe_timeout_ms, timeout_ms) / 1000.0
+        try:
+            left_s = budget_s
+            input_names, _ = await asyncio.wait_for(self._names_of(request.model), left_s)
+        except TimeoutError:
+            input_names = None  # the broker is slow to say: it checks the signature itself
+        if input_names is not None:
+            check_input_names(request, input_names)
+        if self.link.max_message_bytes is None:
+            await self.link.learn_limits(max(0.001, budget_s - (loop.time() - started)))
+        timeout_ms = max(1.0, timeout_ms - (loop.time() - started) * 1000.0)
         fields = [_row_fields(request, row, timeout_ms) for row in rows]
         sent: list[tuple[int, asyncio.Future[dict[str, Any]]]] = []
         # Rows still unanswered CANCEL_AFTER_S past their deadline (which the broker
@@ -363,8 +460,8 @@ class Gateway:
             )
         )
         try:
-            for f in fields:
-                sent.append(self.link.send(f))
+            for req_id, body in [self.link.pack(f) for f in fields]:
+                sent.append(self.link.send_packed(req_id, body))
             if len(sent) == 1:
                 replies = [await sent[0][1]]
                 _raise_if_error(replies[0])
@@ -376,7 +473,7 @@ class Gateway:
                 if _unanswered(fut):
                     self.link.forget(req_id, cancel=req_id not in cancelled)
         values = [r.get("output") for r in replies]
-        names = None if oip.named_outputs(values[0]) else await self._names_of(request.model)
+        names = None if oip.named_outputs(values[0]) else (await self._names_of(request.model))[1]
         outputs = oip.select_outputs(oip.join_outputs(values, names), request.outputs)
         size, limit = sum(oip.output_size(o) for o in outputs), self.settings.max_response_bytes
         if size > limit:
@@ -407,18 +504,41 @@ class Gateway:
                 fut.set_exception(error)
                 self.link.forget(req_id, cancel=False)  # cancelled already
 
-    async def _names_of(self, model: str) -> list[str] | None:
-        """A model's output names from its signature, asked at most once a second."""
-        cached = self._output_names.get(model)
+    async def _names_of(self, model: str) -> tuple[list[str] | None, list[str] | None]:
+        """A model's input and output names from its signature (None: it has none, or the
+        broker does not say): asked at most once per NAMES_TTL_S, once at a time; past
+        it the names known serve while they are asked again."""
+        cached = self._names.get(model)
         if cached is not None and time.monotonic() - cached[0] < NAMES_TTL_S:
-            return cached[1]
+            return cached[1], cached[2]
+        asking = self._asking.get(model)
+        if asking is None:
+            asking = self._asking[model] = asyncio.get_running_loop().create_task(self._ask_names(model))
+            asking.add_done_callback(lambda _: self._asking.pop(model, None))
+        if cached is not None:
+            return cached[1], cached[2]
+        return await asyncio.shield(asking)
+
+    async def _ask_names(self, model: str) -> tuple[list[str] | None, list[str] | None]:
         try:
             meta = await self._control("metadata", model=model)
-        except oip.OipError:
-            return None
-        names = _names(meta.get("outputs"))
-        self._output_names[model] = (time.monotonic(), names)
+        except oip.OipError as exc:
+            if exc.code != ErrorCode.UNKNOWN_MODEL:
+                return None, None  # not known now (the broker is away): no names, nothing kept
+            meta = {}
+        names = _names(meta.get("inputs")), _names(meta.get("outputs"))
+        self._names[model] = (time.monotonic(), *names)
         return names
+
+
+def check_input_names(request: oip.InferRequest, known: list[str]) -> None:
+    """Every input must be one of the model's (Triton's check): a model of one input is
+    sent its tensor alone, so a wrong name would otherwise never be seen."""
+    for t in request.inputs:
+        if t.name not in known:
+            raise oip.bad_request(
+                f"unexpected inference input '{t.name}' for model '{request.model}': its inputs are {known}"
+            )
 
 
 def _row_fields(request: oip.InferRequest, row: Any, timeout_ms: float) -> dict[str, Any]:

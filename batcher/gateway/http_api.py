@@ -74,6 +74,12 @@ def _json(value: Any) -> Response:
     return Response(body=json_encode(value), content_type=JSON)
 
 
+def _health(answer: dict[str, Any]) -> Response:
+    """A readiness answer as v2 gives it: its JSON body, 200 when ready, else 503 (what a
+    probe that reads only the status needs)."""
+    return Response(200 if answer["ready"] else 503, json_encode(answer), JSON)
+
+
 class ClientGone(Exception):
     """The client closed its connection before its request was answered."""
 
@@ -111,13 +117,13 @@ class HttpApi:
         if name == "infer":
             return await self.infer(scope, receive, model, version)
         if name == "live":
-            return Response()
+            return _json({"live": True})
         if name == "ready":
-            return Response(200 if await self.gateway.ready() else 503)
+            return _health({"ready": await self.gateway.ready()})
         if name == "server":
             return _json(self.gateway.server_metadata())
         if name == "model_ready":
-            return Response(200 if await self.gateway.model_ready(model, version) else 503)
+            return _health({"name": model, "ready": await self.gateway.model_ready(model, version)})
         if name in TRITON_ENDPOINTS:
             return _json(await TRITON_ENDPOINTS[name](self.gateway, model, version))
         meta = await self.gateway.metadata(model, version)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,16 +135,15 @@ def raw_input(name: str, datatype: object, shape: Sequence[Any], raw: bytes | me
 
 
 def json_input(name: str, datatype: object, shape: Sequence[Any], data: object) -> InputTensor:
-    """An input whose `data` is JSON: a flat or nested list of numbers, bools or strings."""
+    """An input whose `data` is JSON: a flat or nested list of numbers, bools or strings.
+    Nested lists must follow the shape (a list at each level as long as its axis, the
+    innermost level flat): ragged data is refused, never flattened into another tensor."""
     dtype = check_datatype(name, datatype)
     dims = check_shape(name, shape)
     if dtype == BYTES:
         _check_cells(name, dims)
-    try:
-        values: list[Any] = data if isinstance(data, list) else [data]
-        flat = list(_flatten(values)) if list in set(map(type, values)) else values
-    except RecursionError:
-        raise bad_request(f"input '{name}': data is nested too deeply") from None
+    values: list[Any] = data if isinstance(data, list) else [data]
+    flat = _flatten_along(name, values, dims) if list in set(map(type, values)) else values
     if len(flat) != elements(dims):
         raise bad_request(
             f"input '{name}': {len(flat)} data elements, but shape {list(dims)} needs {elements(dims)}"
@@ -171,12 +170,35 @@ def contents_input(name: str, datatype: object, shape: Sequence[Any], values: Se
     return json_input(name, dtype, shape, list(values))
 
 
-def _flatten(data: list[Any]) -> Iterator[Any]:
-    for x in data:
-        if isinstance(x, list):
-            yield from _flatten(x)
+def _flatten_along(name: str, data: list[Any], shape: tuple[int, ...]) -> list[Any]:
+    """Nested `data` as a flat list, checked against `shape` level by level: a level of
+    lists has as many as its axis, a level of values (the innermost) as many as the axes
+    left hold. bad_request, saying where, for any other nesting."""
+    flat: list[Any] = []
+    # (the list, its path from data, its axis) to visit, depth first in row-major order
+    todo: list[tuple[list[Any], tuple[int, ...], int]] = [(data, (), 0)]
+    while todo:
+        level, path, axis = todo.pop()
+        kinds = set(map(type, level))
+        where = "data" + "".join(f"[{i}]" for i in path)
+        if list in kinds:
+            if len(kinds) > 1:
+                raise bad_request(f"input '{name}': {where} mixes lists and values")
+            if axis >= len(shape) - 1 or len(level) != shape[axis]:
+                raise bad_request(
+                    f"input '{name}': {where} holds {len(level)} lists, but shape {list(shape)} "
+                    f"{'has no axis left for them' if axis >= len(shape) - 1 else f'needs {shape[axis]}'}"
+                )
+            todo.extend((x, (*path, i), axis + 1) for i, x in reversed(list(enumerate(level))))
         else:
-            yield x
+            need = elements(shape[axis:])
+            if len(level) != need:
+                raise bad_request(
+                    f"input '{name}': {where} holds {len(level)} values, but shape {list(shape)} "
+                    f"needs {need} there"
+                )
+            flat.extend(level)
+    return flat
 
 
 def pack_numbers(name: str, dtype: str, values: list[Any]) -> bytes:
