@@ -698,6 +698,37 @@ def test_several_gateways_front_one_broker(spawn: Callable[..., Any]) -> None:
     assert sorted(doc["outputs"][0]["data"][0] for status, doc in replies if status == 200) == list(range(8))
 
 
+def test_a_standalone_gateway_stops_promptly_on_sigterm_and_says_so(spawn: Callable[..., Any]) -> None:
+    """SIGTERM to `batcher gateway` after HTTP and gRPC traffic, its clients' connections
+    still open: it logs that it is stopping and that it stopped, and exits 0 well inside
+    its 5 s grace (nothing is in flight)."""
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    spawn("broker", "--frontend", frontend, "--backend", backend, "--model", "echo")
+    spawn("worker", "--connect", backend, "--model", "echo")
+    http_port, grpc_port = free_port(), free_port()
+    gw = spawn("gateway", "--connect", frontend, "--http-port", str(http_port), "--grpc-port", str(grpc_port))
+    wait_gateway(http_port)
+    wait_until(lambda: http_status(http_port, "/v2/health/ready") == 200, 20, "ready")
+    hclient = thttp.InferenceServerClient(f"127.0.0.1:{http_port}")
+    gclient = tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for _ in range(5):
+        assert (
+            hclient.infer("echo", [http_input("x", x, "FP32", True)]).as_numpy("output").tolist()
+            == x.tolist()
+        )
+        assert gclient.infer("echo", [grpc_input("x", x, "FP32")]).as_numpy("output").tolist() == x.tolist()
+    started = time.monotonic()
+    os.kill(gw.pid, signal.SIGTERM)
+    assert gw.process.wait(10) == 0
+    took_s = time.monotonic() - started
+    log_text = gw.stderr_path.read_text()
+    assert "gateway stopping" in log_text and "gateway stopped in" in log_text, log_text
+    assert took_s < 2.0, f"the gateway took {took_s:.2f} s to exit on SIGTERM"
+    gclient.close()
+    hclient.close()
+
+
 def test_serve_stops_when_its_gateway_cannot_listen(tmp_path: Path) -> None:
     """A busy --http-port: serve says so and exits non-zero instead of serving deaf."""
     import socket

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from typing import TYPE_CHECKING
 
 from batcher.gateway.core import Gateway, GatewaySettings
@@ -57,11 +58,14 @@ async def serve(
         )
         await stop.wait()
     finally:  # both listeners close at once; what is in flight gets grace_s
+        stopping_at = time.monotonic()
+        log.info("gateway stopping: listeners closed, requests in flight get up to %.1f s", grace_s)
         closing = [] if grpc_server is None else [grpc_server.stop(grace_s)]
         if http is not None:
             closing.append(http.close())
         await asyncio.gather(*closing)
         await gateway.close()
+        log.info("gateway stopped in %.2f s", time.monotonic() - stopping_at)
 
 
 def _stop_on_signals() -> asyncio.Event:
