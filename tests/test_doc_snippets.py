@@ -29,7 +29,9 @@ directory and ends with its servers' process groups killed.
 Addresses are rewritten, mechanically: every `HOST:PORT` whose PORT is one of the docs'
 defaults (5555, 5556, 8000, 8001, 9100) becomes `127.0.0.1:P`, P a free port picked per
 (HOST, PORT), where 0.0.0.0, 127.0.0.1, localhost, HOST and A (the deployment's host A) are
-all one host; so is `--http-port|--grpc-port|--metrics-port PORT`. Commands that use the
+all one host, and any other host (the deployment's D) gets ports of its own where nothing
+listens (so its MultiClient snippet runs with one of its two brokers down, as it promises to);
+so is `--http-port|--grpc-port|--metrics-port PORT`. Commands that use the
 default addresses get the free ones from BATCHER_FRONTEND, BATCHER_BACKEND, BATCHER_CONNECT
 and BATCHER_WORKER_CONNECT. A default port left in a rewritten snippet fails its test.
 """
@@ -43,6 +45,7 @@ import re
 import shlex
 import subprocess
 import sys
+import textwrap
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -98,12 +101,13 @@ def parse(doc: str) -> list[Fence]:
     fences: list[Fence] = []
     i = 0
     while i < len(lines):
-        opening = re.fullmatch(r"```(\S*)\s*", lines[i])
+        opening = re.fullmatch(r"\s*```(\S*)\s*", lines[i])  # indented ones too (in a list)
         if not opening:
             i += 1
             continue
-        end = next(j for j in range(i + 1, len(lines)) if lines[j].rstrip() == "```")
-        fence = Fence(doc, i + 1, opening.group(1), "\n".join(lines[i + 1 : end]) + "\n", "run")
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+        body = textwrap.dedent("\n".join(lines[i + 1 : end]) + "\n")
+        fence = Fence(doc, i + 1, opening.group(1), body, "run")
         above = i - 1
         while above >= 0 and (not lines[above].strip() or lines[above].lstrip().startswith("<!--")):
             marker = MARKER.search(lines[above])
