@@ -7,7 +7,8 @@ lines just above it (other comments, such as `<!-- test-command -->`, may sit be
 - no marker: a `sh` fence runs command by command with bash, each command to exit 0; a
   `python` fence runs as a script with the project's python. Any other fence without a
   marker fails `test_every_fence_is_run_or_marked`, as does an unmarked `sh` fence that
-  starts a server: a new snippet cannot go untested by accident.
+  starts a server or installs packages (pip, venv, apt, npm): a new snippet cannot go
+  untested, nor install into the test's environment, by accident.
 - `server`: a `sh` fence whose `batcher serve|broker|worker|gateway` commands (a trailing `&`
   dropped) are started in the background, each in a process group of its own, and waited on:
   `serve` with `batcher ready` (and its HTTP port's /v2/health/ready if it has one), `broker`
@@ -74,6 +75,8 @@ LOCAL_HOSTS = {"0.0.0.0", "127.0.0.1", "localhost", "HOST", "A"}
 COMMAND_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 30.0
 
+#: Commands no test runs: they would install into the test's own environment.
+INSTALLS = re.compile(r"\bpip3? install\b|-m venv\b|\bapt(-get)? install\b|\bnpm install\b")
 MARKER = re.compile(r"<!--\s*snippet:\s*(.*?)\s*-->")
 ADDRESS = re.compile(r"\b(0\.0\.0\.0|127\.0\.0\.1|localhost|HOST|[A-E]):(" + "|".join(DEFAULT_PORTS) + r")\b")
 PORT_FLAG = re.compile(r"(--(?:http|grpc|metrics)-port[ =])(" + "|".join(DEFAULT_PORTS) + r")\b")
@@ -215,6 +218,8 @@ def test_every_fence_is_run_or_marked() -> None:
             problems.append(f"{f.label}: a ```{f.lang} fence with no <!-- snippet: ... --> marker is not run")
         elif f.kind == "run" and f.lang == "sh" and any(long_running(c) for c in commands(f.text)):
             problems.append(f"{f.label}: starts a server: mark it <!-- snippet: server -->")
+        elif f.kind != "skip" and INSTALLS.search(f.text):
+            problems.append(f"{f.label}: installs packages: mark it <!-- snippet: skip installs; ... -->")
         elif f.kind == "server" and not any(long_running(c) for c in commands(f.text)):
             problems.append(f"{f.label}: marked server but starts no batcher serve|broker|worker|gateway")
         elif f.kind == "file" and "file" not in f.options:
@@ -393,6 +398,10 @@ class Run:
         if "after" in fence.options:
             self.fence(NAMED[fence.options["after"]], None)
         text = self.ports.rewrite(fence.text)
+        if fence.kind == "run" and fence.lang == "sh" and any(long_running(c) for c in commands(text)):
+            pytest.fail(f"{fence.label}: starts a server: mark it <!-- snippet: server -->")
+        if INSTALLS.search(text):
+            pytest.fail(f"{fence.label}: installs: mark it <!-- snippet: skip installs; ... -->")
         if fence.kind == "file":
             (self.dir / fence.options["file"]).write_text(text)
         elif fence.kind == "output":
