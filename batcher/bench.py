@@ -315,7 +315,11 @@ class _Generator:
         self.next_id += 1
         rid = self.next_id
         self.due[rid] = due_at
-        send_frames(self.sock, [b"", self.prefix + self.pack_id(rid)])
+        # No pipe to the broker this instant (libzmq drops it after a refused CURVE
+        # handshake, until it reconnects): the request stays due and counts as lost unless
+        # answered, as one the broker never heard would.
+        with contextlib.suppress(zmq.Again):
+            send_frames(self.sock, [b"", self.prefix + self.pack_id(rid)])
         res = self.result
         res.sent += 1
         if due_at >= self.window_from:
