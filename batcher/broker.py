@@ -447,10 +447,9 @@ class Broker:
             for seq in self.streams.cancel_id(envelope[0], req_id):
                 self.workers.end_stream(seq, ErrorCode.CANCELLED, "cancel", "cancelled by the client")
         else:
-            roles, sender = self._roles, self._sender
+            roles, sender = self._roles, self._sender  # (a sender is kept whenever roles are)
             admin = roles is None or (sender is not None and roles.is_admin(sender))
-            if not admin and op in MUTATING_OPS:
-                assert roles is not None and sender is not None
+            if roles is not None and sender is not None and not admin and op in MUTATING_OPS:
                 roles.note_forbidden(sender, op)
             self.controls.handle(op, model, reply, admin)
 
