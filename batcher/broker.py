@@ -21,20 +21,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from zmq.backend import Frame
 
 from batcher import protocol
 from batcher.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
 from batcher.backend import DRAIN_BUDGET_S, DRAIN_LIMIT, Backend
-from batcher.control import Controls
+from batcher.control import MUTATING_OPS, Controls
 from batcher.metrics import PrometheusMetrics
 from batcher.pool import WorkerPool
 from batcher.protocol import ErrorCode, Heartbeat, ProtocolError
 from batcher.scheduler import Batch, BatchSettings, NoSuchModel, QueuedRequest, QueueFull, Scheduler
-from batcher.security import CurveServerKeys, HandshakeWatch, secure_server
+from batcher.security import CurveGate, CurveServerKeys, HandshakeWatch, secure_server
 from batcher.stats import BrokerStats, gauges
 from batcher.stopping import StopSignals
 from batcher.streams import Streams
-from batcher.zmqio import recv_bounded, send_reply
+from batcher.zmqio import recv_bounded, recv_bounded_from, send_reply
 
 log = logging.getLogger("batcher.broker")
 
@@ -163,7 +164,7 @@ class Broker:
         # the broker reads the message's head and answers too_large.
         self.frontend = router(self.ctx, hard_limit(settings.max_message_bytes))
         self.backend = router(self.ctx, -1)
-        self._auth = None
+        self._auth: CurveGate | None = None
         self._handshakes: HandshakeWatch | None = None
         try:
             if settings.curve is not None:
@@ -192,6 +193,12 @@ class Broker:
             "max_frame_bytes": hard_limit(settings.max_message_bytes),
         }
         self.controls = Controls(self.scheduler, self.pool, self.stats, self._configured, self._state, limits)
+        # With --curve-admins the frontend is read keeping each message's first frame, whose
+        # User-Id says whether a control request may change the service; without it,
+        # nothing of that is paid for.
+        self._roles = self._auth if self._auth is not None and self._auth.admins is not None else None
+        self._sender: Frame | None = None  # the first frame of the message being handled
+        self._receive = recv_bounded if self._roles is None else self._recv_noting_sender
         self.call_every(settings.heartbeat.interval_s, self.workers.heartbeat)
         limit_s = None if settings.batch_timeout_ms is None else settings.batch_timeout_ms / 1000.0
         self.call_every(TIME_LIMIT_CHECK_S, lambda now: self.workers.check_time_limits(now, limit_s))
@@ -327,13 +334,13 @@ class Broker:
     # --- frontend ---------------------------------------------------------------------------
 
     def _drain_frontend(self) -> None:
-        sock, accept = self.frontend, self._accept
+        sock, accept, receive = self.frontend, self._accept, self._receive
         max_bytes = self.settings.max_message_bytes
         now = time.monotonic()
         budget_end = now + DRAIN_BUDGET_S
         for _ in range(DRAIN_LIMIT):
             try:
-                frames, fits = recv_bounded(sock, MAX_FRAMES, max_bytes)
+                frames, fits = receive(sock, MAX_FRAMES, max_bytes)
             except zmq.Again:
                 return
             try:
@@ -347,6 +354,13 @@ class Broker:
                 self._refuse(envelope, None, ErrorCode.INTERNAL, "the broker failed to handle this request")
             if time.monotonic() >= budget_end:
                 return
+
+    def _recv_noting_sender(
+        self, sock: zmq.Socket[Any], max_frames: int, max_bytes: int
+    ) -> tuple[list[Any], bool]:
+        """recv_bounded, keeping the message's first frame for `_control` (--curve-admins)."""
+        frames, fits, self._sender = recv_bounded_from(sock, max_frames, max_bytes)
+        return frames, fits
 
     def _accept(self, frames: list[bytes], now: float) -> None:
         if len(frames) == 3 and not frames[1]:
@@ -437,7 +451,11 @@ class Broker:
             for seq in self.streams.cancel_id(envelope[0], req_id):
                 self.workers.end_stream(seq, ErrorCode.CANCELLED, "cancel", "cancelled by the client")
         else:
-            self.controls.handle(op, model, reply)
+            roles, sender = self._roles, self._sender  # (a sender is kept whenever roles are)
+            admin = roles is None or (sender is not None and roles.is_admin(sender))
+            if roles is not None and sender is not None and not admin and op in MUTATING_OPS:
+                roles.note_forbidden(sender, op)
+            self.controls.handle(op, model, reply, admin)
 
     def _send_to_client(self, envelope: list[bytes], body: bytes) -> bool:
         """Send a reply; False when it cannot go: the client is gone (EHOSTUNREACH), or

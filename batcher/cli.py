@@ -514,7 +514,7 @@ curve_worker_options = option_group(
     _own_key_pair("BATCHER_WORKER_CURVE_SECRET_KEY", "BATCHER_CURVE_SECRET_KEY"),
 )
 
-#: The allow-lists of a broker's two sockets (bench --spawn passes them on).
+#: The allow-lists of a broker's two sockets and its admins (bench --spawn passes them on).
 _CURVE_ALLOW_LISTS = (
     option(
         "--curve-clients",
@@ -531,19 +531,35 @@ _CURVE_ALLOW_LISTS = (
         "(besides the broker's own key, which serve's workers use). Without it the backend "
         "admits any key, or only the broker's own if --curve-clients is given.",
     ),
+    option(
+        "--curve-admins",
+        type=click.Path(exists=True, file_okay=False),
+        default=None,
+        help="Directory of the public keys (.key) of the clients that may change the service "
+        "(`reload`; also admitted on the frontend). Others are answered `forbidden` and get "
+        "`stats` without worker pids. The broker's own key is an admin's. Without it: any "
+        "admitted client may reload.",
+    ),
 )
 
 
 def _curve_keys(
-    curve_secret_key: str | None, curve_clients: str | None, curve_workers: str | None
+    curve_secret_key: str | None,
+    curve_clients: str | None,
+    curve_workers: str | None,
+    curve_admins: str | None,
 ) -> CurveServerKeys | None:
     """The broker's CURVE settings; the allow-lists need its key pair."""
     if curve_secret_key is None:
-        for flag, value in (("--curve-clients", curve_clients), ("--curve-workers", curve_workers)):
+        for flag, value in (
+            ("--curve-clients", curve_clients),
+            ("--curve-workers", curve_workers),
+            ("--curve-admins", curve_admins),
+        ):
             if value is not None:
                 raise click.UsageError(f"{flag} needs --curve-secret-key (the broker's key pair)")
         return None
-    return CurveServerKeys(curve_secret_key, curve_clients, curve_workers)
+    return CurveServerKeys(curve_secret_key, curve_clients, curve_workers, curve_admins)
 
 
 #: The broker's side of CurveZMQ: serve and broker.

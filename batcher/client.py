@@ -116,6 +116,11 @@ class TooLarge(BatcherError, code=ErrorCode.TOO_LARGE):
     """The request is larger than the broker's --max-message-bytes; it was not queued."""
 
 
+class Forbidden(BatcherError, code=ErrorCode.FORBIDDEN):
+    """A control request that changes the service (`reload`) from a key that is not in
+    the broker's --curve-admins; nothing was changed."""
+
+
 class InternalError(BatcherError, code=ErrorCode.INTERNAL):
     """The broker hit a bug of its own handling this request (and logged it)."""
 

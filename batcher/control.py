@@ -18,6 +18,11 @@ log = logging.getLogger("batcher.broker")
 
 Reply = Callable[[bool, Any], None]
 
+#: The control ops that change the service: with --curve-admins, only an admin's key
+#: (or the broker's own) may send them; any other is answered `forbidden`. `stats` and
+#: `metadata` only read, and `cancel` touches only its sender's own requests.
+MUTATING_OPS = frozenset({"reload"})
+
 
 class Controls:
     """What a client (`stats`, `reload`) and `serve` may ask of a running broker."""
@@ -43,10 +48,15 @@ class Controls:
         #: when it ends (a plain broker has no workers of its own to replace).
         self.on_reload: Callable[[str, Reply], None] | None = None
 
-    def handle(self, op: str, model: str | None, reply: Reply) -> None:
-        """A control request other than `cancel` (which the loop answers itself)."""
-        if op == "stats":
-            reply(True, self.snapshot())
+    def handle(self, op: str, model: str | None, reply: Reply, admin: bool = True) -> None:
+        """A control request other than `cancel` (which the loop answers itself); `admin`:
+        whether its sender may change the service (always, without --curve-admins). A
+        sender that may not is refused MUTATING_OPS and gets `stats` without worker pids."""
+        if op in MUTATING_OPS and not admin:
+            message = f"{op} changes the service: it needs a key in the broker's --curve-admins"
+            reply(False, (ErrorCode.FORBIDDEN, message))
+        elif op == "stats":
+            reply(True, self.snapshot(redacted=not admin))
         elif op == "reload":
             self._reload(model, reply)
         elif op == "metadata":
@@ -81,10 +91,12 @@ class Controls:
             wire = signature.wire() if signature is not None else {"inputs": None, "outputs": None}
             reply(True, {"name": model, "ready": self.scheduler.has_workers(model), **wire})
 
-    def snapshot(self) -> dict[str, Any]:
-        """The broker's state for the `stats` control request."""
+    def snapshot(self, redacted: bool = False) -> dict[str, Any]:
+        """The broker's state for the `stats` control request (`redacted`: without the
+        workers' pids, BrokerStats.snapshot)."""
         views = self.scheduler.views()
-        return self.stats.snapshot(views, self.pool, self.configured, time.monotonic(), self.loop_state())
+        now = time.monotonic()
+        return self.stats.snapshot(views, self.pool, self.configured, now, self.loop_state(), redacted)
 
     def workers_of(self, model: str) -> list[tuple[bytes, object, int]]:
         """(worker id, pid from its READY, batches or sequences it holds) of each live worker

@@ -54,6 +54,11 @@ class WorkerInfo(NamedTuple):
         gpu = "-" if self.gpu is None else self.gpu
         return f"{self.model}/gpu{gpu}/pid{self.pid}/id{worker_id.hex()}"
 
+    def public_name(self, worker_id: bytes) -> str:
+        """`model/gpuN/idHEX`: the name without the pid, for a client that is no admin."""
+        gpu = "-" if self.gpu is None else self.gpu
+        return f"{self.model}/gpu{gpu}/id{worker_id.hex()}"
+
 
 @dataclass
 class Lost:
@@ -111,6 +116,11 @@ class WorkerPool:
     def name(self, worker_id: bytes) -> str:
         info = self._info.get(worker_id)
         return info.name(worker_id) if info else f"id{worker_id.hex()}"
+
+    def public_name(self, worker_id: bytes) -> str:
+        """name() without the worker's pid (WorkerInfo.public_name)."""
+        info = self._info.get(worker_id)
+        return info.public_name(worker_id) if info else f"id{worker_id.hex()}"
 
     def ids(self) -> list[bytes]:
         """Every live worker, in a list the caller may lose workers from while it goes."""

@@ -115,6 +115,7 @@ class ErrorCode(StrEnum):
     SHUTTING_DOWN = "shutting_down"
     UNAVAILABLE = "unavailable"
     TOO_LARGE = "too_large"
+    FORBIDDEN = "forbidden"  # a control op that changes the service, from a key not in --curve-admins
     INTERNAL = "internal_error"
 
 

@@ -6,6 +6,13 @@ Authentication has two roles, because a worker sees every request it is sent and
 answers for the model: `--curve-clients DIR` lists who may use the frontend,
 `--curve-workers DIR` who may serve on the backend. Each socket has a ZAP domain of
 its own, checked by zmq.auth's ThreadAuthenticator, and each refusal is logged.
+
+A third list, `--curve-admins DIR`, names the keys that may send the control requests
+that change the service (`reload`, control.MUTATING_OPS). The authenticator gives each
+admitted connection its key as ZeroMQ's User-Id (pyzmq's `curve_user_id`: the key's
+Z85 text), which every message received from it carries; the broker reads it from a
+control request's frame, so a key's role is decided at each request, as the lists
+stand then.
 """
 
 from __future__ import annotations
@@ -14,12 +21,13 @@ import glob
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.backend import Frame
 
 log = logging.getLogger("batcher.security")
 
@@ -87,11 +95,16 @@ class CurveServerKeys:
     Without either directory CURVE only encrypts. With `clients_dir` alone the backend
     admits only the broker's own key (`serve`'s workers): authenticated clients behind
     a backend anyone may serve from would gain nothing. With `workers_dir` alone the
-    frontend stays open to any key (encrypted, not authenticated)."""
+    frontend stays open to any key (encrypted, not authenticated). With `admins_dir`,
+    only its keys and the broker's own may send the control requests that change the
+    service; its keys are admitted on the frontend too."""
 
     secret_key_file: str
     clients_dir: str | None = None
     workers_dir: str | None = None
+    #: Keys that may change the service (`reload`); also admitted on the frontend. None:
+    #: no admin role, every admitted client may.
+    admins_dir: str | None = None
 
 
 def load_allow_list(directory: str, option: str) -> set[bytes]:
@@ -166,7 +179,7 @@ def secure_server(
         sock.curve_publickey = public
         sock.curve_server = True
         sock.zap_domain = domain.encode()
-    if keys.clients_dir is None and keys.workers_dir is None:
+    if keys.clients_dir is None and keys.workers_dir is None and keys.admins_dir is None:
         return None
     front = _RoleCheck("frontend", None, "--curve-clients", set(), "worker")
     back = _RoleCheck("backend", None, "--curve-workers", set(), "client")
@@ -182,44 +195,60 @@ def secure_server(
 
 @dataclass
 class CurveGate:
-    """The broker's two allow-lists, checked by a ZAP authenticator, and read again on
-    SIGHUP (`reload`): an added key is admitted, a removed one refused at its next
-    handshake (a connection already admitted stays up)."""
+    """The broker's two allow-lists, checked by a ZAP authenticator, and its admins, all
+    read again on SIGHUP: an added key is admitted, a removed one refused at its next
+    handshake (a connection already admitted stays up); a key's admin role is looked up
+    at each control request, so it is gained or lost at the next one."""
 
     keys: CurveServerKeys
     public: bytes
     front: _RoleCheck
     back: _RoleCheck
     auth: ThreadAuthenticator | None = None
+    #: The Z85 keys that may change the service (the admins' and the broker's own, which
+    #: `serve`'s gateway and `bench --spawn` use); None without --curve-admins.
+    admins: frozenset[bytes] | None = None
+    _forbidden: set[str] = field(default_factory=set)  # keys refused a mutating op, logged
 
     def load(self) -> str:
-        """Read both directories and swap the checks' key sets (each swap is one
+        """Read the directories and swap the checks' key sets (each swap is one
         assignment, so the authenticator's thread sees the old set or the new one);
         KeyFileError, changing nothing, when a directory cannot be read."""
         keys, public = self.keys, self.public
         clients = load_allow_list(keys.clients_dir, "--curve-clients") if keys.clients_dir else set()
         workers = load_allow_list(keys.workers_dir, "--curve-workers") if keys.workers_dir else set()
-        both = sorted(k.decode() for k in clients & workers)
+        admins = load_allow_list(keys.admins_dir, "--curve-admins") if keys.admins_dir else None
+        # An admin is a client that may do more: admitted on the frontend, not the backend.
+        front_keys = clients | (admins or set())
+        both = sorted(k.decode() for k in front_keys & workers)
         if both:
             log.warning(
-                "%d keys are in both --curve-clients and --curve-workers, so admitted as either: %s",
+                "%d keys are in both --curve-clients (or --curve-admins) and --curve-workers, "
+                "so admitted as either: %s",
                 len(both),
                 ", ".join(both[:5]) + (", ..." if len(both) > 5 else ""),
             )
         if keys.clients_dir:
-            self.front.allowed = clients | {public}
+            self.front.allowed = front_keys | {public}
             front_says = f"{len(clients)} client keys from {keys.clients_dir}"
         else:
             front_says = "any key (no --curve-clients)"
-        self.front.other = workers - clients
-        # Without --curve-workers but with --curve-clients, only the broker's own key may serve.
-        self.back.allowed = workers | {public}
-        self.back.other = clients - workers
-        back_says = (
-            f"{len(workers)} worker keys from {keys.workers_dir}"
-            if keys.workers_dir
-            else "only the broker's own key (no --curve-workers)"
-        )
+        if admins is not None:
+            front_says += f"; {len(admins)} admin keys from {keys.admins_dir} may reload"
+        self.front.other = workers - front_keys
+        # Without --curve-workers but with --curve-clients, only the broker's own key may
+        # serve; --curve-admins alone leaves the backend open, as no list at all does.
+        if keys.clients_dir or keys.workers_dir:
+            self.back.allowed = workers | {public}
+            back_says = (
+                f"{len(workers)} worker keys from {keys.workers_dir}"
+                if keys.workers_dir
+                else "only the broker's own key (no --curve-workers)"
+            )
+        else:
+            back_says = "any key (no --curve-workers or --curve-clients)"
+        self.back.other = front_keys - workers
+        self.admins = None if admins is None else frozenset(admins | {public})
         return f"frontend admits {front_says}; backend admits {back_says}"
 
     def reload(self) -> None:
@@ -230,6 +259,34 @@ class CurveGate:
             log.error("SIGHUP: %s; the allow-lists are unchanged", exc)
             return
         log.info("SIGHUP: allow-lists read again; %s", says)
+
+    def is_admin(self, frame: Frame) -> bool:
+        """Whether the message `frame` came in may change the service: always without
+        --curve-admins; with it, when the key its connection was admitted with (its
+        User-Id) is an admin's or the broker's own. Read only for control requests."""
+        admins = self.admins
+        if admins is None:
+            return True
+        try:
+            user_id = frame.get("User-Id")
+        except zmq.ZMQError:  # no User-Id: a connection the authenticator never saw
+            return False
+        return isinstance(user_id, str) and user_id.encode() in admins
+
+    def note_forbidden(self, frame: Frame, op: str) -> None:
+        """Log a control request refused `forbidden`, naming its key: at WARNING once per
+        key (then at DEBUG, and past MAX_REMEMBERED_REFUSALS keys at DEBUG only), so a
+        client repeating it grows neither the log nor the broker's memory."""
+        try:
+            key = str(frame.get("User-Id"))
+        except zmq.ZMQError:
+            key = "(none)"
+        level = logging.DEBUG if key in self._forbidden else logging.WARNING
+        if len(self._forbidden) < MAX_REMEMBERED_REFUSALS:
+            self._forbidden.add(key)
+        elif key not in self._forbidden:
+            level = logging.DEBUG
+        log.log(level, "refused %s from key %s: not in --curve-admins (answered forbidden)", op, key)
 
     def stop(self) -> None:
         if self.auth is not None:

@@ -230,10 +230,13 @@ class BrokerStats:
         configured: frozenset[str],
         now: float,
         extra: dict[str, Any],
+        redacted: bool = False,
     ) -> dict[str, Any]:
-        """The `stats` control request's output (docs/protocol.md, 4.4)."""
+        """The `stats` control request's output (docs/protocol.md, 4.4); `redacted`: the
+        workers named without their pids, for a client that is no admin (--curve-admins)."""
         models = {
-            name: self._model_entry(name, view, pool, name in configured, now) for name, view in views.items()
+            name: self._model_entry(name, view, pool, name in configured, now, redacted)
+            for name, view in views.items()
         }
         return {
             "models": models,
@@ -247,16 +250,17 @@ class BrokerStats:
         }
 
     def _model_entry(
-        self, name: str, view: ModelView, pool: WorkerPool, configured: bool, now: float
+        self, name: str, view: ModelView, pool: WorkerPool, configured: bool, now: float, redacted: bool
     ) -> dict[str, Any]:
         st = self.models.get(name, ModelStats())
         recent, settings, cost = st.recent, view.settings, view.cost
         workers = []
         streams = pool.streams
+        worker_name = pool.public_name if redacted else pool.name
         for w in view.workers:
             info = pool.info(w.worker_id)
             entry: dict[str, Any] = {
-                "worker": pool.name(w.worker_id),
+                "worker": worker_name(w.worker_id),
                 "gpu": info.gpu if info else None,
                 "batches_held": w.batches_held,
             }

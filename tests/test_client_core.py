@@ -23,6 +23,7 @@ from batcher.client import (
     Client,
     ClientTimeout,
     DeadlineExceeded,
+    Forbidden,
     InternalError,
     ModelError,
     MultiClient,
@@ -218,6 +219,7 @@ def test_the_error_class_names_users_import_keep_their_codes() -> None:
         WorkerFailed: "worker_failed",
         ShuttingDown: "shutting_down",
         Unavailable: "unavailable",
+        Forbidden: "forbidden",
         InternalError: "internal_error",
         ClientTimeout: "timeout",
     }

@@ -573,6 +573,7 @@ def test_a_priority_that_is_no_integer_from_0_is_refused(priority: Any) -> None:
         ("shutting_down", 503, "UNAVAILABLE"),
         ("unavailable", 503, "UNAVAILABLE"),
         ("too_large", 413, "RESOURCE_EXHAUSTED"),
+        ("forbidden", 403, "PERMISSION_DENIED"),
         ("internal_error", 500, "INTERNAL"),
         ("cancelled", 499, "CANCELLED"),
         ("timeout", 504, "DEADLINE_EXCEEDED"),

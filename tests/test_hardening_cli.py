@@ -298,6 +298,12 @@ def test_curve_allow_list_without_secret_key_is_a_usage_error(cli, tmp_path: Pat
     assert_clean_usage_error(result, "--curve-workers needs --curve-secret-key")
 
 
+@pytest.mark.parametrize("command", ["broker", "serve"])
+def test_curve_admins_without_secret_key_is_a_usage_error(cli, tmp_path: Path, command: str):
+    result = cli(command, *addresses(), "--curve-admins", str(tmp_path), timeout_s=10)
+    assert_clean_usage_error(result, "--curve-admins needs --curve-secret-key (the broker's key pair)")
+
+
 @pytest.mark.parametrize("host", ["no-such-host.invalid", "x" * 64 + ".invalid"])  # unresolved; no name
 def test_metrics_host_that_does_not_resolve_is_a_one_line_error(cli, host):
     result = cli(

@@ -21,7 +21,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from batcher.client import Client, ClientTimeout
+from batcher.client import BadRequest, Client, ClientTimeout, Forbidden
 from batcher.launcher import free_tcp_address
 from tests.helpers import curve_broker_stats, wait_until
 
@@ -300,3 +300,146 @@ def test_sighup_reads_the_allow_list_again(spawn, keys, zctx, command):
         lambda: "the allow-lists are unchanged" in proc.stderr_path.read_text(), 20, "the error logged"
     )
     assert stats_as(frontend, keys, "stranger", zctx).get("models")  # still admitted
+
+
+# --- the admin role: --curve-admins (issue 28 item 19) -------------------------------------------
+
+
+def client_as(frontend: str, keys: Keys, who: str, ctx: zmq.Context[Any], timeout_s: float = 60.0) -> Client:
+    """A Client of the CURVE broker with `who`'s key pair."""
+    return Client(
+        frontend,
+        timeout_s=timeout_s,
+        context=ctx,
+        curve_server_key=str(keys.public_file("broker")),
+        curve_secret_key=str(keys.secret_file(who)),
+    )
+
+
+def echo_pids(snapshot: dict[str, Any]) -> list[str]:
+    """The pid part of each echo worker's name in a stats snapshot."""
+    return [part for name in worker_names(snapshot) for part in name.split("/") if part.startswith("pid")]
+
+
+def test_only_an_admin_key_may_reload_and_others_see_no_worker_pids(spawn, keys, zctx, cli):
+    """With --curve-admins, a listed client's `reload` is answered `forbidden` (by the
+    Python client, the CLI, and logged with its key) and changes nothing, and its `stats`
+    name the workers without their pids; an admin's key, admitted on the frontend though
+    not in --curve-clients, reloads and sees the pids; so does the broker's own key
+    (serve's gateway, bench --spawn); and SIGHUP to serve still reloads every model."""
+    keys.make("ops")
+    clients = keys.allow("allowed-clients", "alice")
+    admins = keys.allow("admins", "ops")
+    serve, frontend, _ = start_serve(
+        spawn, keys, "--curve-clients", str(clients), "--curve-admins", str(admins)
+    )
+    as_ops = wait_until(
+        lambda: (
+            (s := stats_as(frontend, keys, "ops", zctx)).get("models", {}).get("echo", {}).get("workers") == 1
+            and s
+        ),
+        20,
+        "serve's worker joining, seen by the admin",
+    )
+    (first_pid,) = echo_pids(as_ops)
+    as_alice = stats_as(frontend, keys, "alice", zctx)
+    assert as_alice["models"]["echo"]["workers"] == 1
+    assert echo_pids(as_alice) == [], worker_names(as_alice)
+    (ops_name,), (alice_name,) = worker_names(as_ops), worker_names(as_alice)
+    assert alice_name == ops_name.replace(f"/{first_pid}/", "/"), (alice_name, ops_name)
+    assert stats_as(frontend, keys, "stranger", zctx) == {}  # neither list: refused as before
+
+    with client_as(frontend, keys, "alice", zctx) as alice:
+        with pytest.raises(Forbidden) as refused:
+            alice.control("reload", model="echo")
+        assert refused.value.code == "forbidden"
+        assert "--curve-admins" in refused.value.message
+        assert alice.request("still served", model="echo") == "still served"  # a client, still
+    result = cli(
+        "reload", "echo", "--connect", frontend, "--curve-server-key", str(keys.public_file("broker")),
+        "--curve-secret-key", str(keys.secret_file("alice")), "--timeout-s", "10",
+    )  # fmt: skip
+    assert result.returncode == 1, result
+    assert "reload of 'echo' failed: forbidden:" in result.stderr, result.stderr
+    assert log_lines(serve, f"refused reload from key {keys.z85('alice')}: not in --curve-admins")
+    assert echo_pids(stats_as(frontend, keys, "ops", zctx)) == [first_pid]  # nothing was reloaded
+
+    result = cli(
+        "reload", "echo", "--connect", frontend, "--curve-server-key", str(keys.public_file("broker")),
+        "--curve-secret-key", str(keys.secret_file("ops")), "--timeout-s", "60",
+        timeout_s=90,
+    )  # fmt: skip
+    assert result.returncode == 0, result
+    assert '"replaced": 1' in result.stdout, result.stdout
+    (second_pid,) = echo_pids(stats_as(frontend, keys, "ops", zctx))
+    assert second_pid != first_pid
+
+    with client_as(frontend, keys, "broker", zctx) as own:  # the broker's own key pair
+        assert own.control("reload", model="echo")["replaced"] == 1
+        (third_pid,) = echo_pids(own.control("stats"))
+    assert third_pid not in (first_pid, second_pid)
+
+    os.kill(serve.pid, signal.SIGHUP)  # serve's own reload, no key involved
+    wait_until(
+        lambda: (p := echo_pids(stats_as(frontend, keys, "ops", zctx))) and third_pid not in p,
+        60,
+        "SIGHUP replacing the worker",
+    )
+
+
+def test_a_key_gains_and_loses_the_admin_role_at_its_next_request_after_sighup(spawn, keys, zctx):
+    """`batcher broker --curve-admins` alone: the frontend stays open to any key (and the
+    backend too, as without lists), a non-admin gets `forbidden` before the op is
+    judged; the admin list is read again on SIGHUP and applies to connections already up."""
+    admins = keys.allow("admins", "alice")
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    broker = spawn(
+        "broker", "--frontend", frontend, "--backend", backend, "--model", "echo",
+        "--curve-secret-key", str(keys.secret_file("broker")), "--curve-admins", str(admins),
+    )  # fmt: skip
+    wait_until(lambda: stats_as(frontend, keys, "stranger", zctx).get("models"), 20, "the broker answering")
+    start_worker(spawn, keys, backend, "gpuhost")  # not listed anywhere: the backend is open
+    wait_until(
+        lambda: stats_as(frontend, keys, "alice", zctx).get("models", {}).get("echo", {}).get("workers") == 1,
+        20,
+        "an unlisted worker joining",
+    )
+    with (
+        client_as(frontend, keys, "alice", zctx, 10) as alice,
+        client_as(frontend, keys, "stranger", zctx, 10) as stranger,
+    ):
+        assert echo_pids(stranger.control("stats")) == []
+        assert len(echo_pids(alice.control("stats"))) == 1
+        with pytest.raises(Forbidden):
+            stranger.control("reload", model="echo")
+        with pytest.raises(BadRequest, match="reload needs `batcher serve`"):  # an admin: judged
+            alice.control("reload", model="echo")
+
+        # alice leaves the list, stranger joins it; both stay connected.
+        (admins / "alice.key").unlink()
+        shutil.copy(keys.public_file("stranger"), admins)
+        os.kill(broker.pid, signal.SIGHUP)
+        wait_until(lambda: log_lines(broker, "SIGHUP: allow-lists read again"), 20, "the lists read again")
+        with pytest.raises(BadRequest, match="reload needs `batcher serve`"):
+            stranger.control("reload", model="echo")
+        with pytest.raises(Forbidden):
+            alice.control("reload", model="echo")
+        assert len(echo_pids(stranger.control("stats"))) == 1
+        assert echo_pids(alice.control("stats")) == []
+    assert log_lines(broker, "1 admin keys from")
+
+
+def test_without_curve_admins_every_listed_client_may_reload_and_see_pids(spawn, keys, zctx):
+    """No --curve-admins: as before, any client admitted may reload and reads the pids."""
+    clients = keys.allow("allowed-clients", "alice")
+    _serve, frontend, _ = start_serve(spawn, keys, "--curve-clients", str(clients))
+    wait_until(
+        lambda: stats_as(frontend, keys, "alice", zctx).get("models", {}).get("echo", {}).get("workers") == 1,
+        20,
+        "serve's worker joining",
+    )
+    with client_as(frontend, keys, "alice", zctx) as alice:
+        (first_pid,) = echo_pids(alice.control("stats"))
+        assert alice.control("reload", model="echo")["replaced"] == 1
+        (second_pid,) = echo_pids(alice.control("stats"))
+    assert second_pid != first_pid

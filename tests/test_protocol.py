@@ -479,6 +479,7 @@ def test_error_codes_are_the_documented_strings() -> None:
         "SHUTTING_DOWN": "shutting_down",
         "UNAVAILABLE": "unavailable",
         "TOO_LARGE": "too_large",
+        "FORBIDDEN": "forbidden",
         "INTERNAL": "internal_error",
     }
 

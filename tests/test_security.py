@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -100,3 +101,65 @@ def test_curve_admits_listed_keys_only(tmp_path: Path) -> None:
         "a handshake on the frontend ended early",
     )
     assert any(p in line for line in lines for p in plaintext), "plaintext peer not logged"
+
+
+def test_the_admin_role_is_read_from_the_key_each_message_came_with(tmp_path: Path) -> None:
+    """--curve-admins: the authenticator gives each connection its key as User-Id, which
+    every message from it carries; CurveGate.is_admin holds it against the admin list as
+    it stands at that message (the broker's own key always being one), so a SIGHUP that
+    changes the list changes the role of connections already up."""
+    import shutil
+
+    import zmq
+
+    from batcher.broker import router
+    from batcher.security import CurveServerKeys, secure_client, secure_server
+    from batcher.zmqio import recv_bounded_from
+
+    broker_secret = keygen(tmp_path / "server", "broker")
+    ops_secret = keygen(tmp_path / "ops", "ops")
+    alice_secret = keygen(tmp_path / "alice", "alice")
+    admins = tmp_path / "admins"
+    admins.mkdir()
+    shutil.copy(tmp_path / "ops" / "ops.key", admins)
+    ctx: zmq.Context[Any] = zmq.Context()
+    front, back = router(ctx, 1 << 20), router(ctx, -1)
+    gate = secure_server(ctx, CurveServerKeys(str(broker_secret), admins_dir=str(admins)), front, back)
+    assert gate is not None
+    peers: dict[str, zmq.Socket[Any]] = {}
+    try:
+        port = front.bind_to_random_port("tcp://127.0.0.1")
+        for who, secret in [
+            ("ops", ops_secret),
+            ("alice", alice_secret),
+            ("own", broker_secret),
+            ("any", None),
+        ]:
+            sock = peers[who] = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            secure_client(sock, str(tmp_path / "server" / "broker.key"), str(secret) if secret else None)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+
+        def roles() -> dict[str, bool]:
+            seen = {}
+            for who, sock in peers.items():
+                sock.send_multipart([b"", who.encode()])
+                assert front.poll(10_000), f"nothing from {who}"
+                frames, fits, first = recv_bounded_from(front, 32, 1 << 20)
+                assert fits and frames[-1] == who.encode()
+                seen[who] = gate.is_admin(first)
+            return seen
+
+        # Every key is admitted (no --curve-clients); only ops and the broker's are admins.
+        assert roles() == {"ops": True, "alice": False, "own": True, "any": False}
+        (admins / "ops.key").unlink()
+        shutil.copy(tmp_path / "alice" / "alice.key", admins)
+        gate.reload()
+        assert roles() == {"ops": False, "alice": True, "own": True, "any": False}
+    finally:
+        for sock in peers.values():
+            sock.close(0)
+        gate.stop()
+        front.close(0)
+        back.close(0)
+        ctx.term()

@@ -486,6 +486,7 @@ HTTP_STATUS: dict[str, int] = {
     ErrorCode.SHUTTING_DOWN: 503,
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.TOO_LARGE: 413,
+    ErrorCode.FORBIDDEN: 403,
     ErrorCode.INTERNAL: 500,
     ErrorCode.CANCELLED: 499,
     "timeout": 504,  # the gateway's own wait for the broker ran out
@@ -505,6 +506,7 @@ GRPC_STATUS: dict[str, str] = {
     ErrorCode.SHUTTING_DOWN: "UNAVAILABLE",
     ErrorCode.UNAVAILABLE: "UNAVAILABLE",
     ErrorCode.TOO_LARGE: "RESOURCE_EXHAUSTED",
+    ErrorCode.FORBIDDEN: "PERMISSION_DENIED",
     ErrorCode.INTERNAL: "INTERNAL",
     ErrorCode.CANCELLED: "CANCELLED",
     "timeout": "DEADLINE_EXCEEDED",
