@@ -18,6 +18,9 @@ from typing import Any
 
 import grpc
 import pytest
+import tritonclient.grpc as tgrpc
+import tritonclient.http as thttp
+from tritonclient.utils import InferenceServerException
 
 from batcher.gateway import access
 from batcher.gateway import inference_pb2 as pb
@@ -328,6 +331,24 @@ def test_tls_serves_https_and_grpc_with_a_key(serve: Callable[..., ServeProcess]
         with pytest.raises(grpc.RpcError) as info:
             s.ModelInfer(grpc_infer(), timeout=10)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # Triton's own clients, with their TLS options and the key as a header.
+    auth = {"authorization": f"Bearer {TOKEN}"}  # gRPC metadata keys are lower case
+    th = thttp.InferenceServerClient(
+        f"127.0.0.1:{http_port}",
+        ssl=True,
+        ssl_context_factory=lambda: ssl.create_default_context(cafile=str(cert)),
+    )
+    tg = tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}", ssl=True, root_certificates=str(cert))
+    try:
+        for client in (th, tg):
+            assert client.is_server_live()
+            assert client.is_model_ready("probe", headers=auth)
+            with pytest.raises(InferenceServerException):
+                client.get_model_metadata("probe")  # no key
+            assert client.get_model_metadata("probe", headers=auth)
+    finally:
+        th.close()
+        tg.close()
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:  # plaintext gets nothing
         with pytest.raises(grpc.RpcError) as info:
             stub(channel).ServerLive(pb.ServerLiveRequest(), timeout=5)
