@@ -41,6 +41,7 @@ from batcher.client import TIMEOUT, UNREACHABLE, BatcherError, Client, ClientTim
 from batcher.config import COMMA_LIST_OPTIONS, Config, ConfigError, Kind, load_config, type_problem
 from batcher.demo import DEMO_POLICY, DEMO_WORKERS, run_demo
 from batcher.extras import MissingExtra, require
+from batcher.gateway import access
 from batcher.gateway.core import GatewaySettings
 from batcher.gateway.process import GatewayProcess, gateway_command, local_address
 from batcher.logs import FORMATS, setup_logging
@@ -931,13 +932,26 @@ def pool_settings(
 
 
 def _serve_gateway(
-    broker: BrokerSettings, http_port: int, grpc_port: int, host: str, logs: LogOptions
+    broker: BrokerSettings,
+    http_port: int,
+    grpc_port: int,
+    host: str,
+    gateway_access: GatewayAccess,
+    logs: LogOptions,
 ) -> GatewayProcess | None:
     """serve's gateway process, when a port asks for one: it connects to the broker's
-    frontend as a client (with the broker's own key pair under CurveZMQ)."""
+    frontend as a client (with the broker's own key pair under CurveZMQ), so with
+    --curve-clients it must not be a way past the allow-list: checked here, before
+    anything binds."""
     if not http_port and not grpc_port:
         return None
-    key = broker.curve.secret_key_file if broker.curve else None
+    curve = broker.curve
+    gateway_access.check(
+        host,
+        allow_lists="--curve-clients" if curve is not None and curve.clients_dir is not None else None,
+        keys_option="--gateway-api-keys-file",
+    )
+    key = curve.secret_key_file if curve else None
     settings = GatewaySettings(
         connect=local_address(broker.frontend),
         host=host,
@@ -945,6 +959,9 @@ def _serve_gateway(
         grpc_port=grpc_port,
         curve_server_key=key,
         curve_secret_key=key,
+        api_keys_file=gateway_access.api_keys_file,
+        tls_cert_file=gateway_access.tls_cert_file,
+        tls_key_file=gateway_access.tls_key_file,
     )
     return GatewayProcess(gateway_command(settings, logs.log_level, logs.log_format))
 
@@ -1027,6 +1044,82 @@ _GRPC_PORT = option(
     default=0,
     help="Serve the Open Inference Protocol (KServe v2) over gRPC on this port (0: not).",
 )
+
+
+@dataclass(frozen=True)
+class GatewayAccess:
+    """The gateway's access control options (docs/gateway.md, "Access control")."""
+
+    api_keys_file: str | None
+    tls_cert_file: str | None
+    tls_key_file: str | None
+    allow_unauthenticated_gateway: bool
+
+    def check(self, host: str, *, allow_lists: str | None, keys_option: str) -> None:
+        """Before anything listens: the key file and TLS pair load, and an
+        unauthenticated gateway is not opened past CURVE allow-lists (a usage error)."""
+        try:
+            if self.api_keys_file is not None:
+                access.load_api_keys(self.api_keys_file)
+            access.check_tls_pair(self.tls_cert_file, self.tls_key_file)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+        error = access.exposure_error(
+            host,
+            api_keys=self.api_keys_file is not None,
+            allow_lists=allow_lists,
+            allow_unauthenticated=self.allow_unauthenticated_gateway,
+            keys_option=keys_option,
+        )
+        if error is not None:
+            raise click.UsageError(error)
+
+
+_ALLOW_UNAUTHENTICATED = local_option(
+    "--allow-unauthenticated-gateway",
+    is_flag=True,
+    default=False,
+    help="Open the gateway on a non-loopback host without API keys even though CurveZMQ "
+    "allow-lists guard the broker (refused otherwise: the gateway would be a way past them).",
+)
+
+
+def _gateway_access_options(prefix: str) -> Decorator:
+    """--api-keys-file, --tls-cert-file, --tls-key-file (serve's: --gateway-...) and
+    --allow-unauthenticated-gateway."""
+    path = click.Path(dir_okay=False)
+    return option_group(
+        "gateway_access",
+        GatewayAccess,
+        option(
+            f"--{prefix}api-keys-file",
+            "api_keys_file",
+            envvar="BATCHER_GATEWAY_API_KEYS_FILE",
+            type=path,
+            default=None,
+            help="File of the API keys the gateway accepts, one a line (# comments): every "
+            "endpoint but the health probes then needs 'Authorization: Bearer KEY'.",
+        ),
+        option(
+            f"--{prefix}tls-cert-file",
+            "tls_cert_file",
+            envvar="BATCHER_GATEWAY_TLS_CERT_FILE",
+            type=path,
+            default=None,
+            help=f"PEM certificate (chain) for HTTPS and gRPC over TLS; with --{prefix}tls-key-file.",
+        ),
+        option(
+            f"--{prefix}tls-key-file",
+            "tls_key_file",
+            envvar="BATCHER_GATEWAY_TLS_KEY_FILE",
+            type=path,
+            default=None,
+            help=f"PEM private key of --{prefix}tls-cert-file (unencrypted).",
+        ),
+        _ALLOW_UNAUTHENTICATED,
+    )
+
+
 _GATEWAY_HOST = option(
     "--gateway-host",
     "host",
@@ -1051,6 +1144,7 @@ _GATEWAY_HOST = option(
     default=field_default(GatewaySettings, "request_timeout_ms"),
     help="Longest wait for the broker's reply to a request that sets no timeout of its own.",
 )
+@_gateway_access_options("")
 @local_option("--under-serve", is_flag=True, hidden=True, help="Started by serve: stop when stdin closes.")
 @curve_client_options
 @logging_options
@@ -1060,6 +1154,7 @@ def gateway(
     grpc_port: int,
     host: str,
     request_timeout_ms: float,
+    gateway_access: GatewayAccess,
     under_serve: bool,
     curve: ClientKeys,
     logs: LogOptions,
@@ -1077,14 +1172,25 @@ def gateway(
             request_timeout_ms=request_timeout_ms,
             curve_server_key=curve.curve_server_key,
             curve_secret_key=curve.curve_secret_key,
+            api_keys_file=gateway_access.api_keys_file,
+            tls_cert_file=gateway_access.tls_cert_file,
+            tls_key_file=gateway_access.tls_key_file,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    # A client key pair means a broker with an allow-list (under serve, serve decided).
+    gateway_access.check(
+        host,
+        allow_lists="--curve-secret-key" if curve.curve_secret_key and not under_serve else None,
+        keys_option="--api-keys-file",
+    )
     _require("gateway", "batcher gateway")
     from batcher.gateway.server import run
 
     try:
         run(settings, control_fd=0 if under_serve else None)
+    except ValueError as exc:  # a key file or TLS pair that changed since the check
+        raise click.ClickException(str(exc)) from None
     except zmq.ZMQError as exc:
         raise click.ClickException(f"the gateway cannot connect to {connect}: {exc}") from None
     except OSError as exc:
@@ -1151,6 +1257,7 @@ def gateway(
 @_HTTP_PORT
 @_GRPC_PORT
 @_GATEWAY_HOST
+@_gateway_access_options("gateway-")
 @batching_options
 @broker_options
 @heartbeat_options
@@ -1173,6 +1280,7 @@ def serve(
     http_port: int,
     grpc_port: int,
     host: str,
+    gateway_access: GatewayAccess,
     batching: BatchSettings,
     broker_opts: BrokerOptions,
     heartbeat: Heartbeat,
@@ -1221,7 +1329,7 @@ def serve(
     )
     ctx = click.get_current_context()
     reread = None if config is None else functools.partial(_reread_batching, ctx, config, settings.models)
-    gateway = _serve_gateway(settings, http_port, grpc_port, host, logs)
+    gateway = _serve_gateway(settings, http_port, grpc_port, host, gateway_access, logs)
     try:
         run_serve(settings, pool, reread, gateway)
     except (BindError, KeyFileError, ModelLoadFailed) as exc:

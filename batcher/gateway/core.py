@@ -68,6 +68,11 @@ class GatewaySettings:
     max_response_bytes: int = 256 * 1024 * 1024
     curve_server_key: str | None = None
     curve_secret_key: str | None = None
+    #: The accepted API keys, one a line (docs/gateway.md, "Access control"); None: none asked.
+    api_keys_file: str | None = None
+    #: The HTTPS / gRPC TLS pair (PEM): both or neither.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -79,6 +84,8 @@ class GatewaySettings:
         for name in ("request_timeout_ms", "probe_timeout_ms"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("--tls-cert-file and --tls-key-file go together: give both or neither")
 
 
 def _keep_view(value: dict[Any, Any]) -> dict[Any, Any]:

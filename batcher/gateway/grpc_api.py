@@ -8,14 +8,15 @@ becomes the rows' `timeout_ms`; a cancelled call cancels its rows at the broker.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
 
+from batcher.gateway import access, oip, triton
 from batcher.gateway import inference_pb2 as pb
 from batcher.gateway import inference_pb2_grpc as pb_grpc
-from batcher.gateway import oip, triton
 from batcher.gateway.core import Gateway
 from batcher.protocol import ErrorCode
 
@@ -44,6 +45,42 @@ def add_service(server: grpc.aio.Server, gateway: Gateway) -> None:
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: oip.OipError) -> None:
     await context.abort(grpc.StatusCode[oip.grpc_status(exc.code)], str(exc))
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """The API key check of every call but the health probes (access.OPEN_METHODS):
+    metadata `authorization: Bearer TOKEN` (or `x-api-key: TOKEN`), else UNAUTHENTICATED,
+    decided before the request message is read (the refusing handler decodes nothing)."""
+
+    def __init__(self, api_keys: access.ApiKeys) -> None:
+        self.api_keys = api_keys
+        self._refuse = {
+            why: grpc.unary_unary_rpc_method_handler(_refuser(why)) for why in (access.MISSING, access.WRONG)
+        }
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if handler_call_details.method not in access.OPEN_METHODS:
+            authorization = api_key = None
+            for key, value in handler_call_details.invocation_metadata or ():
+                if key == "authorization":
+                    authorization = value.encode() if isinstance(value, str) else value
+                elif key == "x-api-key":
+                    api_key = value.encode() if isinstance(value, str) else value
+            why = self.api_keys.refusal(authorization, api_key)
+            if why is not None:
+                return self._refuse[why]
+        return await continuation(handler_call_details)
+
+
+def _refuser(why: str) -> Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[None]]:
+    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+
+    return refuse
 
 
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):

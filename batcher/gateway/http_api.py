@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from batcher.gateway import oip, triton
+from batcher.gateway import access, oip, triton
 from batcher.gateway.core import Gateway
 from batcher.protocol import ErrorCode
 
@@ -87,9 +87,10 @@ class ClientGone(Exception):
 class HttpApi:
     """The ASGI application: routes, handlers, and every OipError as its status."""
 
-    def __init__(self, gateway: Gateway, max_body_bytes: int) -> None:
+    def __init__(self, gateway: Gateway, max_body_bytes: int, api_keys: access.ApiKeys | None = None) -> None:
         self.gateway = gateway
         self.max_body_bytes = max_body_bytes
+        self.api_keys = api_keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -106,6 +107,10 @@ class HttpApi:
         await write(send, response)
 
     async def _route(self, scope: Scope, receive: Receive) -> Response:
+        if self.api_keys is not None and scope["raw_path"] not in access.OPEN_PATHS:
+            refused = self._refusal(scope)  # before routing, and before any body is read
+            if refused is not None:
+                return refused
         route = match(scope["raw_path"])
         if route is None:
             return _error(404, "no such endpoint")
@@ -129,6 +134,22 @@ class HttpApi:
         meta = await self.gateway.metadata(model, version)
         meta.pop("ready")
         return _json(meta)
+
+    def _refusal(self, scope: Scope) -> Response | None:
+        """401 for a request without an accepted API key (docs/gateway.md, "Access
+        control"); the connection closes, so that no unread body is taken in after it."""
+        assert self.api_keys is not None
+        authorization = api_key = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value
+            elif name == b"x-api-key":
+                api_key = value
+        why = self.api_keys.refusal(authorization, api_key)
+        if why is None:
+            return None
+        challenge = "Bearer" if why == access.MISSING else 'Bearer error="invalid_token"'
+        return _error(401, why, {"WWW-Authenticate": challenge, "Connection": "close"})
 
     async def infer(self, scope: Scope, receive: Receive, model: str, version: str) -> Response:
         body = await read_body(scope, receive, self.max_body_bytes)

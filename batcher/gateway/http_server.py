@@ -17,6 +17,7 @@ from typing import Any, cast
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from batcher.gateway.access import ApiKeys
 from batcher.gateway.core import Gateway
 from batcher.gateway.http_api import BODY_COMPLETE, GONE, HANDLER, HttpApi, json_encode
 
@@ -35,11 +36,19 @@ class HttpServer:
     uvicorn ends by itself."""
 
     def __init__(
-        self, gateway: Gateway, host: str, port: int, max_body_bytes: int, grace_s: float, stop: asyncio.Event
+        self,
+        gateway: Gateway,
+        host: str,
+        port: int,
+        max_body_bytes: int,
+        grace_s: float,
+        stop: asyncio.Event,
+        api_keys: ApiKeys | None = None,
+        tls_files: tuple[str | None, str | None] | None = None,
     ) -> None:
-        self._socket = listen(host, port)
+        cert_file, key_file = tls_files or (None, None)
         config = uvicorn.Config(
-            HttpApi(gateway, max_body_bytes),
+            HttpApi(gateway, max_body_bytes, api_keys),
             http=BoundedHttpToolsProtocol,
             ws="none",
             lifespan="off",
@@ -49,7 +58,11 @@ class HttpServer:
             proxy_headers=False,  # nothing here reads the client's address
             timeout_keep_alive=KEEP_ALIVE_S,
             timeout_graceful_shutdown=max(1, round(grace_s)),
+            ssl_certfile=cert_file,
+            ssl_keyfile=key_file,
         )
+        config.load()  # here, so that a TLS pair that does not load stops the start
+        self._socket = listen(host, port)
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # its start and stop lines
         self._server = _Server(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self._socket]))

@@ -43,6 +43,13 @@ def gateway_command(settings: GatewaySettings, log_level: str, log_format: str) 
         command += ["--curve-server-key", settings.curve_server_key]
     if settings.curve_secret_key:
         command += ["--curve-secret-key", settings.curve_secret_key]
+    for flag, value in (
+        ("--api-keys-file", settings.api_keys_file),
+        ("--tls-cert-file", settings.tls_cert_file),
+        ("--tls-key-file", settings.tls_key_file),
+    ):
+        if value is not None:
+            command += [flag, value]
     return command
 
 

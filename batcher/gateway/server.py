@@ -14,6 +14,7 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
+from batcher.gateway import access
 from batcher.gateway.core import Gateway, GatewaySettings
 from batcher.stopping import ignore_stop_signals
 
@@ -38,6 +39,12 @@ async def serve(
 ) -> None:
     """Run until `stop` is set, or else until `control_fd` (serve's pipe) closes, or
     else until SIGTERM/SIGINT."""
+    # The key file and the TLS pair are checked before anything listens (ValueError).
+    api_keys = None if settings.api_keys_file is None else access.load_api_keys(settings.api_keys_file)
+    tls = access.check_tls_pair(settings.tls_cert_file, settings.tls_key_file)
+    warning = access.clear_text_warning(settings.host, api_keys=api_keys is not None, tls=tls is not None)
+    if warning is not None:
+        log.warning("%s", warning)
     if stop is None:
         stop = _stop_on_signals() if control_fd is None else _stop_on_pipe_close(control_fd)
     gateway = Gateway(settings)
@@ -47,14 +54,25 @@ async def serve(
         if settings.http_port:
             from batcher.gateway.http_server import HttpServer
 
-            http = HttpServer(gateway, settings.host, settings.http_port, MAX_BODY_BYTES, grace_s, stop)
+            http = HttpServer(
+                gateway,
+                settings.host,
+                settings.http_port,
+                MAX_BODY_BYTES,
+                grace_s,
+                stop,
+                api_keys=api_keys,
+                tls_files=None if tls is None else (settings.tls_cert_file, settings.tls_key_file),
+            )
         if settings.grpc_port:
-            grpc_server = await _start_grpc(gateway, settings)
+            grpc_server = await _start_grpc(gateway, settings, api_keys, tls)
         log.info(
-            "gateway up: http %s, grpc %s, broker %s",
+            "gateway up: http%s %s, grpc %s, broker %s, %s",
+            "s" if tls else "",
             settings.http_port or "off",
             settings.grpc_port or "off",
             settings.connect,
+            "API keys required" if api_keys else "no API keys",
         )
         await stop.wait()
     finally:  # both listeners close at once; what is in flight gets grace_s
@@ -93,22 +111,32 @@ def _stop_on_pipe_close(fd: int) -> asyncio.Event:
     return stop
 
 
-async def _start_grpc(gateway: Gateway, settings: GatewaySettings) -> grpc.aio.Server:
+async def _start_grpc(
+    gateway: Gateway,
+    settings: GatewaySettings,
+    api_keys: access.ApiKeys | None,
+    tls: tuple[bytes, bytes] | None,
+) -> grpc.aio.Server:
     import grpc
 
-    from batcher.gateway.grpc_api import add_service
+    from batcher.gateway.grpc_api import TokenInterceptor, add_service
 
     server = grpc.aio.server(
+        interceptors=[] if api_keys is None else [TokenInterceptor(api_keys)],
         options=[
             ("grpc.max_receive_message_length", MAX_BODY_BYTES),
             ("grpc.max_send_message_length", MAX_BODY_BYTES),
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
     add_service(server, gateway)
     where = f"{settings.host}:{settings.grpc_port}"
     try:
-        port = server.add_insecure_port(where)
+        if tls is None:
+            port = server.add_insecure_port(where)
+        else:
+            cert, key = tls
+            port = server.add_secure_port(where, grpc.ssl_server_credentials([(key, cert)]))
     except RuntimeError as exc:  # grpcio raises for a port in use (older ones return 0)
         raise OSError(f"cannot listen for gRPC on {where}: {exc}") from None
     if port == 0:
