@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterable
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -43,6 +43,7 @@ from batcher.client import (
 )
 from batcher.protocol import ZERO_COPY_BYTES
 
+_T = TypeVar("_T")
 log = logging.getLogger("batcher.aio")
 
 
@@ -201,9 +202,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
             if not fut.done():
                 fut.cancel()
 
-    async def _reply_or_unreachable(
-        self, fut: asyncio.Future[dict[str, Any]], request_id: Any
-    ) -> dict[str, Any]:
+    async def _reply_or_unreachable(self, fut: asyncio.Future[_T], request_id: Any) -> _T:
         """`fut`'s result; raises Unreachable once no broker can be reached (the verdict
         is looked at when due by time: the monitor is read then, not awaited)."""
         since = time.monotonic()
@@ -318,11 +317,17 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
             except TimeoutError:
                 raise ClientTimeout(self._timeout_message(1), reply={"id": request_id}) from None
             while not finished:
+                # Until a broker was ever reached, the first chunk's wait fails `unreachable`
+                # after connect_timeout_s, as a request's does.
+                getter = asyncio.ensure_future(chunks.get())
                 try:
                     async with asyncio.timeout(wait_s):
-                        reply = await chunks.get()
+                        reply = await self._reply_or_unreachable(getter, request_id)
                 except TimeoutError:
                     raise ClientTimeout(self._timeout_message(1), reply={"id": request_id}) from None
+                finally:
+                    if not getter.done():
+                        getter.cancel()
                 if isinstance(reply, BaseException):
                     raise reply
                 finished = reply.get("more") is not True

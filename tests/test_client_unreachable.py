@@ -61,6 +61,28 @@ def test_the_async_client_says_it_too() -> None:
     assert time.monotonic() - started < SOON_S
 
 
+def test_streams_are_told_too_on_both_faces() -> None:
+    """A stream's first chunk waits no longer than a request's reply: `unreachable`
+    within connect_timeout_s, from Client.stream and AsyncClient.stream."""
+    address = free_tcp_address()
+    started = time.monotonic()
+    with Client(address, timeout_s=30) as c, pytest.raises(Unreachable) as err:
+        list(c.stream({"tokens": 2}, model="simlm"))
+    assert f"nothing listening at {address}" in err.value.message
+    assert time.monotonic() - started < SOON_S
+
+    async def main() -> str:
+        async with AsyncClient(address, timeout_s=30) as c:
+            with pytest.raises(Unreachable) as aerr:
+                async for _ in c.stream({"tokens": 2}, model="simlm"):
+                    pass
+            return aerr.value.message
+
+    started = time.monotonic()
+    assert f"nothing listening at {address}" in asyncio.run(main())
+    assert time.monotonic() - started < SOON_S
+
+
 def test_a_client_started_before_its_broker_waits_with_connect_timeout_none(spawn, zctx) -> None:
     frontend = free_tcp_address()
     with Client(frontend, timeout_s=30, context=zctx, connect_timeout_s=None) as c:
