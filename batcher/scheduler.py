@@ -206,6 +206,7 @@ class Batch:
     dispatched_at: float
     expected_done_at: float = 0.0
     expected_start: float = 0.0  # when its worker should begin it (after the batches ahead)
+    suspect: bool = False  # a suspect run alone: its worker holds nothing else meanwhile
 
 
 @dataclass(slots=True, eq=False)
@@ -220,7 +221,13 @@ class WorkerState:
 
     @property
     def free_slots(self) -> int:
-        return self.slots - len(self.in_flight)
+        """0 while it runs a suspect: should it die, the batch it held is then the one
+        that killed it (were another behind it, a reply lost with the crash could put
+        the blame on the wrong one)."""
+        in_flight = self.in_flight
+        if in_flight and any(b.suspect for b in in_flight.values()):
+            return 0
+        return self.slots - len(in_flight)
 
     def busy_until(self) -> float:
         """When its last batch is expected to finish (0 when it holds none)."""
@@ -901,6 +908,8 @@ class Scheduler:
         adaptive sends a partial batch to a busy worker's prefetch slot only once that
         worker is expected to be done (_pick_worker)."""
         free = [self._workers[w] for w in mq.workers if self._workers[w].free_slots > 0]
+        if mq.suspects and mq.peek().suspect:  # a suspect goes to an idle worker only
+            free = [w for w in free if not w.in_flight]
         if not free:
             return math.inf
         due = self._wait_until(mq)
@@ -945,6 +954,8 @@ class Scheduler:
                 idle.append(w)
             else:
                 prefetching.append(w)
+        if prefetching and mq.suspects and mq.peek().suspect:
+            prefetching = []  # a suspect goes to an idle worker only (WorkerState.free_slots)
         if not idle and not prefetching:
             return None
         s = mq.settings
@@ -1028,6 +1039,7 @@ class Scheduler:
         mq.compact()
         start = max(now, worker.busy_until())
         batch = Batch(self._next_batch_id, name, worker.worker_id, requests, now)
+        batch.suspect = requests[0].suspect > 0  # a suspect is always cut alone
         batch.expected_start = start
         batch.expected_done_at = start + mq.cost.predict(n, sum(r.cost for r in requests))
         self._next_batch_id += 1

@@ -304,6 +304,38 @@ def test_a_crashed_workers_running_batch_becomes_suspects_that_run_alone() -> No
     assert [r.suspect for r in left] == [0, 0]
 
 
+def test_a_worker_running_a_suspect_holds_nothing_else_so_a_lost_reply_cannot_misplace_the_blame() -> None:
+    """With prefetch, a worker given suspect A and then B would run A, send its reply,
+    run B and die: a crash (os._exit) can lose A's reply still in the socket, and the
+    blame would fall on A, the first batch it held. So a worker holding a suspect is
+    given nothing more, and a suspect goes only to an idle worker: when it dies, the one
+    batch it held is the one that killed it (the adversarial pass saw 1 of 7 innocent
+    mates fail this way)."""
+    s = Scheduler(per_model={"m": BatchSettings(max_batch_size=4, max_wait_ms=0.0)}, worker_prefetch=2)
+    p = WorkerPool(s, HEARTBEAT, 1, now=0.0)
+    join(p, b"w1")
+    crashed = [request(i) for i in range(3)]
+    for r in crashed:
+        s.enqueue("m", r)
+    assert len(s.due_batches(0.0)) == 1
+    p.lose(b"w1", failed=True)  # all three are suspects now, one attempt each
+    join(p, b"w2")
+    join(p, b"w3")
+    (a, b) = s.due_batches(1.0)  # one suspect to each idle worker, none to a prefetch slot
+    assert {a.worker, b.worker} == {b"w2", b"w3"} and len(a.requests) == len(b.requests) == 1
+    # long past their expected end, their replies not in (lost with a crash, say): the
+    # third suspect waits for an idle worker, and nothing rides behind a suspect
+    assert s.due_batches(5.0) == []
+    s.enqueue("m", request(9))
+    assert s.due_batches(6.0) == []
+    lost = p.lose(a.worker, failed=True)  # the worker running a's suspect died holding only it
+    assert [r for _, r in lost.failed] == a.requests and lost.batches_requeued == 0  # retries spent
+    assert [r.attempts for r in b.requests] == [1]
+    s.complete(b.worker, b.batch_id)
+    (c,) = s.due_batches(7.0)
+    assert c.worker == b.worker and len(c.requests) == 1 and c.requests[0].suspect
+
+
 @dataclass
 class PoisonRun:
     """What became of a queue holding one request that kills every worker running it."""
