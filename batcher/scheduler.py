@@ -218,16 +218,14 @@ class WorkerState:
     slots: int
     in_flight: dict[int, Batch] = field(default_factory=dict)
     last_used: int = 0  # dispatch counter value when it last got a batch (least recent first)
+    running_suspect: bool = False  # its one batch is a suspect's (see free_slots)
 
     @property
     def free_slots(self) -> int:
         """0 while it runs a suspect: should it die, the batch it held is then the one
         that killed it (were another behind it, a reply lost with the crash could put
         the blame on the wrong one)."""
-        in_flight = self.in_flight
-        if in_flight and any(b.suspect for b in in_flight.values()):
-            return 0
-        return self.slots - len(in_flight)
+        return 0 if self.running_suspect else self.slots - len(self.in_flight)
 
     def busy_until(self) -> float:
         """When its last batch is expected to finish (0 when it holds none)."""
@@ -864,6 +862,8 @@ class Scheduler:
         batch = w.in_flight.pop(batch_id, None)
         if batch is None:
             return None
+        if batch.suspect:
+            w.running_suspect = False
         if infer_s is not None and infer_s >= 0:
             cost = sum(r.cost for r in batch.requests)
             self._models[batch.model].cost.observe(len(batch.requests), infer_s, cost)
@@ -1039,7 +1039,8 @@ class Scheduler:
         mq.compact()
         start = max(now, worker.busy_until())
         batch = Batch(self._next_batch_id, name, worker.worker_id, requests, now)
-        batch.suspect = requests[0].suspect > 0  # a suspect is always cut alone
+        if requests[0].suspect:  # a suspect is always cut alone, for an idle worker
+            batch.suspect = worker.running_suspect = True
         batch.expected_start = start
         batch.expected_done_at = start + mq.cost.predict(n, sum(r.cost for r in requests))
         self._next_batch_id += 1
