@@ -261,6 +261,7 @@ def test_a_worker_whose_broker_is_gone_exits_promptly_on_sigterm(spawn: Any, zct
     frontend, backend = free_tcp_address(), free_tcp_address()
     broker = spawn("broker", "--frontend", frontend, "--backend", backend, "--model", "echo")
     worker = spawn("worker", "--connect", backend, "--model", "echo", "--heartbeat-ms", "100")
+
     # joined, not just connected: killed before its handshake, it would take the broker
     # for a refusing one and back off rather than reconnect at once
     def joined() -> bool:
