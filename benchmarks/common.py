@@ -201,10 +201,27 @@ def serve_args(
     ]
 
 
+class ServeFrom(ServeProcess):
+    """`batcher serve` run from another source tree (its `batcher` and `workers` imported
+    from there, e.g. `git archive main | tar -x -C /tmp/base`): a same-run before/after."""
+
+    def __init__(self, args: list[str], source: Path) -> None:
+        super().__init__(args)
+        self.source = source
+
+    def start(self) -> ServeFrom:
+        env = {**os.environ, "PYTHONPATH": str(self.source)}
+        self.process = subprocess.Popen(self.command(), start_new_session=True, cwd=self.source, env=env)
+        return self
+
+
 @contextlib.contextmanager
-def running_serve(args: list[str], workers: int, timeout_s: float = 60.0) -> Iterator[ServeProcess]:
-    """A started `batcher serve` with all its workers joined; stopped on exit, always."""
-    proc = ServeProcess(args)
+def running_serve(
+    args: list[str], workers: int, timeout_s: float = 60.0, source: Path | None = None
+) -> Iterator[ServeProcess]:
+    """A started `batcher serve` with all its workers joined (run from `source`, another
+    source tree, when given); stopped on exit, always."""
+    proc = ServeProcess(args) if source is None else ServeFrom(args, source)
     try:
         proc.start()
         proc.wait_ready(workers, timeout_s=timeout_s)

@@ -29,6 +29,7 @@ SCRIPTS = (
     "capacity",
     "overhead",
     "lone_request",
+    "broker_cpu",
     "large_bodies",
     "frames",
     "onnx_served",
