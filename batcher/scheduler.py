@@ -30,6 +30,7 @@ Rules, per model:
 from __future__ import annotations
 
 import bisect
+import copy
 import heapq
 import itertools
 import math
@@ -284,11 +285,26 @@ class CostModel:
         self._err_count = self._err_cost = 0.0
         self._batches = 0
         self._cost_per_request = 1.0  # recent mean of a request's cost
+        # Until a batch's summed cost differs from its count (requests without a `cost`),
+        # the cost fit would be the count fit point for point: it is not kept (on a lone
+        # request's path its second fit cost 20 us), and copied from it the first time.
+        self._costs_differ = False
 
     def observe(self, n: int, seconds: float, cost: float | None = None) -> None:
         """A batch of `n` requests (of summed `cost`, when known) took `seconds`."""
         if cost is None:
             cost = float(n)
+        if cost == n and not self._costs_differ:
+            if self._batches:
+                miss = self._predict(self._count, n) - seconds
+                self._err_count = self._err_count * self.DECAY + miss * miss
+            self._batches += 1
+            self._count.add(n, seconds)
+            return
+        if not self._costs_differ:
+            self._costs_differ = True
+            self._cost = copy.copy(self._count)
+            self._err_cost = self._err_count
         d = self.DECAY
         if self._batches:
             self._err_count = self._err_count * d + (self._predict(self._count, n) - seconds) ** 2
@@ -312,7 +328,11 @@ class CostModel:
     @property
     def by_cost(self) -> bool:
         """Whether the cost fit predicts clearly better than the count fit (and is used)."""
-        return self._batches >= self.MIN_BATCHES and self._err_cost < self.BETTER * self._err_count
+        return (
+            self._costs_differ
+            and self._batches >= self.MIN_BATCHES
+            and self._err_cost < self.BETTER * self._err_count
+        )
 
     def coefficients(self) -> tuple[float, float]:
         """(a, b) in seconds of t(n) = a + b*n: from the count fit, or from the cost fit at

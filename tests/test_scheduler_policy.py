@@ -767,6 +767,31 @@ def test_without_costs_the_cost_fit_is_never_used() -> None:
     assert not cm.by_cost
 
 
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 8), st.floats(0.0, 0.5), st.one_of(st.none(), st.floats(0.5, 300.0))),
+        max_size=40,
+    )
+)
+def test_cost_model_without_its_cost_fit_until_costs_differ_predicts_as_with_it(
+    batches: list[tuple[int, float, float | None]],
+) -> None:
+    """The cost fit is kept only once a batch's summed cost differs from its count (until
+    then it would be the count fit): the model predicts exactly as one that kept both fits
+    from the first batch. `None` costs a batch's count, as requests without a cost do."""
+    lazy, eager = CostModel(), CostModel()
+    eager._costs_differ = True  # keeps the cost fit from the first batch, as before
+    for n, seconds, cost in batches:
+        summed = None if cost is None else (float(n) if cost < 1.0 else cost)
+        for cm in (lazy, eager):
+            cm.observe(n, seconds, summed)
+        assert lazy.by_cost == eager.by_cost
+        assert lazy.coefficients() == pytest.approx(eager.coefficients(), rel=1e-12, abs=1e-15)
+        for size, total in ((1, None), (4, 4.0), (3, 250.0)):
+            expected = eager.predict(size, total)
+            assert lazy.predict(size, total) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
 def test_the_scheduler_expects_a_batch_to_take_what_its_cost_predicts() -> None:
     s = make(size=8, wait_ms=0.0)
     for n, cost in _batches_of_varied_size(3):
