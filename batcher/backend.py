@@ -45,6 +45,7 @@ class Backend:
         deliver: Callable[[list[bytes], bytes], bool],
         reply_error: Callable[[QueuedRequest, str, ErrorCode, str], None],
         fail_batch: Callable[[Batch, ErrorCode, str], None],
+        deliver_batch: Callable[[list[QueuedRequest], list[Any]], None],
     ) -> None:
         self.sock = sock
         self.scheduler = scheduler
@@ -53,6 +54,7 @@ class Backend:
         self.deliver = deliver
         self.reply_error = reply_error
         self.fail_batch = fail_batch
+        self.deliver_batch = deliver_batch
         #: Set by `serve`: kill the local worker process of this pid (a hung model).
         self.on_hung: Callable[[int], None] = lambda pid: None
         #: Set by `serve`: the worker process of this pid announced itself (READY).
@@ -154,26 +156,30 @@ class Backend:
         # between batches: one that arrived while the model ran waited unseen. From here,
         # the time since dispatch less the model time bounds that wait from above (it also
         # holds the trips to the worker and back).
+        # Queue time as the client lives it: in the broker's queue, then in the worker's
+        # prefetch until the model began (the worker's wait also kept on its own).
+        # The worker's own count starts when it read the batch, and it reads its socket only
+        # between batches: one that arrived while the model ran waited unseen. From here,
+        # the time since dispatch less the model time bounds that wait from above (it also
+        # holds the trips to the worker and back).
         sent_at = batch.dispatched_at
-        in_worker_ms = max(wait_ms or 0.0, (time.monotonic() - sent_at) * 1000.0 - infer_ms)
-        queue_ms = (round((sent_at - r.arrived_at) * 1000.0 + in_worker_ms, 3) for r in batch.requests)
+        now = time.monotonic()
+        in_worker_ms = max(wait_ms or 0.0, (now - sent_at) * 1000.0 - infer_ms)
+        requests = batch.requests
         try:
-            if len(lengths) != len(batch.requests):
-                raise ValueError(f"{len(lengths)} replies for {len(batch.requests)} requests")
+            if len(lengths) != len(requests):
+                raise ValueError(f"{len(lengths)} replies for {len(requests)} requests")
             replies = protocol.split_bodies(lengths, bodies)
         except ValueError as exc:
             log.warning("malformed reply from worker %s: %s", self.pool.name(worker_id), exc)
             self.fail_batch(batch, ErrorCode.WORKER_FAILED, f"the worker sent a malformed reply: {exc}")
             return
-        self.stats.batch_done(batch.model, queue_ms, infer_ms, in_worker_ms, len(batch.requests), padding)
-        arrivals = [r.arrived_at for r in batch.requests]
-        self.stats.batch_timed(batch.model, arrivals, sent_at, wait_ms, infer_ms, errors, time.monotonic())
-        self.stats.count(batch.model, "ok", len(replies) - errors)
-        self.stats.count(batch.model, ErrorCode.MODEL_ERROR, errors - refused)
-        self.stats.count(batch.model, ErrorCode.BAD_REQUEST, refused)
-        deliver = self.deliver
-        for req, reply in zip(batch.requests, replies, strict=True):
-            deliver(req.envelope, reply)
+        # The replies first, back to back; the batch's counts after.
+        self.deliver_batch(requests, replies)
+        arrivals = [r.arrived_at for r in requests]
+        self.stats.batch_answered(
+            batch.model, arrivals, sent_at, wait_ms, infer_ms, in_worker_ms, errors, refused, padding, now
+        )
 
     def _on_chunk(self, worker_id: bytes, header_frame: bytes, bodies: list[Any]) -> None:
         """A step-level worker's chunks: each forwarded untouched to its client, in order;

@@ -35,7 +35,7 @@ from batcher.security import CurveGate, CurveServerKeys, HandshakeWatch, secure_
 from batcher.stats import BrokerStats, gauges
 from batcher.stopping import StopSignals
 from batcher.streams import Streams
-from batcher.zmqio import recv_bounded, recv_bounded_from, send_reply
+from batcher.zmqio import recv_bounded, recv_bounded_from, send_replies, send_reply
 
 log = logging.getLogger("batcher.broker")
 
@@ -187,6 +187,7 @@ class Broker:
             self._send_to_client,
             self._reply_error,
             self._fail_batch,
+            self._send_batch_replies,
         )
         limits = {
             "max_message_bytes": settings.max_message_bytes,
@@ -383,11 +384,11 @@ class Broker:
         model = header.model or self._default_model
         if self.signals.count:  # (a call per request otherwise, for a rare event)
             self._note_stop()
-        refusal = (
-            (ErrorCode.SHUTTING_DOWN, "the broker is shutting down")
-            if self._stopping_since is not None
-            else self.pool.refusal(model, now)
-        )
+        refusal: tuple[ErrorCode, str] | None
+        if self._stopping_since is not None:
+            refusal, signature = (ErrorCode.SHUTTING_DOWN, "the broker is shutting down"), None
+        else:
+            refusal, signature = self.pool.admission(model, now)
         stream = header.stream
         if refusal is not None:
             self._refuse(envelope, header.id, *refusal, model, stream)
@@ -398,7 +399,6 @@ class Broker:
         )
         request.cost = header.cost
         request.stream = stream
-        signature = self.pool.signature(model)
         if signature is not None and (why := signature.misfit(body)) is not None:
             self._refuse(envelope, header.id, ErrorCode.BAD_REQUEST, why, model, stream)
             return
@@ -467,6 +467,13 @@ class Broker:
             self.stats.undeliverable += 1
             log.debug("reply to a vanished client dropped: %s", exc)
             return False
+
+    def _send_batch_replies(self, requests: list[QueuedRequest], replies: list[Any]) -> None:
+        """Send a batch's replies, each to its client (one gone or not reading is counted)."""
+        failed = send_replies(self.frontend, requests, replies)
+        if failed:
+            self.stats.undeliverable += failed
+            log.debug("%d replies to vanished clients dropped", failed)
 
     def _reply_error(self, req: QueuedRequest, model: str, code: ErrorCode, message: str) -> None:
         self.stats.count(model, code)

@@ -89,6 +89,10 @@ class WorkerPool:
         self._info: dict[bytes, WorkerInfo] = {}  # in the order the workers joined
         self._backend_read_at = now
         self._failed_models: dict[str, str] = {}  # model -> why no worker of it can start
+        # model -> the signature its requests are checked against, for a model with a live
+        # worker (never refused then): what `admission` answers per request without a walk
+        # of the workers; emptied whenever a worker joins or is lost, or a model fails.
+        self._admitted: dict[str, Signature | None] = {}
 
     # --- who is there ---------------------------------------------------------------------
 
@@ -143,6 +147,7 @@ class WorkerPool:
         self._heard_at[worker_id] = now
         self._info[worker_id] = info
         self._failed_models.pop(info.model, None)
+        self._admitted.clear()
 
     def heard(self, worker_id: bytes, now: float) -> None:
         """Any message of a known worker: a sign of life."""
@@ -169,6 +174,7 @@ class WorkerPool:
         default a failed worker's running batch is blamed: its first."""
         self._heard_at.pop(worker_id, None)
         self._info.pop(worker_id, None)
+        self._admitted.clear()
         lost = Lost()
         batches = self.scheduler.remove_worker(worker_id)
         if failed and blame is None and batches:
@@ -217,7 +223,19 @@ class WorkerPool:
         """No worker of `model` can start: its queued requests (returned, to be answered
         `worker_failed`) and new ones are refused until a worker of it joins after all."""
         self._failed_models[model] = why
+        self._admitted.clear()
         return self.scheduler.cancel(lambda r: True, model)
+
+    def admission(self, model: str, now: float) -> tuple[tuple[ErrorCode, str] | None, Signature | None]:
+        """`refusal(model, now)` and `signature(model)` at once, for every request: kept for a
+        model that has a live worker (so no refusal) until a worker joins or is lost."""
+        signature = self._admitted.get(model, _UNKNOWN)
+        if signature is not _UNKNOWN:
+            return None, signature
+        refusal, signature = self.refusal(model, now), self.signature(model)
+        if refusal is None and self.scheduler.has_workers(model):
+            self._admitted[model] = signature
+        return refusal, signature
 
     def refusal(self, model: str, now: float) -> tuple[ErrorCode, str] | None:
         """Why a request for `model` must be refused at once, or None to queue it."""
@@ -231,6 +249,10 @@ class WorkerPool:
     def unavailable_message(self, model: str, without_s: float) -> str:
         limit_ms = self.scheduler.no_worker_timeout_s * 1000.0
         return f"model {model!r} has had no worker for {without_s:.1f}s (--no-worker-timeout-ms {limit_ms:g})"
+
+
+#: What `WorkerPool.admission` finds for a model it keeps nothing for.
+_UNKNOWN: Any = object()
 
 
 def worker_info(info: Any) -> WorkerInfo:

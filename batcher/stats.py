@@ -13,6 +13,7 @@ from typing import Any
 
 from batcher.metrics import NoMetrics, Recent, percentile
 from batcher.pool import WorkerPool
+from batcher.protocol import ErrorCode
 from batcher.scheduler import ModelView
 from batcher.streams import Streams
 
@@ -60,8 +61,11 @@ class Totals:
         infer_ns = max(0, round(infer_ms * 1e6))
         input_ns = min(max(0, round((wait_ms or 0.0) * 1e6)), max(0, round_trip_ns - infer_ns))
         output_ns = max(0, round_trip_ns - input_ns - infer_ns)
-        durations_ns = sum(max(0, round((now - t) * 1e9)) for t in arrivals)
-        queued_ns = sum(max(0, round((sent_at - t) * 1e9)) for t in arrivals)
+        # Every arrival is at or before sent_at, itself before now (one monotonic clock): the
+        # sums of the differences, without a call per request.
+        arrived_s = sum(arrivals)
+        durations_ns = max(0, round((n * now - arrived_s) * 1e9))
+        queued_ns = max(0, round((n * sent_at - arrived_s) * 1e9))
         failed = min(max(errors, 0), n)
         fail_ns = durations_ns * failed // n  # the batch's mean time per failed request
         _add(self.success, n - failed, durations_ns - fail_ns)
@@ -210,18 +214,29 @@ class BrokerStats:
             st.recent.worker_wait_ms.append(wait_ms)
             self.metrics.worker_wait(model, wait_ms / 1000.0)
 
-    def batch_timed(
+    def batch_answered(
         self,
         model: str,
         arrivals: list[float],
         sent_at: float,
         wait_ms: float | None,
         infer_ms: float,
+        in_worker_ms: float,
         errors: int,
+        refused: int,
+        padding: tuple[int, int] | None,
         now: float,
     ) -> None:
-        """A worker answered a batch: its cumulative totals (Totals.add_batch)."""
+        """A worker answered a batch sent at `sent_at` of requests that arrived at
+        `arrivals`, `errors` of its replies errors (`refused` of them bad_request): every
+        count of it, once per batch. A request's queue time is as its client lives it: in
+        the broker's queue, then `in_worker_ms` in the worker until the model began."""
+        queue_ms = [round((sent_at - t) * 1000.0 + in_worker_ms, 3) for t in arrivals]
+        self.batch_done(model, queue_ms, infer_ms, wait_ms, len(arrivals), padding)
         self.model(model).totals.add_batch(arrivals, sent_at, wait_ms, infer_ms, errors, now)
+        self.count(model, "ok", len(arrivals) - errors)
+        self.count(model, ErrorCode.MODEL_ERROR, errors - refused)
+        self.count(model, ErrorCode.BAD_REQUEST, refused)
 
     def snapshot(
         self,

@@ -8,6 +8,7 @@ behind a proxy is answered, and a client learns of a request the broker could no
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import socket
@@ -39,17 +40,26 @@ W1 = protocol.WORKER_PROTOCOL
 class FakeWorker:
     """A raw DEALER on the backend that announces model m and lets the test answer."""
 
-    def __init__(self, zctx: zmq.Context[Any], backend: str, frontend: str) -> None:
+    def __init__(
+        self, zctx: zmq.Context[Any], backend: str, frontend: str, signature: dict[str, Any] | None = None
+    ) -> None:
         self.sock: zmq.Socket[Any] = zctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(backend)
+        self.signature = signature
+        joined = broker_stats(frontend, zctx).get("models", {}).get("m", {}).get("workers", 0)
         self.announce()
         wait_until(
-            lambda: broker_stats(frontend, zctx).get("models", {}).get("m", {}).get("workers"), 10, "join"
+            lambda: broker_stats(frontend, zctx).get("models", {}).get("m", {}).get("workers", 0) > joined,
+            10,
+            "join",
         )
 
     def announce(self) -> None:
-        self.sock.send_multipart([W1, protocol.CMD_READY, pack({"model": "m", "gpu": None, "pid": 0})])
+        info: dict[str, Any] = {"model": "m", "gpu": None, "pid": 0}
+        if self.signature is not None:
+            info["signature"] = self.signature
+        self.sock.send_multipart([W1, protocol.CMD_READY, pack(info)])
 
     def next_batch(self, timeout_s: float = 10.0) -> tuple[int, list[dict[str, Any]]]:
         """The next BATCH's id and requests (heartbeats are skipped)."""
@@ -111,6 +121,57 @@ def test_bad_reply_numbers_fail_only_their_batch_and_every_client_hears(
     reply = protocol.ok_reply(3, 3)
     worker.reply([batch_id, 1.0, [len(reply)], 0], reply)
     assert recv_replies(client, 1)[0] == {"id": 3, "ok": True, "output": 3}
+
+
+def _signature(width: int) -> dict[str, Any]:
+    spec = {"name": "x", "datatype": "FP32", "shape": [-1, width]}
+    return {"inputs": [spec], "outputs": [spec]}
+
+
+def test_requests_are_checked_against_the_newest_live_workers_signature_after_joins_and_leaves(
+    spawn, zctx, connect
+):
+    """The broker keeps what it checks a model's requests against while the model has a
+    worker; a worker joining with another signature (a reload's), and its leaving, change
+    it for the very next request."""
+    frontend, backend = start_broker(spawn, zctx, "--model", "m", "--max-wait-ms", "0")
+    client = connect(zmq.DEALER, frontend)
+    workers = [FakeWorker(zctx, backend, frontend, _signature(4))]
+    ids = itertools.count()
+
+    def ask(width: int) -> dict[str, Any]:
+        """A request of a tensor `width` wide: answered by the worker that gets it, or refused."""
+        rid = next(ids)
+        body = {
+            "id": rid,
+            "model": "m",
+            "input": {"datatype": "FP32", "shape": [width], "data": bytes(4 * width)},
+        }
+        client.send_multipart([b"", pack(body)])
+        deadline = time.monotonic() + 10.0
+        while not client.poll(0):
+            assert time.monotonic() < deadline, "neither a batch nor a refusal"
+            for w in workers:
+                if w.sock.poll(10):
+                    frames = w.sock.recv_multipart()
+                    if frames[1] == protocol.CMD_BATCH:
+                        batch_id = unpack(frames[2])[0]
+                        reply = protocol.ok_reply(rid, "ran")
+                        w.reply([batch_id, 1.0, [len(reply)], 0], reply)
+        reply: dict[str, Any] = unpack(client.recv_multipart()[-1])
+        assert reply["id"] == rid
+        return reply
+
+    def refused(reply: dict[str, Any]) -> bool:
+        return reply.get("error", {}).get("code") == "bad_request"
+
+    assert ask(4) == {"id": 0, "ok": True, "output": "ran"}
+    assert refused(ask(3))
+    workers.append(FakeWorker(zctx, backend, frontend, _signature(3)))  # a reload's new model
+    assert ask(3)["ok"] and refused(ask(4))
+    workers[1].sock.send_multipart([W1, protocol.CMD_DISCONNECT])  # it leaves: the old one's again
+    wait_until(lambda: broker_stats(frontend, zctx)["models"]["m"]["workers"] == 1, 10, "the leave")
+    assert ask(4)["ok"] and refused(ask(3))
 
 
 def test_reply_naming_an_unusable_batch_id_fails_over_instead_of_hanging(spawn, zctx, connect):

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from batcher.pool import WorkerInfo, WorkerPool, worker_info
 from batcher.protocol import ErrorCode, Heartbeat
 from batcher.scheduler import BatchSettings, QueuedRequest, Scheduler
+from batcher.signature import Signature, TensorSpec
 
 HEARTBEAT = Heartbeat(interval_ms=100.0, liveness=3)  # 0.3 s of silence is death
 
@@ -140,6 +141,41 @@ def test_a_model_without_worker_past_the_timeout_is_unavailable() -> None:
     code, message = p.refusal("m", 110.0) or (None, "")
     assert code == ErrorCode.UNAVAILABLE
     assert message == "model 'm' has had no worker for 10.0s (--no-worker-timeout-ms 10000)"
+
+
+SIG_4 = Signature((TensorSpec("x", "FP32", (-1, 4)),), (TensorSpec("y", "FP32", (-1, 4)),))
+SIG_3 = Signature((TensorSpec("x", "FP32", (-1, 3)),), (TensorSpec("y", "FP32", (-1, 3)),))
+
+
+def test_admission_follows_every_join_leave_and_failure_it_keeps_an_answer_across() -> None:
+    """`admission` keeps its answer for a model with a live worker: a worker that joins with
+    another signature (a reload), the last one leaving, a failed start: each is seen by the
+    next request, as `refusal` and `signature` see it."""
+    p = pool(no_worker_timeout_s=10.0)
+
+    def check(now: float) -> tuple[tuple[ErrorCode, str] | None, Signature | None]:
+        answer = p.admission("m", now)
+        assert answer == (p.refusal("m", now), p.signature("m"))
+        assert p.admission("m", now) == answer  # asked again: the same
+        return answer
+
+    assert check(0.0) == (None, None)
+    p.joined(b"a", WorkerInfo("m", 0, 1, SIG_4), None, 0.0)
+    assert check(1.0) == (None, SIG_4)
+    p.joined(b"b", WorkerInfo("m", 0, 2, SIG_3), None, 1.0)  # a reload's new worker: the newest counts
+    assert check(2.0) == (None, SIG_3)
+    p.lose(b"b", failed=False)  # the new one left: the old one's signature again
+    assert check(3.0) == (None, SIG_4)
+    p.lose(b"a", failed=True)  # none left
+    assert check(4.0) == (None, None)
+    p.scheduler.unavailable(4.0)  # the turn that stamps "no worker since"
+    code, _ = check(14.0)[0] or (None, "")
+    assert code == ErrorCode.UNAVAILABLE
+    p.joined(b"c", WorkerInfo("m", 0, 3, SIG_3), None, 15.0)
+    assert check(15.0) == (None, SIG_3)
+    p.lose(b"c", failed=True)
+    p.model_failed("m", "cannot start")
+    assert check(16.0)[0] == (ErrorCode.WORKER_FAILED, "cannot start")
 
 
 def test_ready_info_is_checked() -> None:
