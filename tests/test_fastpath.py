@@ -1,4 +1,4 @@
-"""The worker's fast path for uniform tensor batches (workers/fastpath.py): it decodes
+"""The worker's fast paths for uniform tensor batches and plain batches (workers/fastpath.py): they decode
 exactly what the general path decodes, leaves every other batch to it, and writes
 replies byte for byte as `protocol.ok_reply` does; run_batch gives the same REPLY frames
 with it as without it, whatever the batch holds."""
@@ -10,12 +10,14 @@ from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 np = pytest.importorskip("numpy")
 
 from batcher import protocol, tensor  # noqa: E402
 from workers import fastpath, worker  # noqa: E402
-from workers.fastpath import ReplyEncoder, Rows, decode_uniform, reply_meta  # noqa: E402
+from workers.fastpath import ReplyEncoder, Rows, decode_plain, decode_uniform, reply_meta  # noqa: E402
 from workers.worker import _decode_requests, run_batch  # noqa: E402
 
 WORKER = "host/gpu0/1234"
@@ -172,6 +174,7 @@ def both_ways(
     fast = run_batch(model, header, body_frames, WORKER, arrived_at=49.99)
     with monkeypatch.context() as m:
         m.setattr(fastpath, "decode_uniform", lambda bodies: None)
+        m.setattr(fastpath, "decode_plain", lambda lengths, frames: None)
         m.setattr(ReplyEncoder, "encode", lambda self, req_id, output, queue_ms: None)
         slow = run_batch(model, header, body_frames, WORKER, arrived_at=49.99)
     return fast, slow
@@ -342,3 +345,47 @@ def test_other_outputs_never_encode_the_array_reply_parts(monkeypatch: pytest.Mo
     out = np.arange(3, dtype=np.float32)
     meta = reply_meta(4, WORKER, 0.5, 0.25, 1.5)
     assert encoder.encode(7, out, 0.5) == protocol.ok_reply(7, out, meta)
+
+
+_PLAIN = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False)
+    | st.text(max_size=8) | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)  # fmt: skip
+
+
+@given(st.lists(st.dictionaries(st.text(max_size=6), _PLAIN, max_size=4), min_size=2, max_size=8))
+def test_a_plain_batch_decodes_in_one_pass_to_what_the_general_path_gives(maps: list[dict[str, Any]]) -> None:
+    # (no NaN in the maps: NaN != NaN, so two equal decodes would not compare equal)
+    bodies = [msgpack.packb(m) for m in maps]
+    frames = protocol.batch_frames(1, [0.0] * len(bodies), bodies)
+    plain = decode_plain([len(b) for b in bodies], frames[3:])
+    if any(b"datatype" in b for b in bodies):
+        assert plain is None  # a tensor, perhaps: the tensor paths decide
+        return
+    requests, bad = _decode_requests(protocol.split_bodies([len(b) for b in bodies], frames[3:]))
+    assert bad == {}
+    assert plain == requests
+
+
+@pytest.mark.parametrize(
+    ("name", "lengths", "blob"),
+    [
+        ("a body that is no map", [1, 1], b"\x01\x80"),
+        ("lengths that cut a map in two", [1, 3], msgpack.packb({"a": 1}) + b"\x80"),
+        ("a truncated body", [3, 1], msgpack.packb({"a": 1})[:3] + b"\x80"),
+        ("lengths that miss the frame's end", [4, 1], msgpack.packb({"a": 1}) + b"\x80\x80"),
+        ("not msgpack", [1, 1], b"\xc1\xc1"),
+    ],
+)
+def test_a_batch_one_pass_cannot_read_exactly_is_left_to_the_general_path(
+    name: str, lengths: list[int], blob: bytes
+) -> None:
+    assert decode_plain(lengths, [blob]) is None, name
+
+
+def test_a_batch_of_one_frame_each_or_one_body_is_left_to_the_other_paths() -> None:
+    one = msgpack.packb({"id": 1, "input": 1})
+    assert decode_plain([len(one)], [one]) is None
+    assert decode_plain([len(one), len(one)], [one, one]) is None

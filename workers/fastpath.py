@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import msgpack
 import msgspec
 
 from batcher import aligned, tensor
@@ -150,6 +151,33 @@ def stacked_of(inputs: list[Any]) -> Any:
     if isinstance(inputs, Rows) and stacked is not None and len(stacked) == len(inputs):
         return stacked
     return None
+
+
+def decode_plain(lengths: list[int], frames: list[Any]) -> list[dict[str, Any]] | None:
+    """The requests of a batch of small bodies without tensors, joined in one frame as the
+    broker sends them, decoded in one pass over the frame (0.66 against 1.7 us a body: no
+    copy of each body out of the frame, no call per body); each must end exactly where
+    its length says and be a map, as `_decode_request` decodes it. None for anything else:
+    then the general path decodes the batch, and says what is wrong with which body."""
+    if len(frames) != 1 or len(lengths) < 2:
+        return None
+    blob = frames[0]
+    if type(blob) is not bytes or b"datatype" in blob or sum(lengths) != len(blob):
+        return None
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(blob)
+    requests: list[dict[str, Any]] = []
+    end = 0
+    try:
+        for length in lengths:
+            request = unpacker.unpack()
+            end += length
+            if unpacker.tell() != end or type(request) is not dict:
+                return None
+            requests.append(request)
+    except Exception:  # msgpack raises several unrelated types
+        return None
+    return requests
 
 
 _encode = msgspec.msgpack.Encoder().encode

@@ -243,12 +243,18 @@ def prepare_batch(
 ) -> PreparedBatch:
     """Decode a BATCH for the model; MalformedBatch for one that cannot be run."""
     batch_id, queue_ms, lengths = _decode_header(header_frame)
-    try:
-        bodies = protocol.split_bodies(lengths, body_frames)
-    except ValueError as exc:
-        raise MalformedBatch(f"the bodies do not match the header: {exc}", batch_id) from None
-    fast = fastpath.decode_uniform(bodies)  # one tensor each, all alike: decoded as one batch
-    everything, bad = (fast[0], {}) if fast is not None else _decode_requests(bodies)
+    plain = fastpath.decode_plain(lengths, body_frames)  # small, no tensors: in one pass
+    fast = None
+    bad: dict[int, str]
+    if plain is not None:
+        everything, bad = plain, {}
+    else:
+        try:
+            bodies = protocol.split_bodies(lengths, body_frames)
+        except ValueError as exc:
+            raise MalformedBatch(f"the bodies do not match the header: {exc}", batch_id) from None
+        fast = fastpath.decode_uniform(bodies)  # one tensor each, all alike: decoded as one batch
+        everything, bad = (fast[0], {}) if fast is not None else _decode_requests(bodies)
     if queue_ms is None or len(queue_ms) != len(everything):
         # Only metadata: the requests themselves are fine, so they are answered.
         log.warning(
