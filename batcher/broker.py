@@ -201,8 +201,8 @@ class Broker:
         self._sender: Frame | None = None  # the first frame of the message being handled
         self._receive = recv_bounded if self._roles is None else self._recv_noting_sender
         self.call_every(settings.heartbeat.interval_s, self.workers.heartbeat)
-        limit_s = None if settings.batch_timeout_ms is None else settings.batch_timeout_ms / 1000.0
-        self.call_every(TIME_LIMIT_CHECK_S, lambda now: self.workers.check_time_limits(now, limit_s))
+        self._limit_s = None if settings.batch_timeout_ms is None else settings.batch_timeout_ms / 1000.0
+        self._limits_armed = False  # whether the time-limit check is on the timer heap
         if (trim := heap_trimmer()) is not None:
             keep_freed_memory()
             self.call_every(TRIM_INTERVAL_S, lambda now: trim())
@@ -232,6 +232,19 @@ class Broker:
             fn(now)
 
         self.timers.call_at(time.monotonic() + interval_s, tick)
+
+    def _arm_time_limits(self) -> None:
+        """Check running batches against their time limit every TIME_LIMIT_CHECK_S while any
+        runs, from the first dispatch on; an idle broker is not woken for it (it was, ten
+        times a second)."""
+        self._limits_armed = True
+        self.timers.call_at(time.monotonic() + TIME_LIMIT_CHECK_S, self._check_time_limits)
+
+    def _check_time_limits(self, now: float) -> None:
+        self._limits_armed = False
+        self.workers.check_time_limits(now, self._limit_s)
+        if self.scheduler.running() or self.streams.busy():
+            self._arm_time_limits()
 
     def stop(self, now: bool = False) -> None:
         """now=False: drain (finish queued and running work), as a first SIGTERM does;
@@ -502,6 +515,8 @@ class Broker:
                 self.workers.lost(batch.worker, "worker unreachable")
         if self.streams:
             self._dispatch_sequences(now)
+        if not self._limits_armed and (self.scheduler.running() or self.streams.busy()):
+            self._arm_time_limits()
 
     def _dispatch_sequences(self, now: float) -> None:
         """Step-level workers: end the sequences past their deadline, then fill every free

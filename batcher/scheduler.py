@@ -648,6 +648,10 @@ class Scheduler:
             w.in_flight for w in self._workers.values()
         )
 
+    def running(self) -> bool:
+        """Whether any worker holds a batch."""
+        return any(w.in_flight for w in self._workers.values())
+
     def queued(self, model: str) -> int:
         """Requests of `model` waiting for a batch."""
         mq = self._models.get(model)
