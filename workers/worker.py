@@ -461,6 +461,10 @@ class Worker:
         self.reconnects = 0
         self._sock: zmq.Socket[Any] | None = None
         self._watch: ConnectionWatch | None = None  # the socket's monitor
+        # Whether the poller holds the monitor: only until a handshake succeeded, and again
+        # once that connection drops (it doubled the poll's work a batch); meanwhile its
+        # events are read at each heartbeat.
+        self._watching = False
         self._pending: deque[tuple[float, list[Any]]] = deque()  # (arrived at, BATCH frames) not run yet
         # A model that releases the GIL runs on a thread of its own (workers/overlap.py):
         # its jobs: (a batch, self.reconnects when it came); at most OVERLAP_BATCHES at once
@@ -648,6 +652,8 @@ class Worker:
                 self._connect()
                 self._heard_at, reconnect_at = now, None
             if self._sock is not None and now >= next_beat:
+                if self._watch is not None and not self._watching:
+                    self._read_monitor()  # a dropped connection, or a later handshake's outcome
                 self._send([protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
                 next_beat = now + hb.interval_s
             if trim is not None and now >= next_trim and not self._busy():  # what a burst took goes back
@@ -853,7 +859,7 @@ class Worker:
             raise
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(watch.monitor, zmq.POLLIN)
-        self._sock, self._watch = sock, watch
+        self._sock, self._watch, self._watching = sock, watch, True
         self._told_to_reconnect = False
         self._refused = None
         self._ready_sent = self._send(self._ready())
@@ -891,9 +897,10 @@ class Worker:
         if self._sock is None:
             return
         if self._watch is not None:
-            self._poller.unregister(self._watch.monitor)
+            if self._watching:
+                self._poller.unregister(self._watch.monitor)
             self._watch.close()
-            self._watch = None
+            self._watch, self._watching = None, False
         self._poller.unregister(self._sock)
         self._sock.close(linger=linger_ms)
         self._sock = None
@@ -920,10 +927,11 @@ class Worker:
     def _read_monitor(self) -> None:
         """Note a failed handshake (handled by the loop), and after a successful one send
         READY if it could not go before, and say so if the broker had refused us."""
-        assert self._watch is not None
-        for event, _ in self._watch.poll():
+        watch = self._watch
+        assert watch is not None
+        for event, _ in watch.poll():
             if event in HANDSHAKE_FAILED:
-                self._refused = self._watch.refusal()
+                self._refused = watch.refusal()
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 if self._refusals:
                     log.info(
@@ -935,6 +943,12 @@ class Worker:
                 self._refusals, self._refusal_logged = 0, None
                 if not self._ready_sent:
                     self._ready_sent = self._send(self._ready())
+        if watch.handshake_ok == self._watching:  # up: read at heartbeats; down: at once
+            if self._watching:
+                self._poller.unregister(watch.monitor)
+            else:
+                self._poller.register(watch.monitor, zmq.POLLIN)
+            self._watching = not self._watching
 
     def _log_refusal(self, why: str, now: float, retry_s: float) -> None:
         """A failed handshake: WARNING the first time, then at most every REFUSAL_LOG_EVERY_S
