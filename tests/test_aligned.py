@@ -12,7 +12,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from batcher import aligned, protocol, tensor
@@ -192,9 +192,16 @@ flat_payloads = st.one_of(
 
 
 @given(ids, flat_payloads)
+@example(1, [np.arange(3, dtype=np.int32), aligned._MARK + b"\x00"])
 def test_the_c_speed_path_for_plain_payloads_writes_what_the_general_writer_writes(
     req_id: Any, payload: Any
 ) -> None:
     fields = {"id": req_id, "ok": True, "output": payload, "worker": "h/gpu-/1", "infer_ms": 0.25}
     fast = aligned.pack_plain(fields, payload)
-    assert fast is not None and fast == aligned.pack(fields)
+    expected = aligned.pack(fields)
+    if fast is None:
+        # the one case it hands back to the general writer: the mark's bytes stand in the
+        # data itself (Hypothesis draws them from the source's constants now and then)
+        assert aligned._MARK in expected
+    else:
+        assert fast == expected
