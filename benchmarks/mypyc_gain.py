@@ -49,6 +49,16 @@ are left as they are; docs/benchmarks.md, issue 30, says why):
 With those, the unit tests of the compiled modules (UNIT_TESTS, 681 tests, a few of
 which start a broker) pass on both copies (`--tests`).
 
+Measured 2026-12-02 on the 2-core VM (4 runs, 20 rounds, load average 1 to 7: another
+session shared the cores), compiled / pure: the scheduler cycle 0.62 to 0.64 (median of
+each run; pure 1.1 to 1.2 us a request), the REPLY path 0.60 to 0.66, batch_frames 0.64
+to 0.68, the frontend's header read 1.03 to 1.08 (msgspec's decode is most of it, and
+compiling does not touch it); the broker's CPU per request 0.89 over all 20 rounds
+(0.60 to 1.25; per run 0.84, 0.89, 0.93, 1.04). py-spy on the pure broker under the same
+load puts 28% of its busy samples in these modules, which bounds the gain near what
+was seen. Not adopted: about a tenth of the broker's CPU, for the changes above and a
+build per CPython version (docs/benchmarks.md, issue 30).
+
     python benchmarks/mypyc_gain.py                 # 3 rounds, 5 s loads
     python benchmarks/mypyc_gain.py --tests         # also the unit tests on the compiled copy
     python benchmarks/mypyc_gain.py --rounds 5 --json out.json
