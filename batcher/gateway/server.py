@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from batcher.gateway import access
@@ -36,14 +37,18 @@ async def serve(
     stop: asyncio.Event | None = None,
     grace_s: float = GRACE_S,
     control_fd: int | None = None,
+    shared: bool = False,
+    on_listening: Callable[[], None] | None = None,
 ) -> None:
     """Run until `stop` is set, or else until `control_fd` (serve's pipe) closes, or
-    else until SIGTERM/SIGINT."""
+    else until SIGTERM/SIGINT. `shared`: one of several processes of one gateway
+    (batcher.gateway.processes), whose ports it shares (SO_REUSEPORT), leaving the
+    start-up warning to the parent; `on_listening` is called once both ports listen."""
     # The key file and the TLS pair are checked before anything listens (ValueError).
     api_keys = None if settings.api_keys_file is None else access.load_api_keys(settings.api_keys_file)
     tls = access.check_tls_pair(settings.tls_cert_file, settings.tls_key_file)
     warning = access.clear_text_warning(settings.host, api_keys=api_keys is not None, tls=tls is not None)
-    if warning is not None:
+    if warning is not None and not shared:
         log.warning("%s", warning)
     if stop is None:
         stop = _stop_on_signals() if control_fd is None else _stop_on_pipe_close(control_fd)
@@ -63,17 +68,21 @@ async def serve(
                 stop,
                 api_keys=api_keys,
                 tls_files=None if tls is None else (settings.tls_cert_file, settings.tls_key_file),
+                reuse_port=shared,
             )
         if settings.grpc_port:
-            grpc_server = await _start_grpc(gateway, settings, api_keys, tls)
+            grpc_server = await _start_grpc(gateway, settings, api_keys, tls, shared)
         log.info(
-            "gateway up: http%s %s, grpc %s, broker %s, %s",
+            "gateway %s: http%s %s, grpc %s, broker %s, %s",
+            "process listening" if shared else "up",
             "s" if tls else "",
             settings.http_port or "off",
             settings.grpc_port or "off",
             settings.connect,
             "API keys required" if api_keys else "no API keys",
         )
+        if on_listening is not None:
+            on_listening()
         await stop.wait()
     finally:  # both listeners close at once; what is in flight gets grace_s
         stopping_at = time.monotonic()
@@ -116,6 +125,7 @@ async def _start_grpc(
     settings: GatewaySettings,
     api_keys: access.ApiKeys | None,
     tls: tuple[bytes, bytes] | None,
+    shared: bool = False,
 ) -> grpc.aio.Server:
     import grpc
 
@@ -126,7 +136,10 @@ async def _start_grpc(
         options=[
             ("grpc.max_receive_message_length", MAX_BODY_BYTES),
             ("grpc.max_send_message_length", MAX_BODY_BYTES),
-            ("grpc.so_reuseport", 0),
+            # grpcio's default is 1, which would let a second gateway (or any gRPC
+            # server of the same user) share the port unseen; several processes of one
+            # gateway share it on purpose, after their parent has checked it was free.
+            ("grpc.so_reuseport", 1 if shared else 0),
         ],
     )
     add_service(server, gateway)
@@ -145,6 +158,13 @@ async def _start_grpc(
     return server
 
 
-def run(settings: GatewaySettings, control_fd: int | None = None) -> None:
-    """The `batcher gateway` command's body (`control_fd`: serve's pipe, under serve)."""
-    asyncio.run(serve(settings, control_fd=control_fd))
+def run(
+    settings: GatewaySettings,
+    control_fd: int | None = None,
+    shared: bool = False,
+    on_listening: Callable[[], None] | None = None,
+) -> None:
+    """One gateway process: the `batcher gateway` command's body (`control_fd`: its
+    parent's pipe, under serve or the gateway's own parent; `shared`, `on_listening`: as
+    for `serve`)."""
+    asyncio.run(serve(settings, control_fd=control_fd, shared=shared, on_listening=on_listening))
