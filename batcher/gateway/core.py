@@ -51,7 +51,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 #: What `GET /v2` and ServerMetadata say the gateway supports.
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 #: The most gateway processes one gateway runs (`--processes`): each is a Python process
-#: of some 60 MB with a link of its own to the broker; more than the host's cores only
+#: of some 50 MB with a link of its own to the broker; more than the host's cores only
 #: adds memory and broker connections.
 MAX_PROCESSES = 256
 
