@@ -3,7 +3,7 @@
 `batcher serve --model echo --workers 1 --max-batch-size 32 --max-wait-ms 1
 --http-port P --gateway-processes N`, driven by Go's `hey` (Debian: `apt-get install
 hey`), a load generator whose own work is not Python: --concurrency connections, each
-POSTing a v2 JSON request of --rows rows of an FP32 tensor of 4 values to the `echo`
+POSTing a v2 JSON request of --rows rows of --values FP32 values (4) to the `echo`
 model, for --seconds after a one-second warm-up. Each N gets a serve of its own, on fresh
 ports, and the Ns alternate within a round (same-run ratios: the figure of record is the
 median of N processes' rows/s over one process's, round by round). Beside rows/s, the
@@ -12,7 +12,7 @@ processes together, the broker, the worker, and `hey`, which says where the core
 A machine with fewer cores than gateway processes + broker + worker + load generator
 cannot show the gateway scaling: the table says how much of the machine was busy.
 
-    python benchmarks/gateway_processes.py [--quick] [--processes 1 2] [--rounds 3]
+    python benchmarks/gateway_processes.py [--quick] [--processes 1 2] [--runs 3]
 """
 
 from __future__ import annotations
@@ -42,11 +42,10 @@ def free_port() -> int:
     return int(free_tcp_address().rsplit(":", 1)[1])
 
 
-def body(rows: int) -> bytes:
-    data = [float(v) for _ in range(rows) for v in (1, 2, 3, 4)]
-    return json.dumps(
-        {"inputs": [{"name": "x", "datatype": "FP32", "shape": [rows, 4], "data": data}]}
-    ).encode()
+def body(rows: int, values: int) -> bytes:
+    data = [float(v % 7) for _ in range(rows) for v in range(values)]
+    doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [rows, values], "data": data}]}
+    return json.dumps(doc).encode()
 
 
 def wait_ready(port: int, timeout_s: float = 30.0) -> None:
@@ -153,18 +152,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one round of 3 s")
     p.add_argument("--processes", type=int, nargs="+", default=[1, 2], help="gateway process counts")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--runs", type=int, default=3, help="rounds, each N once")
     p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per load (<= 10 here)")
     p.add_argument("--concurrency", type=int, default=64, help="hey's connections")
     p.add_argument("--rows", type=int, default=1, help="rows per request")
+    p.add_argument(
+        "--values",
+        type=int,
+        default=4,
+        help="FP32 values per row, as JSON: more makes the gateway's JSON work a larger share of all",
+    )
     args = p.parse_args()
     handle_sigterm()
     if shutil.which("hey") is None:
         raise SystemExit("needs Go's `hey` on PATH (Debian/Ubuntu: apt-get install hey)")
-    rounds, seconds = (1, 3.0) if args.quick else (args.rounds, args.seconds)
+    rounds, seconds = (1, 3.0) if args.quick else (args.runs, args.seconds)
     runs: dict[int, list[dict[str, Any]]] = {n: [] for n in args.processes}
     with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
-        f.write(body(args.rows))
+        f.write(body(args.rows, args.values))
         body_path = f.name
     try:
         for r in range(rounds):
@@ -219,7 +224,7 @@ def main() -> None:
     )
     cores = os.cpu_count()
     body_md = (
-        f"`hey -c {args.concurrency}`, {args.rows} row(s) of 4 FP32 values a request (JSON), "
+        f"`hey -c {args.concurrency}`, {args.rows} row(s) of {args.values} FP32 values a request (JSON), "
         f"{rounds} round(s) of {seconds:g} s per process count, alternating within a round; "
         "one `echo` worker, `--max-batch-size 32 --max-wait-ms 1`. CPU is every process's "
         "user + system time over the measured window, per request (the gateway column sums "

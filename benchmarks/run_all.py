@@ -39,6 +39,7 @@ SCRIPTS = (
     "ray_serve",
     "gateway",
     "http_servers",
+    "gateway_processes",
     "streaming",
 )
 

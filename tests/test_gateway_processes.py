@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import ssl
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -113,17 +114,49 @@ def test_the_commands_refuse_a_bad_process_count_in_one_line(cli: Callable[..., 
         assert words in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
-def test_a_listener_of_another_process_on_the_port_is_found(tmp_path: Path) -> None:
-    """The check the parent makes once its children listen: a socket that shares the
-    port with SO_REUSEPORT, held by a process that is none of them, is named (its uid)."""
+@pytest.mark.integration
+def test_a_listener_of_another_process_on_the_same_address_and_port_is_found() -> None:
+    """The check the parent makes once its children listen: a socket of another process
+    that shares the port with SO_REUSEPORT on the same address is named (by its uid); one
+    on another address of the port shares nothing, and is not."""
     port = free_port()
+    listen = (
+        "import socket, sys\n"
+        "s = socket.socket()\n"
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n"
+        "s.bind((sys.argv[1], int(sys.argv[2])))\n"
+        "s.listen()\n"
+        "print('listening', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
     with socket.socket() as ours:
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         ours.bind(("127.0.0.1", port))
         ours.listen()
         assert foreign_listeners(port, [os.getpid()]) == {}
-        found = foreign_listeners(port, [os.getppid()])  # as if another process's
-        assert list(found.values()) == [os.getuid()]
+        others = [
+            subprocess.Popen(
+                [sys.executable, "-c", listen, host, str(port)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for host in ("127.0.0.2", "127.0.0.1")
+        ]
+        try:
+            for other in others:
+                assert other.stdout is not None and other.stdout.readline() == "listening\n"
+            found = foreign_listeners(port, [os.getpid()])
+            assert list(found.values()) == [os.getuid()]
+            (inode,) = found
+            assert f"socket:[{inode}]" in [
+                os.readlink(f"/proc/{others[1].pid}/fd/{fd}")
+                for fd in os.listdir(f"/proc/{others[1].pid}/fd")
+            ]
+        finally:
+            for other in others:
+                other.kill()
+                other.wait()
 
 
 # --- serving ---------------------------------------------------------------------------------------

@@ -117,16 +117,26 @@ def hold_port(host: str, port: int, what: str) -> socket.socket:
     return holder
 
 
-def listeners(port: int, tables: tuple[str, ...] = ("/proc/net/tcp", "/proc/net/tcp6")) -> dict[int, int]:
-    """The listening TCP sockets on `port` in this network namespace: inode -> uid."""
-    found: dict[int, int] = {}
+#: How /proc/net/tcp6 writes an IPv4-mapped address (::ffff:a.b.c.d): this, then the IPv4's.
+_V4_MAPPED = "0000000000000000FFFF0000"
+
+
+def listeners(
+    port: int, tables: tuple[str, ...] = ("/proc/net/tcp", "/proc/net/tcp6")
+) -> dict[int, tuple[str, int]]:
+    """The listening TCP sockets on `port` in this network namespace: inode -> (its
+    local address as the table writes it, an IPv4-mapped one as the IPv4's; its uid)."""
+    found: dict[int, tuple[str, int]] = {}
     for table in tables:
         with contextlib.suppress(OSError):
             for line in Path(table).read_text().splitlines()[1:]:
                 fields = line.split()
                 # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
-                if len(fields) >= 10 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                    found[int(fields[9])] = int(fields[7])
+                if len(fields) < 10 or fields[3] != "0A":
+                    continue
+                address, _, hex_port = fields[1].rpartition(":")
+                if int(hex_port, 16) == port:
+                    found[int(fields[9])] = (address.removeprefix(_V4_MAPPED), int(fields[7]))
     return found
 
 
@@ -143,11 +153,16 @@ def socket_inodes(pid: int) -> set[int]:
 
 
 def foreign_listeners(port: int, pids: list[int]) -> dict[int, int]:
-    """Listeners on `port` that are no socket of `pids` (inode -> uid)."""
+    """The sockets of processes other than `pids` listening on the address and `port`
+    that the sockets of `pids` listen on, so sharing their connections (inode -> uid)."""
     ours: set[int] = set()
     for pid in pids:
         ours |= socket_inodes(pid)
-    return {inode: uid for inode, uid in listeners(port).items() if inode not in ours}
+    table = listeners(port)
+    addresses = {address for inode, (address, _) in table.items() if inode in ours}
+    return {
+        inode: uid for inode, (address, uid) in table.items() if inode not in ours and address in addresses
+    }
 
 
 @dataclass
