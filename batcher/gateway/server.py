@@ -44,6 +44,8 @@ async def serve(
     else until SIGTERM/SIGINT. `shared`: one of several processes of one gateway
     (batcher.gateway.processes), whose ports it shares (SO_REUSEPORT), leaving the
     start-up warning to the parent; `on_listening` is called once both ports listen."""
+    if settings.processes != 1:
+        raise ValueError("server.serve is one gateway process: batcher.gateway.processes runs several")
     # The key file and the TLS pair are checked before anything listens (ValueError).
     api_keys = None if settings.api_keys_file is None else access.load_api_keys(settings.api_keys_file)
     tls = access.check_tls_pair(settings.tls_cert_file, settings.tls_key_file)
