@@ -148,6 +148,26 @@ def measure(n: int, rows: int, body_path: str, concurrency: int, seconds: float)
     }
 
 
+def ceilings(runs: dict[int, list[dict[str, Any]]]) -> str:
+    """What a machine with a core for every process would reach, from the CPU each
+    request cost here: N gateway processes at one core each, and the broker at one core
+    (the worker and the load generator on cores of their own)."""
+    lines = []
+    for n, res in runs.items():
+        gateway_us = statistics.median(x["cpu_us_per_request"]["gateway"] for x in res)
+        broker_us = statistics.median(x["cpu_us_per_request"]["broker"] for x in res)
+        lines.append(
+            f"- {n} process(es): gateway ceiling {n * 1e6 / gateway_us:,.0f} req/s "
+            f"({n} x 1e6 / {gateway_us:.0f} us), broker ceiling {1e6 / broker_us:,.0f} req/s "
+            f"(1e6 / {broker_us:.0f} us): the lower of the two bounds a machine with the cores"
+        )
+    return (
+        "Ceilings with a core for every process, from the CPU a request cost here "
+        "(CPU per request is itself higher on a crowded machine, so these are conservative):\n"
+        + "\n".join(lines)
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one round of 3 s")
@@ -231,7 +251,7 @@ def main() -> None:
         "its processes, the parent's idle loop included; `cores busy` is all of them over "
         f"the window). This machine has {cores} CPUs; the target, x{TARGET_RATIO_2} for 2 "
         "processes, needs the cores for 2 gateway processes beside the broker, the worker "
-        f"and the load generator.\n\n{table}\n"
+        f"and the load generator.\n\n{table}\n\n{ceilings(runs)}\n"
     )
     print(body_md)
     write_results(NAME, TITLE, body_md, {"runs": runs, "args": vars(args)}, args.quick)

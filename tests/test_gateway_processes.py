@@ -184,7 +184,9 @@ def test_two_processes_serve_http_and_grpc_on_one_port_and_both_take_connections
             conn.request("POST", "/v2/models/echo/infer", infer_body(f"row {i}"))
             r = conn.getresponse()
             assert r.status == 200 and json.loads(r.read())["outputs"][0]["data"] == [f"row {i}"]
-        assert http_status(http_port, "/v2/health/ready") == 200
+            conn.request("GET", "/v2/health/ready")  # each process was told all are up
+            r = conn.getresponse()
+            assert (r.status, json.loads(r.read())) == (200, {"ready": True})
         by_client = served_by(kids, http_port)
         mine = {conn.sock.getsockname()[1] for conn in conns}
         assert mine <= set(by_client), "a connection is held by neither gateway process"
@@ -434,4 +436,34 @@ def test_serve_with_gateway_processes_serves_drains_and_stops_on_a_dead_one(
     kids[1].kill()  # serve stops, as when its one gateway process exits with an error
     assert sp.process.wait(20) == 1
     _, alive = psutil.wait_procs([parent, kids[0]], timeout=5)
+    assert not alive
+
+
+@pytest.mark.integration
+def test_a_signal_to_serves_group_drains_every_gateway_process(serve: Callable[..., ServeProcess]) -> None:
+    """Ctrl-C or systemd's SIGTERM to serve's whole process group with rows in a batch on
+    both gateway processes: the broker drains, every row is answered 200 through the
+    process that took it, and serve exits 0 with nothing of it left."""
+    http_port = free_port()
+    sp = serve(
+        "--model", PROBE, "--workers", "1", "--max-batch-size", "32", "--max-wait-ms", "300",
+        "--http-port", str(http_port), "--gateway-processes", "2", workers=1,
+    )  # fmt: skip
+    assert sp.process is not None
+    wait_until(lambda: http_status(http_port, "/v2/health/ready") == 200, 20, "ready")
+    (parent,) = [p for p in psutil.Process(sp.process.pid).children() if "gateway" in " ".join(p.cmdline())]
+    kids = parent.children()
+    held = HeldRequests(http_port, CONNECTIONS)
+    wait_until(
+        lambda: (s := stats(sp.frontend, "probe")).get("busy_workers") == 1 and s.get("queued") == 0,
+        10,
+        "every row in a batch",
+    )
+    by_client = served_by(kids, http_port)
+    assert {by_client[p] for p in held.client_ports()} == {k.pid for k in kids}
+    os.killpg(sp.process.pid, signal.SIGTERM)
+    outcomes = held.outcomes()
+    assert all(o[0] == 200 and o[1]["outputs"][0]["data"] == ["slow"] for o in outcomes), outcomes
+    assert sp.process.wait(20) == 0
+    _, alive = psutil.wait_procs([parent, *kids], timeout=5)
     assert not alive

@@ -18,9 +18,10 @@ nothing itself (docs/gateway.md, "Several processes"):
   listener but theirs is on the port, so a gRPC server of the same user (grpcio sets
   SO_REUSEPORT by default) is not silently shared with either.
 - **Up.** Each child writes a line to its stdout (a pipe to the parent) once both its
-  ports listen; the ready line, `gateway up: N processes`, comes when all have.
-  Readiness (`/v2/health/ready`) is each process's own: a probe is answered by the
-  process its connection lands on, from that process's link to the broker.
+  ports listen; when all have, the parent tells each of them on its pipe, and logs the
+  ready line, `gateway up: N processes`. Until told, a child answers its readiness
+  probes (`/v2/health/ready`, ServerReady) "not ready", so a probe answered 200 means
+  every process listens; after that each answers from its own link to the broker.
 - **Stop.** SIGTERM or SIGINT (under serve: serve closing the parent's stdin) closes
   every child's pipe at once; each drains as one gateway does (its listeners close,
   what is in flight gets GRACE_S); a second signal kills them. Children ignore SIGINT
@@ -51,7 +52,7 @@ from pathlib import Path
 
 from batcher.gateway import access
 from batcher.gateway.core import GatewaySettings
-from batcher.gateway.server import GRACE_S
+from batcher.gateway.server import GRACE_S, SIBLINGS_UP
 from batcher.stopping import ignore_stop_signals, stop_signals_blocked
 
 log = logging.getLogger("batcher.gateway")
@@ -187,6 +188,12 @@ class _Child:
         self._seen = (self._seen + data)[-4 * len(LISTENING_LINE) :]  # it writes nothing else
         self.listening = self.listening or LISTENING_LINE in self._seen
         return True
+
+    def tell(self, data: bytes) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.write(data)
+                self.proc.stdin.flush()
 
     def close_pipe(self) -> None:
         if self.proc.stdin is not None and not self.proc.stdin.closed:
@@ -346,6 +353,8 @@ async def _serve(gateway: _Gateway, ports: list[tuple[int, str]], api_keys: bool
                 )
                 break
     if failure is None and not gateway.stop_asked:
+        for child in children:  # from now on each answers its readiness probes itself
+            child.tell(SIBLINGS_UP)
         log.info(
             "gateway up: %d processes (pids %s), http%s %s, grpc %s, broker %s, %s",
             n,

@@ -52,9 +52,15 @@ async def serve(
     warning = access.clear_text_warning(settings.host, api_keys=api_keys is not None, tls=tls is not None)
     if warning is not None and not shared:
         log.warning("%s", warning)
+    siblings_up = asyncio.Event()  # shared: set when the parent says every process listens
+
+    def on_parent_data(data: bytes) -> None:
+        if SIBLINGS_UP in data:
+            siblings_up.set()
+
     if stop is None:
-        stop = _stop_on_signals() if control_fd is None else _stop_on_pipe_close(control_fd)
-    gateway = Gateway(settings)
+        stop = _stop_on_signals() if control_fd is None else _stop_on_pipe_close(control_fd, on_parent_data)
+    gateway = SharedGateway(settings, siblings_up) if shared else Gateway(settings)
     http: HttpServer | None = None
     grpc_server = None
     try:
@@ -105,7 +111,24 @@ def _stop_on_signals() -> asyncio.Event:
     return stop
 
 
-def _stop_on_pipe_close(fd: int) -> asyncio.Event:
+class SharedGateway(Gateway):
+    """One process of a gateway of several: not ready (`/v2/health/ready`, ServerReady)
+    until its parent says every process listens (SIBLINGS_UP on its pipe), so that a probe
+    answered 200 means the whole gateway is up; then ready as one gateway is."""
+
+    def __init__(self, settings: GatewaySettings, siblings_up: asyncio.Event) -> None:
+        super().__init__(settings)
+        self.siblings_up = siblings_up
+
+    async def ready(self) -> bool:
+        return self.siblings_up.is_set() and await super().ready()
+
+
+#: What the parent of several gateway processes writes to each one's pipe once all listen.
+SIBLINGS_UP = b"up"
+
+
+def _stop_on_pipe_close(fd: int, on_data: Callable[[bytes], None] | None = None) -> asyncio.Event:
     """Under serve: stop when serve closes our stdin (having drained its broker) or dies;
     SIGINT and SIGTERM are ignored, since a signal to the whole process group (Ctrl-C,
     systemd) is for serve, which drains first and then stops us."""
@@ -114,9 +137,12 @@ def _stop_on_pipe_close(fd: int) -> asyncio.Event:
     loop = asyncio.get_running_loop()
 
     def on_readable() -> None:
-        if not os.read(fd, 4096):  # end of file: the writer is gone
+        data = os.read(fd, 4096)
+        if not data:  # end of file: the writer is gone
             loop.remove_reader(fd)
             stop.set()
+        elif on_data is not None:
+            on_data(data)
 
     loop.add_reader(fd, on_readable)
     return stop
