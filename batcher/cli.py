@@ -42,8 +42,10 @@ from batcher.config import COMMA_LIST_OPTIONS, Config, ConfigError, Kind, load_c
 from batcher.demo import DEMO_POLICY, DEMO_WORKERS, run_demo
 from batcher.extras import MissingExtra, require
 from batcher.gateway import access
+from batcher.gateway.core import MAX_PROCESSES as MAX_GATEWAY_PROCESSES
 from batcher.gateway.core import GatewaySettings
 from batcher.gateway.process import GatewayProcess, gateway_command, local_address
+from batcher.gateway.processes import check_supported as check_processes_supported
 from batcher.logs import FORMATS, setup_logging
 from batcher.protocol import MAX_ACTIVE, Heartbeat
 from batcher.scheduler import BUCKET_BY, POLICIES, BatchSettings
@@ -936,14 +938,20 @@ def _serve_gateway(
     http_port: int,
     grpc_port: int,
     host: str,
+    processes: int,
     gateway_access: GatewayAccess,
     logs: LogOptions,
 ) -> GatewayProcess | None:
     """serve's gateway process, when a port asks for one: it connects to the broker's
     frontend as a client (with the broker's own key pair under CurveZMQ), so with
     --curve-clients it must not be a way past the allow-list: checked here, before
-    anything binds."""
+    anything binds. With --gateway-processes N > 1 it is the parent of N (one process
+    to start, watch and stop, as for one)."""
     if not http_port and not grpc_port:
+        if processes > 1:
+            raise click.UsageError(
+                f"--gateway-processes {processes} needs --http-port or --grpc-port: there is no gateway"
+            )
         return None
     curve = broker.curve
     gateway_access.check(
@@ -962,7 +970,12 @@ def _serve_gateway(
         api_keys_file=gateway_access.api_keys_file,
         tls_cert_file=gateway_access.tls_cert_file,
         tls_key_file=gateway_access.tls_key_file,
+        processes=processes,
     )
+    try:
+        check_processes_supported(processes)
+    except ValueError as exc:
+        raise click.UsageError(str(exc).replace("--processes", "--gateway-processes")) from None
     return GatewayProcess(gateway_command(settings, logs.log_level, logs.log_format))
 
 
@@ -1120,6 +1133,18 @@ def _gateway_access_options(prefix: str) -> Decorator:
     )
 
 
+def _gateway_processes_option(name: str) -> Decorator:
+    return option(
+        name,
+        "processes",
+        envvar="BATCHER_GATEWAY_PROCESSES",
+        type=int_range(1, MAX_GATEWAY_PROCESSES),
+        default=field_default(GatewaySettings, "processes"),
+        help="Gateway processes sharing the HTTP and gRPC ports (SO_REUSEPORT, Linux), each "
+        "with its own link to the broker: up to one a core for HTTP/gRPC parsing (docs/gateway.md).",
+    )
+
+
 _GATEWAY_HOST = option(
     "--gateway-host",
     "host",
@@ -1144,8 +1169,17 @@ _GATEWAY_HOST = option(
     default=field_default(GatewaySettings, "request_timeout_ms"),
     help="Longest wait for the broker's reply to a request that sets no timeout of its own.",
 )
+@_gateway_processes_option("--processes")
 @_gateway_access_options("")
-@local_option("--under-serve", is_flag=True, hidden=True, help="Started by serve: stop when stdin closes.")
+@local_option(
+    "--under-serve", is_flag=True, hidden=True, help="Started by serve or a gateway: stop when stdin closes."
+)
+@local_option(
+    "--shared-ports",
+    is_flag=True,
+    hidden=True,
+    help="One of the processes of a gateway of several: bind with SO_REUSEPORT, say so on stdout.",
+)
 @curve_client_options
 @logging_options
 def gateway(
@@ -1154,14 +1188,17 @@ def gateway(
     grpc_port: int,
     host: str,
     request_timeout_ms: float,
+    processes: int,
     gateway_access: GatewayAccess,
     under_serve: bool,
+    shared_ports: bool,
     curve: ClientKeys,
     logs: LogOptions,
 ) -> None:
     """Serve the Open Inference Protocol (KServe v2) over HTTP and gRPC in front of a
     broker: Triton's and KServe's clients, curl and load balancers reach batcher's
-    batching unchanged (docs/gateway.md). Several gateways may front one broker."""
+    batching unchanged (docs/gateway.md). Several gateways may front one broker, and
+    one gateway may be several processes on the same ports (--processes)."""
     setup(logs)
     try:
         settings = GatewaySettings(
@@ -1175,9 +1212,13 @@ def gateway(
             api_keys_file=gateway_access.api_keys_file,
             tls_cert_file=gateway_access.tls_cert_file,
             tls_key_file=gateway_access.tls_key_file,
+            processes=processes,
         )
+        check_processes_supported(processes)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    if shared_ports and processes > 1:
+        raise click.UsageError("--shared-ports is for one process of a gateway of several (--processes 1)")
     # A client key pair means a broker with an allow-list (under serve, serve decided).
     gateway_access.check(
         host,
@@ -1185,10 +1226,28 @@ def gateway(
         keys_option="--api-keys-file",
     )
     _require("gateway", "batcher gateway")
+    from batcher.gateway import processes as gateway_processes
     from batcher.gateway.server import run
 
+    control_fd = 0 if under_serve else None
     try:
-        run(settings, control_fd=0 if under_serve else None)
+        if processes > 1:
+            gateway_processes.run(
+                settings,
+                lambda one: gateway_command(one, logs.log_level, logs.log_format, shared=True),
+                control_fd=control_fd,
+            )
+        else:
+            if shared_ports:
+                gateway_processes.die_with_parent()
+            run(
+                settings,
+                control_fd=control_fd,
+                shared=shared_ports,
+                on_listening=gateway_processes.report_listening if shared_ports else None,
+            )
+    except gateway_processes.GatewayExited as exc:
+        raise click.ClickException(str(exc)) from None
     except ValueError as exc:  # a key file or TLS pair that changed since the check
         raise click.ClickException(str(exc)) from None
     except zmq.ZMQError as exc:
@@ -1257,6 +1316,7 @@ def gateway(
 @_HTTP_PORT
 @_GRPC_PORT
 @_GATEWAY_HOST
+@_gateway_processes_option("--gateway-processes")
 @_gateway_access_options("gateway-")
 @batching_options
 @broker_options
@@ -1280,6 +1340,7 @@ def serve(
     http_port: int,
     grpc_port: int,
     host: str,
+    processes: int,
     gateway_access: GatewayAccess,
     batching: BatchSettings,
     broker_opts: BrokerOptions,
@@ -1329,7 +1390,7 @@ def serve(
     )
     ctx = click.get_current_context()
     reread = None if config is None else functools.partial(_reread_batching, ctx, config, settings.models)
-    gateway = _serve_gateway(settings, http_port, grpc_port, host, gateway_access, logs)
+    gateway = _serve_gateway(settings, http_port, grpc_port, host, processes, gateway_access, logs)
     try:
         run_serve(settings, pool, reread, gateway)
     except (BindError, KeyFileError, ModelLoadFailed) as exc:

@@ -40,6 +40,7 @@ SCRIPTS = (
     "ray_serve",
     "gateway",
     "http_servers",
+    "gateway_processes",
     "streaming",
 )
 

@@ -50,6 +50,10 @@ SAFE_BODY_BYTES = 4 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 #: What `GET /v2` and ServerMetadata say the gateway supports.
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
+#: The most gateway processes one gateway runs (`--processes`): each is a Python process
+#: of some 50 MB with a link of its own to the broker; more than the host's cores only
+#: adds memory and broker connections.
+MAX_PROCESSES = 256
 
 
 @dataclass(frozen=True)
@@ -73,8 +77,16 @@ class GatewaySettings:
     #: The HTTPS / gRPC TLS pair (PEM): both or neither.
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    #: How many processes serve the ports, sharing them (SO_REUSEPORT; docs/gateway.md,
+    #: "Several processes"): 1 is one process, exclusive on its ports.
+    processes: int = 1
 
     def __post_init__(self) -> None:
+        if type(self.processes) is not int or not 1 <= self.processes <= MAX_PROCESSES:
+            raise ValueError(
+                f"processes (the gateway's --processes) must be an integer in 1..{MAX_PROCESSES}, "
+                f"got {self.processes!r}"
+            )
         for name in ("http_port", "grpc_port"):
             port = getattr(self, name)
             if not 0 <= port <= 65535:

@@ -16,8 +16,12 @@ def local_address(frontend: str) -> str:
     return re.sub(r"^tcp://(\*|0\.0\.0\.0):", "tcp://127.0.0.1:", frontend)
 
 
-def gateway_command(settings: GatewaySettings, log_level: str, log_format: str) -> list[str]:
-    """The `batcher gateway` command line for `settings`."""
+def gateway_command(
+    settings: GatewaySettings, log_level: str, log_format: str, shared: bool = False
+) -> list[str]:
+    """The `batcher gateway` command line for `settings`, for a process that stops when
+    its stdin closes: serve's gateway, or (`shared`) one of the processes of a gateway
+    of several (batcher.gateway.processes), on ports it shares."""
     command = [
         sys.executable,
         "-m",
@@ -38,7 +42,11 @@ def gateway_command(settings: GatewaySettings, log_level: str, log_format: str) 
         "--log-format",
         log_format,
     ]
-    command.append("--under-serve")
+    # Always given: a child must not read BATCHER_GATEWAY_PROCESSES from the environment
+    # it inherits and start processes of its own.
+    command += ["--under-serve", "--processes", str(settings.processes)]
+    if shared:
+        command.append("--shared-ports")
     if settings.curve_server_key:
         command += ["--curve-server-key", settings.curve_server_key]
     if settings.curve_secret_key:

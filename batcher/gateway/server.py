@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from batcher.gateway import access
@@ -36,18 +37,30 @@ async def serve(
     stop: asyncio.Event | None = None,
     grace_s: float = GRACE_S,
     control_fd: int | None = None,
+    shared: bool = False,
+    on_listening: Callable[[], None] | None = None,
 ) -> None:
     """Run until `stop` is set, or else until `control_fd` (serve's pipe) closes, or
-    else until SIGTERM/SIGINT."""
+    else until SIGTERM/SIGINT. `shared`: one of several processes of one gateway
+    (batcher.gateway.processes), whose ports it shares (SO_REUSEPORT), leaving the
+    start-up warning to the parent; `on_listening` is called once both ports listen."""
+    if settings.processes != 1:
+        raise ValueError("server.serve is one gateway process: batcher.gateway.processes runs several")
     # The key file and the TLS pair are checked before anything listens (ValueError).
     api_keys = None if settings.api_keys_file is None else access.load_api_keys(settings.api_keys_file)
     tls = access.check_tls_pair(settings.tls_cert_file, settings.tls_key_file)
     warning = access.clear_text_warning(settings.host, api_keys=api_keys is not None, tls=tls is not None)
-    if warning is not None:
+    if warning is not None and not shared:
         log.warning("%s", warning)
+    siblings_up = asyncio.Event()  # shared: set when the parent says every process listens
+
+    def on_parent_data(data: bytes) -> None:
+        if SIBLINGS_UP in data:
+            siblings_up.set()
+
     if stop is None:
-        stop = _stop_on_signals() if control_fd is None else _stop_on_pipe_close(control_fd)
-    gateway = Gateway(settings)
+        stop = _stop_on_signals() if control_fd is None else _stop_on_pipe_close(control_fd, on_parent_data)
+    gateway = SharedGateway(settings, siblings_up) if shared else Gateway(settings)
     http: HttpServer | None = None
     grpc_server = None
     try:
@@ -63,17 +76,21 @@ async def serve(
                 stop,
                 api_keys=api_keys,
                 tls_files=None if tls is None else (settings.tls_cert_file, settings.tls_key_file),
+                reuse_port=shared,
             )
         if settings.grpc_port:
-            grpc_server = await _start_grpc(gateway, settings, api_keys, tls)
+            grpc_server = await _start_grpc(gateway, settings, api_keys, tls, shared)
         log.info(
-            "gateway up: http%s %s, grpc %s, broker %s, %s",
+            "gateway %s: http%s %s, grpc %s, broker %s, %s",
+            "process listening" if shared else "up",
             "s" if tls else "",
             settings.http_port or "off",
             settings.grpc_port or "off",
             settings.connect,
             "API keys required" if api_keys else "no API keys",
         )
+        if on_listening is not None:
+            on_listening()
         await stop.wait()
     finally:  # both listeners close at once; what is in flight gets grace_s
         stopping_at = time.monotonic()
@@ -94,7 +111,24 @@ def _stop_on_signals() -> asyncio.Event:
     return stop
 
 
-def _stop_on_pipe_close(fd: int) -> asyncio.Event:
+class SharedGateway(Gateway):
+    """One process of a gateway of several: not ready (`/v2/health/ready`, ServerReady)
+    until its parent says every process listens (SIBLINGS_UP on its pipe), so that a probe
+    answered 200 means the whole gateway is up; then ready as one gateway is."""
+
+    def __init__(self, settings: GatewaySettings, siblings_up: asyncio.Event) -> None:
+        super().__init__(settings)
+        self.siblings_up = siblings_up
+
+    async def ready(self) -> bool:
+        return self.siblings_up.is_set() and await super().ready()
+
+
+#: What the parent of several gateway processes writes to each one's pipe once all listen.
+SIBLINGS_UP = b"up"
+
+
+def _stop_on_pipe_close(fd: int, on_data: Callable[[bytes], None] | None = None) -> asyncio.Event:
     """Under serve: stop when serve closes our stdin (having drained its broker) or dies;
     SIGINT and SIGTERM are ignored, since a signal to the whole process group (Ctrl-C,
     systemd) is for serve, which drains first and then stops us."""
@@ -103,9 +137,12 @@ def _stop_on_pipe_close(fd: int) -> asyncio.Event:
     loop = asyncio.get_running_loop()
 
     def on_readable() -> None:
-        if not os.read(fd, 4096):  # end of file: the writer is gone
+        data = os.read(fd, 4096)
+        if not data:  # end of file: the writer is gone
             loop.remove_reader(fd)
             stop.set()
+        elif on_data is not None:
+            on_data(data)
 
     loop.add_reader(fd, on_readable)
     return stop
@@ -116,6 +153,7 @@ async def _start_grpc(
     settings: GatewaySettings,
     api_keys: access.ApiKeys | None,
     tls: tuple[bytes, bytes] | None,
+    shared: bool = False,
 ) -> grpc.aio.Server:
     import grpc
 
@@ -126,7 +164,10 @@ async def _start_grpc(
         options=[
             ("grpc.max_receive_message_length", MAX_BODY_BYTES),
             ("grpc.max_send_message_length", MAX_BODY_BYTES),
-            ("grpc.so_reuseport", 0),
+            # grpcio's default is 1, which would let a second gateway (or any gRPC
+            # server of the same user) share the port unseen; several processes of one
+            # gateway share it on purpose, after their parent has checked it was free.
+            ("grpc.so_reuseport", 1 if shared else 0),
         ],
     )
     add_service(server, gateway)
@@ -145,6 +186,13 @@ async def _start_grpc(
     return server
 
 
-def run(settings: GatewaySettings, control_fd: int | None = None) -> None:
-    """The `batcher gateway` command's body (`control_fd`: serve's pipe, under serve)."""
-    asyncio.run(serve(settings, control_fd=control_fd))
+def run(
+    settings: GatewaySettings,
+    control_fd: int | None = None,
+    shared: bool = False,
+    on_listening: Callable[[], None] | None = None,
+) -> None:
+    """One gateway process: the `batcher gateway` command's body (`control_fd`: its
+    parent's pipe, under serve or the gateway's own parent; `shared`, `on_listening`: as
+    for `serve`)."""
+    asyncio.run(serve(settings, control_fd=control_fd, shared=shared, on_listening=on_listening))
