@@ -114,6 +114,9 @@ class BrokerLink:
         self._settings = settings
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        #: Rows to send at the end of this turn of the loop (`_flush`), by id, in order.
+        self._unsent: dict[int, bytes] = {}
+        self._flush_due = False
         self._ids = itertools.count(1)
         self._loop = asyncio.get_running_loop()
         self._sock: zmq.Socket[Any] | None = None  # None between a lost socket and the next
@@ -161,6 +164,7 @@ class BrokerLink:
         self._reopen = self._loop.call_later(delay, self._reopen_now)
 
     def _shut(self) -> None:
+        self._unsent.clear()  # dropped with the socket, as what it had not sent yet is
         sock, watch, self._sock, self._watch = self._sock, self._watch, None, None
         if sock is None or watch is None:
             return
@@ -278,8 +282,12 @@ class BrokerLink:
             )
         return req_id, body
 
-    def send_packed(self, req_id: int, body: bytes) -> tuple[int, asyncio.Future[dict[str, Any]]]:
-        """Send a body from `pack`; as `send`."""
+    def send_packed(
+        self, req_id: int, body: bytes, now: bool = True
+    ) -> tuple[int, asyncio.Future[dict[str, Any]]]:
+        """Send a body from `pack`; as `send`. With `now` false it leaves with the others
+        queued so in this turn of the event loop, back to back (`_flush`); its future
+        then fails `unavailable` if the link's queue is full."""
         sock, watch = self._sock, self._watch
         if sock is None or watch is None or not watch.handshake_ok:
             self._on_monitor()  # the handshake may be done with its event not yet read
@@ -287,6 +295,13 @@ class BrokerLink:
             if sock is None or watch is None or not watch.handshake_ok:
                 raise oip.OipError(ErrorCode.UNAVAILABLE, self._why_unavailable())
         fut = self._pending[req_id] = self._loop.create_future()
+        if not now:
+            self._unsent[req_id] = body
+            if not self._flush_due:
+                self._flush_due = True
+                self._loop.call_soon(self._flush)
+            return req_id, fut
+        self._flush()  # what was queued before it leaves first
         try:
             send_frames(sock, [b"", body])
         except zmq.Again:
@@ -299,17 +314,47 @@ class BrokerLink:
             self._drain()  # a send may take the descriptor's edge: read what is there now
         return req_id, fut
 
+    def _flush(self) -> None:
+        """Send the rows `send_packed` queued, in order, back to back: libzmq's I/O thread
+        is woken once for all of them (a send that wakes it took 25 to 43 us of this
+        VM's CPU, one behind another 0.6 us), and writes them to the broker together."""
+        self._flush_due = False
+        if not self._unsent:
+            return
+        unsent, self._unsent = self._unsent, {}
+        sock = self._sock
+        try:
+            for req_id, body in unsent.items():
+                fut = self._pending.get(req_id)
+                if fut is None or fut.done():
+                    continue  # forgotten, or answered (a lost connection), before it left
+                try:
+                    if sock is None:
+                        raise zmq.Again
+                    send_frames(sock, [b"", body])
+                except zmq.Again:
+                    del self._pending[req_id]
+                    fut.set_exception(oip.OipError(ErrorCode.UNAVAILABLE, self._why_unavailable()))
+                except Exception as exc:  # as `send_packed` would have raised it to its caller
+                    del self._pending[req_id]
+                    fut.set_exception(exc)
+        finally:
+            self._drain()  # a send may take the descriptor's edge: read what is there now
+
     def forget(self, req_id: int, cancel: bool) -> None:
         """Stop waiting for `req_id`; with `cancel`, ask the broker to drop it if queued."""
         fut = self._pending.pop(req_id, None)
         if fut is not None and not fut.done():
             fut.cancel()
+        if self._unsent.pop(req_id, None) is not None:
+            return  # it never left: nothing to drop at the broker
         if cancel:
             self.cancel(req_id)
 
     def cancel(self, req_id: int) -> None:
         """Ask the broker to drop `req_id` if it is still queued; its reply, if one comes
         (it was in a batch already), is still awaited."""
+        self._flush()  # the cancel goes after the row it is for
         sock = self._sock
         if sock is None:
             return  # no broker: nothing of ours is queued anywhere
@@ -472,7 +517,7 @@ class Gateway:
         )
         try:
             for req_id, body in [self.link.pack(f) for f in fields]:
-                sent.append(self.link.send_packed(req_id, body))
+                sent.append(self.link.send_packed(req_id, body, now=False))
             if len(sent) == 1:
                 replies = [await sent[0][1]]
                 _raise_if_error(replies[0])
