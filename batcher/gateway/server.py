@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from batcher.gateway import access
@@ -146,5 +147,17 @@ async def _start_grpc(
 
 
 def run(settings: GatewaySettings, control_fd: int | None = None) -> None:
-    """The `batcher gateway` command's body (`control_fd`: serve's pipe, under serve)."""
-    asyncio.run(serve(settings, control_fd=control_fd))
+    """The `batcher gateway` command's body (`control_fd`: serve's pipe, under serve),
+    on uvloop's event loop where it is installed (the gateway extra has it, but on
+    Windows): a fifth less of the gateway's own CPU per request than asyncio's loop
+    (docs/benchmarks.md, issue 30)."""
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(serve(settings, control_fd=control_fd))
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None  # asyncio's own
+    return uvloop.new_event_loop
