@@ -13,12 +13,14 @@ decode the JSON, encode a JSON reply); those not installed are skipped, saying s
 
 - aiohttp on asyncio's loop, and on uvloop;
 - uvicorn (httptools, uvloop) with starlette;
-- uvicorn (httptools, asyncio's loop) with a raw ASGI app: what the gateway runs on.
+- uvicorn (httptools) with a raw ASGI app, on asyncio's loop and on uvloop's: what the
+  gateway runs on (uvloop's where it is installed, as the gateway extra does).
 
 The gateway (`--only gateway`, or all): `batcher serve --model echo --workers 1
 --max-batch-size 32 --max-wait-ms 1 --http-port P --grpc-port Q`, its gateway process's
 CPU per HTTP JSON infer request (FP32 [1, 4]) and per gRPC ModelInfer call (the same
-tensor as raw_input_contents), against the floors under it, in the same run:
+tensor as raw_input_contents), against the floors under it, in the same run, each on the
+gateway's event loop (uvloop's where it is installed):
 
 - HTTP: the bare uvicorn raw ASGI echo above (the server alone), and the minimal
   uvicorn forwarder of benchmarks/gateway.py (the server and the ZeroMQ hop to the
@@ -62,11 +64,14 @@ CANDIDATES = {
     "aiohttp (uvloop)": ["aiohttp", "uvloop"],
     "uvicorn + starlette (httptools, uvloop)": ["uvicorn", "starlette", "httptools", "uvloop"],
     "uvicorn, raw ASGI (httptools, asyncio)": ["uvicorn", "httptools"],
+    "uvicorn, raw ASGI (httptools, uvloop)": ["uvicorn", "httptools", "uvloop"],
 }
-BARE_UVICORN = "uvicorn, raw ASGI (httptools, asyncio)"
-BARE_GRPC = "grpc.aio, bare echo servicer"
-FORWARDER_HTTP = "floor: uvicorn + ZeroMQ hop (minimal forwarder, no v2 work)"
-FORWARDER_GRPC = "floor: grpc.aio + ZeroMQ hop (minimal forwarder, no v2 work)"
+#: The event loop the gateway runs on (batcher/gateway/server.py), so its floors' too.
+GATEWAY_LOOP = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+BARE_UVICORN = f"uvicorn, raw ASGI (httptools, {GATEWAY_LOOP})"
+BARE_GRPC = f"grpc.aio, bare echo servicer ({GATEWAY_LOOP})"
+FORWARDER_HTTP = f"floor: uvicorn + ZeroMQ hop (minimal forwarder, no v2 work, {GATEWAY_LOOP})"
+FORWARDER_GRPC = f"floor: grpc.aio + ZeroMQ hop (minimal forwarder, no v2 work, {GATEWAY_LOOP})"
 GATEWAY_HTTP = "the gateway: HTTP JSON infer"
 GATEWAY_GRPC = "the gateway: gRPC ModelInfer"
 VALUES = [1.0, 2.0, 3.0, 4.0]
@@ -83,6 +88,7 @@ MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 def server(kind: str, port: int) -> None:
     """The candidate's server, until killed."""
     if kind == BARE_GRPC:
+        on_gateway_loop()
         grpc_echo_server(port)
     elif kind.startswith("aiohttp"):
         from aiohttp import web
@@ -116,8 +122,8 @@ def server(kind: str, port: int) -> None:
             await send({"type": "http.response.body", "body": out})
 
         uvicorn.run(
-            app, host="127.0.0.1", port=port, http="httptools", loop="asyncio", lifespan="off",
-            log_level="error", access_log=False,
+            app, host="127.0.0.1", port=port, http="httptools", lifespan="off", log_level="error",
+            access_log=False, loop="uvloop" if "uvloop" in kind else "asyncio",
         )  # fmt: skip
     else:
         import uvicorn
@@ -367,10 +373,10 @@ def main() -> None:
             gw_pid = gw_bench.gateway_process(srv.process.pid).pid
             fwd_http, fwd_grpc = free_port(), free_port()
             fwd_http_proc = stack.enter_context(
-                forwarder_process(gw_bench.minimal_uvicorn_forwarder, srv.frontend, fwd_http)
+                forwarder_process("minimal_uvicorn_forwarder", srv.frontend, fwd_http)
             )
             fwd_grpc_proc = stack.enter_context(
-                forwarder_process(gw_bench.minimal_grpc_forwarder, srv.frontend, fwd_grpc)
+                forwarder_process("minimal_grpc_forwarder", srv.frontend, fwd_grpc)
             )
             grpc_port_bare, grpc_pid_bare = stack.enter_context(bare_server(BARE_GRPC))
             rows[FORWARDER_HTTP] = (http_load, fwd_http, fwd_http_proc)
@@ -436,11 +442,12 @@ def main() -> None:
 
 
 @contextlib.contextmanager
-def forwarder_process(target: Any, broker: str, port: int) -> Iterator[int]:
-    """A minimal forwarder of benchmarks/gateway.py (spawned), its pid; killed on the way out."""
+def forwarder_process(target: str, broker: str, port: int) -> Iterator[int]:
+    """A minimal forwarder of benchmarks/gateway.py (spawned, on the gateway's loop), its
+    pid; killed on the way out."""
     import multiprocessing
 
-    proc = multiprocessing.get_context("spawn").Process(target=target, args=(broker, port))
+    proc = multiprocessing.get_context("spawn").Process(target=forwarder, args=(target, broker, port))
     proc.start()
     try:
         assert proc.pid is not None
@@ -448,6 +455,22 @@ def forwarder_process(target: Any, broker: str, port: int) -> Iterator[int]:
     finally:
         proc.kill()
         proc.join(10)
+
+
+def forwarder(name: str, broker: str, port: int) -> None:
+    """benchmarks/gateway.py's forwarder `name`, on the gateway's event loop."""
+    import gateway as gw_bench
+
+    on_gateway_loop()
+    getattr(gw_bench, name)(broker, port)
+
+
+def on_gateway_loop() -> None:
+    """asyncio.run on the loop the gateway runs on from here on (uvloop's if installed)."""
+    if GATEWAY_LOOP == "uvloop":
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
 if __name__ == "__main__":
