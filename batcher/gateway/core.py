@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 
-from batcher import __version__, protocol, tensor
+from batcher import __version__, aligned, protocol, tensor
 from batcher.client import ConnectionWatch, cancel_body, open_dealer
 from batcher.gateway import oip
 from batcher.protocol import ErrorCode
@@ -125,6 +126,9 @@ class BrokerLink:
         self._settings = settings
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        #: Rows to send at the end of this turn of the loop (`_flush`), by id, in order.
+        self._unsent: dict[int, bytes] = {}
+        self._flush_due = False
         self._ids = itertools.count(1)
         self._loop = asyncio.get_running_loop()
         self._sock: zmq.Socket[Any] | None = None  # None between a lost socket and the next
@@ -172,6 +176,7 @@ class BrokerLink:
         self._reopen = self._loop.call_later(delay, self._reopen_now)
 
     def _shut(self) -> None:
+        self._unsent.clear()  # dropped with the socket, as what it had not sent yet is
         sock, watch, self._sock, self._watch = self._sock, self._watch, None, None
         if sock is None or watch is None:
             return
@@ -278,7 +283,7 @@ class BrokerLink:
         is over the broker's --max-message-bytes (SAFE_BODY_BYTES while that is not
         known), so that a request of many rows is refused before any of them leaves."""
         req_id = next(self._ids)
-        body = protocol.pack_carrying({"id": req_id, **fields}, fields.get("input"))
+        body = pack_request({"id": req_id, **fields})
         limit = self.max_message_bytes
         if len(body) > (limit or SAFE_BODY_BYTES):
             where = "the broker's --max-message-bytes" if limit else "what may go before its limits are known"
@@ -289,8 +294,12 @@ class BrokerLink:
             )
         return req_id, body
 
-    def send_packed(self, req_id: int, body: bytes) -> tuple[int, asyncio.Future[dict[str, Any]]]:
-        """Send a body from `pack`; as `send`."""
+    def send_packed(
+        self, req_id: int, body: bytes, now: bool = True
+    ) -> tuple[int, asyncio.Future[dict[str, Any]]]:
+        """Send a body from `pack`; as `send`. With `now` false it leaves with the others
+        queued so in this turn of the event loop, back to back (`_flush`); its future
+        then fails `unavailable` if the link's queue is full."""
         sock, watch = self._sock, self._watch
         if sock is None or watch is None or not watch.handshake_ok:
             self._on_monitor()  # the handshake may be done with its event not yet read
@@ -298,6 +307,13 @@ class BrokerLink:
             if sock is None or watch is None or not watch.handshake_ok:
                 raise oip.OipError(ErrorCode.UNAVAILABLE, self._why_unavailable())
         fut = self._pending[req_id] = self._loop.create_future()
+        if not now:
+            self._unsent[req_id] = body
+            if not self._flush_due:
+                self._flush_due = True
+                self._loop.call_soon(self._flush)
+            return req_id, fut
+        self._flush()  # what was queued before it leaves first
         try:
             send_frames(sock, [b"", body])
         except zmq.Again:
@@ -310,17 +326,47 @@ class BrokerLink:
             self._drain()  # a send may take the descriptor's edge: read what is there now
         return req_id, fut
 
+    def _flush(self) -> None:
+        """Send the rows `send_packed` queued, in order, back to back: libzmq's I/O thread
+        is woken once for all of them (a send that wakes it took 25 to 43 us of this
+        VM's CPU, one behind another 0.6 us), and writes them to the broker together."""
+        self._flush_due = False
+        if not self._unsent:
+            return
+        unsent, self._unsent = self._unsent, {}
+        sock = self._sock
+        try:
+            for req_id, body in unsent.items():
+                fut = self._pending.get(req_id)
+                if fut is None or fut.done():
+                    continue  # forgotten, or answered (a lost connection), before it left
+                try:
+                    if sock is None:
+                        raise zmq.Again
+                    send_frames(sock, [b"", body])
+                except zmq.Again:
+                    del self._pending[req_id]
+                    fut.set_exception(oip.OipError(ErrorCode.UNAVAILABLE, self._why_unavailable()))
+                except Exception as exc:  # as `send_packed` would have raised it to its caller
+                    del self._pending[req_id]
+                    fut.set_exception(exc)
+        finally:
+            self._drain()  # a send may take the descriptor's edge: read what is there now
+
     def forget(self, req_id: int, cancel: bool) -> None:
         """Stop waiting for `req_id`; with `cancel`, ask the broker to drop it if queued."""
         fut = self._pending.pop(req_id, None)
         if fut is not None and not fut.done():
             fut.cancel()
+        if self._unsent.pop(req_id, None) is not None:
+            return  # it never left: nothing to drop at the broker
         if cancel:
             self.cancel(req_id)
 
     def cancel(self, req_id: int) -> None:
         """Ask the broker to drop `req_id` if it is still queued; its reply, if one comes
         (it was in a batch already), is still awaited."""
+        self._flush()  # the cancel goes after the row it is for
         sock = self._sock
         if sock is None:
             return  # no broker: nothing of ours is queued anywhere
@@ -452,11 +498,14 @@ class Gateway:
         loop = asyncio.get_running_loop()
         started = loop.time()
         budget_s = min(self.settings.probe_timeout_ms, timeout_ms) / 1000.0
-        try:
-            left_s = budget_s
-            input_names, _ = await asyncio.wait_for(self._names_of(request.model), left_s)
-        except TimeoutError:
-            input_names = None  # the broker is slow to say: it checks the signature itself
+        known = self._fresh_names(request.model)
+        if known is not None:
+            input_names = known[0]  # no task, no timer: the common case
+        else:
+            try:
+                input_names, _ = await asyncio.wait_for(self._names_of(request.model), budget_s)
+            except TimeoutError:
+                input_names = None  # the broker is slow to say: it checks the signature itself
         if input_names is not None:
             check_input_names(request, input_names)
         if self.link.max_message_bytes is None:
@@ -480,7 +529,7 @@ class Gateway:
         )
         try:
             for req_id, body in [self.link.pack(f) for f in fields]:
-                sent.append(self.link.send_packed(req_id, body))
+                sent.append(self.link.send_packed(req_id, body, now=False))
             if len(sent) == 1:
                 replies = [await sent[0][1]]
                 _raise_if_error(replies[0])
@@ -492,7 +541,11 @@ class Gateway:
                 if _unanswered(fut):
                     self.link.forget(req_id, cancel=req_id not in cancelled)
         values = [r.get("output") for r in replies]
-        names = None if oip.named_outputs(values[0]) else (await self._names_of(request.model))[1]
+        if oip.named_outputs(values[0]):
+            names = None
+        else:
+            known = self._fresh_names(request.model)
+            names = (known if known is not None else await self._names_of(request.model))[1]
         outputs = oip.select_outputs(oip.join_outputs(values, names), request.outputs)
         size, limit = sum(oip.output_size(o) for o in outputs), self.settings.max_response_bytes
         if size > limit:
@@ -523,13 +576,21 @@ class Gateway:
                 fut.set_exception(error)
                 self.link.forget(req_id, cancel=False)  # cancelled already
 
+    def _fresh_names(self, model: str) -> tuple[list[str] | None, list[str] | None] | None:
+        """The model's input and output names if asked less than NAMES_TTL_S ago, else None."""
+        cached = self._names.get(model)
+        if cached is not None and time.monotonic() - cached[0] < NAMES_TTL_S:
+            return cached[1], cached[2]
+        return None
+
     async def _names_of(self, model: str) -> tuple[list[str] | None, list[str] | None]:
         """A model's input and output names from its signature (None: it has none, or the
         broker does not say): asked at most once per NAMES_TTL_S, once at a time; past
         it the names known serve while they are asked again."""
+        fresh = self._fresh_names(model)
+        if fresh is not None:
+            return fresh
         cached = self._names.get(model)
-        if cached is not None and time.monotonic() - cached[0] < NAMES_TTL_S:
-            return cached[1], cached[2]
         asking = self._asking.get(model)
         if asking is None:
             asking = self._asking[model] = asyncio.get_running_loop().create_task(self._ask_names(model))
@@ -561,10 +622,59 @@ def check_input_names(request: oip.InferRequest, known: list[str]) -> None:
 
 
 def _row_fields(request: oip.InferRequest, row: Any, timeout_ms: float) -> dict[str, Any]:
-    fields: dict[str, Any] = {"input": row, "model": request.model, "timeout_ms": timeout_ms}
+    fields: dict[str, Any] = {"model": request.model, "timeout_ms": timeout_ms}
     if request.priority is not None:
         fields["priority"] = request.priority
+    fields["input"] = row  # last: `pack_request` writes its tensors after the rest
     return fields
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_NIL = 0xC0  # msgpack's nil
+
+
+def pack_request(message: dict[str, Any]) -> bytes:
+    """A request body as protocol.pack_carrying writes it (every tensor aligned), faster
+    for the rows the gateway sends: when `input` is the map's last key and a valid tensor
+    or a map of fewer than 16 of them, the other fields are encoded by msgspec and the
+    tensors written after them (4.9 us a row against 9.3, measured in one run).
+    Anything else (BYTES rows, a tensor that does not check) goes to pack_carrying."""
+    payload = message.get("input")
+    if type(payload) is dict and next(reversed(message)) == "input":
+        body = _pack_tensors_last(message, payload)
+        if body is not None:
+            return body
+    return protocol.pack_carrying(message, payload)
+
+
+def _pack_tensors_last(message: dict[str, Any], payload: dict[str, Any]) -> bytes | None:
+    single = tensor.is_tensor(payload)
+    named = [("", payload)] if single else list(payload.items())
+    if not named or len(named) >= 16 or not all(type(k) is str and tensor.is_tensor(t) for k, t in named):
+        return None
+    try:
+        checked = [tensor.check(t) for _, t in named]
+        head = _encode({**message, "input": None})
+    except (tensor.TensorError, TypeError, ValueError, OverflowError):
+        return None
+    if head[-1] != _NIL:
+        return None
+    parts: list[Any] = [head[:-1]]
+    pos = len(head) - 1
+    if not single:
+        parts.append(bytes([0x80 | len(named)]))  # fixmap
+        pos += 1
+    for (name, t), (datatype, shape) in zip(named, checked, strict=True):
+        if not single:
+            key = _encode(name)
+            parts.append(key)
+            pos += len(key)
+        data = t["data"]
+        size = memoryview(data).nbytes
+        tensor_head = aligned.tensor_head(pos, datatype, shape, size)
+        parts += [tensor_head, data]
+        pos += len(tensor_head) + size
+    return b"".join(parts)
 
 
 def _names(outputs: list[dict[str, Any]] | None) -> list[str] | None:
