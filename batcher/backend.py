@@ -19,7 +19,7 @@ from batcher.protocol import ErrorCode, WorkerProtocolError
 from batcher.scheduler import Batch, QueuedRequest, Scheduler
 from batcher.stats import BrokerStats
 from batcher.streams import Sequence, Verdict
-from batcher.zmqio import recv_frames, send_frames
+from batcher.zmqio import readable, recv_frames, send_frames
 
 log = logging.getLogger("batcher.broker")
 
@@ -79,6 +79,9 @@ class Backend:
             except Exception:  # a bug of ours, not the worker's
                 self.stats.dropped_backend += 1
                 log.exception("unexpected error handling a backend message (the broker goes on)")
+            if not readable(sock):  # read to the end, without a zmq.Again raised to say so
+                self.pool.backend_read(start)
+                return True
             if time.monotonic() >= budget_end:
                 return False
         return False

@@ -35,7 +35,7 @@ from batcher.security import CurveGate, CurveServerKeys, HandshakeWatch, secure_
 from batcher.stats import BrokerStats, gauges
 from batcher.stopping import StopSignals
 from batcher.streams import Streams
-from batcher.zmqio import recv_bounded, recv_bounded_from, send_replies, send_reply
+from batcher.zmqio import readable, recv_bounded, recv_bounded_from, send_replies, send_reply
 
 log = logging.getLogger("batcher.broker")
 
@@ -366,7 +366,10 @@ class Broker:
                 log.exception("unexpected error handling a request (the broker goes on)")
                 envelope = frames[:2] if len(frames) > 2 and not frames[1] else frames[:1]
                 self._refuse(envelope, None, ErrorCode.INTERNAL, "the broker failed to handle this request")
-            if time.monotonic() >= budget_end:
+            # Done once the socket says none waits, rather than once a read raises
+            # zmq.Again: that exception cost a lone request 15-20 us of a cold CPU before
+            # its batch was cut.
+            if not readable(sock) or time.monotonic() >= budget_end:
                 return
 
     def _recv_noting_sender(
