@@ -479,3 +479,23 @@ def load_note(summary: Mapping[str, Any]) -> str:
     if client := client_note(summary):
         notes.append(client)
     return "; ".join(notes) or "kept up"
+
+
+async def serve_v2_grpc(port: int, methods: dict[str, tuple[Any, Any, Any]]) -> None:
+    """A grpc.aio server of the v2 `GRPCInferenceService` on 127.0.0.1:`port`, until
+    killed: `methods` maps a method's name to (handler, request class, response class),
+    so that each gRPC floor of the benchmarks is only its handlers."""
+    import grpc
+
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+        )
+        for name, (fn, req, resp) in methods.items()
+    }
+    server = grpc.aio.server()
+    service = grpc.method_handlers_generic_handler("inference.GRPCInferenceService", handlers)
+    server.add_generic_rpc_handlers((service,))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()

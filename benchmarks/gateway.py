@@ -47,7 +47,7 @@ from typing import Any
 
 import msgpack
 import zmq
-from common import handle_sigterm, md_table, running_serve, write_results
+from common import handle_sigterm, md_table, running_serve, serve_v2_grpc, write_results
 
 from batcher.launcher import free_tcp_address
 from batcher.zmqio import readable, recv_frames, send_frames
@@ -447,8 +447,6 @@ def minimal_grpc_forwarder(broker: str, port: int) -> None:
     """The same least work on grpcio's asyncio server (what the gateway's gRPC runs on):
     each ModelInfer sends one pre-encoded batcher request and answers its values as raw
     output contents, with no v2 parsing or checks."""
-    import grpc
-
     from batcher.gateway import inference_pb2 as pb
 
     async def serve() -> None:
@@ -460,25 +458,13 @@ def minimal_grpc_forwarder(broker: str, port: int) -> None:
         async def live(request: Any, context: Any) -> Any:
             return pb.ServerLiveResponse(live=True)
 
-        server = grpc.aio.server()
-        handlers = {
-            "ModelInfer": grpc.unary_unary_rpc_method_handler(
-                infer,
-                request_deserializer=pb.ModelInferRequest.FromString,
-                response_serializer=pb.ModelInferResponse.SerializeToString,
-            ),
-            "ServerLive": grpc.unary_unary_rpc_method_handler(
-                live,
-                request_deserializer=pb.ServerLiveRequest.FromString,
-                response_serializer=pb.ServerLiveResponse.SerializeToString,
-            ),
-        }
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("inference.GRPCInferenceService", handlers),)
+        await serve_v2_grpc(
+            port,
+            {
+                "ModelInfer": (infer, pb.ModelInferRequest, pb.ModelInferResponse),
+                "ServerLive": (live, pb.ServerLiveRequest, pb.ServerLiveResponse),
+            },
         )
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        await server.wait_for_termination()
 
     asyncio.run(serve())
 

@@ -51,7 +51,7 @@ import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from common import handle_sigterm, md_table, running_serve, write_results
+from common import handle_sigterm, md_table, running_serve, serve_v2_grpc, write_results
 
 from batcher.launcher import free_tcp_address
 
@@ -144,8 +144,6 @@ def grpc_echo_server(port: int) -> None:
     """grpcio's asyncio server with the least a ModelInfer can do: the request parsed,
     a response of the gateway's shape (one output named, typed and shaped, its raw
     contents the input's) built and serialized. The gRPC floor: no hop, no v2 checks."""
-    import grpc
-
     from batcher.gateway import inference_pb2 as pb
 
     async def infer(request: Any, context: Any) -> Any:
@@ -160,23 +158,7 @@ def grpc_echo_server(port: int) -> None:
             raw_output_contents=list(request.raw_input_contents),
         )
 
-    async def serve() -> None:
-        server = grpc.aio.server()
-        handlers = {
-            "ModelInfer": grpc.unary_unary_rpc_method_handler(
-                infer,
-                request_deserializer=pb.ModelInferRequest.FromString,
-                response_serializer=pb.ModelInferResponse.SerializeToString,
-            )
-        }
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("inference.GRPCInferenceService", handlers),)
-        )
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        await server.wait_for_termination()
-
-    asyncio.run(serve())
+    asyncio.run(serve_v2_grpc(port, {"ModelInfer": (infer, pb.ModelInferRequest, pb.ModelInferResponse)}))
 
 
 @contextlib.contextmanager
