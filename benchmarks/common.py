@@ -499,3 +499,20 @@ async def serve_v2_grpc(port: int, methods: dict[str, tuple[Any, Any, Any]]) -> 
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
+
+
+def wait_http_200(request: Any, timeout_s: float = 30.0) -> None:
+    """Until `request` (a URL or a urllib Request) is answered 200: a starting server's
+    readiness, probed every 50 ms, the last error raised past the deadline."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:  # urllib.error.HTTPError (a 503 while starting) is one
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)  # between probes of a starting process

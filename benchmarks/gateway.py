@@ -47,7 +47,7 @@ from typing import Any
 
 import msgpack
 import zmq
-from common import handle_sigterm, md_table, running_serve, serve_v2_grpc, write_results
+from common import handle_sigterm, md_table, running_serve, serve_v2_grpc, wait_http_200, write_results
 
 from batcher.launcher import free_tcp_address
 from batcher.zmqio import readable, recv_frames, send_frames
@@ -691,18 +691,7 @@ def main() -> None:
 
 def wait_for_gateway(port: int, timeout_s: float = 30.0) -> None:
     """Until the gateway answers /v2/health/live (it starts after the broker)."""
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/live", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.05)  # between probes of a starting process
+    wait_http_200(f"http://127.0.0.1:{port}/v2/health/live", timeout_s)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 import psutil
-from common import handle_sigterm, md_table, running_serve, write_results
+from common import handle_sigterm, md_table, running_serve, wait_http_200, write_results
 
 from batcher.launcher import free_tcp_address
 
@@ -50,19 +50,7 @@ def body(rows: int, values: int) -> bytes:
 
 def wait_ready(port: int, timeout_s: float = 30.0) -> None:
     """Until /v2/health/ready says 200 (the gateway starts after the broker)."""
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except (OSError, urllib.error.HTTPError):
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.05)  # between probes of a starting process
+    wait_http_200(f"http://127.0.0.1:{port}/v2/health/ready", timeout_s)
 
 
 def hey(

@@ -51,7 +51,7 @@ import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from common import handle_sigterm, md_table, running_serve, serve_v2_grpc, write_results
+from common import handle_sigterm, md_table, running_serve, serve_v2_grpc, wait_http_200, write_results
 
 from batcher.launcher import free_tcp_address
 
@@ -293,19 +293,10 @@ def grpc_load(port: int, pid: int, concurrency: int, warmup_s: float, seconds: f
 
 def wait_for_http(port: int, timeout_s: float = 30.0) -> None:
     """Until an infer POST is answered 200 on `port`."""
-    deadline = time.monotonic() + timeout_s
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}{INFER_PATH}", data=BODY, headers={"Content-Type": "application/json"}
     )
-    while True:
-        try:
-            with urllib.request.urlopen(request, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.05)  # between probes of a starting process
+    wait_http_200(request, timeout_s)
 
 
 # --- the run -------------------------------------------------------------------------------------
