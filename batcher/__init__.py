@@ -1,7 +1,33 @@
-"""batcher: a dynamic-batching inference broker over ZeroMQ and msgpack."""
+"""batcher: a dynamic-batching inference broker over ZeroMQ and msgpack.
 
-from batcher.aio import AsyncClient
-from batcher.client import BatcherError, Client, ClientTimeout, MultiClient
+The face is lazy (PEP 562): `import batcher` loads no zmq; the clients load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batcher.client.aio import AsyncClient
+    from batcher.client.sync import BatcherError, Client, ClientTimeout, MultiClient
 
 __all__ = ["AsyncClient", "BatcherError", "Client", "ClientTimeout", "MultiClient"]
 __version__ = "0.1.0"
+
+_LAZY = {
+    "AsyncClient": "batcher.client.aio",
+    "BatcherError": "batcher.client.sync",
+    "Client": "batcher.client.sync",
+    "ClientTimeout": "batcher.client.sync",
+    "MultiClient": "batcher.client.sync",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load a client class on first use, so `import batcher` stays light."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'batcher' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value

@@ -1,5 +1,5 @@
 """`python -m batcher` is the `batcher` command."""
 
-from batcher.cli import main
+from batcher.cli.commands import main
 
 main()

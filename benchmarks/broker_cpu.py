@@ -41,8 +41,8 @@ from typing import Any
 import psutil
 from common import closed_loop, handle_sigterm, md_table, running_serve, serve_args, write_results
 
-from batcher.client import Client
-from batcher.launcher import ServeProcess
+from batcher.client.sync import Client
+from batcher.serve.launcher import ServeProcess
 
 SERVE = serve_args(workers=1, model="echo", max_batch_size=32, max_wait_ms=0.0)
 #: How long the load runs past the measured window's end (it must cover the window).

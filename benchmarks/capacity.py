@@ -29,7 +29,7 @@ from common import (
     write_results,
 )
 
-from batcher.bench import CLIENT_BUSY_LIMIT
+from batcher.cli.bench import CLIENT_BUSY_LIMIT
 
 #: The most load processes a run is given when one cannot keep up (the machine has 2 cores).
 MAX_PROCESSES = 3

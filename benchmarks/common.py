@@ -25,8 +25,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from batcher.bench import LoadResult, LoadSettings, run_load
-from batcher.launcher import ServeProcess, free_tcp_address
+from batcher.cli.bench import LoadResult, LoadSettings, run_load
+from batcher.serve.launcher import ServeProcess, free_tcp_address
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -81,7 +81,7 @@ def summarize(result: LoadResult) -> dict[str, Any]:
     """The numbers of one load run that the tables use, flat, in milliseconds and req/s.
 
     throughput_rps counts the ok replies that arrived inside the measured window only;
-    the percentiles cover the requests sent in it, late replies included (batcher.bench)."""
+    the percentiles cover the requests sent in it, late replies included (batcher.cli.bench)."""
     lat = result.latency_ms
     return {
         "throughput_rps": result.throughput_rps,
@@ -134,7 +134,7 @@ def closed_loop(
     processes: int = 1,
     payload_bytes: int = 16,
 ) -> LoadResult:
-    """Keep `concurrency` requests in flight for warmup_s + duration_s (batcher.bench);
+    """Keep `concurrency` requests in flight for warmup_s + duration_s (batcher.cli.bench);
     BenchFailed when nothing answered, rather than a table row of zeros."""
     return run_load(
         LoadSettings(
@@ -160,7 +160,7 @@ def open_loop(
     payload_bytes: int = 16,
     seed: int | None = None,
 ) -> LoadResult:
-    """Poisson arrivals at `rate` per second for warmup_s + duration_s (batcher.bench);
+    """Poisson arrivals at `rate` per second for warmup_s + duration_s (batcher.cli.bench);
     BenchFailed when nothing answered."""
     return run_load(
         LoadSettings(

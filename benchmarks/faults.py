@@ -24,7 +24,7 @@ import msgpack
 import psutil
 import zmq
 
-from batcher.launcher import ServeProcess
+from batcher.serve.launcher import ServeProcess
 
 #: The model spec of CrashAtStartup, for `serve --model`.
 CRASHING = "benchmarks.faults:CrashAtStartup"
@@ -64,7 +64,7 @@ def soak_model(inputs: list[Any]) -> list[Any]:
 
 
 class LoggedServe:
-    """`batcher serve` on free loopback ports (batcher.launcher.ServeProcess, in a process
+    """`batcher serve` on free loopback ports (batcher.serve.launcher.ServeProcess, in a process
     group of its own) with its stderr, the log, in a file; `stop()` leaves nothing behind."""
 
     def __init__(self, args: Sequence[str], log_path: str | os.PathLike[str], log_level: str = "INFO"):
@@ -273,7 +273,7 @@ class DealerLoad:
 # --- malformed messages ---------------------------------------------------------------------------
 
 # Protocol constants, spelled out rather than imported, so the generators encode the documented
-# wire format (docs/protocol.md) and not whatever batcher.protocol happens to say.
+# wire format (docs/protocol.md) and not whatever batcher.wire.protocol happens to say.
 WORKER_PROTOCOL = b"BATCHER-W2"
 READY, BATCH, REPLY, HEARTBEAT, DISCONNECT = b"\x01", b"\x02", b"\x03", b"\x04", b"\x05"
 

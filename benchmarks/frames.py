@@ -24,9 +24,9 @@ from typing import Any
 import zmq
 from common import handle_sigterm, md_table, write_results
 
-from batcher import protocol
-from batcher.launcher import free_tcp_address
-from batcher.zmqio import recv_frames, send_frames
+from batcher.serve.launcher import free_tcp_address
+from batcher.transport.zmqio import recv_frames, send_frames
+from batcher.wire import protocol
 
 SIZES = (256, 4096, 16384, 65536, 262144, 1048576)
 

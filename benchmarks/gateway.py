@@ -49,8 +49,8 @@ import msgpack
 import zmq
 from common import handle_sigterm, md_table, running_serve, serve_v2_grpc, wait_http_200, write_results
 
-from batcher.launcher import free_tcp_address
-from batcher.zmqio import readable, recv_frames, send_frames
+from batcher.serve.launcher import free_tcp_address
+from batcher.transport.zmqio import readable, recv_frames, send_frames
 
 NAME = "gateway"
 TITLE = "The Open Inference Protocol gateway against the direct ZeroMQ path"

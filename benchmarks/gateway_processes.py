@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 from common import handle_sigterm, md_table, running_serve, wait_http_200, write_results
 
-from batcher.launcher import free_tcp_address
+from batcher.serve.launcher import free_tcp_address
 
 NAME = "gateway_processes"
 TITLE = "The gateway's HTTP rows/s against its number of processes"

@@ -53,7 +53,7 @@ from typing import Any
 
 from common import handle_sigterm, md_table, running_serve, serve_v2_grpc, wait_http_200, write_results
 
-from batcher.launcher import free_tcp_address
+from batcher.serve.launcher import free_tcp_address
 
 NAME = "http_servers"
 TITLE = "HTTP servers for the gateway: CPU per request"

@@ -7,7 +7,7 @@ loaded in turn (A B C A B C ... for --runs rounds, so drift on a noisy machine h
 - the floor (benchmarks/forwarder.py): a pyzmq ROUTER -> ROUTER forwarder that never
   copies a frame, with one DEALER worker that decodes each body and encodes a
   protocol-shaped reply, one request at a time;
-- the same floor with glibc's allocator set as batcher sets its own (batcher.allocator:
+- the same floor with glibc's allocator set as batcher sets its own (batcher.transport.allocator:
   freed buffers reused, not unmapped), so that the comparison is of the code alone;
 - `batcher serve --model echo --workers 1 --max-batch-size 8 --max-wait-ms 1`.
 
@@ -40,11 +40,11 @@ from common import (
     write_results,
 )
 
-from batcher.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
-from batcher.launcher import free_tcp_address
+from batcher.serve.launcher import free_tcp_address
+from batcher.transport.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
 
 TARGET_RATIO_1MIB = 0.8
-#: The allocator settings of batcher.allocator, for the forwarder's processes.
+#: The allocator settings of batcher.transport.allocator, for the forwarder's processes.
 TUNED_MALLOC = {
     "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
     "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES),

@@ -42,7 +42,7 @@ from common import (
     write_results,
 )
 
-from batcher.launcher import free_tcp_address
+from batcher.serve.launcher import free_tcp_address
 
 TARGET_ADDED_MS = 0.3
 WORKERS = 4

@@ -27,8 +27,8 @@ import msgpack
 import zmq
 from common import broker_rss_bytes, handle_sigterm, md_table, serve_args, serve_help, write_results
 
-from batcher.client import BatcherError, Client
-from batcher.launcher import ServeProcess
+from batcher.client.sync import BatcherError, Client
+from batcher.serve.launcher import ServeProcess
 
 TARGET_BYTES_PER_REQUEST = 2048
 MODEL = "sim"

@@ -86,9 +86,9 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from batcher.bench import LoadSettings, run_load  # noqa: E402
-from batcher.client import BatcherError, Client  # noqa: E402
-from batcher.launcher import free_tcp_address  # noqa: E402
+from batcher.cli.bench import LoadSettings, run_load  # noqa: E402
+from batcher.client.sync import BatcherError, Client  # noqa: E402
+from batcher.serve.launcher import free_tcp_address  # noqa: E402
 
 #: The pure modules: wire (protocol, tensor and aligned, which protocol uses) and core
 #: (scheduler, pool, streams). Not signature.py: mypyc fails on it with an internal
@@ -332,8 +332,8 @@ def check_loaded(copy: Path, compiled: bool) -> None:
 
 MICRO = r"""
 import json, time
-from batcher import protocol
-from batcher.scheduler import BatchSettings, QueuedRequest, Scheduler
+from batcher.wire import protocol
+from batcher.core.scheduler import BatchSettings, QueuedRequest, Scheduler
 
 N = 32
 body = protocol.pack({"id": 7, "model": "echo", "input": b"x" * 16})

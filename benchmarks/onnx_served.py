@@ -46,7 +46,7 @@ import zmq
 from common import handle_sigterm, md_table, running_serve, write_results
 from onnx_mlp import SIZES, write_mlp
 
-from batcher import protocol
+from batcher.wire import protocol
 from workers.placement import plan_cpus, usable_cpus
 
 TARGET = 0.9

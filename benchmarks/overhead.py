@@ -43,7 +43,7 @@ from common import (
     write_results,
 )
 
-from batcher.launcher import free_tcp_address
+from batcher.serve.launcher import free_tcp_address
 
 TARGET_RATIO = 1.0
 TARGET_ADDED_MS = 0.15

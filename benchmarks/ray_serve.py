@@ -4,7 +4,7 @@ Ray Serve gets what batcher has: W replicas (one per worker) of a deployment who
 `@serve.batch` handler (max_batch_size = B, batch_wait_timeout_s = max-wait-ms) blocks
 in time.sleep(t(n)) like a simulated GPU, with max_ongoing_requests raised to 512.
 Both are driven by a closed loop of 256 requests in flight and by a lone client
-(1 in flight): batcher by `batcher.bench` load processes over ZeroMQ, Ray Serve from
+(1 in flight): batcher by `batcher.cli.bench` load processes over ZeroMQ, Ray Serve from
 this driver through a DeploymentHandle; or, with --client http, both over HTTP by the
 same aiohttp closed loop in this driver (batcher through the gateway of `serve
 --http-port`, Open Inference Protocol requests of one row; Ray through its proxy).
@@ -50,7 +50,7 @@ from common import (
     write_results,
 )
 
-from batcher.bench import new_histogram
+from batcher.cli.bench import new_histogram
 
 NAME = "ray_serve"
 TITLE = "batcher and Ray Serve, side by side"
@@ -258,7 +258,7 @@ async def ray_closed_loop(
     call: Any, concurrency: int, duration_s: float, warmup_s: float, payload: str
 ) -> dict[str, Any]:
     """Keep `concurrency` requests in flight from this process's event loop; counted like
-    batcher.bench: throughput from the replies that arrive inside the measured window,
+    batcher.cli.bench: throughput from the replies that arrive inside the measured window,
     latency of the requests sent in it (from send to reply, late replies included)."""
     hist = new_histogram()
     sizes: Counter[int] = Counter()
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
         else "HTTP (aiohttp) through Ray Serve's proxy"
     )
     batcher_client = (
-        "`batcher.bench` load processes over ZeroMQ"
+        "`batcher.cli.bench` load processes over ZeroMQ"
         if args.client == "handle"
         else "the same aiohttp closed loop from this driver, posting v2 infer requests (one BYTES row) "
         "to the gateway of `serve --http-port`"

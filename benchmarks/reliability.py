@@ -40,8 +40,8 @@ import psutil
 import zmq
 from faults import CRASHING
 
-from batcher.client import BatcherError, Client
-from batcher.launcher import free_tcp_address
+from batcher.client.sync import BatcherError, Client
+from batcher.serve.launcher import free_tcp_address
 from workers.supervisor import child_environment
 
 BENCH_DIR = Path(__file__).resolve().parent

@@ -31,7 +31,7 @@ import msgpack
 import psutil
 import zmq
 
-from batcher.launcher import ServeProcess
+from batcher.serve.launcher import ServeProcess
 
 IN_FLIGHT = 1000
 PAYLOAD_BYTES = 1000

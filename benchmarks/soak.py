@@ -52,8 +52,8 @@ import zmq
 from common import environment, fmt, handle_sigterm, md_table, write_results
 from zmq.utils.monitor import recv_monitor_message
 
-from batcher.client import BatcherError, Client
-from batcher.launcher import free_tcp_address
+from batcher.client.sync import BatcherError, Client
+from batcher.serve.launcher import free_tcp_address
 from workers.supervisor import child_environment
 
 FAILURE_LOGS = Path(__file__).resolve().parent / "results" / "soak_failure_logs"

@@ -42,7 +42,7 @@ import numpy as np
 import zmq
 from common import handle_sigterm, md_table, median_of, save_plot, write_results
 
-from batcher.launcher import ServeProcess
+from batcher.serve.launcher import ServeProcess
 
 LEVELS = ("step", "request")
 LOADS = (0.10, 0.20, 0.30, 0.45, 0.60, 0.75, 0.90)

@@ -24,7 +24,7 @@ import numpy as np
 from common import handle_sigterm, md_table, running_serve, write_results
 from onnx_mlp import SIZES, write_mlp
 
-from batcher.client import Client
+from batcher.client.sync import Client
 
 
 def one_round(path: Path, warm: bool) -> dict[str, Any]:

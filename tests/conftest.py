@@ -24,8 +24,8 @@ import pytest
 import zmq
 from hypothesis import settings
 
-from batcher.client import Client
-from batcher.launcher import ServeProcess
+from batcher.client.sync import Client
+from batcher.serve.launcher import ServeProcess
 from tests.helpers import Answer, FakeBroker, fake_brokers
 from workers.supervisor import child_environment
 

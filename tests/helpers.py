@@ -18,9 +18,9 @@ import msgpack
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from batcher import protocol
-from batcher.client import BatcherError, Client
-from batcher.launcher import free_tcp_address
+from batcher.client.sync import BatcherError, Client
+from batcher.serve.launcher import free_tcp_address
+from batcher.wire import protocol
 
 #: The simulated model's cost for tests that need batches to take a little time but not much:
 #: t(n) = 5 ms + 0.5 ms per item.

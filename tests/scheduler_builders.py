@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 
-from batcher.scheduler import (
+from batcher.core.scheduler import (
     PREFETCH_GRACE_S,
     Batch,
     BatchSettings,

@@ -1,4 +1,4 @@
-"""Aligned tensors (batcher/aligned.py, docs/protocol.md 3.1 "Alignment"): every tensor
+"""Aligned tensors (batcher/wire/aligned.py, docs/protocol.md 3.1 "Alignment"): every tensor
 batcher writes (worker replies, client requests) has its data at a multiple of 8 bytes
 from the body's first byte, whatever precedes it, and decodes to exactly the map of
 three keys it was; a real worker's replies, as a client receives them, are aligned
@@ -15,7 +15,7 @@ import zmq
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from batcher import aligned, protocol, tensor
+from batcher.wire import aligned, protocol, tensor
 from workers import fastpath
 
 DTYPES = ["|b1", "|u1", "<u2", "<i4", "<i8", "<f2", "<f4", "<f8"]
@@ -131,7 +131,7 @@ def test_only_the_keys_headers_widen_and_the_map_decodes_to_exactly_the_three_ke
 def test_a_widened_tensor_is_read_by_every_reader_batcher_has() -> None:
     """msgspec (the broker's signature check, the worker's fast path and large-body views)
     and msgpack read the widened keys as the keys they are."""
-    from batcher.signature import Signature, TensorSpec
+    from batcher.wire.signature import Signature, TensorSpec
 
     sig = Signature((TensorSpec("x", "FP32", (-1, 3)),), (TensorSpec("y", "FP32", (-1, 3)),))
     for req_id in range(8):

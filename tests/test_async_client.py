@@ -1,4 +1,4 @@
-"""batcher.aio.AsyncClient: many coroutines over one DEALER, typed errors, timeouts.
+"""batcher.client.aio.AsyncClient: many coroutines over one DEALER, typed errors, timeouts.
 
 Against a real `batcher serve` for concurrency and errors, and against a scripted
 ROUTER (tests/helpers.py) for what a real broker does only by accident: silence,
@@ -18,9 +18,9 @@ import pytest
 import zmq.asyncio
 
 from batcher import AsyncClient
-from batcher.aio import ClientClosed
-from batcher.client import BadRequest, BatcherError, ClientTimeout, ModelError, UnknownModel
-from batcher.launcher import free_tcp_address
+from batcher.client.aio import ClientClosed
+from batcher.client.sync import BadRequest, BatcherError, ClientTimeout, ModelError, UnknownModel
+from batcher.serve.launcher import free_tcp_address
 from tests.helpers import FAST_SIM, FakeBroker
 
 FLAKY = "flaky=tests.fixture_models:flaky"

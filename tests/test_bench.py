@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import zmq
 
-from batcher.bench import (
+from batcher.cli.bench import (
     BenchFailed,
     LoadResult,
     LoadSettings,
@@ -25,8 +25,8 @@ from batcher.bench import (
     new_histogram,
     run_load,
 )
-from batcher.launcher import ServeProcess, free_tcp_address
-from batcher.security import KeyFileError, generate_keys
+from batcher.serve.launcher import ServeProcess, free_tcp_address
+from batcher.transport.security import KeyFileError, generate_keys
 from tests.helpers import FLAT_SIM, curve_broker_stats, wait_until
 
 
@@ -402,7 +402,7 @@ def test_bench_with_a_bad_key_file_says_so(tmp_path: Path, cli: Callable[..., An
 def test_a_stream_that_outlasts_the_run_is_an_answer_not_a_failure() -> None:
     """Streams of a million tokens end long after the run: their chunks show the broker
     answers, so the run reports chunks/s rather than "no reply"."""
-    from batcher.bench import LoadSettings, ShardResult, merge
+    from batcher.cli.bench import LoadSettings, ShardResult, merge
 
     shard = ShardResult(sent=8, sent_in_window=8, chunks=400, chunks_in_window=400, lost=8, wall_s=2.0)
     streamed = merge(LoadSettings("tcp://127.0.0.1:9", concurrency=8, duration_s=2.0, stream=True), [shard])

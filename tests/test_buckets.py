@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zmq
 
-from batcher import protocol, tensor
+from batcher.wire import protocol, tensor
 from tests.helpers import recv_replies
 from tests.test_operations import free_port, sample, scrape
 

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import zmq
 
-from batcher.client import BatcherError, Client
-from batcher.launcher import free_tcp_address
+from batcher.client.sync import BatcherError, Client
+from batcher.serve.launcher import free_tcp_address
 from tests.helpers import HEARTBEAT, broker_stats, model_stats, wait_until
 from tests.reliability_models import MARKS_ENV, DealerLoad, read_marks, stop_inside_a_batch
 

@@ -1,6 +1,6 @@
 """The command line's one-line errors for what a user gets wrong before any socket
 opens: an address of the wrong form (every address option, one validator:
-batcher.addresses), and an extra that is not installed (the `pip install` that fixes it).
+batcher.transport.addresses), and an extra that is not installed (the `pip install` that fixes it).
 
 Run through `python -m batcher` (the `cli` fixture), as a user runs it.
 """
@@ -13,10 +13,10 @@ import sys
 import click
 import pytest
 
-import batcher.cli
-from batcher.addresses import EXPECTED, check_address
-from batcher.client import BatcherError, Client
-from batcher.launcher import free_tcp_address
+import batcher.cli.commands
+from batcher.client.sync import BatcherError, Client
+from batcher.serve.launcher import free_tcp_address
+from batcher.transport.addresses import EXPECTED, check_address
 from tests.helpers import model_stats, wait_until
 from workers.supervisor import child_environment
 
@@ -32,9 +32,9 @@ ARGUMENTS = {"reload": ["m"]}
 def address_options() -> list[tuple[str, str]]:
     """(command, --option) of every option typed as a ZeroMQ address."""
     found = []
-    for name, command in sorted(batcher.cli.main.commands.items()):
+    for name, command in sorted(batcher.cli.commands.main.commands.items()):
         for p in command.params:
-            if isinstance(p, click.Option) and isinstance(p.type, batcher.cli.ZmqAddress):
+            if isinstance(p, click.Option) and isinstance(p.type, batcher.cli.commands.ZmqAddress):
                 found.append((name, p.opts[0]))
     return found
 
@@ -42,7 +42,7 @@ def address_options() -> list[tuple[str, str]]:
 def test_every_address_option_is_checked_by_the_one_validator() -> None:
     named = {
         (name, p.opts[0])
-        for name, command in batcher.cli.main.commands.items()
+        for name, command in batcher.cli.commands.main.commands.items()
         for p in command.params
         if isinstance(p, click.Option) and p.opts[0] in ("--connect", "--frontend", "--backend")
     }

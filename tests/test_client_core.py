@@ -1,4 +1,4 @@
-"""The client core (batcher.client.BaseClient) on its own: request ids, matching replies
+"""The client core (batcher.client.sync.BaseClient) on its own: request ids, matching replies
 to requests, the nil-id rule, duplicates, timeouts with retries, and one exception class
 per protocol error code. Without sockets, except the last tests, which drive Client's
 public surface (start, receive_ready, forget, send_cancel, socket) over inproc.
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import zmq
 
-import batcher.client as client_module
-from batcher.client import (
+import batcher.client.sync as client_module
+from batcher.client.sync import (
     BadRequest,
     BaseClient,
     BatcherError,
@@ -37,7 +37,7 @@ from batcher.client import (
     error_from_reply,
     timeout_reply,
 )
-from batcher.protocol import ErrorCode
+from batcher.wire.protocol import ErrorCode
 from tests.helpers import pack, unpack
 
 
@@ -239,7 +239,7 @@ def test_a_new_error_code_gets_its_class_made_from_its_name(monkeypatch: pytest.
     monkeypatch.setattr(client_module, "QuotaExceeded", None, raising=False)  # removed afterwards
     client_module._make_missing_error_classes()
     cls = client_module.QuotaExceeded
-    assert issubclass(cls, BatcherError) and cls.__module__ == "batcher.client"
+    assert issubclass(cls, BatcherError) and cls.__module__ == "batcher.client.sync"
     assert cls.code == "quota_exceeded" and type(cls.code) is str
     assert type(error_from_reply(error(1, "quota_exceeded"))) is cls
     assert client_module._ERRORS["bad_request"] is BadRequest  # a declared class is kept

@@ -11,9 +11,9 @@ import time
 import pytest
 import zmq
 
-from batcher.aio import AsyncClient
-from batcher.client import Client, ClientTimeout, Unreachable
-from batcher.launcher import free_tcp_address
+from batcher.client.aio import AsyncClient
+from batcher.client.sync import Client, ClientTimeout, Unreachable
+from batcher.serve.launcher import free_tcp_address
 from tests.helpers import start_broker
 from tests.test_gateway import free_port, wait_gateway
 

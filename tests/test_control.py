@@ -1,15 +1,15 @@
-"""The broker's control plane (batcher/control.py, sans-I/O): what a sender that is no
+"""The broker's control plane (batcher/broker/control.py, sans-I/O): what a sender that is no
 admin may ask when the broker has --curve-admins (issue 28 item 19)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from batcher.control import MUTATING_OPS, Controls
-from batcher.pool import WorkerInfo, WorkerPool
-from batcher.protocol import ErrorCode, Heartbeat
-from batcher.scheduler import BatchSettings, Scheduler
-from batcher.stats import BrokerStats
+from batcher.broker.control import MUTATING_OPS, Controls
+from batcher.broker.stats import BrokerStats
+from batcher.core.pool import WorkerInfo, WorkerPool
+from batcher.core.scheduler import BatchSettings, Scheduler
+from batcher.wire.protocol import ErrorCode, Heartbeat
 
 
 def controls() -> Controls:

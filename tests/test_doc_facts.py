@@ -12,9 +12,9 @@ from pathlib import Path
 import click
 import pytest
 
-import batcher.cli
-from batcher.broker import HARD_LIMIT_FACTOR
-from batcher.scheduler import PREFETCH_GRACE_S
+import batcher.cli.commands
+from batcher.broker.loop import HARD_LIMIT_FACTOR
+from batcher.core.scheduler import PREFETCH_GRACE_S
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,16 +47,18 @@ def test_the_quoted_constants_are_the_codes() -> None:
     scheduling = read("docs/scheduling.md")
     assert f"plus {PREFETCH_GRACE_S * 1000:g} ms (`PREFETCH_GRACE_S`)" in scheduling
     assert "applies to requests that arrive after it" not in scheduling
-    (max_message,) = [p for p in batcher.cli.main.commands["serve"].params if p.name == "max_message_bytes"]
+    (max_message,) = [
+        p for p in batcher.cli.commands.main.commands["serve"].params if p.name == "max_message_bytes"
+    ]
     assert "too_large" in (max_message.help or "") and "bad_request" not in (max_message.help or "")
     assert f"{HARD_LIMIT_FACTOR} x this (the hard limit)" in (max_message.help or "")
 
 
 def test_the_request_path_names_methods_that_exist() -> None:
-    import batcher.backend
-    import batcher.broker
+    import batcher.broker.backend
+    import batcher.broker.loop
 
-    modules = {"Backend": batcher.backend, "Broker": batcher.broker}
+    modules = {"Backend": batcher.broker.backend, "Broker": batcher.broker.loop}
     named = re.findall(r"`(Broker|Backend)\.(_?\w+)`", read("README.md"))
     assert named
     for cls, method in named:
@@ -66,7 +68,7 @@ def test_the_request_path_names_methods_that_exist() -> None:
 def test_the_readme_lists_exactly_the_options_that_read_no_variable() -> None:
     unread = {
         (name, p.opts[0])
-        for name, command in batcher.cli.main.commands.items()
+        for name, command in batcher.cli.commands.main.commands.items()
         for p in command.params
         if isinstance(p, click.Option) and not p.envvar and not p.hidden and p.opts[0] != "--help"
     }

@@ -57,7 +57,7 @@ from typing import Any
 import pytest
 import zmq
 
-from batcher.launcher import free_tcp_address
+from batcher.serve.launcher import free_tcp_address
 from tests.conftest import kill_group
 from tests.helpers import broker_stats, wait_until
 

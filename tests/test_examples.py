@@ -21,9 +21,9 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from batcher.client import BatcherError, Client
-from batcher.launcher import ServeProcess, free_tcp_address
-from batcher.security import generate_keys
+from batcher.client.sync import BatcherError, Client
+from batcher.serve.launcher import ServeProcess, free_tcp_address
+from batcher.transport.security import generate_keys
 
 #: The tests that start a broker; the documentation checks need none.
 integration = pytest.mark.integration

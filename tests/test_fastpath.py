@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 np = pytest.importorskip("numpy")
 
-from batcher import protocol, tensor  # noqa: E402
+from batcher.wire import protocol, tensor  # noqa: E402
 from workers import fastpath, worker  # noqa: E402
 from workers.fastpath import ReplyEncoder, Rows, decode_plain, decode_uniform, reply_meta  # noqa: E402
 from workers.worker import _decode_requests, run_batch  # noqa: E402
@@ -294,7 +294,7 @@ def test_a_batch_without_tensors_does_not_import_numpy() -> None:
     import sys
 
     code = (
-        "import sys; from batcher import protocol; from workers import fastpath, worker; "
+        "import sys; from batcher.wire import protocol; from workers import fastpath, worker; "
         "bodies = [protocol.pack({'id': i, 'input': {'text': 'x'}}) for i in range(3)]; "
         "frames = protocol.batch_frames(1, [0.0] * 3, bodies); "
         "worker.run_batch(lambda xs: xs, frames[2], frames[3:], 'w'); print('numpy' in sys.modules)"

@@ -21,8 +21,8 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from batcher import protocol
-from batcher.client import Client
+from batcher.client.sync import Client
+from batcher.wire import protocol
 from tests.helpers import broker_stats, pack, recv_reply, unpack, wait_until
 from tests.reliability_models import (
     DISCONNECT,

@@ -30,7 +30,7 @@ import tritonclient.http as thttp
 import zmq
 from tritonclient.utils import InferenceServerException
 
-from batcher.launcher import ServeProcess, free_tcp_address
+from batcher.serve.launcher import ServeProcess, free_tcp_address
 from tests import onnx_models
 from tests.helpers import model_stats, wait_until
 
@@ -792,7 +792,7 @@ def test_gateway_says_why_it_cannot_start(spawn: Callable[..., Any], tmp_path: P
 def test_the_gateway_of_a_curve_broker_is_admitted_with_the_brokers_key(tmp_path: Path) -> None:
     """serve with CurveZMQ and a client allow-list that lists nobody: its own gateway
     connects with the broker's key pair, and HTTP clients are served."""
-    from batcher.security import generate_keys
+    from batcher.transport.security import generate_keys
 
     _, secret = generate_keys(str(tmp_path), "broker")
     allowed = tmp_path / "clients"

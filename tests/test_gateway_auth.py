@@ -25,8 +25,8 @@ from tritonclient.utils import InferenceServerException
 from batcher.gateway import access
 from batcher.gateway import inference_pb2 as pb
 from batcher.gateway import inference_pb2_grpc as pb_grpc
-from batcher.launcher import ServeProcess
-from batcher.security import generate_keys
+from batcher.serve.launcher import ServeProcess
+from batcher.transport.security import generate_keys
 from tests.helpers import wait_until
 from tests.test_gateway import PROBE, free_port
 

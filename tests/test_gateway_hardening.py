@@ -20,7 +20,7 @@ import pytest
 from batcher.gateway import inference_pb2 as pb
 from batcher.gateway import inference_pb2_grpc as pb_grpc
 from batcher.gateway import oip
-from batcher.protocol import ErrorCode
+from batcher.wire.protocol import ErrorCode
 from tests import onnx_models
 from tests.test_gateway import PROBE, Gateway, gateway  # noqa: F401 (the fixture)
 

@@ -15,7 +15,7 @@ import pytest
 from batcher.gateway import http_api, http_server
 from batcher.gateway.core import Gateway, GatewaySettings
 from batcher.gateway.http_server import HttpServer
-from batcher.launcher import free_tcp_address
+from batcher.serve.launcher import free_tcp_address
 
 pytestmark = pytest.mark.integration  # real sockets and a served port
 

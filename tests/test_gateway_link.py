@@ -18,7 +18,7 @@ import zmq
 
 from batcher.gateway import oip
 from batcher.gateway.core import BrokerLink, Gateway, GatewaySettings
-from batcher.launcher import free_tcp_address
+from batcher.serve.launcher import free_tcp_address
 
 pytestmark = pytest.mark.integration  # a broker thread and real sockets
 

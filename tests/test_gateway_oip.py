@@ -17,10 +17,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batcher import tensor
 from batcher.gateway import http_api, oip
 from batcher.gateway.oip import InferRequest, InputTensor, OipError, OutputTensor
-from batcher.protocol import ErrorCode
+from batcher.wire import tensor
+from batcher.wire.protocol import ErrorCode
 
 #: Every fixed-size datatype, its numpy type (the independent oracle for the bytes), and
 #: values that are exact in it, including its extremes.

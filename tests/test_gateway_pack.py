@@ -10,8 +10,8 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batcher import protocol, tensor
 from batcher.gateway.core import pack_request
+from batcher.wire import protocol, tensor
 
 DATATYPES = sorted(tensor.ITEM_BYTES)
 

@@ -27,7 +27,7 @@ from batcher.gateway import inference_pb2 as pb
 from batcher.gateway import inference_pb2_grpc as pb_grpc
 from batcher.gateway.core import MAX_PROCESSES, GatewaySettings
 from batcher.gateway.processes import foreign_listeners
-from batcher.launcher import ServeProcess, free_tcp_address
+from batcher.serve.launcher import ServeProcess, free_tcp_address
 from tests.conftest import Spawned
 from tests.helpers import wait_until
 from tests.test_gateway import PROBE, free_port, http_status, stats

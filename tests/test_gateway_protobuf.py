@@ -25,7 +25,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from batcher.gateway import inference_pb2, inference_pb2_grpc
-from batcher.launcher import free_tcp_address
+from batcher.serve.launcher import free_tcp_address
 from tests.helpers import wait_until
 from tests.test_gateway import free_port, http_status, wait_gateway
 

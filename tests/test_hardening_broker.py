@@ -24,12 +24,12 @@ import psutil
 import pytest
 import zmq
 
-from batcher import protocol
-from batcher.allocator import heap_trimmer
-from batcher.broker import Broker, BrokerSettings
-from batcher.client import BadRequest, Client, reply_key
-from batcher.launcher import free_tcp_address
-from batcher.protocol import pack, unpack
+from batcher.broker.loop import Broker, BrokerSettings
+from batcher.client.sync import BadRequest, Client, reply_key
+from batcher.serve.launcher import free_tcp_address
+from batcher.transport.allocator import heap_trimmer
+from batcher.wire import protocol
+from batcher.wire.protocol import pack, unpack
 from tests.helpers import broker_stats, recv_replies, start_broker, wait_until
 
 pytestmark = pytest.mark.integration

@@ -18,9 +18,9 @@ from typing import Any
 import click
 import pytest
 
-import batcher.cli
-from batcher.launcher import PICKED_PORTS, free_tcp_address
-from batcher.stats_table import format_stats
+import batcher.cli.commands
+from batcher.cli.stats_table import format_stats
+from batcher.serve.launcher import PICKED_PORTS, free_tcp_address
 
 #: Every test here runs the CLI or a worker as a process of its own.
 pytestmark = pytest.mark.integration
@@ -109,7 +109,7 @@ def test_config_integers_where_numbers_go_are_accepted(tmp_path):
 def test_every_numeric_option_has_both_bounds_and_refuses_nan():
     """Every int and float option of every command has a finite maximum (shown by --help)
     and every float option refuses NaN, so none can overflow where its value goes."""
-    for name, command in batcher.cli.main.commands.items():
+    for name, command in batcher.cli.commands.main.commands.items():
         for p in command.params:
             if isinstance(p.type, click.types.IntParamType | click.types.FloatParamType):
                 where = f"{name} --{p.name}"
@@ -117,7 +117,7 @@ def test_every_numeric_option_has_both_bounds_and_refuses_nan():
                 assert p.type.min is not None and p.type.max is not None, where
                 assert math.isfinite(p.type.max), where
             if isinstance(p.type, click.types.FloatParamType):
-                assert isinstance(p.type, batcher.cli.FiniteFloatRange), f"{name} --{p.name}"
+                assert isinstance(p.type, batcher.cli.commands.FiniteFloatRange), f"{name} --{p.name}"
                 with pytest.raises(click.BadParameter, match="not a number"):
                     p.type.convert("nan", None, None)
 

@@ -21,8 +21,8 @@ import pytest
 import zmq
 import zmq.auth
 
-from batcher.client import BadRequest, Client, ClientTimeout, Forbidden
-from batcher.launcher import free_tcp_address
+from batcher.client.sync import BadRequest, Client, ClientTimeout, Forbidden
+from batcher.serve.launcher import free_tcp_address
 from tests.helpers import curve_broker_stats, wait_until
 
 pytestmark = pytest.mark.integration
@@ -236,11 +236,11 @@ def test_curve_workers_only_leaves_the_frontend_encrypted_but_open(spawn, keys, 
 def test_curve_secret_key_in_an_allow_list_is_warned_about(keys, caplog):
     """README's layout rule: an allow-list holds public keys only; a secret found there
     is named at start (the keys still load: the .key files are what counts)."""
-    from batcher.security import load_allow_list
+    from batcher.transport.security import load_allow_list
 
     sloppy = keys.allow("sloppy", "alice")
     shutil.copy(keys.secret_file("alice"), sloppy)
-    with caplog.at_level(logging.WARNING, logger="batcher.security"):
+    with caplog.at_level(logging.WARNING, logger="batcher.transport.security"):
         allowed = load_allow_list(str(sloppy), "--curve-clients")
     assert allowed == {keys.z85("alice").encode()}
     assert any("holds secret key files (alice.key_secret)" in r.getMessage() for r in caplog.records)
@@ -249,11 +249,11 @@ def test_curve_secret_key_in_an_allow_list_is_warned_about(keys, caplog):
 def test_curve_refusals_are_logged_at_a_bounded_rate(caplog):
     """One WARNING per refused key, however often it retries, and none past
     MAX_REMEMBERED_REFUSALS distinct keys, so made-up keys cannot flood the log."""
-    from batcher import security
+    from batcher.transport import security
 
     check = security._RoleCheck("backend", {b"w" * 40}, "--curve-workers", {b"c" * 40}, "client")
     made_up = [f"{i:040d}".encode() for i in range(security.MAX_REMEMBERED_REFUSALS + 50)]
-    with caplog.at_level(logging.DEBUG, logger="batcher.security"):
+    with caplog.at_level(logging.DEBUG, logger="batcher.transport.security"):
         assert check.callback("backend", b"w" * 40)
         for _ in range(3):
             assert not check.callback("backend", b"c" * 40)

@@ -28,9 +28,9 @@ import psutil
 import pytest
 import zmq
 
-from batcher import protocol
-from batcher.launcher import ServeProcess, free_tcp_address
-from batcher.stopping import StopSignals
+from batcher.serve.launcher import ServeProcess, free_tcp_address
+from batcher.transport.stopping import StopSignals
+from batcher.wire import protocol
 from tests.helpers import FakeBackend, broker_stats, pack, recv_reply, start_broker, unpack, wait_until
 from workers.supervisor import STARTING_S, PoolSettings, Supervisor
 from workers.worker import EXIT_BAD_ADDRESS

@@ -20,8 +20,8 @@ import psutil
 import pytest
 import zmq
 
-from batcher.client import BadRequest, BatcherError, Client, DeadlineExceeded, ModelError, UnknownModel
-from batcher.launcher import free_tcp_address
+from batcher.client.sync import BadRequest, BatcherError, Client, DeadlineExceeded, ModelError, UnknownModel
+from batcher.serve.launcher import free_tcp_address
 from tests.helpers import FAST_SIM, HEARTBEAT, pack, recv_frames, recv_reply, unpack, wait_until
 
 pytestmark = pytest.mark.integration

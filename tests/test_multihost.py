@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import zmq
 
-from batcher.client import ClientTimeout, MultiClient
-from batcher.launcher import free_tcp_address
+from batcher.client.sync import ClientTimeout, MultiClient
+from batcher.serve.launcher import free_tcp_address
 from tests.helpers import FAST_SIM, HEARTBEAT, broker_stats, echo, pack, silent, unpack, wait_until
 
 

@@ -15,8 +15,8 @@ np = pytest.importorskip("numpy")
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install 'batcher[onnx]')")
 pytest.importorskip("onnx", reason="the onnx package builds the test models")
 
-from batcher import tensor  # noqa: E402
-from batcher.launcher import free_tcp_address  # noqa: E402
+from batcher.serve.launcher import free_tcp_address  # noqa: E402
+from batcher.wire import tensor  # noqa: E402
 from tests import onnx_models  # noqa: E402
 from tests.test_tensor import batch, replies_of  # noqa: E402
 from workers.models import ModelSpec, load_model  # noqa: E402
@@ -136,7 +136,7 @@ def test_served_outputs_equal_the_offline_ones(serve, client, tmp_path: Path) ->
     ],
 )
 def test_the_broker_configures_a_spec_under_the_name_its_worker_announces(text: str, name: str) -> None:
-    from batcher.cli import served_name
+    from batcher.cli.commands import served_name
 
     assert served_name(text) == name
 
@@ -215,7 +215,7 @@ def test_the_signature_checks_each_request_alone_and_metadata_returns_it(
 ) -> None:
     import zmq
 
-    from batcher.protocol import pack
+    from batcher.wire.protocol import pack
     from tests.helpers import recv_replies
 
     path = onnx_models.sum_and_product(tmp_path / "sp.onnx")

@@ -22,10 +22,10 @@ import pytest
 import zmq
 from click.testing import CliRunner
 
-import batcher.cli
-from batcher.broker import BrokerSettings
-from batcher.client import BatcherError, Cancelled, Client
-from batcher.launcher import free_tcp_address
+import batcher.cli.commands
+from batcher.broker.loop import BrokerSettings
+from batcher.client.sync import BatcherError, Cancelled, Client
+from batcher.serve.launcher import free_tcp_address
 from tests.helpers import FLAT_SIM, broker_stats, pack, recv_replies, sample, scrape, start_broker, wait_until
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "batcher.example.toml"
@@ -163,7 +163,7 @@ def test_json_logs_one_line_per_worker_event_and_none_per_request(serve, spawn, 
         return [e for e in json_lines(log_path) if e["pid"] == sp.process.pid and text in e["message"]]
 
     joined = broker_lines("worker joined")
-    assert len(joined) == 1 and joined[0]["level"] == "INFO" and joined[0]["logger"] == "batcher.broker"
+    assert len(joined) == 1 and joined[0]["level"] == "INFO" and joined[0]["logger"] == "batcher.broker.loop"
 
     # Traffic: not one line, at INFO, from the broker or its workers.
     before = json_lines(log_path)
@@ -201,7 +201,7 @@ def test_json_logs_one_line_per_worker_event_and_none_per_request(serve, spawn, 
 def settings_from_cli(*args: str, env: dict[str, str] | None = None) -> BrokerSettings:
     """The BrokerSettings `batcher ARGS` would run with; nothing is started."""
     captured: list[BrokerSettings] = []
-    real = batcher.cli.broker_settings
+    real = batcher.cli.commands.broker_settings
 
     def capture(*a: Any, **kw: Any) -> BrokerSettings:
         captured.append(real(*a, **kw))
@@ -209,11 +209,11 @@ def settings_from_cli(*args: str, env: dict[str, str] | None = None) -> BrokerSe
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level  # the commands set up logging their way
-    batcher.cli.broker_settings = capture
+    batcher.cli.commands.broker_settings = capture
     try:
-        result = CliRunner().invoke(batcher.cli.main, list(args), env=env)
+        result = CliRunner().invoke(batcher.cli.commands.main, list(args), env=env)
     finally:
-        batcher.cli.broker_settings = real
+        batcher.cli.commands.broker_settings = real
         root.handlers[:], root.level = handlers, level
     assert result.exit_code == 0 and captured, (result.output, result.exception)
     return captured[0]
@@ -255,7 +255,7 @@ def test_example_config_sets_the_model_list():
 
 
 def test_example_config_leaves_bench_model_alone():
-    ctx = batcher.cli.bench.make_context("bench", ["--config", str(EXAMPLE), "--spawn"])
+    ctx = batcher.cli.commands.bench.make_context("bench", ["--config", str(EXAMPLE), "--spawn"])
     assert ctx.params["model"] is None, ctx.params["model"]
 
 

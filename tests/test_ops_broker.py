@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import zmq
 
-from batcher import protocol
-from batcher.client import Client
-from batcher.launcher import free_tcp_address
-from batcher.protocol import pack, unpack
+from batcher.client.sync import Client
+from batcher.serve.launcher import free_tcp_address
+from batcher.wire import protocol
+from batcher.wire.protocol import pack, unpack
 from tests.fixture_models import BROKEN_ENV
 from tests.helpers import FLAT_SIM, broker_stats, curve_broker_stats, recv_replies, start_broker, wait_until
 from tests.reliability_models import DealerLoad

@@ -22,10 +22,10 @@ from typing import Any
 import click
 import pytest
 
-import batcher.cli
-from batcher.launcher import free_tcp_address
-from batcher.security import generate_keys
-from batcher.stats_table import Rates, compute_rates, format_stats
+import batcher.cli.commands
+from batcher.cli.stats_table import Rates, compute_rates, format_stats
+from batcher.serve.launcher import free_tcp_address
+from batcher.transport.security import generate_keys
 from tests.helpers import FLAT_SIM, broker_stats, silent, start_broker, wait_until
 from tests.test_operations import settings_from_cli
 
@@ -33,7 +33,7 @@ from tests.test_operations import settings_from_cli
 pytestmark = pytest.mark.integration
 
 OPERATIONS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
-REAL_POOL_SETTINGS = batcher.cli.pool_settings  # before any test replaces it
+REAL_POOL_SETTINGS = batcher.cli.commands.pool_settings  # before any test replaces it
 
 
 def addresses() -> list[str]:
@@ -112,11 +112,11 @@ def pool_from_cli(
         captured.append(real(*a, **kw))
         raise SystemExit(0)
 
-    monkeypatch.setattr(batcher.cli, "pool_settings", capture)
+    monkeypatch.setattr(batcher.cli.commands, "pool_settings", capture)
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     try:
-        result = CliRunner().invoke(batcher.cli.main, ["serve", *args], env=env)
+        result = CliRunner().invoke(batcher.cli.commands.main, ["serve", *args], env=env)
     finally:
         root.handlers[:], root.level = handlers, level
     assert result.exit_code == 0 and captured, (result.output, result.exception)
@@ -143,12 +143,12 @@ def test_workers_flag_or_variable_beats_the_model_tables(monkeypatch, tmp_path):
 # --- 2. environment variables: one meaning each ---------------------------------------------
 
 
-def env_options() -> list[tuple[str, batcher.cli.EnvOption]]:
+def env_options() -> list[tuple[str, batcher.cli.commands.EnvOption]]:
     return [
         (name, p)
-        for name, command in batcher.cli.main.commands.items()
+        for name, command in batcher.cli.commands.main.commands.items()
         for p in command.params
-        if isinstance(p, batcher.cli.EnvOption)
+        if isinstance(p, batcher.cli.commands.EnvOption)
     ]
 
 
@@ -208,22 +208,22 @@ def test_old_names_still_read_where_they_meant_that(monkeypatch, keys):
     monkeypatch.setenv("BATCHER_TIMEOUT_S", "0.3")
     monkeypatch.setenv("BATCHER_CURVE_SECRET_KEY", keys["alice"][1])
     monkeypatch.setenv("BATCHER_CONNECT", "tcp://127.0.0.1:7")
-    stats_ctx = batcher.cli.stats.make_context("stats", [])
+    stats_ctx = batcher.cli.commands.stats.make_context("stats", [])
     assert stats_ctx.params["timeout_s"] == 0.3
-    worker_ctx = batcher.cli.worker.make_context("worker", [])
+    worker_ctx = batcher.cli.commands.worker.make_context("worker", [])
     assert worker_ctx.params["connect"] == "tcp://127.0.0.1:7"
     assert worker_ctx.params["curve_secret_key"] == keys["alice"][1]
     s = settings_from_cli("broker", *addresses())
     assert s.curve is not None and s.curve.secret_key_file == keys["alice"][1]
     # A client's own key pair is still BATCHER_CURVE_SECRET_KEY, with no warning to give.
-    send_ctx = batcher.cli.send.make_context("send", ["1"])
+    send_ctx = batcher.cli.commands.send.make_context("send", ["1"])
     assert send_ctx.params["curve_secret_key"] == keys["alice"][1]
     assert not send_ctx.meta.get("batcher.deprecated_envvars")
 
     # The new name wins over the old one.
     monkeypatch.setenv("BATCHER_STATS_TIMEOUT_S", "2.5")
     monkeypatch.setenv("BATCHER_BROKER_CURVE_SECRET_KEY", keys["broker"][1])
-    assert batcher.cli.stats.make_context("stats", []).params["timeout_s"] == 2.5
+    assert batcher.cli.commands.stats.make_context("stats", []).params["timeout_s"] == 2.5
     s = settings_from_cli("broker", *addresses())
     assert s.curve is not None and s.curve.secret_key_file == keys["broker"][1]
 
@@ -447,13 +447,16 @@ def test_readiness_of_a_snapshot():
             "extra": {"configured": False, "workers": 0},
         }
     }
-    ready, problems = batcher.cli.readiness(snapshot, ())
+    ready, problems = batcher.cli.commands.readiness(snapshot, ())
     assert ready == ["ready: sim (2 workers)"] and problems == ["echo has no worker"]
-    ready, problems = batcher.cli.readiness(snapshot, ("x", "sim"))
+    ready, problems = batcher.cli.commands.readiness(snapshot, ("x", "sim"))
     assert ready == ["ready: sim (2 workers)"]
     assert problems == ["unknown model 'x' (served: sim, echo, extra)"]
     snapshot["models"]["echo"]["workers"] = 1
-    assert batcher.cli.readiness(snapshot, ()) == (["ready: sim (2 workers)", "ready: echo (1 worker)"], [])
+    assert batcher.cli.commands.readiness(snapshot, ()) == (
+        ["ready: sim (2 workers)", "ready: echo (1 worker)"],
+        [],
+    )
 
 
 def test_ready_waits_for_a_worker_and_says_what_is_missing(spawn, cli, zctx):
@@ -590,25 +593,25 @@ def test_bench_passes_the_broker_options_to_its_serve(monkeypatch, keys):
     to the `serve` it starts, and gives the load generator that key pair too."""
     from click.testing import CliRunner
 
-    import batcher.bench
-    import batcher.launcher
+    import batcher.cli.bench
+    import batcher.serve.launcher
 
     started: list[list[str]] = []
     loads: list[Any] = []
 
-    class Spawned(batcher.launcher.ServeProcess):
+    class Spawned(batcher.serve.launcher.ServeProcess):
         def start(self) -> Any:
             started.append(self.args)
             raise click.ClickException("stopped here by the test")
 
-    monkeypatch.setattr(batcher.launcher, "ServeProcess", Spawned)
-    real = batcher.bench.LoadSettings
-    monkeypatch.setattr(batcher.bench, "LoadSettings", lambda **kw: loads.append(kw) or real(**kw))
+    monkeypatch.setattr(batcher.serve.launcher, "ServeProcess", Spawned)
+    real = batcher.cli.bench.LoadSettings
+    monkeypatch.setattr(batcher.cli.bench, "LoadSettings", lambda **kw: loads.append(kw) or real(**kw))
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     try:
         result = CliRunner().invoke(
-            batcher.cli.main,
+            batcher.cli.commands.main,
             ["bench", "--spawn", "--requests", "5", "--no-worker-timeout-ms", "1234",
              "--max-batch-size", "3", "--curve-secret-key", keys["broker"][1]],
         )  # fmt: skip

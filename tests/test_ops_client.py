@@ -20,9 +20,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from batcher.aio import AsyncClient, AsyncPendingReply, ClientClosed
-from batcher.client import Client, ClientTimeout
-from batcher.launcher import free_tcp_address
+from batcher.client.aio import AsyncClient, AsyncPendingReply, ClientClosed
+from batcher.client.sync import Client, ClientTimeout
+from batcher.serve.launcher import free_tcp_address
 from tests.helpers import curve_broker_stats, start_broker, wait_until
 
 pytestmark = pytest.mark.integration

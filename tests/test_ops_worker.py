@@ -28,9 +28,9 @@ from typing import Any
 import pytest
 import zmq
 
-from batcher import protocol
-from batcher.client import BadRequest, Client, ModelError
-from batcher.launcher import ServeProcess, free_tcp_address
+from batcher.client.sync import BadRequest, Client, ModelError
+from batcher.serve.launcher import ServeProcess, free_tcp_address
+from batcher.wire import protocol
 from tests.conftest import kill_group
 from tests.helpers import broker_stats, curve_broker_stats, start_broker, wait_until
 from workers.models import ModelSpec, import_user_module, load_model

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import zmq
 
-from batcher import protocol
+from batcher.wire import protocol
 from tests.helpers import FakeBackend, pack, unpack, wait_until
 from workers.overlap import ModelThread
 

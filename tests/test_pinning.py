@@ -10,7 +10,7 @@ from typing import Any
 import psutil
 import pytest
 
-from batcher.launcher import free_tcp_address
+from batcher.serve.launcher import free_tcp_address
 from workers.placement import CpuPlan, parse_cpus, pinned_threads_per_worker, plan_cpus
 from workers.supervisor import PoolSettings, Supervisor
 from workers.worker import EXIT_BAD_ADDRESS
@@ -101,7 +101,7 @@ def test_serve_pins_its_worker_and_every_thread_of_it_and_the_broker_elsewhere(
     assert len(children) == 1
     assert _affinities(children[0].pid) == {tuple(CORES[1:])}
     assert _affinities(sp.process.pid) == {(CORES[0],)}  # the broker, its zmq and other threads
-    from batcher.client import Client
+    from batcher.client.sync import Client
 
     with Client(sp.frontend, timeout_s=10) as client:
         assert client.request("pinned", model="echo") == "pinned"

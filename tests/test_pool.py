@@ -1,4 +1,4 @@
-"""The worker pool's rules on a float clock (batcher/pool.py, sans-I/O): liveness judged
+"""The worker pool's rules on a float clock (batcher/core/pool.py, sans-I/O): liveness judged
 up to the last complete read of the backend, lost workers' requests requeued or failed
 by attempts and hand-backs, and admission of requests for models without workers."""
 
@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batcher.pool import WorkerInfo, WorkerPool, worker_info
-from batcher.protocol import ErrorCode, Heartbeat
-from batcher.scheduler import BatchSettings, QueuedRequest, Scheduler
-from batcher.signature import Signature, TensorSpec
+from batcher.core.pool import WorkerInfo, WorkerPool, worker_info
+from batcher.core.scheduler import BatchSettings, QueuedRequest, Scheduler
+from batcher.wire.protocol import ErrorCode, Heartbeat
+from batcher.wire.signature import Signature, TensorSpec
 
 HEARTBEAT = Heartbeat(interval_ms=100.0, liveness=3)  # 0.3 s of silence is death
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batcher import protocol
-from batcher.protocol import EnvelopeError, ErrorCode, Heartbeat, ProtocolError, RequestHeader
+from batcher.wire import protocol
+from batcher.wire.protocol import EnvelopeError, ErrorCode, Heartbeat, ProtocolError, RequestHeader
 
 
 def body(msg: object) -> bytes:

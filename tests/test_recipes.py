@@ -9,7 +9,7 @@ import pytest
 
 np = pytest.importorskip("numpy")
 
-from batcher import tensor  # noqa: E402
+from batcher.wire import tensor  # noqa: E402
 from tests.test_tensor import batch, replies_of  # noqa: E402
 from workers.models import ModelSpec, load_model  # noqa: E402
 from workers.worker import run_batch  # noqa: E402

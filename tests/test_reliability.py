@@ -21,14 +21,14 @@ from typing import Any
 import pytest
 import zmq
 
-from batcher.client import (
+from batcher.client.sync import (
     BatcherError,
     Cancelled,
     Client,
     ClientTimeout,
     DeadlineExceeded,
 )
-from batcher.launcher import free_tcp_address
+from batcher.serve.launcher import free_tcp_address
 from tests.helpers import (
     FAST_SIM,
     HEARTBEAT,

@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from batcher.scheduler import BatchSettings, NoSuchModel, Policy, QueuedRequest, Scheduler
+from batcher.core.scheduler import BatchSettings, NoSuchModel, Policy, QueuedRequest, Scheduler
 from tests.scheduler_builders import (
     enqueue_many,
     make,

@@ -1,4 +1,4 @@
-"""The scheduling rules of batcher.scheduler's module docstring, driven with a fake clock.
+"""The scheduling rules of batcher.core.scheduler's module docstring, driven with a fake clock.
 
 tests/test_scheduler.py covers the basic window rules; this file covers deadlines,
 priorities, backpressure, several models, allowed batch sizes, cancellation, the
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from batcher.scheduler import (
+from batcher.core.scheduler import (
     DEADLINE_MARGIN_S,
     PREFETCH_GRACE_S,
     RATE_TAU_S,

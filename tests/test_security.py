@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from batcher.client import Client, ClientTimeout
-from batcher.launcher import ServeProcess
-from batcher.security import load_public_key
+from batcher.client.sync import Client, ClientTimeout
+from batcher.serve.launcher import ServeProcess
+from batcher.transport.security import load_public_key
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
@@ -112,9 +112,9 @@ def test_the_admin_role_is_read_from_the_key_each_message_came_with(tmp_path: Pa
 
     import zmq
 
-    from batcher.broker import router
-    from batcher.security import CurveServerKeys, secure_client, secure_server
-    from batcher.zmqio import recv_bounded_from
+    from batcher.broker.loop import router
+    from batcher.transport.security import CurveServerKeys, secure_client, secure_server
+    from batcher.transport.zmqio import recv_bounded_from
 
     broker_secret = keygen(tmp_path / "server", "broker")
     ops_secret = keygen(tmp_path / "ops", "ops")

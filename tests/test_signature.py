@@ -1,4 +1,4 @@
-"""Model signatures (batcher/signature.py): their wire form, and the broker's check of a
+"""Model signatures (batcher/wire/signature.py): their wire form, and the broker's check of a
 request's tensors against them, from the tensor headers alone."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from batcher.signature import Signature, TensorSpec, signature_of
+from batcher.wire.signature import Signature, TensorSpec, signature_of
 
 
 def body(input: Any) -> bytes:
@@ -90,7 +90,7 @@ def test_a_model_declares_a_signature_as_an_attribute_and_nothing_else_counts() 
 
 
 def test_a_ready_with_a_malformed_signature_is_refused_and_a_good_one_kept() -> None:
-    from batcher.pool import worker_info
+    from batcher.core.pool import worker_info
 
     info = worker_info({"model": "m", "gpu": None, "pid": 1, "signature": ONE.wire()})
     assert info.signature == ONE
@@ -120,9 +120,9 @@ def test_what_a_worker_announces_is_bounded_and_typed(spec: dict[str, Any], mess
 
 
 def test_a_models_signature_is_its_newest_live_workers() -> None:
-    from batcher.pool import WorkerInfo, WorkerPool
-    from batcher.protocol import Heartbeat
-    from batcher.scheduler import Scheduler
+    from batcher.core.pool import WorkerInfo, WorkerPool
+    from batcher.core.scheduler import Scheduler
+    from batcher.wire.protocol import Heartbeat
 
     pool = WorkerPool(Scheduler(models=["m"]), Heartbeat(), 1, 0.0)
     pool.joined(b"a", WorkerInfo("m", None, 1, ONE), None, 0.0)

@@ -12,7 +12,7 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batcher import protocol, tensor
+from batcher.wire import protocol, tensor
 from tests.helpers import recv_replies
 from tests.test_tensor import batch, replies_of
 from workers.stacking import BadInput, Stack, pad, stacking_of, unpad, wrap

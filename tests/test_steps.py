@@ -1,6 +1,6 @@
 """A step-level worker's runner without sockets (workers/steps.py StepRunner, with the
 simulated generative model workers/models.py SimLM at zero step time), and the wire
-pieces of step-level workers (batcher/protocol.py: CHUNK headers, `stream`)."""
+pieces of step-level workers (batcher/wire/protocol.py: CHUNK headers, `stream`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from batcher import protocol
-from batcher.protocol import (
+from batcher.wire import protocol
+from batcher.wire.protocol import (
     CHUNK_DROPPED,
     CHUNK_ERROR,
     CHUNK_FINAL,

@@ -30,8 +30,8 @@ import zmq
 import zmq.asyncio
 
 from batcher import AsyncClient
-from batcher.client import BadRequest, Client, UnknownModel
-from batcher.launcher import ServeProcess, free_tcp_address
+from batcher.client.sync import BadRequest, Client, UnknownModel
+from batcher.serve.launcher import ServeProcess, free_tcp_address
 from tests.helpers import (
     HEARTBEAT,
     broker_stats,

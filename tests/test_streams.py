@@ -1,7 +1,7 @@
-"""The step-level workers' sans-I/O core on a float clock (batcher/streams.py): credit
+"""The step-level workers' sans-I/O core on a float clock (batcher/core/streams.py): credit
 accounting, exactly one final reply per sequence, the broker's own endings (cancel,
 deadline, client gone), hung workers; and what a lost step-level worker leaves behind
-(batcher/pool.py), with Scheduler.take feeding free slots. No zmq, no processes."""
+(batcher/core/pool.py), with Scheduler.take feeding free slots. No zmq, no processes."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from batcher.pool import WorkerInfo, WorkerPool
-from batcher.protocol import CHUNK_DROPPED, CHUNK_ERROR, CHUNK_FINAL, CHUNK_FLAGS, CHUNK_MORE, Heartbeat
-from batcher.scheduler import BatchSettings, QueuedRequest, Scheduler
-from batcher.streams import STEP_LIMIT_S, Sequence, Streams, Verdict
+from batcher.core.pool import WorkerInfo, WorkerPool
+from batcher.core.scheduler import BatchSettings, QueuedRequest, Scheduler
+from batcher.core.streams import STEP_LIMIT_S, Sequence, Streams, Verdict
+from batcher.wire.protocol import CHUNK_DROPPED, CHUNK_ERROR, CHUNK_FINAL, CHUNK_FLAGS, CHUNK_MORE, Heartbeat
 
 _rid = iter(range(10**9))
 
@@ -533,7 +533,7 @@ def test_remove_worker_returns_its_unanswered_sequences_answered_for_good() -> N
     assert s.on_chunk(b"w", fresh.seq_id, CHUNK_FINAL, 0.2) == (Verdict.DROP, None)
 
 
-# --- a lost step-level worker (batcher/pool.py) -------------------------------------------------
+# --- a lost step-level worker (batcher/core/pool.py) -------------------------------------------------
 
 
 def step_pool(max_retries: int = 1) -> WorkerPool:
@@ -668,7 +668,7 @@ def test_take_follows_priority_then_deadline_then_arrival_and_never_takes_more_t
 def test_a_limit_shorter_than_the_progress_reports_allow_is_raised() -> None:
     """Workers report progress every 100 ms: a --batch-timeout-ms of 1 ms would kill them
     between two reports, so step-level workers get at least MIN_STEP_LIMIT_S."""
-    from batcher.streams import MIN_STEP_LIMIT_S
+    from batcher.core.streams import MIN_STEP_LIMIT_S
 
     s = streams_with((b"w", 2))
     s.start(b"w", [rq()], 0.0)

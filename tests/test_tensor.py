@@ -1,4 +1,4 @@
-"""Tensors on the wire (batcher/tensor.py): every datatype and shape makes the round trip
+"""Tensors on the wire (batcher/wire/tensor.py): every datatype and shape makes the round trip
 equal, malformed tensor maps are refused saying why, and the worker hands a model arrays
 and answers a malformed tensor alone with `bad_request`."""
 
@@ -18,8 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from batcher import protocol, tensor
-from batcher.tensor import DATATYPES, TensorError
+from batcher.wire import protocol, tensor
+from batcher.wire.tensor import DATATYPES, TensorError
 from tests.helpers import broker_stats, pack, recv_replies, unpack
 from workers.worker import run_batch
 
@@ -377,7 +377,7 @@ def test_client_async_client_and_multiclient_send_and_receive_arrays(serve, clie
     import asyncio
 
     from batcher import AsyncClient
-    from batcher.client import MultiClient
+    from batcher.client.sync import MultiClient
 
     s = serve("--model", "echo", "--workers", "1", "--max-batch-size", "8", workers=1)
     sent = _arrays()
@@ -443,7 +443,10 @@ def test_the_broker_and_the_cli_never_import_numpy() -> None:
     import subprocess
     import sys
 
-    code = "import sys, batcher.broker, batcher.cli, batcher.serving; print('numpy' in sys.modules)"
+    code = (
+        "import sys, batcher.broker.loop, batcher.cli.commands, batcher.serve.serving; "
+        "print('numpy' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "False", done.stderr
 
@@ -587,7 +590,7 @@ def test_tensors_from_empty_to_the_message_size_limit_round_trip(serve, client):
 
 @pytest.mark.integration
 def test_a_tensor_over_the_limit_raises_too_large_and_the_client_goes_on(serve, client):
-    from batcher.client import TooLarge
+    from batcher.client.sync import TooLarge
 
     limit = 1 << 20
     s = serve("--model", "echo", "--workers", "1", "--max-message-bytes", str(limit), workers=1)

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from batcher.pool import worker_info
-from batcher.scheduler import BatchSettings, Scheduler
-from batcher.signature import Signature, TensorSpec
+from batcher.core.pool import worker_info
+from batcher.core.scheduler import BatchSettings, Scheduler
+from batcher.wire.signature import Signature, TensorSpec
 from workers import warmup
 
 SIG = Signature(
@@ -212,7 +212,7 @@ def test_an_onnx_model_is_warmed_up_on_the_sample_its_model_table_names(serve, c
 
 
 def test_a_model_tables_warmup_sample_is_a_path_from_the_config_files_directory(tmp_path: Path) -> None:
-    from batcher.config import ConfigError, load_config
+    from batcher.cli.config_file import ConfigError, load_config
 
     (tmp_path / "c.toml").write_text('[models.a]\nwarmup_sample = "s/a.json"\n[models.b]\nworkers = 1\n')
     assert load_config(str(tmp_path / "c.toml")).model_warmup_samples() == {

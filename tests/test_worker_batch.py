@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from batcher import protocol
+from batcher.wire import protocol
 from tests import unit_models
 from workers.models import ModelSpec, SimModel, SimSettings, echo, load_model
 from workers.worker import run_batch

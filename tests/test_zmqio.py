@@ -1,4 +1,4 @@
-"""batcher.zmqio: the non-blocking multipart calls the broker and the gateway use."""
+"""batcher.transport.zmqio: the non-blocking multipart calls the broker and the gateway use."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import zmq
 
-from batcher.protocol import ZERO_COPY_BYTES
-from batcher.zmqio import readable, recv_bounded, recv_bounded_from, recv_frames, send_frames
+from batcher.transport.zmqio import readable, recv_bounded, recv_bounded_from, recv_frames, send_frames
+from batcher.wire.protocol import ZERO_COPY_BYTES
 
 
 @pytest.fixture

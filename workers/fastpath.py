@@ -26,8 +26,8 @@ from typing import Any
 import msgpack
 import msgspec
 
-from batcher import aligned, tensor
-from batcher.protocol import ZERO_COPY_BYTES
+from batcher.wire import aligned, tensor
+from batcher.wire.protocol import ZERO_COPY_BYTES
 
 
 def _numpy() -> Any:
@@ -189,7 +189,7 @@ class ReplyEncoder:
     every part that is the same for the whole batch (the keys, the batch's metadata, an
     output tensor's header per datatype and shape) is encoded once, and a reply is those
     parts joined around its id, its output's bytes and its queue_ms, the tensor's data
-    aligned as batcher.aligned aligns it. docs/protocol.md 4.3 has the reply's form."""
+    aligned as batcher.wire.aligned aligns it. docs/protocol.md 4.3 has the reply's form."""
 
     def __init__(self, n: int, worker: str, wait_ms: float | None, infer_ms: float) -> None:
         self._batch = (n, worker, wait_ms, infer_ms)

@@ -20,7 +20,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from batcher.signature import Signature, TensorSpec
+from batcher.wire.signature import Signature, TensorSpec
 from workers import fastpath
 from workers.placement import threads_per_worker
 from workers.stacking import BadInput

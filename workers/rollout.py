@@ -34,7 +34,7 @@ Reply = Callable[[bool, Any], None]
 
 
 class BrokerView(Protocol):
-    """What a rollout needs of the broker (batcher.control.Controls has it)."""
+    """What a rollout needs of the broker (batcher.broker.control.Controls has it)."""
 
     def workers_of(self, model: str) -> list[tuple[bytes, object, int]]: ...
 

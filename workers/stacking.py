@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from batcher.tensor import TensorError
+from batcher.wire.tensor import TensorError
 from workers.models import MAX_PADDED_ELEMENTS, check_max_padded_elements
 
 
@@ -130,7 +130,7 @@ class Stacked:
 
     @property
     def signature(self) -> Any:
-        """The wrapped model's declared signature (batcher.signature), if any."""
+        """The wrapped model's declared signature (batcher.wire.signature), if any."""
         return getattr(self.model, "signature", None)
 
     @property

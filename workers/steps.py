@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
-from batcher import protocol
-from batcher.protocol import CHUNK_DROPPED, CHUNK_ERROR, CHUNK_FINAL, CHUNK_MORE, ErrorCode
+from batcher.wire import protocol
+from batcher.wire.protocol import CHUNK_DROPPED, CHUNK_ERROR, CHUNK_FINAL, CHUNK_MORE, ErrorCode
 
 log = logging.getLogger("batcher.worker")
 

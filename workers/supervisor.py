@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from batcher.protocol import Heartbeat
-from batcher.stopping import stop_signals_blocked
+from batcher.transport.stopping import stop_signals_blocked
+from batcher.wire.protocol import Heartbeat
 from workers.models import MAX_PADDED_ELEMENTS, ModelSpec, SimSettings, check_max_padded_elements
 from workers.placement import (
     CpuPlan,

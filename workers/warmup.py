@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from batcher.signature import Signature
-from batcher.tensor import DATATYPES
+from batcher.wire.signature import Signature
+from batcher.wire.tensor import DATATYPES
 
 #: Runs per batch size; the fastest counts (the others pay for the first run's set-up).
 RUNS = 3

@@ -29,15 +29,15 @@ import msgpack
 import msgspec
 import zmq
 
-from batcher import protocol, tensor
-from batcher.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
-from batcher.client import HANDSHAKE_FAILED, ConnectionWatch
+from batcher.client.sync import HANDSHAKE_FAILED, ConnectionWatch
 from batcher.extras import extra_of, install_command
-from batcher.protocol import ErrorCode, Heartbeat
-from batcher.security import secure_client
-from batcher.signature import signature_of
-from batcher.stopping import StopSignals, ignore_stop_signals
-from batcher.zmqio import readable, recv_frames, send_frames
+from batcher.transport.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
+from batcher.transport.security import secure_client
+from batcher.transport.stopping import StopSignals, ignore_stop_signals
+from batcher.transport.zmqio import readable, recv_frames, send_frames
+from batcher.wire import protocol, tensor
+from batcher.wire.protocol import ErrorCode, Heartbeat
+from batcher.wire.signature import signature_of
 from workers import fastpath, warmup
 from workers.models import (
     MAX_PADDED_ELEMENTS,

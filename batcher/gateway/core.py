@@ -20,11 +20,12 @@ from typing import Any
 import msgspec
 import zmq
 
-from batcher import __version__, aligned, protocol, tensor
-from batcher.client import ConnectionWatch, cancel_body, open_dealer
+from batcher import __version__
+from batcher.client.sync import ConnectionWatch, cancel_body, open_dealer
 from batcher.gateway import oip
-from batcher.protocol import ErrorCode
-from batcher.zmqio import readable, recv_frames, send_frames
+from batcher.transport.zmqio import readable, recv_frames, send_frames
+from batcher.wire import aligned, protocol, tensor
+from batcher.wire.protocol import ErrorCode
 
 log = logging.getLogger("batcher.gateway")
 

@@ -18,7 +18,7 @@ from batcher.gateway import access, oip, triton
 from batcher.gateway import inference_pb2 as pb
 from batcher.gateway import inference_pb2_grpc as pb_grpc
 from batcher.gateway.core import Gateway
-from batcher.protocol import ErrorCode
+from batcher.wire.protocol import ErrorCode
 
 log = logging.getLogger("batcher.gateway")
 

@@ -23,7 +23,7 @@ import msgspec
 
 from batcher.gateway import access, oip, triton
 from batcher.gateway.core import Gateway
-from batcher.protocol import ErrorCode
+from batcher.wire.protocol import ErrorCode
 
 log = logging.getLogger("batcher.gateway")
 HEADER_LENGTH = "Inference-Header-Content-Length"

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from batcher import tensor
-from batcher.protocol import ErrorCode
+from batcher.wire import tensor
+from batcher.wire.protocol import ErrorCode
 
 #: The one version each model has: batcher serves what its workers load.
 MODEL_VERSION = "1"

@@ -53,7 +53,7 @@ from pathlib import Path
 from batcher.gateway import access
 from batcher.gateway.core import GatewaySettings
 from batcher.gateway.server import GRACE_S, SIBLINGS_UP
-from batcher.stopping import ignore_stop_signals, stop_signals_blocked
+from batcher.transport.stopping import ignore_stop_signals, stop_signals_blocked
 
 log = logging.getLogger("batcher.gateway")
 
@@ -225,7 +225,7 @@ class _Gateway:
     def start(self) -> None:
         child_settings = replace(self.settings, processes=1)
         # A signal to the process group while they start waits until each has chosen
-        # to ignore it (batcher.stopping.stop_signals_blocked): the parent acts on it.
+        # to ignore it (batcher.transport.stopping.stop_signals_blocked): the parent acts on it.
         with stop_signals_blocked():
             for index in range(1, self.settings.processes + 1):
                 proc = subprocess.Popen(

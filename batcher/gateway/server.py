@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from batcher.gateway import access
 from batcher.gateway.core import Gateway, GatewaySettings
-from batcher.stopping import ignore_stop_signals
+from batcher.transport.stopping import ignore_stop_signals
 
 if TYPE_CHECKING:
     import grpc

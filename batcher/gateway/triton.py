@@ -15,7 +15,7 @@ from typing import Any
 
 from batcher.gateway import oip
 from batcher.gateway.core import Gateway, check_version
-from batcher.protocol import ErrorCode
+from batcher.wire.protocol import ErrorCode
 
 #: Triton's DataType names of the v2 datatypes (BYTES is Triton's TYPE_STRING).
 DATA_TYPES = {
@@ -117,7 +117,7 @@ async def model_statistics(gateway: Gateway, model: str = "", version: str = "")
 
 
 def statistics_of(model: str, entry: dict[str, Any], now_ms: float) -> dict[str, Any]:
-    """A `stats` model entry's totals (batcher/stats.py, Totals) as Triton's
+    """A `stats` model entry's totals (batcher/broker/stats.py, Totals) as Triton's
     ModelStatistics; last_inference is when its last batch was answered (ms since the
     epoch, 0 before any)."""
     totals = entry.get("totals") or {}

@@ -9,10 +9,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from batcher.pool import WorkerPool
-from batcher.protocol import ErrorCode
-from batcher.scheduler import BatchSettings, Scheduler
-from batcher.stats import BrokerStats
+from batcher.broker.stats import BrokerStats
+from batcher.core.pool import WorkerPool
+from batcher.core.scheduler import BatchSettings, Scheduler
+from batcher.wire.protocol import ErrorCode
 
 log = logging.getLogger("batcher.broker")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from batcher.client import BatcherError, Client
+from batcher.client.sync import BatcherError, Client
 from workers.supervisor import child_environment
 
 #: How many ports below the kernel's ephemeral range free_tcp_address draws from.

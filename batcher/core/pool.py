@@ -7,12 +7,12 @@ scheduler (no zmq, the time passed in), tested on a float clock (tests/test_pool
 - **Lost workers.** A worker that failed (it crashed, hung or fell silent) was running
   one batch, its first (batches run in the order sent), or the one that hung: each of
   that batch's requests costs an attempt and becomes a suspect, which runs alone from
-  then on (batcher.scheduler), so that a request that kills every worker it meets
+  then on (batcher.core.scheduler), so that a request that kills every worker it meets
   takes none of its batch-mates with it again. The batches behind it, which the worker
   had not begun, are handed back as by a worker that left on its own (DISCONNECT):
   free the first time only. A request whose attempts reach `max_retries` is answered
   `worker_failed`; the others go back to their queue, ahead of later arrivals.
-- **Lost sequences.** A step-level worker's sequences follow batcher.streams: one
+- **Lost sequences.** A step-level worker's sequences follow batcher.core.streams: one
   that has sent no chunk is a request like any other here (retried, or answered
   `worker_failed` past its retries); one that has sent a chunk is answered
   `worker_failed` at once.
@@ -25,10 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from batcher.protocol import MAX_ACTIVE, MAX_REPORTED_MS, MAX_WARMUP_ERROR_CHARS, ErrorCode, Heartbeat
-from batcher.scheduler import Batch, QueuedRequest, Scheduler
-from batcher.signature import Signature
-from batcher.streams import Streams
+from batcher.core.scheduler import Batch, QueuedRequest, Scheduler
+from batcher.core.streams import Streams
+from batcher.wire.protocol import MAX_ACTIVE, MAX_REPORTED_MS, MAX_WARMUP_ERROR_CHARS, ErrorCode, Heartbeat
+from batcher.wire.signature import Signature
 
 
 class WorkerInfo(NamedTuple):

@@ -824,7 +824,7 @@ class Scheduler:
     ) -> list[Batch]:
         """A worker announced itself (READY). It may hold `worker_prefetch` batches at once
         (fewer if it asks for fewer `slots`); a `step`-level one holds none: it takes
-        requests one by one (`take`), for the sequence slots batcher.streams counts. A
+        requests one by one (`take`), for the sequence slots batcher.core.streams counts. A
         worker announcing itself again is a fresh one: the batches it held are returned,
         to be answered or sent elsewhere."""
         lost = self.remove_worker(worker_id)

@@ -19,7 +19,7 @@ from typing import Any, cast
 import msgpack
 import msgspec
 
-from batcher import tensor
+from batcher.wire import tensor
 
 #: msgpack's encoding of the key "datatype" (fixstr): a body without it holds no tensor map.
 DATATYPE_KEY = b"\xa8datatype"

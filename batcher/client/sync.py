@@ -7,7 +7,7 @@ timed out is recognised and dropped.
 What every client shares, without any I/O, is `BaseClient` (as httpx's BaseClient is
 for its Client and AsyncClient): the request ids, the table of requests waiting for a
 reply, matching a reply to its request, the timeout and retry rules, and the
-ConnectionWatch hints. `Client` adds a blocking socket, `batcher.aio.AsyncClient` an
+ConnectionWatch hints. `Client` adds a blocking socket, `batcher.client.aio.AsyncClient` an
 asyncio one, and `MultiClient` combines Clients through their public methods.
 """
 
@@ -27,10 +27,10 @@ from typing import Any, Generic, TypeVar
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from batcher import protocol, tensor
-from batcher.protocol import ErrorCode
-from batcher.security import load_public_key, secure_client
-from batcher.zmqio import recv_frames, send_frames
+from batcher.transport.security import load_public_key, secure_client
+from batcher.transport.zmqio import recv_frames, send_frames
+from batcher.wire import protocol, tensor
+from batcher.wire.protocol import ErrorCode
 
 log = logging.getLogger("batcher.client")
 
@@ -134,6 +134,12 @@ class Unreachable(ClientTimeout, code=UNREACHABLE):
     `connect_timeout_s` rather than waiting out its timeout: nothing listens there
     (the connection is refused), or what listens is no ZeroMQ peer (an HTTP server).
     A ClientTimeout too: no reply came, and none will."""
+
+
+class ClientClosed(BatcherError):
+    """The client was closed while this request waited for its reply."""
+
+    code = "closed"
 
 
 def error_class_name(code: str) -> str:

@@ -1,6 +1,6 @@
 """What the broker counts, in one object: per-model outcomes and recent latencies, the
 broker-wide counters, and the `stats` control request's snapshot built from them and
-from the scheduler's and the pool's read-only views. Prometheus (batcher.metrics) is
+from the scheduler's and the pool's read-only views. Prometheus (batcher.broker.metrics) is
 fed from here too, so every count is made in one place."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from batcher.metrics import NoMetrics, Recent, percentile
-from batcher.pool import WorkerPool
-from batcher.protocol import ErrorCode
-from batcher.scheduler import ModelView
-from batcher.streams import Streams
+from batcher.broker.metrics import NoMetrics, Recent, percentile
+from batcher.core.pool import WorkerPool
+from batcher.core.scheduler import ModelView
+from batcher.core.streams import Streams
+from batcher.wire.protocol import ErrorCode
 
 #: The window over which `stats` reports chunks per second.
 CHUNK_RATE_WINDOW_S = 5.0

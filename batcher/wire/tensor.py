@@ -5,7 +5,7 @@ A tensor is a msgpack map of exactly three keys (docs/protocol.md, "Tensors"):
     {"datatype": "FP32", "shape": [2, 3], "data": <bin: the C-order little-endian bytes>}
 
 Everything batcher writes puts the data at a multiple of ALIGN_BYTES from the body's
-first byte (batcher/aligned.py), so a receiver may view it with the alignment its
+first byte (batcher/wire/aligned.py), so a receiver may view it with the alignment its
 elements need.
 
 The datatype names are the Open Inference Protocol's. A receiver wraps `data` without

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from batcher.scheduler import BatchSettings
+from batcher.core.scheduler import BatchSettings
 
 #: Keys of a [models.NAME] table for the model's workers (`serve` only): the devices it
 #: is pinned to, how many workers it gets, and the file of the input its warm-up runs

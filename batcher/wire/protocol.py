@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import msgpack
 import msgspec
 
-from batcher import aligned, tensor
+from batcher.wire import aligned, tensor
 
 #: First frame of every backend message, so a peer speaking anything else is spotted.
 WORKER_PROTOCOL = b"BATCHER-W2"
@@ -436,7 +436,7 @@ def _plain_leaf(value: object) -> bool:
 
 def pack_carrying(fields: dict[str, Any], payload: object) -> bytes:
     """A request or reply map whose `input` or `output` is `payload`, encoded with every
-    tensor in it aligned (batcher.aligned: its data at a multiple of 8 bytes from the
+    tensor in it aligned (batcher.wire.aligned: its data at a multiple of 8 bytes from the
     body's start, docs/protocol.md 3.1). A payload without tensors is encoded by msgspec
     when it is plain (`_plain_payload`; the other fields are the protocol's own scalars),
     by msgpack's Packer otherwise."""
@@ -694,7 +694,7 @@ def ready_frames(
 ) -> list[bytes]:
     """Backend READY message, a worker's first words: what it serves (and, optionally, how
     many batches it accepts at once, the broker's --worker-prefetch applying otherwise,
-    its model's signature in wire form, batcher.signature, the [a, b] ms of the
+    its model's signature in wire form, batcher.wire.signature, the [a, b] ms of the
     t(n) = a + b*n its warm-up measured, or why its warm-up failed, and, for a step-level
     worker, the sequences it holds at once: its credit)."""
     info: dict[str, Any] = {"model": model, "gpu": gpu, "pid": pid}

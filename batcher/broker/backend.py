@@ -1,7 +1,7 @@
 """The broker's worker side: the backend ROUTER and what workers say on it (READY,
 REPLY, CHUNK, HEARTBEAT, DISCONNECT), heartbeats to them, and what becomes of a lost
-worker's batches and sequences. Every rule is the worker pool's (batcher/pool.py), the
-scheduler's or batcher.streams'; this class reads and writes the socket and reports to
+worker's batches and sequences. Every rule is the worker pool's (batcher/core/pool.py), the
+scheduler's or batcher.core.streams'; this class reads and writes the socket and reports to
 the stats."""
 
 from __future__ import annotations
@@ -13,19 +13,19 @@ from typing import Any
 
 import zmq
 
-from batcher import protocol
-from batcher.pool import WorkerPool, worker_info
-from batcher.protocol import ErrorCode, WorkerProtocolError
-from batcher.scheduler import Batch, QueuedRequest, Scheduler
-from batcher.stats import BrokerStats
-from batcher.streams import Sequence, Verdict
-from batcher.zmqio import readable, recv_frames, send_frames
+from batcher.broker.stats import BrokerStats
+from batcher.core.pool import WorkerPool, worker_info
+from batcher.core.scheduler import Batch, QueuedRequest, Scheduler
+from batcher.core.streams import Sequence, Verdict
+from batcher.transport.zmqio import readable, recv_frames, send_frames
+from batcher.wire import protocol
+from batcher.wire.protocol import ErrorCode, WorkerProtocolError
 
 log = logging.getLogger("batcher.broker")
 
 #: Messages taken at once before the loop looks at the frontend and the timers...
 DRAIN_LIMIT = 2000
-#: ...or this much time, whichever comes first (see batcher.broker).
+#: ...or this much time, whichever comes first (see batcher.broker.loop).
 DRAIN_BUDGET_S = 0.005
 #: Budgets read before taking an unreachable worker for dead (its goodbye may be queued).
 GOODBYE_READS = 10

@@ -22,7 +22,7 @@ import zmq
 from zmq.backend import Frame
 from zmq.backend import Socket as _BaseSocket
 
-from batcher.protocol import ZERO_COPY_BYTES
+from batcher.wire.protocol import ZERO_COPY_BYTES
 
 _send = _BaseSocket.send
 _recv = _BaseSocket.recv

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from batcher.tensor import DATATYPES, MAX_ELEMENTS, MAX_RANK
+from batcher.wire.tensor import DATATYPES, MAX_ELEMENTS, MAX_RANK
 
 #: The longest tensor name a signature may hold.
 MAX_NAME = 256

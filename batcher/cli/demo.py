@@ -16,10 +16,10 @@ from typing import Any
 import click
 import zmq
 
-from batcher import protocol
-from batcher.client import Client
-from batcher.launcher import ServeProcess
-from batcher.scheduler import Policy
+from batcher.client.sync import Client
+from batcher.core.scheduler import Policy
+from batcher.serve.launcher import ServeProcess
+from batcher.wire import protocol
 from workers.models import SimSettings
 
 REQUESTS = 8

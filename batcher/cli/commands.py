@@ -34,12 +34,11 @@ import click
 import zmq
 from click.core import ParameterSource
 
-from batcher import tensor
-from batcher.addresses import check_address
-from batcher.broker import BindError, BrokerSettings, run_broker
-from batcher.client import TIMEOUT, UNREACHABLE, BatcherError, Client, ClientTimeout, Unreachable
-from batcher.config import COMMA_LIST_OPTIONS, Config, ConfigError, Kind, load_config, type_problem
-from batcher.demo import DEMO_POLICY, DEMO_WORKERS, run_demo
+from batcher.broker.loop import BindError, BrokerSettings, run_broker
+from batcher.cli.config_file import COMMA_LIST_OPTIONS, Config, ConfigError, Kind, load_config, type_problem
+from batcher.cli.demo import DEMO_POLICY, DEMO_WORKERS, run_demo
+from batcher.client.sync import TIMEOUT, UNREACHABLE, BatcherError, Client, ClientTimeout, Unreachable
+from batcher.core.scheduler import BUCKET_BY, POLICIES, BatchSettings
 from batcher.extras import MissingExtra, require
 from batcher.gateway import access
 from batcher.gateway.core import MAX_PROCESSES as MAX_GATEWAY_PROCESSES
@@ -47,10 +46,11 @@ from batcher.gateway.core import GatewaySettings
 from batcher.gateway.process import GatewayProcess, gateway_command, local_address
 from batcher.gateway.processes import check_supported as check_processes_supported
 from batcher.logs import FORMATS, setup_logging
-from batcher.protocol import MAX_ACTIVE, Heartbeat
-from batcher.scheduler import BUCKET_BY, POLICIES, BatchSettings
-from batcher.security import CurveServerKeys, KeyFileError
-from batcher.serving import ModelLoadFailed, run_serve
+from batcher.serve.serving import ModelLoadFailed, run_serve
+from batcher.transport.addresses import check_address
+from batcher.transport.security import CurveServerKeys, KeyFileError
+from batcher.wire import tensor
+from batcher.wire.protocol import MAX_ACTIVE, Heartbeat
 from workers import warmup
 from workers.models import MAX_PADDED_ELEMENTS, ONNX_PREFIX, ModelSpec, SimSettings
 from workers.placement import parse_cpus
@@ -121,7 +121,7 @@ class FiniteFloatRange(click.FloatRange):
 
 
 class ZmqAddress(click.ParamType[str]):
-    """A ZeroMQ address option (batcher.addresses): a malformed one is a one-line usage
+    """A ZeroMQ address option (batcher.transport.addresses): a malformed one is a one-line usage
     error naming the form expected, never libzmq's EINVAL from inside a send or a bind."""
 
     name = "ADDRESS"
@@ -1842,8 +1842,8 @@ def bench(
 
     With --spawn, --curve-secret-key is the spawned broker's key pair, and the load
     generator uses it too (the broker admits its own key on both sockets)."""
-    from batcher.bench import LoadSettings, format_report
-    from batcher.launcher import ServeProcess
+    from batcher.cli.bench import LoadSettings, format_report
+    from batcher.serve.launcher import ServeProcess
 
     setup(logs)
     if spawn == (connect is not None):
@@ -1942,7 +1942,7 @@ def _wait_spawned(serve: Any, workers: int, curve_key: str | None, timeout_s: fl
 
 def _run_with_progress(settings: Any) -> Any:
     """run_load with a progress bar on stderr (elapsed time, or requests answered)."""
-    from batcher.bench import run_load
+    from batcher.cli.bench import run_load
 
     if settings.requests is not None:
         length, unit = settings.requests, "requests"
@@ -2003,7 +2003,7 @@ def stats(
 
     --watch adds, per model, requests answered, ok and errors per second and batches per
     second, each over the last refresh interval (`-` until the second refresh)."""
-    from batcher.stats_table import compute_rates, format_stats
+    from batcher.cli.stats_table import compute_rates, format_stats
 
     setup(logs)
     if count is not None and not watch:
@@ -2178,7 +2178,7 @@ def keygen(directory: str, name: str, force: bool, logs: LogOptions) -> None:
     """Write a CurveZMQ key pair to DIRECTORY: NAME.key (public, to share) and
     NAME.key_secret (secret, keep private). An existing pair is kept unless --force:
     every peer holding its public key would have to be given the new one."""
-    from batcher.security import KeyExistsError, generate_keys
+    from batcher.transport.security import KeyExistsError, generate_keys
 
     setup(logs)
     try:

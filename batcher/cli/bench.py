@@ -47,10 +47,10 @@ import msgspec
 import zmq
 from hdrh.histogram import HdrHistogram
 
-from batcher import protocol
-from batcher.allocator import heap_trimmer, keep_freed_memory
-from batcher.security import load_keypair, load_public_key, secure_client
-from batcher.zmqio import recv_frames, send_frames
+from batcher.transport.allocator import heap_trimmer, keep_freed_memory
+from batcher.transport.security import load_keypair, load_public_key, secure_client
+from batcher.transport.zmqio import recv_frames, send_frames
+from batcher.wire import protocol
 from workers.supervisor import child_environment
 
 #: Latencies are recorded in microseconds, from 1 us to 10 minutes, 3 significant digits.
@@ -264,7 +264,7 @@ def run_shard(
 
     `start()` is called once connected and returns when the load may begin (so that all
     shards begin together); `progress(replies)` is called every PROGRESS_INTERVAL_S or so."""
-    trim = heap_trimmer() if keep_freed_memory() else None  # large payloads: batcher.allocator
+    trim = heap_trimmer() if keep_freed_memory() else None  # large payloads: batcher.transport.allocator
     ctx: zmq.Context[Any] = zmq.Context()
     sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -507,7 +507,7 @@ def _cpu_s() -> float:
 # pickled frames: settings and then "go" on its stdin; "ready", progress counts and the
 # result (or an error) on a pipe of its own, so nothing it prints can be taken for one.
 
-_CHILD_CODE = "from batcher.bench import _load_process_main; _load_process_main()"
+_CHILD_CODE = "from batcher.cli.bench import _load_process_main; _load_process_main()"
 
 
 def _write_frame(f: IO[bytes], obj: Any) -> None:

@@ -23,24 +23,24 @@ from typing import Any
 import zmq
 from zmq.backend import Frame
 
-from batcher import protocol
-from batcher.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
-from batcher.backend import DRAIN_BUDGET_S, DRAIN_LIMIT, Backend
-from batcher.control import MUTATING_OPS, Controls
-from batcher.metrics import PrometheusMetrics
-from batcher.pool import WorkerPool
-from batcher.protocol import ErrorCode, Heartbeat, ProtocolError
-from batcher.scheduler import Batch, BatchSettings, NoSuchModel, QueuedRequest, QueueFull, Scheduler
-from batcher.security import CurveGate, CurveServerKeys, HandshakeWatch, secure_server
-from batcher.stats import BrokerStats, gauges
-from batcher.stopping import StopSignals
-from batcher.streams import Streams
-from batcher.zmqio import readable, recv_bounded, recv_bounded_from, send_replies, send_reply
+from batcher.broker.backend import DRAIN_BUDGET_S, DRAIN_LIMIT, Backend
+from batcher.broker.control import MUTATING_OPS, Controls
+from batcher.broker.metrics import PrometheusMetrics
+from batcher.broker.stats import BrokerStats, gauges
+from batcher.core.pool import WorkerPool
+from batcher.core.scheduler import Batch, BatchSettings, NoSuchModel, QueuedRequest, QueueFull, Scheduler
+from batcher.core.streams import Streams
+from batcher.transport.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
+from batcher.transport.security import CurveGate, CurveServerKeys, HandshakeWatch, secure_server
+from batcher.transport.stopping import StopSignals
+from batcher.transport.zmqio import readable, recv_bounded, recv_bounded_from, send_replies, send_reply
+from batcher.wire import protocol
+from batcher.wire.protocol import ErrorCode, Heartbeat, ProtocolError
 
 log = logging.getLogger("batcher.broker")
 
 # A drain of either socket takes at most DRAIN_LIMIT messages or DRAIN_BUDGET_S
-# (batcher.backend), whichever comes first: a burst of costly messages (huge bodies,
+# (batcher.broker.backend), whichever comes first: a burst of costly messages (huge bodies,
 # floods of cancels) can never hold heartbeats, liveness checks and deadlines back.
 #: Frames one client message may have: the routing id, proxy hops, a delimiter, the body.
 MAX_FRAMES = 32

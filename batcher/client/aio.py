@@ -7,10 +7,10 @@ one connection, and the broker can batch them together:
     async with AsyncClient("tcp://127.0.0.1:5555") as client:
         outputs = await asyncio.gather(*(client.request(x) for x in range(64)))
 
-Errors raise the same typed exceptions as the blocking client (batcher.client):
+Errors raise the same typed exceptions as the blocking client (batcher.client.sync):
 `ModelError`, `UnknownModel`, ... and `ClientTimeout` when no reply came in time.
 The ids, the matching of replies and the retry rule are the blocking client's too
-(batcher.client.BaseClient); only the waiting is asyncio's.
+(batcher.client.sync.BaseClient); only the waiting is asyncio's.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from batcher import protocol, tensor
-from batcher.client import (
+from batcher.client.sync import (
     CLIENT_EVENTS,
     CONNECT_TIMEOUT_S,
     BaseClient,
     BatcherError,
+    ClientClosed,
     ClientTimeout,
     Unreachable,
     cancel_body,
@@ -41,16 +41,11 @@ from batcher.client import (
     request_body,
     timeout_reply,
 )
-from batcher.protocol import ZERO_COPY_BYTES
+from batcher.wire import protocol, tensor
+from batcher.wire.protocol import ZERO_COPY_BYTES
 
 _T = TypeVar("_T")
 log = logging.getLogger("batcher.aio")
-
-
-class ClientClosed(BatcherError):
-    """The client was closed while this request waited for its reply."""
-
-    code = "closed"
 
 
 class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):

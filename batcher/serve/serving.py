@@ -1,6 +1,6 @@
 """`batcher serve`'s body: a broker and the worker processes it supervises.
 
-Next to run_broker (batcher/broker.py) and run_worker (workers/worker.py): the command
+Next to run_broker (batcher/broker/loop.py) and run_worker (workers/worker.py): the command
 line turns its options into settings and calls run_serve. The workers package is
 imported when run_serve runs, so importing batcher does not import it.
 """
@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from batcher.broker import Broker, BrokerSettings
-from batcher.scheduler import BatchSettings
+from batcher.broker.loop import Broker, BrokerSettings
+from batcher.core.scheduler import BatchSettings
 
 if TYPE_CHECKING:
     from batcher.gateway.process import GatewayProcess

@@ -1,0 +1,4 @@
+"""The wire layer: bytes to values and back (frames, msgpack bodies, tensors, signatures).
+
+Pure: no sockets, no clock.
+"""
