@@ -80,8 +80,9 @@ class LengthSpan:
 
 def oip_probe(inputs: list[Any]) -> list[Any]:
     """For the gateway's error tests, on BYTES inputs: b"boom" raises (model_error),
-    b"crash" kills the worker (worker_failed), b"slow" holds the batch for 1.5 s;
-    anything else is echoed."""
+    b"crash" kills the worker (worker_failed), b"slow" holds the batch for 1.5 s,
+    b"hold:PATH" holds it until the file PATH exists (30 s at most: a test that needs the
+    worker busy for as long as it takes, however loaded the machine); anything else is echoed."""
     import time
 
     if b"crash" in inputs:
@@ -90,6 +91,11 @@ def oip_probe(inputs: list[Any]) -> list[Any]:
         raise ValueError("boom")
     if b"slow" in inputs:
         time.sleep(1.5)
+    for item in inputs:
+        if isinstance(item, bytes) and item.startswith(b"hold:"):
+            gate, deadline = item[5:].decode(), time.monotonic() + 30.0
+            while not os.path.exists(gate) and time.monotonic() < deadline:
+                time.sleep(0.01)
     return list(inputs)
 
 

@@ -560,15 +560,17 @@ def test_http_errors_of_every_kind_are_v2_error_bodies(gateway: Callable[..., Ga
 # --- cancellation -------------------------------------------------------------------------------
 
 
-def test_disconnect_and_cancel_drop_queued_rows(gateway: Callable[..., Gateway]) -> None:
+def test_disconnect_and_cancel_drop_queued_rows(gateway: Callable[..., Gateway], tmp_path: Path) -> None:
     """An HTTP client that goes away, and a gRPC call that is cancelled, cancel their
     queued requests at the broker (Triton #4818, #3581): the model never runs them."""
     gw = gateway(
         "--model", PROBE, "--workers", "1", "--max-batch-size", "1", "--worker-prefetch", "1", workers=1
     )
-    slow = np.array([b"slow"], dtype=np.object_)
-    busy = gw.http.async_infer("probe", [http_input("x", slow, "BYTES", True)])
+    release = tmp_path / "release"  # the worker stays busy until the test creates it
+    hold = np.array([f"hold:{release}".encode()], dtype=np.object_)
+    busy = gw.http.async_infer("probe", [http_input("x", hold, "BYTES", True)])
     wait_until(lambda: stats(gw.serve.frontend, "probe").get("busy_workers") == 1, 10, "busy")
+    slow = np.array([b"slow"], dtype=np.object_)
 
     async def give_up() -> None:
         import aiohttp
@@ -624,12 +626,13 @@ def test_disconnect_and_cancel_drop_queued_rows(gateway: Callable[..., Gateway])
         wait_until(cancelled_5, 10, "5 rows cancelled")
     except AssertionError as exc:  # once in 12 runs (docs/testing.md): say what was there
         raise AssertionError(f"{exc}; the broker's stats: {seen}") from None
+    release.touch()
     busy.get_result(timeout=30)
     assert stats(gw.serve.frontend, "probe")["outcomes"]["ok"] == 1
 
 
 def test_a_client_gone_with_a_request_pipelined_behind_still_cancels_its_rows(
-    gateway: Callable[..., Gateway],
+    gateway: Callable[..., Gateway], tmp_path: Path
 ) -> None:
     """An infer with a second request pipelined behind it on the same connection: the
     connection closing cancels the infer's queued row (the running request is found,
@@ -639,8 +642,9 @@ def test_a_client_gone_with_a_request_pipelined_behind_still_cancels_its_rows(
     gw = gateway(
         "--model", PROBE, "--workers", "1", "--max-batch-size", "1", "--worker-prefetch", "1", workers=1
     )
-    slow = np.array([b"slow"], dtype=np.object_)
-    busy = gw.http.async_infer("probe", [http_input("x", slow, "BYTES", True)])
+    release = tmp_path / "release"  # the worker stays busy until the test creates it
+    hold = np.array([f"hold:{release}".encode()], dtype=np.object_)
+    busy = gw.http.async_infer("probe", [http_input("x", hold, "BYTES", True)])
     wait_until(lambda: stats(gw.serve.frontend, "probe").get("busy_workers") == 1, 10, "busy")
     body = json.dumps({"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["a"]}]}).encode()
     request = (
@@ -652,6 +656,7 @@ def test_a_client_gone_with_a_request_pipelined_behind_still_cancels_its_rows(
     wait_until(
         lambda: stats(gw.serve.frontend, "probe").get("outcomes", {}).get("cancelled") == 1, 10, "cancelled"
     )
+    release.touch()
     busy.get_result(timeout=30)
     assert stats(gw.serve.frontend, "probe")["outcomes"]["ok"] == 1
 
