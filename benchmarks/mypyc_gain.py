@@ -17,7 +17,7 @@ hits both alike):
   time (psutil) over the load, divided by the replies.
 
 What mypyc needs of today's sources, applied to both copies (the committed sources
-are left as they are; docs/benchmarks.md, issue 30, says why):
+are left as they are; docs/benchmarks-history.md, issue 30, says why):
 
 - the msgspec.Struct classes of protocol.py, tensor.py and signature.py move to a
   module of their own that is not compiled: a compiled module builds a non-native
@@ -57,7 +57,7 @@ compiling does not touch it); the broker's CPU per request 0.89 over all 20 roun
 (0.60 to 1.25; per run 0.84, 0.89, 0.93, 1.04). py-spy on the pure broker under the same
 load puts 28% of its busy samples in these modules, which bounds the gain near what
 was seen. Not adopted: about a tenth of the broker's CPU, for the changes above and a
-build per CPython version (docs/benchmarks.md, issue 30).
+build per CPython version (docs/benchmarks-history.md, issue 30).
 
     python benchmarks/mypyc_gain.py                 # 3 rounds, 5 s loads
     python benchmarks/mypyc_gain.py --tests         # also the unit tests on the compiled copy

@@ -17,7 +17,7 @@ The target rows take turns in --slices short slices of --slice-s seconds (offlin
 served, pinned, then the reverse, ...), one `serve` of each kept up and its load process
 paused between its slices; a ratio is the served total over the offline total. This
 VM's speed drifts by up to 1.5x within a minute (offline alone: 5.4 to 9.8 ms a batch of
-32, docs/benchmarks.md): slices of half a second give every row the same machine, where
+32, docs/benchmarks-history.md): slices of half a second give every row the same machine, where
 rounds of seconds did not (four runs of 6 rounds of 4 s gave 0.73 to 1.00). The load
 process encodes its request tensor once (every body is still what pack_carrying writes)
 and checks every reply.

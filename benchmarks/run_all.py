@@ -1,8 +1,10 @@
 """Run every benchmark, one after the other, and regenerate docs/benchmarks.md.
 
 Each script writes benchmarks/results/<name>.md and .json; docs/benchmarks.md is then
-rebuilt from those .md files. Everything between `<!-- intro -->` and `<!-- /intro -->`
-in docs/benchmarks.md (targets and analysis, written by hand) is kept as it is.
+rebuilt from those .md files, with an index of every section's date and commit.
+Everything between `<!-- intro -->` and `<!-- /intro -->` in docs/benchmarks.md (the
+current targets, written by hand) is kept as it is; the analysis of earlier runs lives in
+docs/benchmarks-history.md, which this script never touches.
 
     python benchmarks/run_all.py --quick
     python benchmarks/run_all.py --ray-python /tmp/rayvenv/bin/python
@@ -119,6 +121,22 @@ def current_intro(text: str | None) -> str:
     return "\n" + text.strip() + "\n"  # a page written before the markers: keep it all
 
 
+def anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    kept = "".join(c for c in heading.lower() if c.isalnum() or c in " -_")
+    return kept.replace(" ", "-")
+
+
+def index_line(section: str) -> str:
+    """One line of the page's index: a section's heading and when and where it ran (the
+    first italic line under the heading, cut at its load average)."""
+    lines = section.splitlines()
+    heading = lines[0].lstrip("#").strip()
+    when = next((line.strip("_ ") for line in lines[1:] if line.startswith("_")), "not run yet")
+    when = when.split(", 2 CPUs")[0].split(", load average")[0]
+    return f"- [{heading}](#{anchor(heading)}): {when}"
+
+
 def build_docs(previous: str | None) -> str:
     sections = []
     names = [*SCRIPTS, *sorted(p.stem for p in RESULTS_DIR.glob("*.md") if p.stem not in SCRIPTS)]
@@ -129,12 +147,14 @@ def build_docs(previous: str | None) -> str:
         else:
             sections.append(f"## {name}\n\n_No result yet: run `python benchmarks/{name}.py`._")
     body = "\n\n".join(sections)
+    index = "\n".join(index_line(section) for section in sections)
     return (
         "# Benchmarks\n\n"
         f"{INTRO_START}{current_intro(previous)}{INTRO_END}\n\n"
         f"{GENERATED_NOTE}\n\n"
         "How to run them: [benchmarks/README.md](../benchmarks/README.md). Every number below was "
-        f"measured on the machine and at the commit named under its heading.\n\n{body}\n"
+        "measured on the machine and at the commit named under its heading; by section:\n\n"
+        f"{index}\n\n{body}\n"
     )
 
 

@@ -4,7 +4,7 @@ once per request.
 A batch of a real model is most often n small requests, each one tensor of the same
 datatype and shape, and nothing else to decode. Decoding each with msgpack and turning
 each tensor into its own array, then stacking them, cost the worker more than a tenth
-of its time on the ONNX benchmark (docs/benchmarks.md, "Real models"). Here such a batch
+of its time on the ONNX benchmark (docs/benchmarks-history.md, "Real models"). Here such a batch
 is read with one typed msgspec decoder per body (C speed, the tensor's bytes a view of
 the body), and the tensors' bytes are joined into one stacked array with one copy; the
 model gets the usual list of per-request arrays, each a row of that array, and a model

@@ -2,7 +2,7 @@
 (ONNX Runtime's `session.run` does): the worker's main thread decodes the next batch,
 and encodes and sends the last one's replies, while the model runs, instead of the
 model waiting for them (on one thread they took 8% of a served ONNX worker's time,
-docs/benchmarks.md). The next batch waits, decoded, in the thread's queue: the thread
+docs/benchmarks-history.md). The next batch waits, decoded, in the thread's queue: the thread
 goes from one batch to the next without waiting for the main thread, which would
 otherwise have to hand it the GIL first. The main loop polls `fd`, readable when a
 batch is done.

@@ -110,7 +110,7 @@ class BrokerLink:
     """The gateway's one DEALER to the broker, read on the event loop (loop.add_reader on
     its file descriptor): every row of every client is in flight over it at once, with no
     task of its own. Leaner than AsyncClient, which zmq.asyncio carries: measured in
-    docs/benchmarks.md ("Gateway"). Replies keep tensors as raw maps (no numpy).
+    docs/benchmarks-history.md ("Gateway"). Replies keep tensors as raw maps (no numpy).
 
     It queues nothing while no broker is connected: a row that cannot leave is refused
     at once (503 `unavailable`) instead of waiting. A lost connection fails the rows in

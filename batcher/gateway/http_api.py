@@ -1,5 +1,5 @@
 """The v2 REST API: an ASGI application served by uvicorn on httptools (chosen by
-measurement: docs/benchmarks.md, "Gateway").
+measurement: docs/benchmarks-history.md, "Gateway").
 
 JSON tensors and the binary tensor data extension both ways. No framework between
 uvicorn and the handlers: the routes are three shapes of path, and each layer a request

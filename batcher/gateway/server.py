@@ -196,7 +196,7 @@ def run(
     parent's pipe, under serve or the gateway's own parent; `shared`, `on_listening`: as
     for `serve`), on uvloop's event loop where it is installed (the gateway extra has it,
     but on Windows): a fifth less of the gateway's own CPU per request than asyncio's loop
-    (docs/benchmarks.md, issue 30)."""
+    (docs/benchmarks-history.md, issue 30)."""
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(serve(settings, control_fd=control_fd, shared=shared, on_listening=on_listening))
 

@@ -7,7 +7,7 @@ soon as 128 KiB of it is free. A 1 MiB message then costs 256 page faults each t
 buffer is allocated, in every process it passes through: measured with 1 MiB requests
 through the echo model, the worker spent most of its time in them, and setting the two
 thresholds high (`keep_freed_memory`) raised the throughput from 416 to 867 requests/s
-(docs/benchmarks.md, "Tensors and large bodies").
+(docs/benchmarks-history.md, "Tensors and large bodies").
 
 Kept memory must still go back: after a burst of large requests the heap would stay at
 its high-water mark for the process's life, which to anyone watching looks exactly
