@@ -396,14 +396,16 @@ def test_a_worker_whose_goodbye_waits_unread_is_taken_as_left_not_dead(zctx: zmq
     try:
         peer.connect(settings.backend)
         peer.send_multipart([protocol.WORKER_PROTOCOL, protocol.CMD_READY, pack({"model": "echo", "pid": 1})])
-        wait_until(lambda: broker.workers.drain() and broker.pool.ids(), 10, "the worker joined")
+        wait_until(
+            lambda: broker.workers.drain(time.monotonic()) and broker.pool.ids(), 10, "the worker joined"
+        )
         peer.send_multipart([protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
         peer.close(linger=5000)
         wait_until(lambda: broker.backend.poll(0), 10, "the DISCONNECT arrived")
         (worker,) = broker.pool.ids()
         probe = [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT, broker.pool.heartbeat_frame]
         wait_until(lambda: not broker.workers.send(worker, probe), 10, "sends to the worker refused")
-        broker.workers.beat()
+        broker.workers.beat(time.monotonic())
         assert broker.pool.ids() == []
         assert broker.stats.workers_lost == 0, "a worker that said goodbye was counted as lost"
     finally:

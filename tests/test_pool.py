@@ -454,3 +454,27 @@ def test_with_max_retries_0_a_crash_fails_the_whole_batch_it_was_in() -> None:
 
 def test_the_pool_tells_workers_its_heartbeat_settings() -> None:
     assert Heartbeat.from_frame(pool().heartbeat_frame) == HEARTBEAT
+
+
+# --- a REPLY that breaks the protocol -----------------------------------------------------------
+
+
+def test_a_bad_reply_fails_the_batch_it_names_and_keeps_the_worker() -> None:
+    p = pool()
+    join(p, b"w")
+    dispatch(p, 1)
+    (batch_id,) = [b.batch_id for b in p.scheduler.in_flight() if b.worker == b"w"]
+    batch, broken = p.bad_reply(b"w", batch_id)
+    assert batch is not None and [r.id for r in batch.requests] == [1] and not broken
+    assert p.scheduler.held(b"w") == 0  # failed, not left held
+
+
+def test_a_bad_reply_naming_no_batch_breaks_a_worker_only_if_it_holds_some() -> None:
+    p = pool()
+    join(p, b"idle")
+    assert p.bad_reply(b"idle", None) == (None, False)  # nothing to lose: the message is dropped
+    join(p, b"busy")
+    dispatch(p, 1)
+    holder = b"idle" if p.scheduler.held(b"idle") else b"busy"
+    assert p.bad_reply(holder, None) == (None, True)
+    assert p.bad_reply(holder, 10**6) == (None, False)  # names an unknown batch: dropped, kept

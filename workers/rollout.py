@@ -13,7 +13,9 @@ that do not all get ready within READY_TIMEOUT_S, or of which one exits before i
 ready (the new version does not load), are stopped and the old ones serve on: the
 reload fails alone, saying why.
 
-Driven from the broker's loop by `step(now)` on its timer heap: nothing here blocks.
+Driven from the broker's loop by `step(now)` on its timer heap: nothing here blocks. The
+phases and what moves them are the pure state machine of batcher.core.reload; this module
+gathers its facts and carries out its steps.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from batcher.core.reload import ReloadFacts, ReloadPhase, ReloadStep, advance, finished
 from workers.supervisor import Supervisor, WorkerProcess
 
 log = logging.getLogger("batcher.rollout")
@@ -50,7 +53,7 @@ class Rollout:
     old: list[WorkerProcess]
     new: list[WorkerProcess]
     replies: list[Reply] = field(default_factory=list)
-    phase: str = "starting"  # starting -> draining -> stopping -> done (or failed)
+    phase: ReloadPhase = ReloadPhase.STARTING
 
 
 class Rollouts:
@@ -80,49 +83,52 @@ class Rollouts:
     def step(self, now: float) -> None:
         """Move every reload on as far as it can go now."""
         for model, r in list(self.active.items()):
-            if r.phase == "starting":
-                self._when_ready(r, now)
-            if r.phase == "draining":
-                self._when_drained(r)
-            if r.phase == "stopping" and not any(self.supervisor.running(w) for w in r.old):
-                self._finish(r, True, {"model": model, "replaced": len(r.old), "workers": len(r.new)})
-            if r.phase in ("done", "failed"):
+            while not finished(r.phase):
+                phase, step = advance(r.phase, self._facts(r, now), READY_TIMEOUT_S)
+                if phase is r.phase:
+                    break
+                r.phase = phase
+                self._carry_out(r, step)
+            if finished(r.phase):
                 del self.active[model]
 
     def _pids(self, model: str) -> dict[object, tuple[bytes, int]]:
         return {pid: (wid, held) for wid, pid, held in self.broker.workers_of(model)}
 
-    def _when_ready(self, r: Rollout, now: float) -> None:
-        ready = self._pids(r.model)
-        failed = next((w for w in r.new if w.given_up), None)
-        if failed is not None:
-            self.supervisor.retire(r.new)
-            message = f"a new worker of {r.model!r} {failed.failure or 'did not start'}"
-            log.error("reload failed: %s; the old workers serve on", message)
-            self._finish(r, False, ("worker_failed", message + "; the old workers serve on"))
-        elif all(w.process is not None and w.process.pid in ready for w in r.new):
+    def _facts(self, r: Rollout, now: float) -> ReloadFacts:
+        at_broker = self._pids(r.model)
+        return ReloadFacts(
+            new_failed=any(w.given_up for w in r.new),
+            new_ready=all(w.process is not None and w.process.pid in at_broker for w in r.new),
+            waited_s=now - r.started_at,
+            old_idle=all(w.process is None or at_broker.get(w.process.pid, (b"", 0))[1] == 0 for w in r.old),
+            old_running=any(self.supervisor.running(w) for w in r.old),
+        )
+
+    def _carry_out(self, r: Rollout, step: ReloadStep) -> None:
+        if step is ReloadStep.DRAIN_OLD:
             log.info("reloading model %s: new workers ready, draining the old ones", r.model)
-            r.phase = "draining"
+            at_broker = self._pids(r.model)
             for w in r.old:
-                if w.process is not None and w.process.pid in ready:
-                    self.broker.drain_worker(ready[w.process.pid][0])
-        elif now - r.started_at > READY_TIMEOUT_S:
-            self.supervisor.retire(r.new)
-            message = f"the new workers of {r.model!r} were not ready within {READY_TIMEOUT_S:.0f}s"
-            log.error("reload failed: %s; the old workers serve on", message)
-            self._finish(r, False, ("worker_failed", message + "; the old workers serve on"))
-
-    def _when_drained(self, r: Rollout) -> None:
-        held = self._pids(r.model)
-        if all(w.process is None or held.get(w.process.pid, (b"", 0))[1] == 0 for w in r.old):
+                if w.process is not None and w.process.pid in at_broker:
+                    self.broker.drain_worker(at_broker[w.process.pid][0])
+        elif step is ReloadStep.RETIRE_OLD:
             self.supervisor.retire(r.old)
-            r.phase = "stopping"
-
-    def _finish(self, r: Rollout, ok: bool, result: Any) -> None:
-        r.phase = "done" if ok else "failed"
-        self.completed += ok
-        if ok:
+        elif step is ReloadStep.ANSWER_DONE:
             log.info("reloaded model %s: %d workers replaced", r.model, len(r.old))
+            self._answer(r, True, {"model": r.model, "replaced": len(r.old), "workers": len(r.new)})
+        elif step is ReloadStep.FAIL_NEW_EXITED or step is ReloadStep.FAIL_NEW_LATE:
+            self.supervisor.retire(r.new)
+            if step is ReloadStep.FAIL_NEW_EXITED:
+                failed = next(w for w in r.new if w.given_up)
+                message = f"a new worker of {r.model!r} {failed.failure or 'did not start'}"
+            else:
+                message = f"the new workers of {r.model!r} were not ready within {READY_TIMEOUT_S:.0f}s"
+            log.error("reload failed: %s; the old workers serve on", message)
+            self._answer(r, False, ("worker_failed", message + "; the old workers serve on"))
+
+    def _answer(self, r: Rollout, ok: bool, result: Any) -> None:
+        self.completed += ok
         for reply in r.replies:
             reply(ok, result)
 

@@ -60,19 +60,20 @@ class Backend:
         #: Set by `serve`: the worker process of this pid announced itself (READY).
         self.on_joined: Callable[[int], None] = lambda pid: None
 
-    def drain(self) -> bool:
-        """Handle what the workers sent, within one budget; True once read to the end."""
+    def drain(self, now: float) -> bool:
+        """Handle what the workers sent, within one budget; True once read to the end.
+        Every message read is stamped `now`, the loop's time of this turn; the clock is
+        read again only to keep the turn within its budget."""
         sock = self.sock
-        start = time.monotonic()
-        budget_end = start + DRAIN_BUDGET_S
+        budget_end = now + DRAIN_BUDGET_S
         for _ in range(DRAIN_LIMIT):
             try:
                 frames = recv_frames(sock, copied=4)
             except zmq.Again:
-                self.pool.backend_read(start)
+                self.pool.backend_read(now)
                 return True
             try:
-                self._on_worker_message(frames)
+                self._on_worker_message(frames, now)
             except WorkerProtocolError as exc:  # a peer that is not a worker, or a broken one
                 self.stats.dropped_backend += 1
                 log.warning("dropped a malformed backend message (%d frames): %s", len(frames), exc)
@@ -80,18 +81,18 @@ class Backend:
                 self.stats.dropped_backend += 1
                 log.exception("unexpected error handling a backend message (the broker goes on)")
             if not readable(sock):  # read to the end, without a zmq.Again raised to say so
-                self.pool.backend_read(start)
+                self.pool.backend_read(now)
                 return True
             if time.monotonic() >= budget_end:
                 return False
         return False
 
-    def _on_worker_message(self, frames: list[bytes]) -> None:
+    def _on_worker_message(self, frames: list[bytes], now: float) -> None:
         if len(frames) < 3 or frames[1] != protocol.WORKER_PROTOCOL:
             raise WorkerProtocolError("not a batcher worker message")
         worker_id, command = frames[0], frames[2]
         if command == protocol.CMD_READY and len(frames) == 4:
-            self._on_ready(worker_id, frames[3])
+            self._on_ready(worker_id, frames[3], now)
             return
         if worker_id not in self.pool:
             # Not a worker of ours (we restarted, or declared it dead): make it announce
@@ -100,22 +101,22 @@ class Backend:
             if command != protocol.CMD_DISCONNECT:
                 self.send(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
             return
-        self.pool.heard(worker_id, time.monotonic())
+        self.pool.heard(worker_id, now)
         if command == protocol.CMD_REPLY:
             if len(frames) < 4:
                 exc = WorkerProtocolError(f"REPLY must have a header, got {len(frames) - 1} frames")
                 self._bad_reply(worker_id, exc)
                 raise exc
-            self._on_reply(worker_id, frames[3], frames[4:])
+            self._on_reply(worker_id, frames[3], frames[4:], now)
         elif command == protocol.CMD_CHUNK and len(frames) >= 4:
-            self._on_chunk(worker_id, frames[3], frames[4:])
+            self._on_chunk(worker_id, frames[3], frames[4:], now)
         elif command == protocol.CMD_DISCONNECT:
             log.info("worker %s left", self.pool.name(worker_id))
             self.lost(worker_id, "worker left", failed=False)
         elif command != protocol.CMD_HEARTBEAT:
             raise WorkerProtocolError(f"unknown command {command!r} with {len(frames)} frames")
 
-    def _on_ready(self, worker_id: bytes, info_frame: bytes) -> None:
+    def _on_ready(self, worker_id: bytes, info_frame: bytes, now: float) -> None:
         try:
             raw = protocol.unpack(info_frame)
         except Exception as exc:  # msgpack raises several unrelated types
@@ -126,7 +127,7 @@ class Backend:
             raise WorkerProtocolError(str(exc)) from None
         if worker_id in self.pool:  # announced again: whatever it held is lost
             self.lost(worker_id, "worker restarted during the batch")
-        self.pool.joined(worker_id, info, raw.get("slots"), time.monotonic())
+        self.pool.joined(worker_id, info, raw.get("slots"), now)
         self.stats.metrics.worker_event(info.model, "joined")
         log.info("worker joined: %s", self.pool.name(worker_id))
         if info.warmup_error is not None:
@@ -141,14 +142,14 @@ class Backend:
         # adopts the broker's before its silence could be taken for death.
         self.send(worker_id, [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT, self.pool.heartbeat_frame])
 
-    def _on_reply(self, worker_id: bytes, header_frame: bytes, bodies: list[Any]) -> None:
+    def _on_reply(self, worker_id: bytes, header_frame: bytes, bodies: list[Any], now: float) -> None:
         try:
             header = protocol.parse_reply_header(header_frame)
         except WorkerProtocolError as exc:
             self._bad_reply(worker_id, exc)
             raise
         batch_id, infer_ms, lengths, errors, wait_ms, padding, refused = header
-        batch = self.scheduler.complete(worker_id, batch_id, infer_ms / 1000.0, time.monotonic())
+        batch = self.scheduler.complete(worker_id, batch_id, infer_ms / 1000.0, now)
         if batch is None:
             self.stats.dropped_backend += 1
             log.warning("dropped a reply for unknown batch %r from %s", batch_id, self.pool.name(worker_id))
@@ -159,14 +160,7 @@ class Backend:
         # between batches: one that arrived while the model ran waited unseen. From here,
         # the time since dispatch less the model time bounds that wait from above (it also
         # holds the trips to the worker and back).
-        # Queue time as the client lives it: in the broker's queue, then in the worker's
-        # prefetch until the model began (the worker's wait also kept on its own).
-        # The worker's own count starts when it read the batch, and it reads its socket only
-        # between batches: one that arrived while the model ran waited unseen. From here,
-        # the time since dispatch less the model time bounds that wait from above (it also
-        # holds the trips to the worker and back).
         sent_at = batch.dispatched_at
-        now = time.monotonic()
         in_worker_ms = max(wait_ms or 0.0, (now - sent_at) * 1000.0 - infer_ms)
         requests = batch.requests
         try:
@@ -184,7 +178,7 @@ class Backend:
             batch.model, arrivals, sent_at, wait_ms, infer_ms, in_worker_ms, errors, refused, padding, now
         )
 
-    def _on_chunk(self, worker_id: bytes, header_frame: bytes, bodies: list[Any]) -> None:
+    def _on_chunk(self, worker_id: bytes, header_frame: bytes, bodies: list[Any], now: float) -> None:
         """A step-level worker's chunks: each forwarded untouched to its client, in order;
         a final one frees the sequence's slot. A client found gone ends its sequence (the
         worker is told to stop it). A CHUNK that breaks the protocol takes its worker for
@@ -199,7 +193,6 @@ class Backend:
             log.warning("malformed CHUNK from worker %s: %s", self.pool.name(worker_id), exc)
             self.lost(worker_id, f"the worker sent a malformed CHUNK: {exc}")
             raise WorkerProtocolError(str(exc)) from None
-        now = time.monotonic()
         streams.heard(worker_id, header.counters, now)
         deliver, stats = self.deliver, self.stats
         for seq_id, flag, body in zip(header.seq_ids, header.flags, replies, strict=True):
@@ -231,27 +224,24 @@ class Backend:
         self.stats.sequence_cancelled(seq.model, reason)
 
     def _bad_reply(self, worker_id: bytes, exc: WorkerProtocolError) -> None:
-        """A REPLY that breaks the protocol fails the batch it names, if that is one of this
-        worker's. One that names none can be matched to nothing: if the worker holds
-        batches, it is taken for broken and they go elsewhere (their clients are never left
-        waiting); a worker holding none has nothing to lose, and only the message is dropped."""
-        batch = None if exc.batch_id is None else self.scheduler.complete(worker_id, exc.batch_id)
+        """Do what the pool's rule (`WorkerPool.bad_reply`) says of a REPLY that breaks the protocol."""
+        batch, broken = self.pool.bad_reply(worker_id, exc.batch_id)
         if batch is not None:
             self.fail_batch(batch, ErrorCode.WORKER_FAILED, f"the worker sent a malformed reply: {exc}")
-        elif exc.batch_id is None and self.scheduler.held(worker_id):
+        elif broken:
             log.warning("worker %s sent a reply naming no batch: taken for broken", self.pool.name(worker_id))
             self.lost(worker_id, f"the worker sent a malformed reply: {exc}")
 
     def heartbeat(self, now: float) -> None:
         """Tell every worker we live; take those silent past their liveness for dead (the
         backend is read first: a heartbeat that arrived while the loop was busy counts)."""
-        self.drain()
+        self.drain(now)
         for worker_id, silent_s in self.pool.silent():
             log.warning("worker %s silent for %.1fs: taken for dead", self.pool.name(worker_id), silent_s)
             self.lost(worker_id, f"worker silent for {silent_s:.1f}s")
-        self.beat()
+        self.beat(now)
 
-    def beat(self) -> None:
+    def beat(self, now: float) -> None:
         """Send every worker a heartbeat; one whose connection is gone is taken for dead,
         unless its goodbye was waiting: libzmq refuses sends to a peer that closed its
         socket while that peer's last messages (a DISCONNECT, a REPLY) are still unread,
@@ -259,7 +249,7 @@ class Backend:
         beat = [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT, self.pool.heartbeat_frame]
         unreachable = [worker_id for worker_id in self.pool.ids() if not self.send(worker_id, beat)]
         for _ in range(GOODBYE_READS if unreachable else 0):
-            if self.drain():  # a goodbye may wait behind other workers' replies
+            if self.drain(now):  # a goodbye may wait behind other workers' replies
                 break
         for worker_id in unreachable:
             if worker_id in self.pool:  # ROUTER_MANDATORY: the connection is gone (a crash)
@@ -310,10 +300,10 @@ class Backend:
             self.on_hung(info.pid)
         self.lost(worker_id, why, blame=blame)
 
-    def process_exited(self, pid: int, code: int | None) -> None:
+    def process_exited(self, pid: int, code: int | None, now: float) -> None:
         """`serve` saw the process of one of its workers exit: take that worker for dead now,
         so its batches move on without waiting for its silence to be noticed."""
-        self.drain()  # its last REPLY or DISCONNECT may be waiting: read them first
+        self.drain(now)  # its last REPLY or DISCONNECT may be waiting: read them first
         for worker_id in self.pool.ids():
             info = self.pool.info(worker_id)
             if info is not None and info.pid == pid:

@@ -27,6 +27,8 @@ from batcher.broker.backend import DRAIN_BUDGET_S, DRAIN_LIMIT, Backend
 from batcher.broker.control import MUTATING_OPS, Controls
 from batcher.broker.metrics import PrometheusMetrics
 from batcher.broker.stats import BrokerStats, gauges
+from batcher.core.admission import SHUTTING_DOWN_MESSAGE, Refusal, admit
+from batcher.core.drain import Drain, DrainVerdict
 from batcher.core.pool import WorkerPool
 from batcher.core.scheduler import Batch, BatchSettings, NoSuchModel, QueuedRequest, QueueFull, Scheduler
 from batcher.core.streams import Streams
@@ -157,7 +159,7 @@ class Broker:
         self._configured = frozenset([*settings.models, *settings.per_model])
         self._default_timeout_s = settings.default_timeout_ms / 1000.0
         self._default_model = settings.default_model
-        self._stopping_since: float | None = None
+        self._drain: Drain | None = None  # set at the first stop signal
         self.signals = StopSignals()
         self.timers = TimerHeap()
         # libzmq drops a sender's connection past the hard limit; between the two limits
@@ -219,7 +221,7 @@ class Broker:
         watch = self._handshakes
         return {
             "handshakes_refused": dict(watch.refused) if watch else {},
-            "stopping": self._stopping_since is not None,
+            "stopping": self._drain is not None,
         }
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -283,16 +285,17 @@ class Broker:
         )  # fmt: skip
         while True:
             now = time.monotonic()
-            if self._stopping_since is not None and self._finished_stopping(now):
+            if self._drain is not None and self._finished_stopping(now):
                 break
             events = dict(poller.poll(self._poll_timeout_ms(now)))
+            now = time.monotonic()  # the turn's time, for everything read in it
             if self.signals.fd in events:
                 self.signals.clear()
-                self._note_stop()
+                self._note_stop(now)
             if self.backend in events:
-                self._guard(self.workers.drain)
+                self._guard(self.workers.drain, now)
             if self.frontend in events:
-                self._guard(self._drain_frontend)
+                self._guard(self._drain_frontend, now)
             if watch is not None and events:
                 for monitor in watch.monitors:
                     if monitor in events:
@@ -302,17 +305,17 @@ class Broker:
             self._guard(self._dispatch)
         log.info("broker stopped")
 
-    def _note_stop(self) -> None:
+    def _note_stop(self, now: float) -> None:
         """Begin draining once a stop signal came (its handler counts it as soon as the
         loop runs Python code again: a request read after that is refused)."""
-        if self.signals.count and self._stopping_since is None:
-            self._stopping_since = time.monotonic()
+        if self.signals.count and self._drain is None:
+            self._drain = Drain(now, self.settings.shutdown_grace_s)
             log.info("draining: new requests are refused, queued ones finished")
 
-    def _guard(self, step: Callable[[], Any]) -> None:
+    def _guard(self, step: Callable[..., Any], *args: Any) -> None:
         """Run one loop step; an exception is logged, never allowed to end the loop."""
         try:
-            step()
+            step(*args)
         except Exception:
             log.exception("unexpected error in the broker loop (the broker goes on)")
 
@@ -325,17 +328,19 @@ class Broker:
         deadline = self.streams.next_deadline()
         if deadline is not None and (wake is None or deadline < wake):
             wake = deadline
-        if self._stopping_since is not None:
-            grace_end = self._stopping_since + self.settings.shutdown_grace_s
+        if self._drain is not None:
+            grace_end = self._drain.grace_end
             wake = grace_end if wake is None else min(wake, grace_end)
         return -1 if wake is None else max(0, math.ceil((wake - now) * 1000))
 
     def _finished_stopping(self, now: float) -> bool:
-        if not self.scheduler.busy() and not self.streams.busy():
+        assert self._drain is not None
+        busy = self.scheduler.busy() or self.streams.busy()
+        verdict = self._drain.verdict(now, busy=busy, forced=self.signals.count > 1)
+        if verdict is DrainVerdict.DONE:
             return True
-        assert self._stopping_since is not None
-        if self.signals.count > 1 or now >= self._stopping_since + self.settings.shutdown_grace_s:
-            message = "the broker is shutting down"
+        if verdict is DrainVerdict.ANSWER_ALL:
+            message = SHUTTING_DOWN_MESSAGE
             for name, req in self.scheduler.cancel(lambda r: True):
                 self._reply_error(req, name, ErrorCode.SHUTTING_DOWN, message)
             for seq in self.streams.unanswered():
@@ -347,10 +352,9 @@ class Broker:
 
     # --- frontend ---------------------------------------------------------------------------
 
-    def _drain_frontend(self) -> None:
+    def _drain_frontend(self, now: float) -> None:
         sock, accept, receive = self.frontend, self._accept, self._receive
         max_bytes = self.settings.max_message_bytes
-        now = time.monotonic()
         budget_end = now + DRAIN_BUDGET_S
         for _ in range(DRAIN_LIMIT):
             try:
@@ -399,32 +403,25 @@ class Broker:
             return
         model = header.model or self._default_model
         if self.signals.count:  # (a call per request otherwise, for a rare event)
-            self._note_stop()
-        refusal: tuple[ErrorCode, str] | None
-        if self._stopping_since is not None:
-            refusal, signature = (ErrorCode.SHUTTING_DOWN, "the broker is shutting down"), None
-        else:
-            refusal, signature = self.pool.admission(model, now)
+            self._note_stop(now)
         stream = header.stream
-        if refusal is not None:
-            self._refuse(envelope, header.id, *refusal, model, stream)
-            return
-        timeout_s = header.timeout_ms / 1000.0 if header.timeout_ms else self._default_timeout_s
-        request = QueuedRequest(
-            envelope, body, header.id, now, header.priority, now + timeout_s if timeout_s else None
+        verdict = admit(
+            header,
+            model,
+            body,
+            now,
+            draining=self._drain is not None,
+            pool=self.pool,
+            settings=self.scheduler.settings_of(model),
+            default_timeout_s=self._default_timeout_s,
         )
+        if isinstance(verdict, Refusal):
+            self._refuse(envelope, verdict.req_id, verdict.code, verdict.message, model, stream)
+            return
+        request = QueuedRequest(envelope, body, header.id, now, header.priority, verdict.deadline)
         request.cost = header.cost
         request.stream = stream
-        if signature is not None and (why := signature.misfit(body)) is not None:
-            self._refuse(envelope, header.id, ErrorCode.BAD_REQUEST, why, model, stream)
-            return
-        settings = self.scheduler.settings_of(model)
-        if settings is not None and settings.bucket_by is not None:
-            try:
-                request.bucket = settings.bucket(protocol.input_length(body, header.id))
-            except ProtocolError as exc:
-                self._refuse(envelope, exc.req_id, exc.code, exc.message, model, stream)
-                return
+        request.bucket = verdict.bucket
         try:
             self.scheduler.enqueue(model, request)
         except NoSuchModel:

@@ -69,6 +69,14 @@ class Lost:
     batches_requeued: int = 0
 
 
+class BadReply(NamedTuple):
+    """What a REPLY that breaks the protocol costs: the batch it named, to fail (None: it
+    named none of this worker's), and whether its worker is taken for broken."""
+
+    batch: Batch | None
+    broken: bool
+
+
 class WorkerPool:
     """The live workers of one broker, and the rules above."""
 
@@ -218,6 +226,16 @@ class WorkerPool:
             self.scheduler.requeue(batch.model, retry, count_attempt=False)
 
     # --- admission --------------------------------------------------------------------------
+
+    def bad_reply(self, worker_id: bytes, batch_id: int | None) -> BadReply:
+        """A REPLY from `worker_id` broke the protocol. It fails the batch it names, if that
+        is one of this worker's. One that names none can be matched to nothing: a worker
+        holding batches is then taken for broken (they go elsewhere, their clients never
+        left waiting); one holding none has nothing to lose, and only the message is dropped."""
+        batch = None if batch_id is None else self.scheduler.complete(worker_id, batch_id)
+        if batch is not None:
+            return BadReply(batch, broken=False)
+        return BadReply(None, broken=batch_id is None and bool(self.scheduler.held(worker_id)))
 
     def model_failed(self, model: str, why: str) -> list[tuple[str, QueuedRequest]]:
         """No worker of `model` can start: its queued requests (returned, to be answered

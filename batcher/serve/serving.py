@@ -75,7 +75,7 @@ def run_serve(
             broker.model_failed(model, f"every worker of model {model!r} failed to start (see serve's log)")
 
     supervisor.on_event = on_worker_event
-    supervisor.on_exit = broker.workers.process_exited  # its batches move on at once
+    supervisor.on_exit = lambda pid, code: broker.workers.process_exited(pid, code, time.monotonic())
     broker.workers.on_hung = supervisor.kill  # a hung model: its worker killed, then respawned
     broker.workers.on_joined = supervisor.joined  # it started: its death is no start-up failure
     rollouts = Rollouts(broker.controls, supervisor)
