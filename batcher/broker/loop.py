@@ -21,31 +21,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-from zmq.backend import Frame
 
-from batcher.broker.backend import DRAIN_BUDGET_S, DRAIN_LIMIT, Backend
-from batcher.broker.control import MUTATING_OPS, Controls
+from batcher.broker.backend import Backend
+from batcher.broker.control import Controls
+from batcher.broker.frontend import Frontend
 from batcher.broker.metrics import PrometheusMetrics
 from batcher.broker.stats import BrokerStats, gauges
-from batcher.core.admission import SHUTTING_DOWN_MESSAGE, Refusal, admit
+from batcher.core.admission import SHUTTING_DOWN_MESSAGE
 from batcher.core.drain import Drain, DrainVerdict
 from batcher.core.pool import WorkerPool
-from batcher.core.scheduler import Batch, BatchSettings, NoSuchModel, QueuedRequest, QueueFull, Scheduler
+from batcher.core.scheduler import BatchSettings, Scheduler
 from batcher.core.streams import Streams
 from batcher.transport.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
 from batcher.transport.security import CurveGate, CurveServerKeys, HandshakeWatch, secure_server
 from batcher.transport.stopping import StopSignals
-from batcher.transport.zmqio import readable, recv_bounded, recv_bounded_from, send_replies, send_reply
 from batcher.wire import protocol
-from batcher.wire.protocol import ErrorCode, Heartbeat, ProtocolError
+from batcher.wire.protocol import ErrorCode, Heartbeat
 
 log = logging.getLogger("batcher.broker")
 
-# A drain of either socket takes at most DRAIN_LIMIT messages or DRAIN_BUDGET_S
-# (batcher.broker.backend), whichever comes first: a burst of costly messages (huge bodies,
-# floods of cancels) can never hold heartbeats, liveness checks and deadlines back.
-#: Frames one client message may have: the routing id, proxy hops, a delimiter, the body.
-MAX_FRAMES = 32
 #: Replies queued for one client (or batches for one worker) before sends fail.
 REPLY_HWM = 100_000
 #: How long a closing broker lets its last replies leave (a client that is gone or not
@@ -157,8 +151,6 @@ class Broker:
         self.pool = WorkerPool(self.scheduler, settings.heartbeat, settings.max_retries, now, self.streams)
         self.stats = BrokerStats()
         self._configured = frozenset([*settings.models, *settings.per_model])
-        self._default_timeout_s = settings.default_timeout_ms / 1000.0
-        self._default_model = settings.default_model
         self._drain: Drain | None = None  # set at the first stop signal
         self.signals = StopSignals()
         self.timers = TimerHeap()
@@ -181,27 +173,37 @@ class Broker:
         except BaseException:
             self.close()
             raise
+        roles = self._auth if self._auth is not None and self._auth.admins is not None else None
+        self.clients = Frontend(
+            self.frontend,
+            settings.max_message_bytes,
+            self.scheduler,
+            self.pool,
+            self.streams,
+            self.stats,
+            self.signals,
+            (settings.default_model, settings.default_timeout_ms / 1000.0),
+            roles,
+        )
+        clients = self.clients
         self.workers = Backend(
             self.backend,
             self.scheduler,
             self.pool,
             self.stats,
-            self._send_to_client,
-            self._reply_error,
-            self._fail_batch,
-            self._send_batch_replies,
+            clients.send_to_client,
+            clients.reply_error,
+            clients.fail_batch,
+            clients.send_batch_replies,
         )
         limits = {
             "max_message_bytes": settings.max_message_bytes,
             "max_frame_bytes": hard_limit(settings.max_message_bytes),
         }
         self.controls = Controls(self.scheduler, self.pool, self.stats, self._configured, self._state, limits)
-        # With --curve-admins the frontend is read keeping each message's first frame, whose
-        # User-Id says whether a control request may change the service; without it,
-        # nothing of that is paid for.
-        self._roles = self._auth if self._auth is not None and self._auth.admins is not None else None
-        self._sender: Frame | None = None  # the first frame of the message being handled
-        self._receive = recv_bounded if self._roles is None else self._recv_noting_sender
+        clients.controls = self.controls
+        clients.end_stream = self.workers.end_stream
+        clients.on_stop = self._note_stop
         self.call_every(settings.heartbeat.interval_s, self.workers.heartbeat)
         self._limit_s = None if settings.batch_timeout_ms is None else settings.batch_timeout_ms / 1000.0
         self._limits_armed = False  # whether the time-limit check is on the timer heap
@@ -295,7 +297,7 @@ class Broker:
             if self.backend in events:
                 self._guard(self.workers.drain, now)
             if self.frontend in events:
-                self._guard(self._drain_frontend, now)
+                self._guard(self.clients.drain, now)
             if watch is not None and events:
                 for monitor in watch.monitors:
                     if monitor in events:
@@ -342,168 +344,27 @@ class Broker:
         if verdict is DrainVerdict.ANSWER_ALL:
             message = SHUTTING_DOWN_MESSAGE
             for name, req in self.scheduler.cancel(lambda r: True):
-                self._reply_error(req, name, ErrorCode.SHUTTING_DOWN, message)
+                self.clients.reply_error(req, name, ErrorCode.SHUTTING_DOWN, message)
             for seq in self.streams.unanswered():
                 self.workers.end_stream(seq, ErrorCode.SHUTTING_DOWN, "shutting_down", message)
             for batch in self.scheduler.remove_all_workers():
-                self._fail_batch(batch, ErrorCode.SHUTTING_DOWN, message)
+                self.clients.fail_batch(batch, ErrorCode.SHUTTING_DOWN, message)
             return True
         return False
 
-    # --- frontend ---------------------------------------------------------------------------
-
-    def _drain_frontend(self, now: float) -> None:
-        sock, accept, receive = self.frontend, self._accept, self._receive
-        max_bytes = self.settings.max_message_bytes
-        budget_end = now + DRAIN_BUDGET_S
-        for _ in range(DRAIN_LIMIT):
-            try:
-                frames, fits = receive(sock, MAX_FRAMES, max_bytes)
-            except zmq.Again:
-                return
-            try:
-                if fits:
-                    accept(frames, now)
-                else:
-                    self._refuse(*oversized(frames, max_bytes))
-            except Exception:  # a bug of ours: the sender still hears back
-                log.exception("unexpected error handling a request (the broker goes on)")
-                envelope = frames[:2] if len(frames) > 2 and not frames[1] else frames[:1]
-                self._refuse(envelope, None, ErrorCode.INTERNAL, "the broker failed to handle this request")
-            # Done once the socket says none waits, rather than once a read raises
-            # zmq.Again: that exception cost a lone request 15-20 us of a cold CPU before
-            # its batch was cut.
-            if not readable(sock) or time.monotonic() >= budget_end:
-                return
-
-    def _recv_noting_sender(
-        self, sock: zmq.Socket[Any], max_frames: int, max_bytes: int
-    ) -> tuple[list[Any], bool]:
-        """recv_bounded, keeping the message's first frame for `_control` (--curve-admins)."""
-        frames, fits, self._sender = recv_bounded_from(sock, max_frames, max_bytes)
-        return frames, fits
-
-    def _accept(self, frames: list[bytes], now: float) -> None:
-        if len(frames) == 3 and not frames[1]:
-            envelope, body = frames[:2], frames[2]
-        else:
-            try:
-                envelope, body = protocol.split_envelope(frames)
-            except protocol.EnvelopeError as exc:
-                self._refuse(exc.envelope, None, exc.code, exc.message)
-                return
-        try:
-            header = protocol.read_header(body)
-        except ProtocolError as exc:
-            stream = protocol.wants_stream(body)
-            self._refuse(envelope, exc.req_id, exc.code, exc.message, None, stream)
-            return
-        if header.op != "infer":
-            self._control(envelope, header.id, header.op, header.model)
-            return
-        model = header.model or self._default_model
-        if self.signals.count:  # (a call per request otherwise, for a rare event)
-            self._note_stop(now)
-        stream = header.stream
-        verdict = admit(
-            header,
-            model,
-            body,
-            now,
-            draining=self._drain is not None,
-            pool=self.pool,
-            settings=self.scheduler.settings_of(model),
-            default_timeout_s=self._default_timeout_s,
-        )
-        if isinstance(verdict, Refusal):
-            self._refuse(envelope, verdict.req_id, verdict.code, verdict.message, model, stream)
-            return
-        request = QueuedRequest(envelope, body, header.id, now, header.priority, verdict.deadline)
-        request.cost = header.cost
-        request.stream = stream
-        request.bucket = verdict.bucket
-        try:
-            self.scheduler.enqueue(model, request)
-        except NoSuchModel:
-            served = ", ".join(sorted(self.scheduler.views())) or "none"
-            message = f"no worker serves model {model!r} (models: {served})"
-            self._refuse(envelope, header.id, ErrorCode.UNKNOWN_MODEL, message, None, stream)
-        except QueueFull:
-            queued = self.scheduler.queued(model)
-            message = f"model {model!r} has {queued} requests queued, its limit"
-            self._refuse(envelope, header.id, ErrorCode.OVERLOADED, message, model, stream)
-
     def model_failed(self, model: str, why: str) -> None:
         """No worker of `model` can start: answer its queued requests and refuse new ones
-        with worker_failed, until a worker of it joins after all."""
-        log.error("%s: its requests are answered with worker_failed", why)
-        for name, req in self.pool.model_failed(model, why):
-            self._reply_error(req, name, ErrorCode.WORKER_FAILED, why)
-
-    def _refuse(
-        self,
-        envelope: list[bytes],
-        req_id: object,
-        code: ErrorCode,
-        message: str,
-        model: str | None = None,
-        stream: bool = False,
-    ) -> None:
-        """Answer a request that was never queued (counted under its model when it has one)."""
-        self.stats.count(model, code)
-        self._send_to_client(envelope, protocol.error_reply(req_id, code, message, stream))
-
-    def _control(self, envelope: list[bytes], req_id: object, op: str, model: str | None) -> None:
-        def reply(ok: bool, result: Any) -> None:
-            body = protocol.ok_reply(req_id, result) if ok else protocol.error_reply(req_id, *result)
-            self._send_to_client(envelope, body)
-
-        if op == "cancel":  # only the sender's own requests: ids are per client
-            for name, req in self.scheduler.cancel_id(envelope[0], req_id):
-                self._reply_error(req, name, ErrorCode.CANCELLED, "cancelled by the client")
-            for seq in self.streams.cancel_id(envelope[0], req_id):
-                self.workers.end_stream(seq, ErrorCode.CANCELLED, "cancel", "cancelled by the client")
-        else:
-            roles, sender = self._roles, self._sender  # (a sender is kept whenever roles are)
-            admin = roles is None or (sender is not None and roles.is_admin(sender))
-            if roles is not None and sender is not None and not admin and op in MUTATING_OPS:
-                roles.note_forbidden(sender, op)
-            self.controls.handle(op, model, reply, admin)
-
-    def _send_to_client(self, envelope: list[bytes], body: bytes) -> bool:
-        """Send a reply; False when it cannot go: the client is gone (EHOSTUNREACH), or
-        not reading while REPLY_HWM replies wait for it."""
-        try:
-            send_reply(self.frontend, envelope, body)
-            return True
-        except zmq.ZMQError as exc:
-            self.stats.undeliverable += 1
-            log.debug("reply to a vanished client dropped: %s", exc)
-            return False
-
-    def _send_batch_replies(self, requests: list[QueuedRequest], replies: list[Any]) -> None:
-        """Send a batch's replies, each to its client (one gone or not reading is counted)."""
-        failed = send_replies(self.frontend, requests, replies)
-        if failed:
-            self.stats.undeliverable += failed
-            log.debug("%d replies to vanished clients dropped", failed)
-
-    def _reply_error(self, req: QueuedRequest, model: str, code: ErrorCode, message: str) -> None:
-        self.stats.count(model, code)
-        self._send_to_client(req.envelope, protocol.error_reply(req.id, code, message, req.stream))
-
-    def _fail_batch(self, batch: Batch, code: ErrorCode, message: str) -> None:
-        for req in batch.requests:
-            self._reply_error(req, batch.model, code, message)
+        (until one of its workers joins)."""
+        self.clients.model_failed(model, why)
 
     # --- dispatch ---------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
         now = time.monotonic()
         for name, req in self.scheduler.expire(now):
-            self._reply_error(req, name, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
+            self.clients.reply_error(req, name, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
         for name, req, without_s in self.scheduler.unavailable(now):
-            self._reply_error(
+            self.clients.reply_error(
                 req, name, ErrorCode.UNAVAILABLE, self.pool.unavailable_message(name, without_s)
             )
         for batch in self.scheduler.due_batches(now):
@@ -601,21 +462,6 @@ HARD_LIMIT_FACTOR = 4
 def hard_limit(max_message_bytes: int) -> int:
     """The frame size past which libzmq itself drops a frontend connection."""
     return max_message_bytes * HARD_LIMIT_FACTOR
-
-
-def oversized(frames: list[bytes], max_bytes: int) -> tuple[list[bytes], int | str | None, ErrorCode, str]:
-    """The refusal of a message over MAX_FRAMES frames (bad_request) or over `max_bytes`
-    in all (too_large, with the body's id when its head holds one): on its envelope as far
-    as it was kept, never parsed past the id."""
-    try:
-        end = frames.index(b"", 1) + 1
-    except ValueError:
-        end = 1
-    if len(frames) >= MAX_FRAMES:
-        return frames[:end], None, ErrorCode.BAD_REQUEST, f"message too large: more than {MAX_FRAMES} frames"
-    req_id = protocol.id_of_refused(frames[end]) if len(frames) > end else None
-    message = f"request too large: more than {max_bytes} bytes (the broker's --max-message-bytes)"
-    return frames[:end], req_id, ErrorCode.TOO_LARGE, message
 
 
 def run_broker(settings: BrokerSettings) -> None:
