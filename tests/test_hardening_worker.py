@@ -32,8 +32,8 @@ from batcher.serve.launcher import ServeProcess, free_tcp_address
 from batcher.transport.stopping import StopSignals
 from batcher.wire import protocol
 from tests.helpers import FakeBackend, broker_stats, pack, recv_reply, start_broker, unpack, wait_until
+from workers.exit_codes import EXIT_BAD_ADDRESS
 from workers.supervisor import STARTING_S, PoolSettings, Supervisor
-from workers.worker import EXIT_BAD_ADDRESS
 
 pytestmark = pytest.mark.integration
 

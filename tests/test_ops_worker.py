@@ -33,8 +33,8 @@ from batcher.serve.launcher import ServeProcess, free_tcp_address
 from batcher.wire import protocol
 from tests.conftest import kill_group
 from tests.helpers import broker_stats, curve_broker_stats, start_broker, wait_until
+from workers.exit_codes import EXIT_MODEL_LOAD_FAILED
 from workers.models import ModelSpec, import_user_module, load_model
-from workers.supervisor import EXIT_MODEL_LOAD_FAILED
 from workers.worker import run_batch
 
 #: Every test here runs the CLI or a worker as a process of its own.

@@ -11,9 +11,9 @@ import psutil
 import pytest
 
 from batcher.serve.launcher import free_tcp_address
+from workers.exit_codes import EXIT_BAD_ADDRESS
 from workers.placement import CpuPlan, parse_cpus, pinned_threads_per_worker, plan_cpus
 from workers.supervisor import PoolSettings, Supervisor
-from workers.worker import EXIT_BAD_ADDRESS
 
 LINUX = hasattr(os, "sched_setaffinity")
 CORES = sorted(os.sched_getaffinity(0)) if LINUX else []

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 from batcher.transport.stopping import stop_signals_blocked
 from batcher.wire.protocol import Heartbeat
+from workers.exit_codes import EXIT_HUNG
+from workers.exit_codes import EXIT_MODEL_LOAD_FAILED as EXIT_MODEL_LOAD_FAILED  # its old home
 from workers.models import MAX_PADDED_ELEMENTS, ModelSpec, SimSettings, check_max_padded_elements
 from workers.placement import (
     CpuPlan,
@@ -32,7 +34,6 @@ from workers.placement import (
     usable_cpus,
     visible_gpus,
 )
-from workers.worker import EXIT_HUNG
 
 log = logging.getLogger("batcher.supervisor")
 
@@ -123,8 +124,6 @@ def default_max_starting() -> int:
     return max(2, os.cpu_count() or 1)
 
 
-#: Exit code of a worker whose model cannot be imported or built.
-EXIT_MODEL_LOAD_FAILED = 78  # sysexits.h EX_CONFIG
 #: A worker that dies sooner than this after starting, before it joined the broker,
 #: counts as failing at start-up (one that joined had loaded its model: its death is a
 #: request's doing, or the machine's, and the broker retries or quarantines its requests).

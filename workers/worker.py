@@ -29,9 +29,9 @@ import msgpack
 import msgspec
 import zmq
 
-from batcher.client.sync import HANDSHAKE_FAILED, ConnectionWatch
 from batcher.extras import extra_of, install_command
 from batcher.transport.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
+from batcher.transport.connection_watch import HANDSHAKE_FAILED, ConnectionWatch
 from batcher.transport.security import secure_client
 from batcher.transport.stopping import StopSignals, ignore_stop_signals
 from batcher.transport.zmqio import readable, recv_frames, send_frames
@@ -39,6 +39,8 @@ from batcher.wire import protocol, tensor
 from batcher.wire.protocol import ErrorCode, Heartbeat
 from batcher.wire.signature import signature_of
 from workers import fastpath, warmup
+from workers.exit_codes import EXIT_BAD_ADDRESS as EXIT_BAD_ADDRESS  # its old home
+from workers.exit_codes import EXIT_HUNG
 from workers.models import (
     MAX_PADDED_ELEMENTS,
     ModelFn,
@@ -63,8 +65,6 @@ REFUSAL_LOG_EVERY_S = 60.0
 OUTBOX_WAIT_MS = 10
 #: Batches with a model thread at once (workers/overlap.py): the one it runs and the next.
 OVERLAP_BATCHES = 2
-#: Exit code of a worker given an address it cannot connect to (sysexits.h EX_USAGE).
-EXIT_BAD_ADDRESS = 64
 
 
 @dataclass(frozen=True)
@@ -115,10 +115,6 @@ class WorkerSettings:
         check_max_padded_elements(self.max_padded_elements)
         if self.cpus is not None and (not self.cpus or not all(type(c) is int and c >= 0 for c in self.cpus)):
             raise ValueError(f"cpus must be a non-empty list of ids >= 0, got {self.cpus!r}")
-
-
-#: The exit code of a worker the broker told to exit, its batch past its time limit.
-EXIT_HUNG = 75  # sysexits.h EX_TEMPFAIL: serve respawns it
 
 
 class MalformedBatch(ValueError):

@@ -27,7 +27,6 @@ import zmq
 import zmq.asyncio
 
 from batcher.client.sync import (
-    CLIENT_EVENTS,
     CONNECT_TIMEOUT_S,
     BaseClient,
     BatcherError,
@@ -41,6 +40,7 @@ from batcher.client.sync import (
     request_body,
     timeout_reply,
 )
+from batcher.transport.connection_watch import CLIENT_EVENTS
 from batcher.wire import protocol, tensor
 from batcher.wire.protocol import ZERO_COPY_BYTES
 

@@ -21,8 +21,9 @@ import msgspec
 import zmq
 
 from batcher import __version__
-from batcher.client.sync import ConnectionWatch, cancel_body, open_dealer
+from batcher.client.sync import cancel_body, open_dealer
 from batcher.gateway import oip
+from batcher.transport.connection_watch import ConnectionWatch
 from batcher.transport.zmqio import readable, recv_frames, send_frames
 from batcher.wire import aligned, protocol, tensor
 from batcher.wire.protocol import ErrorCode
