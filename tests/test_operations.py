@@ -163,7 +163,7 @@ def test_json_logs_one_line_per_worker_event_and_none_per_request(serve, spawn, 
         return [e for e in json_lines(log_path) if e["pid"] == sp.process.pid and text in e["message"]]
 
     joined = broker_lines("worker joined")
-    assert len(joined) == 1 and joined[0]["level"] == "INFO" and joined[0]["logger"] == "batcher.broker.loop"
+    assert len(joined) == 1 and joined[0]["level"] == "INFO" and joined[0]["logger"] == "batcher.broker"
 
     # Traffic: not one line, at INFO, from the broker or its workers.
     before = json_lines(log_path)

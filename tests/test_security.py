@@ -65,6 +65,9 @@ def test_curve_admits_listed_keys_only(tmp_path: Path) -> None:
         )
         try:
             serve.start()
+            # Bound before the first request: a client gives up on a port that refuses it
+            # for connect_timeout_s (1 s), which a loaded machine's start-up can outlast.
+            wait_until(lambda: "broker listening" in log_path.read_text(), 30, "the broker listening")
             with Client(
                 serve.frontend, timeout_s=20, curve_server_key=server_key, curve_secret_key=str(alice_secret)
             ) as alice:
