@@ -240,7 +240,7 @@ def test_curve_secret_key_in_an_allow_list_is_warned_about(keys, caplog):
 
     sloppy = keys.allow("sloppy", "alice")
     shutil.copy(keys.secret_file("alice"), sloppy)
-    with caplog.at_level(logging.WARNING, logger="batcher.transport.security"):
+    with caplog.at_level(logging.WARNING, logger="batcher.security"):
         allowed = load_allow_list(str(sloppy), "--curve-clients")
     assert allowed == {keys.z85("alice").encode()}
     assert any("holds secret key files (alice.key_secret)" in r.getMessage() for r in caplog.records)
@@ -253,7 +253,7 @@ def test_curve_refusals_are_logged_at_a_bounded_rate(caplog):
 
     check = security._RoleCheck("backend", {b"w" * 40}, "--curve-workers", {b"c" * 40}, "client")
     made_up = [f"{i:040d}".encode() for i in range(security.MAX_REMEMBERED_REFUSALS + 50)]
-    with caplog.at_level(logging.DEBUG, logger="batcher.transport.security"):
+    with caplog.at_level(logging.DEBUG, logger="batcher.security"):
         assert check.callback("backend", b"w" * 40)
         for _ in range(3):
             assert not check.callback("backend", b"c" * 40)
