@@ -9,10 +9,8 @@ from typing import Any
 
 import click
 
-from batcher.broker.loop import BrokerSettings
-from batcher.cli.option_groups import ClientKeys, curve_client_options
+from batcher.cli.option_groups import ClientKeys, connect_option, curve_client_options
 from batcher.cli.options import (
-    CONNECT_ADDRESS,
     MAX_REFRESHES,
     MAX_STATS_S,
     READY_POLL_S,
@@ -29,12 +27,7 @@ from batcher.client.sync import BatcherError, ClientTimeout, Unreachable
 
 
 @click.command()
-@option(
-    "--connect",
-    type=CONNECT_ADDRESS,
-    default=BrokerSettings().frontend,
-    help="The broker's frontend address.",
-)
+@connect_option
 @local_option("--watch", is_flag=True, help="Refresh in place until Ctrl-C, with rates per second.")
 @local_option(
     "--interval-s",
@@ -136,12 +129,7 @@ def readiness(snapshot: Mapping[str, Any], wanted: Iterable[str]) -> tuple[list[
 
 
 @click.command()
-@option(
-    "--connect",
-    type=CONNECT_ADDRESS,
-    default=BrokerSettings().frontend,
-    help="The broker's frontend address.",
-)
+@connect_option
 @option(
     "--model",
     "models",
@@ -203,12 +191,7 @@ def ready(
 
 @click.command("reload")
 @click.argument("model")
-@option(
-    "--connect",
-    type=CONNECT_ADDRESS,
-    default=BrokerSettings().frontend,
-    help="The broker's frontend address.",
-)
+@connect_option
 @option(
     "--timeout-s",
     envvar="BATCHER_RELOAD_TIMEOUT_S",

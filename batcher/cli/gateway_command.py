@@ -8,10 +8,8 @@ from dataclasses import dataclass
 import click
 import zmq
 
-from batcher.broker.loop import BrokerSettings
-from batcher.cli.option_groups import ClientKeys, curve_client_options
+from batcher.cli.option_groups import ClientKeys, connect_option, curve_client_options
 from batcher.cli.options import (
-    CONNECT_ADDRESS,
     MAX_TIMEOUT_MS,
     Decorator,
     LogOptions,
@@ -140,12 +138,7 @@ GATEWAY_HOST_OPTION = option(
 
 
 @click.command()
-@option(
-    "--connect",
-    type=CONNECT_ADDRESS,
-    default=BrokerSettings().frontend,
-    help="The broker's frontend address.",
-)
+@connect_option
 @HTTP_PORT_OPTION
 @GRPC_PORT_OPTION
 @GATEWAY_HOST_OPTION

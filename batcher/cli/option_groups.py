@@ -11,6 +11,8 @@ import click
 
 from batcher.broker.loop import BrokerSettings
 from batcher.cli.options import (
+    BIND_ADDRESS,
+    CONNECT_ADDRESS,
     MAX_BATCH_COST,
     MAX_BATCH_SIZE,
     MAX_LIVENESS,
@@ -38,6 +40,27 @@ from batcher.wire.protocol import MAX_ACTIVE, Heartbeat
 from workers.models import MAX_PADDED_ELEMENTS, SimSettings
 from workers.steps import BATCHING_LEVELS
 from workers.worker import WorkerSettings
+
+#: --connect of a client of the broker (send, stats, ready, reload, gateway): its frontend.
+connect_option = option(
+    "--connect",
+    type=CONNECT_ADDRESS,
+    default=BrokerSettings().frontend,
+    help="The broker's frontend address.",
+)
+#: The two addresses a broker binds: serve and broker.
+frontend_option = option(
+    "--frontend",
+    type=BIND_ADDRESS,
+    default=BrokerSettings().frontend,
+    help="Address clients connect to (ROUTER).",
+)
+backend_option = option(
+    "--backend",
+    type=BIND_ADDRESS,
+    default=BrokerSettings().backend,
+    help="Address workers connect to (ROUTER).",
+)
 
 
 def threads_option(default_text: str) -> Decorator:

@@ -12,10 +12,8 @@ from typing import Any
 
 import click
 
-from batcher.broker.loop import BrokerSettings
-from batcher.cli.option_groups import ClientKeys, curve_client_options
+from batcher.cli.option_groups import ClientKeys, connect_option, curve_client_options
 from batcher.cli.options import (
-    CONNECT_ADDRESS,
     MAX_TIMEOUT_MS,
     MAX_TIMEOUT_S,
     LogOptions,
@@ -116,12 +114,7 @@ def parse_input(text: str) -> Any:
 
 
 @click.command()
-@option(
-    "--connect",
-    type=CONNECT_ADDRESS,
-    default=BrokerSettings().frontend,
-    help="The broker's frontend address.",
-)
+@connect_option
 @option(
     "--model",
     envvar="BATCHER_REQUEST_MODEL",

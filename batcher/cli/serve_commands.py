@@ -22,9 +22,11 @@ from batcher.cli.gateway_command import (
 from batcher.cli.option_groups import (
     BrokerOptions,
     StepOptions,
+    backend_option,
     batching_options,
     broker_options,
     curve_server_options,
+    frontend_option,
     heartbeat_options,
     max_padded_elements_option,
     no_warmup_option,
@@ -33,7 +35,6 @@ from batcher.cli.option_groups import (
     threads_option,
 )
 from batcher.cli.options import (
-    BIND_ADDRESS,
     MAX_GPU,
     MAX_WORKERS,
     MAX_WORKERS_PER_GPU,
@@ -225,18 +226,8 @@ def served_name(text: str) -> str:
 
 
 @click.command()
-@option(
-    "--frontend",
-    type=BIND_ADDRESS,
-    default=BrokerSettings().frontend,
-    help="Address clients connect to (ROUTER).",
-)
-@option(
-    "--backend",
-    type=BIND_ADDRESS,
-    default=BrokerSettings().backend,
-    help="Address workers connect to (ROUTER).",
-)
+@frontend_option
+@backend_option
 @option(
     "--workers",
     type=int_range(0, MAX_WORKERS),
@@ -366,18 +357,8 @@ def serve(
 
 
 @click.command()
-@option(
-    "--frontend",
-    type=BIND_ADDRESS,
-    default=BrokerSettings().frontend,
-    help="Address clients connect to (ROUTER).",
-)
-@option(
-    "--backend",
-    type=BIND_ADDRESS,
-    default=BrokerSettings().backend,
-    help="Address workers connect to (ROUTER).",
-)
+@frontend_option
+@backend_option
 @option(
     "--model",
     "models",
