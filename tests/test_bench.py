@@ -199,6 +199,68 @@ def test_merge_with_only_error_replies_is_a_failure() -> None:
     assert result.failure == "no successful reply from tcp://x: every reply was an error (unknown_model: 40)"
 
 
+def test_merge_says_when_the_load_generator_fell_short() -> None:
+    # 1000/s asked for 1 s: 900 sent is past Poisson noise (3 sigma: 95), 20 of them over
+    # 1 ms late (more than 1% of 900), and one process busy 95% of its time.
+    settings = LoadSettings(connect="tcp://x", rate=1000.0, duration_s=1.0)
+    sh = _shard([1000] * 900, Counter({1: 900}), sent=900, sent_in_window=900, replies_in_window=900,
+                ok_in_window=900, late_sends=20, cpu_s=0.95, wall_s=1.0, max_send_lag_ms=4.5)  # fmt: skip
+    client = merge(settings, [sh]).client
+    assert client == {
+        "processes": 1,
+        "max_cpu_share": 0.95,
+        "max_send_lag_ms": 4.5,
+        "kept_up": False,
+        "notes": [
+            "sent 900 requests in the window of the 1000 asked (1000/s)",
+            "20 sends were more than 1 ms late",
+            "a load process used 95% of a core: add --processes",
+        ],
+    }
+    # Within noise, on time, not busy: it kept up.
+    calm = _shard([1000] * 960, Counter({1: 960}), sent=960, sent_in_window=960, replies_in_window=960,
+                  ok_in_window=960, late_sends=9, cpu_s=0.5, wall_s=1.0)  # fmt: skip
+    kept_up = merge(settings, [calm])
+    assert kept_up.client["notes"] == [] and kept_up.client["kept_up"] is True
+    assert "load generator kept up (busiest process used 50% of a core)" in format_report(kept_up)
+
+
+def test_merge_adds_the_shards_chunk_timings_of_a_streamed_run() -> None:
+    def hist(*values_us: int) -> bytes:
+        h = new_histogram()
+        for v in values_us:
+            h.record_value(v)
+        return h.encode()
+
+    settings = LoadSettings(connect="tcp://x", concurrency=2, duration_s=2.0, stream=True)
+    a = _shard([9000], Counter(), sent=1, sent_in_window=1, chunks=30, chunks_in_window=30,
+               first_chunk_histogram=hist(1000), inter_chunk_histogram=hist(*[2000] * 29))  # fmt: skip
+    b = _shard([9000], Counter(), sent=1, sent_in_window=1, chunks=50, chunks_in_window=10,
+               first_chunk_histogram=hist(3000))  # fmt: skip
+    result = merge(settings, [a, b])
+    assert result.chunks_per_s == pytest.approx(40 / 2.0)
+    assert result.first_chunk_ms is not None and result.inter_chunk_ms is not None
+    assert result.first_chunk_ms["max"] == pytest.approx(3.0, rel=0.01)
+    assert result.first_chunk_ms["mean"] == pytest.approx(2.0, rel=0.01)
+    assert result.inter_chunk_ms["p50"] == pytest.approx(2.0, rel=0.01)
+    plain = merge(LoadSettings(connect="tcp://x", concurrency=2, duration_s=2.0), [a, b])
+    assert (plain.chunks_per_s, plain.first_chunk_ms, plain.inter_chunk_ms) == (None, None, None)
+
+
+def test_merge_of_a_request_count_measures_to_the_last_reply() -> None:
+    a = _shard([1000] * 6, Counter(), sent=6, sent_in_window=6, ok_in_window=6, window_s=1.5)
+    b = _shard([1000] * 4, Counter(), sent=4, sent_in_window=4, ok_in_window=4, window_s=2.0)
+    result = merge(LoadSettings(connect="tcp://x", concurrency=2, duration_s=None, requests=10), [a, b])
+    assert result.window_s == 2.0 and result.window == "2.00 s from the first send to the last reply"
+    assert result.throughput_rps == pytest.approx(10 / 2.0)
+    warm = merge(
+        LoadSettings(connect="tcp://x", concurrency=2, duration_s=None, requests=10, warmup_s=0.5), [a, b]
+    )
+    assert warm.window == "2.00 s from the end of 0.5 s of warm-up to the last reply"
+    timed = merge(LoadSettings(connect="tcp://x", concurrency=2, duration_s=3.0, warmup_s=1.0), [a, b])
+    assert (timed.window_s, timed.window) == (3.0, "3 s after 1 s of warm-up")
+
+
 # --- real runs against `batcher serve` --------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ import zmq
 from click.testing import CliRunner
 
 import batcher.cli.commands
+import batcher.cli.serve_commands
 from batcher.broker.loop import BrokerSettings
 from batcher.client.sync import BatcherError, Cancelled, Client
 from batcher.serve.launcher import free_tcp_address
@@ -201,7 +202,7 @@ def test_json_logs_one_line_per_worker_event_and_none_per_request(serve, spawn, 
 def settings_from_cli(*args: str, env: dict[str, str] | None = None) -> BrokerSettings:
     """The BrokerSettings `batcher ARGS` would run with; nothing is started."""
     captured: list[BrokerSettings] = []
-    real = batcher.cli.commands.broker_settings
+    real = batcher.cli.serve_commands.broker_settings
 
     def capture(*a: Any, **kw: Any) -> BrokerSettings:
         captured.append(real(*a, **kw))
@@ -209,11 +210,11 @@ def settings_from_cli(*args: str, env: dict[str, str] | None = None) -> BrokerSe
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level  # the commands set up logging their way
-    batcher.cli.commands.broker_settings = capture
+    batcher.cli.serve_commands.broker_settings = capture  # where serve and broker look it up
     try:
         result = CliRunner().invoke(batcher.cli.commands.main, list(args), env=env)
     finally:
-        batcher.cli.commands.broker_settings = real
+        batcher.cli.serve_commands.broker_settings = real
         root.handlers[:], root.level = handlers, level
     assert result.exit_code == 0 and captured, (result.output, result.exception)
     return captured[0]

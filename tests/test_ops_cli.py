@@ -23,6 +23,7 @@ import click
 import pytest
 
 import batcher.cli.commands
+import batcher.cli.serve_commands
 from batcher.cli.stats_table import Rates, compute_rates, format_stats
 from batcher.serve.launcher import free_tcp_address
 from batcher.transport.security import generate_keys
@@ -33,7 +34,7 @@ from tests.test_operations import settings_from_cli
 pytestmark = pytest.mark.integration
 
 OPERATIONS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
-REAL_POOL_SETTINGS = batcher.cli.commands.pool_settings  # before any test replaces it
+REAL_POOL_SETTINGS = batcher.cli.serve_commands.pool_settings  # before any test replaces it
 
 
 def addresses() -> list[str]:
@@ -112,7 +113,7 @@ def pool_from_cli(
         captured.append(real(*a, **kw))
         raise SystemExit(0)
 
-    monkeypatch.setattr(batcher.cli.commands, "pool_settings", capture)
+    monkeypatch.setattr(batcher.cli.serve_commands, "pool_settings", capture)  # where serve looks it up
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     try:

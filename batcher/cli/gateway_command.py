@@ -1,0 +1,235 @@
+"""`batcher gateway`: the Open Inference Protocol (KServe v2) over HTTP and gRPC in front of
+a broker; and the gateway options `serve` shares (ports, host, processes, access control)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import click
+import zmq
+
+from batcher.cli.option_groups import ClientKeys, connect_option, curve_client_options
+from batcher.cli.options import (
+    MAX_TIMEOUT_MS,
+    Decorator,
+    LogOptions,
+    field_default,
+    float_range,
+    int_range,
+    local_option,
+    logging_options,
+    option,
+    option_group,
+    require_extra,
+    setup,
+)
+from batcher.gateway import access
+from batcher.gateway.core import MAX_PROCESSES as MAX_GATEWAY_PROCESSES
+from batcher.gateway.core import GatewaySettings
+from batcher.gateway.process import gateway_command
+from batcher.gateway.processes import check_supported as check_processes_supported
+
+HTTP_PORT_OPTION = option(
+    "--http-port",
+    type=int_range(0, 65535),
+    default=0,
+    help="Serve the Open Inference Protocol (KServe v2) over HTTP on this port (0: not).",
+)
+GRPC_PORT_OPTION = option(
+    "--grpc-port",
+    type=int_range(0, 65535),
+    default=0,
+    help="Serve the Open Inference Protocol (KServe v2) over gRPC on this port (0: not).",
+)
+
+
+@dataclass(frozen=True)
+class GatewayAccess:
+    """The gateway's access control options (docs/gateway.md, "Access control")."""
+
+    api_keys_file: str | None
+    tls_cert_file: str | None
+    tls_key_file: str | None
+    allow_unauthenticated_gateway: bool
+
+    def check(self, host: str, *, allow_lists: str | None, keys_option: str) -> None:
+        """Before anything listens: the key file and TLS pair load, and an
+        unauthenticated gateway is not opened past CURVE allow-lists (a usage error)."""
+        try:
+            if self.api_keys_file is not None:
+                access.load_api_keys(self.api_keys_file)
+            access.check_tls_pair(self.tls_cert_file, self.tls_key_file)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+        error = access.exposure_error(
+            host,
+            api_keys=self.api_keys_file is not None,
+            allow_lists=allow_lists,
+            allow_unauthenticated=self.allow_unauthenticated_gateway,
+            keys_option=keys_option,
+        )
+        if error is not None:
+            raise click.UsageError(error)
+
+
+_ALLOW_UNAUTHENTICATED = local_option(
+    "--allow-unauthenticated-gateway",
+    is_flag=True,
+    default=False,
+    help="Open the gateway on a non-loopback host without API keys even though CurveZMQ "
+    "allow-lists guard the broker (refused otherwise: the gateway would be a way past them).",
+)
+
+
+def gateway_access_options(prefix: str) -> Decorator:
+    """--api-keys-file, --tls-cert-file, --tls-key-file (serve's: --gateway-...) and
+    --allow-unauthenticated-gateway."""
+    path = click.Path(dir_okay=False)
+    return option_group(
+        "gateway_access",
+        GatewayAccess,
+        option(
+            f"--{prefix}api-keys-file",
+            "api_keys_file",
+            envvar="BATCHER_GATEWAY_API_KEYS_FILE",
+            type=path,
+            default=None,
+            help="File of the API keys the gateway accepts, one a line (# comments): every "
+            "endpoint but the health probes then needs 'Authorization: Bearer KEY'.",
+        ),
+        option(
+            f"--{prefix}tls-cert-file",
+            "tls_cert_file",
+            envvar="BATCHER_GATEWAY_TLS_CERT_FILE",
+            type=path,
+            default=None,
+            help=f"PEM certificate (chain) for HTTPS and gRPC over TLS; with --{prefix}tls-key-file.",
+        ),
+        option(
+            f"--{prefix}tls-key-file",
+            "tls_key_file",
+            envvar="BATCHER_GATEWAY_TLS_KEY_FILE",
+            type=path,
+            default=None,
+            help=f"PEM private key of --{prefix}tls-cert-file (unencrypted).",
+        ),
+        _ALLOW_UNAUTHENTICATED,
+    )
+
+
+def gateway_processes_option(name: str) -> Decorator:
+    return option(
+        name,
+        "processes",
+        envvar="BATCHER_GATEWAY_PROCESSES",
+        type=int_range(1, MAX_GATEWAY_PROCESSES),
+        default=field_default(GatewaySettings, "processes"),
+        help="Gateway processes sharing the HTTP and gRPC ports (SO_REUSEPORT, Linux), each "
+        "with its own link to the broker: up to one a core for HTTP/gRPC parsing (docs/gateway.md).",
+    )
+
+
+GATEWAY_HOST_OPTION = option(
+    "--gateway-host",
+    "host",
+    default=field_default(GatewaySettings, "host"),
+    help="Address the gateway's HTTP and gRPC ports listen on (0.0.0.0: every interface).",
+)
+
+
+@click.command()
+@connect_option
+@HTTP_PORT_OPTION
+@GRPC_PORT_OPTION
+@GATEWAY_HOST_OPTION
+@option(
+    "--request-timeout-ms",
+    type=float_range(0, MAX_TIMEOUT_MS, min_open=True),
+    default=field_default(GatewaySettings, "request_timeout_ms"),
+    help="Longest wait for the broker's reply to a request that sets no timeout of its own.",
+)
+@gateway_processes_option("--processes")
+@gateway_access_options("")
+@local_option(
+    "--under-serve", is_flag=True, hidden=True, help="Started by serve or a gateway: stop when stdin closes."
+)
+@local_option(
+    "--shared-ports",
+    is_flag=True,
+    hidden=True,
+    help="One of the processes of a gateway of several: bind with SO_REUSEPORT, say so on stdout.",
+)
+@curve_client_options
+@logging_options
+def gateway(
+    connect: str,
+    http_port: int,
+    grpc_port: int,
+    host: str,
+    request_timeout_ms: float,
+    processes: int,
+    gateway_access: GatewayAccess,
+    under_serve: bool,
+    shared_ports: bool,
+    curve: ClientKeys,
+    logs: LogOptions,
+) -> None:
+    """Serve the Open Inference Protocol (KServe v2) over HTTP and gRPC in front of a
+    broker: Triton's and KServe's clients, curl and load balancers reach batcher's
+    batching unchanged (docs/gateway.md). Several gateways may front one broker, and
+    one gateway may be several processes on the same ports (--processes)."""
+    setup(logs)
+    try:
+        settings = GatewaySettings(
+            connect=connect,
+            host=host,
+            http_port=http_port,
+            grpc_port=grpc_port,
+            request_timeout_ms=request_timeout_ms,
+            curve_server_key=curve.curve_server_key,
+            curve_secret_key=curve.curve_secret_key,
+            api_keys_file=gateway_access.api_keys_file,
+            tls_cert_file=gateway_access.tls_cert_file,
+            tls_key_file=gateway_access.tls_key_file,
+            processes=processes,
+        )
+        check_processes_supported(processes)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if shared_ports and processes > 1:
+        raise click.UsageError("--shared-ports is for one process of a gateway of several (--processes 1)")
+    # A client key pair means a broker with an allow-list (under serve, serve decided).
+    gateway_access.check(
+        host,
+        allow_lists="--curve-secret-key" if curve.curve_secret_key and not under_serve else None,
+        keys_option="--api-keys-file",
+    )
+    require_extra("gateway", "batcher gateway")
+    from batcher.gateway import processes as gateway_processes
+    from batcher.gateway.server import run
+
+    control_fd = 0 if under_serve else None
+    try:
+        if processes > 1:
+            gateway_processes.run(
+                settings,
+                lambda one: gateway_command(one, logs.log_level, logs.log_format, shared=True),
+                control_fd=control_fd,
+            )
+        else:
+            if shared_ports:
+                gateway_processes.die_with_parent()
+            run(
+                settings,
+                control_fd=control_fd,
+                shared=shared_ports,
+                on_listening=gateway_processes.report_listening if shared_ports else None,
+            )
+    except gateway_processes.GatewayExited as exc:
+        raise click.ClickException(str(exc)) from None
+    except ValueError as exc:  # a key file or TLS pair that changed since the check
+        raise click.ClickException(str(exc)) from None
+    except zmq.ZMQError as exc:
+        raise click.ClickException(f"the gateway cannot connect to {connect}: {exc}") from None
+    except OSError as exc:
+        raise click.ClickException(f"the gateway cannot listen: {exc}") from None

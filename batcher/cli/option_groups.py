@@ -1,0 +1,439 @@
+"""The option groups several commands share (made with `batcher.cli.options.option_group`):
+CURVE keys (client, worker and broker sides), heartbeats, batching, the broker's other
+settings, the simulated model's costs, step-level models, and the warm-up and thread
+options of serve and worker. Each group hands its command one typed value."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import click
+
+from batcher.broker.loop import BrokerSettings
+from batcher.cli.options import (
+    BIND_ADDRESS,
+    CONNECT_ADDRESS,
+    MAX_BATCH_COST,
+    MAX_BATCH_SIZE,
+    MAX_LIVENESS,
+    MAX_MESSAGE_BYTES,
+    MAX_MS,
+    MAX_PREFETCH,
+    MAX_QUEUE,
+    MAX_RETRIES,
+    MAX_THREADS,
+    MAX_TIMEOUT_MS,
+    Decorator,
+    field_default,
+    float_range,
+    int_list_callback,
+    int_range,
+    option,
+    option_group,
+    parse_batch_sizes,
+    parse_length_buckets,
+)
+from batcher.client.sync import Client
+from batcher.core.scheduler import BUCKET_BY, POLICIES, BatchSettings
+from batcher.transport.security import CurveServerKeys
+from batcher.wire.protocol import MAX_ACTIVE, Heartbeat
+from workers.models import MAX_PADDED_ELEMENTS, SimSettings
+from workers.steps import BATCHING_LEVELS
+from workers.worker import WorkerSettings
+
+#: --connect of a client of the broker (send, stats, ready, reload, gateway): its frontend.
+connect_option = option(
+    "--connect",
+    type=CONNECT_ADDRESS,
+    default=BrokerSettings().frontend,
+    help="The broker's frontend address.",
+)
+#: The two addresses a broker binds: serve and broker.
+frontend_option = option(
+    "--frontend",
+    type=BIND_ADDRESS,
+    default=BrokerSettings().frontend,
+    help="Address clients connect to (ROUTER).",
+)
+backend_option = option(
+    "--backend",
+    type=BIND_ADDRESS,
+    default=BrokerSettings().backend,
+    help="Address workers connect to (ROUTER).",
+)
+
+
+def threads_option(default_text: str) -> Decorator:
+    """--threads-per-worker, its default described as `default_text`: serve, worker."""
+    return option(
+        "--threads-per-worker",
+        type=int_range(1, MAX_THREADS),
+        default=None,
+        show_default=False,
+        help=f"Intra-op threads of each worker's ONNX session. Default: {default_text}.",
+    )
+
+
+#: --no-warmup: serve, worker.
+no_warmup_option = option(
+    "--no-warmup",
+    is_flag=True,
+    default=False,
+    help="Do not run the model before READY (by default a model with a signature, an ONNX "
+    "model say, runs at each batch size it may get, on zero inputs, and announces its cost).",
+)
+
+
+#: --max-padded-elements: serve, worker.
+max_padded_elements_option = option(
+    "--max-padded-elements",
+    type=int_range(1, 2**62),
+    default=MAX_PADDED_ELEMENTS,
+    show_default=True,
+    help="The most elements a stacked model's batch may hold once padded (n x the longest "
+    "shape, summed over its inputs): requests that would pad past it are run in separate "
+    "model calls, and one over it alone is answered bad_request.",
+)
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """A connecting side's CURVE key files: the broker's public key (None: no CURVE) and
+    this side's key pair."""
+
+    curve_server_key: str | None
+    curve_secret_key: str | None
+
+    def client(self, connect: str, timeout_s: float) -> Client:
+        """A Client of the broker at `connect`, with these keys."""
+        return Client(
+            connect, timeout_s, curve_server_key=self.curve_server_key, curve_secret_key=self.curve_secret_key
+        )
+
+
+_CURVE_SERVER_KEY = option(
+    "--curve-server-key",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="The broker's public key file: turns CurveZMQ encryption on.",
+)
+
+
+def _own_key_pair(envvar: str, old_envvar: str | None = None) -> Decorator:
+    """--curve-secret-key of a connecting side; its variable names whose key pair it is."""
+    return option(
+        "--curve-secret-key",
+        envvar=envvar,
+        old_envvar=old_envvar,
+        type=click.Path(exists=True, dir_okay=False),
+        default=None,
+        help="This side's key pair (NAME.key_secret), for a broker with an allow-list.",
+    )
+
+
+#: A client's side of CurveZMQ: send, stats, ready, reload and bench.
+curve_client_options = option_group(
+    "curve", ClientKeys, _CURVE_SERVER_KEY, _own_key_pair("BATCHER_CURVE_SECRET_KEY")
+)
+#: A worker's side of CurveZMQ: its key pair is not a client's, so its own variable.
+curve_worker_options = option_group(
+    "curve",
+    ClientKeys,
+    _CURVE_SERVER_KEY,
+    _own_key_pair("BATCHER_WORKER_CURVE_SECRET_KEY", "BATCHER_CURVE_SECRET_KEY"),
+)
+
+#: The allow-lists of a broker's two sockets and its admins (bench --spawn passes them on).
+CURVE_ALLOW_LIST_FLAGS = (
+    option(
+        "--curve-clients",
+        type=click.Path(exists=True, file_okay=False),
+        default=None,
+        help="Directory of the public keys (.key) of the clients allowed on the frontend "
+        "(without it: any key, encrypted only).",
+    ),
+    option(
+        "--curve-workers",
+        type=click.Path(exists=True, file_okay=False),
+        default=None,
+        help="Directory of the public keys (.key) of the workers allowed on the backend "
+        "(besides the broker's own key, which serve's workers use). Without it the backend "
+        "admits any key, or only the broker's own if --curve-clients is given.",
+    ),
+    option(
+        "--curve-admins",
+        type=click.Path(exists=True, file_okay=False),
+        default=None,
+        help="Directory of the public keys (.key) of the clients that may change the service "
+        "(`reload`; also admitted on the frontend). Others are answered `forbidden` and get "
+        "`stats` without worker pids. The broker's own key is an admin's. Without it: any "
+        "admitted client may reload.",
+    ),
+)
+
+
+def _curve_keys(
+    curve_secret_key: str | None,
+    curve_clients: str | None,
+    curve_workers: str | None,
+    curve_admins: str | None,
+) -> CurveServerKeys | None:
+    """The broker's CURVE settings; the allow-lists need its key pair."""
+    if curve_secret_key is None:
+        for flag, value in (
+            ("--curve-clients", curve_clients),
+            ("--curve-workers", curve_workers),
+            ("--curve-admins", curve_admins),
+        ):
+            if value is not None:
+                raise click.UsageError(f"{flag} needs --curve-secret-key (the broker's key pair)")
+        return None
+    return CurveServerKeys(curve_secret_key, curve_clients, curve_workers, curve_admins)
+
+
+#: The broker's side of CurveZMQ: serve and broker.
+curve_server_options = option_group(
+    "curve",
+    _curve_keys,
+    option(
+        "--curve-secret-key",
+        envvar="BATCHER_BROKER_CURVE_SECRET_KEY",
+        old_envvar="BATCHER_CURVE_SECRET_KEY",
+        type=click.Path(exists=True, dir_okay=False),
+        default=None,
+        help="The broker's key pair (NAME.key_secret from `batcher keygen`): encrypts both sockets.",
+    ),
+    *CURVE_ALLOW_LIST_FLAGS,
+)
+
+HEARTBEAT_FLAGS = (
+    option(
+        "--heartbeat-ms",
+        type=float_range(1, MAX_MS),
+        default=Heartbeat().interval_ms,
+        help="Interval of heartbeats between broker and workers.",
+    ),
+    option(
+        "--heartbeat-liveness",
+        type=int_range(1, MAX_LIVENESS),
+        default=Heartbeat().liveness,
+        help="Heartbeat intervals of silence after which a peer is taken for dead.",
+    ),
+)
+
+
+def _heartbeat(heartbeat_ms: float, heartbeat_liveness: int) -> Heartbeat:
+    return Heartbeat(heartbeat_ms, heartbeat_liveness)
+
+
+#: Heartbeats between broker and workers: serve, broker and worker.
+heartbeat_options = option_group("heartbeat", _heartbeat, *HEARTBEAT_FLAGS)
+
+#: How each model's requests are queued and batched: BatchSettings' fields, by name.
+BATCHING_FLAGS = (
+    option(
+        "--max-batch-size",
+        type=int_range(1, MAX_BATCH_SIZE),
+        default=BatchSettings().max_batch_size,
+        help="Largest batch sent to a worker.",
+    ),
+    option(
+        "--max-wait-ms",
+        type=float_range(0, MAX_MS),
+        default=BatchSettings().max_wait_ms,
+        help="Longest a request waits for its batch to fill.",
+    ),
+    option(
+        "--policy",
+        type=click.Choice(POLICIES),
+        default=BatchSettings().policy.value,
+        help="window: wait up to --max-wait-ms for a full batch; adaptive: dispatch at once "
+        "unless waiting is expected to lower latency.",
+    ),
+    option(
+        "--batch-sizes",
+        callback=int_list_callback(parse_batch_sizes),
+        default=None,
+        help=f"Allowed batch sizes, e.g. 1,2,4,8 (must start at 1; each 1..{MAX_BATCH_SIZE}); "
+        "a batch is cut to the largest the queue fills.",
+    ),
+    option(
+        "--max-queue",
+        type=int_range(1, MAX_QUEUE),
+        default=BatchSettings().max_queue,
+        help="Queued requests per model.",
+    ),
+    option(
+        "--priority-aging-ms",
+        type=float_range(0, MAX_TIMEOUT_MS),
+        default=BatchSettings().priority_aging_ms,
+        help="A waiting request gains one priority level each this many ms, so a flood of "
+        "higher priorities cannot starve the rest (0: strict priority).",
+    ),
+    option(
+        "--max-batch-cost",
+        type=float_range(0, MAX_BATCH_COST, min_open=True),
+        default=None,
+        help="Largest sum of the requests' `cost` (tokens, pixels, bytes; 1 when a request "
+        "gives none) in one batch; a lone request over it runs alone. Default: no cap.",
+    ),
+    option(
+        "--bucket-by",
+        type=click.Choice(BUCKET_BY),
+        default=None,
+        help="Group requests so that padding stays small: `length` reads each request's "
+        "length (the first axis of its input tensor) and never batches requests of different "
+        "--length-buckets together.",
+    ),
+    option(
+        "--length-buckets",
+        callback=int_list_callback(parse_length_buckets),
+        default=None,
+        help="Upper bounds of the length buckets, e.g. 16,32,64,128 (with --bucket-by length): "
+        "a request of length 20 joins the 32 bucket; one longer than the last has a bucket of its own.",
+    ),
+)
+
+#: Every model's batching settings (a model's [models.NAME] table may differ): serve, broker.
+batching_options = option_group("batching", BatchSettings, *BATCHING_FLAGS)
+
+
+@dataclass(frozen=True)
+class BrokerOptions:
+    """The broker's settings besides batching, heartbeats and CURVE: BrokerSettings'
+    fields of the same names."""
+
+    default_timeout_ms: float
+    worker_prefetch: int
+    max_retries: int
+    max_message_bytes: int
+    no_worker_timeout_ms: float
+    metrics_port: int | None
+    metrics_host: str
+    batch_timeout_ms: float | None
+
+
+BROKER_FLAGS = (
+    option(
+        "--default-timeout-ms",
+        type=float_range(0, MAX_TIMEOUT_MS),
+        default=BrokerSettings().default_timeout_ms,
+        help="Deadline for requests that carry no timeout_ms (0: none).",
+    ),
+    option(
+        "--worker-prefetch",
+        type=int_range(1, MAX_PREFETCH),
+        default=BrokerSettings().worker_prefetch,
+        help="Batches a worker may hold at once (the next one waits on the worker).",
+    ),
+    option(
+        "--max-retries",
+        type=int_range(0, MAX_RETRIES),
+        default=BrokerSettings().max_retries,
+        help="Re-dispatches of a batch whose worker died, before its requests get worker_failed.",
+    ),
+    option(
+        "--max-message-bytes",
+        type=int_range(1024, MAX_MESSAGE_BYTES),
+        default=BrokerSettings().max_message_bytes,
+        help="Largest request accepted: a bigger one is answered too_large; a frame over "
+        "4 x this (the hard limit) makes libzmq drop its sender's connection.",
+    ),
+    option(
+        "--no-worker-timeout-ms",
+        type=float_range(0, MAX_TIMEOUT_MS),
+        default=BrokerSettings().no_worker_timeout_ms,
+        help="A request for a configured model that has had no worker this long is answered "
+        "unavailable (0: wait forever for a worker).",
+    ),
+    option(
+        "--metrics-port",
+        type=int_range(1, 65535),
+        default=BrokerSettings().metrics_port,
+        help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST: --metrics-host).",
+    ),
+    option(
+        "--batch-timeout-ms",
+        type=float_range(0, MAX_TIMEOUT_MS, min_open=True),
+        default=None,
+        help="A batch running longer is taken for hung: its worker is stopped (serve kills and "
+        "respawns its own) and its requests are retried within --max-retries. Default: "
+        "10 x n x the model's learned time for one request, at least 1 s (60 s before its "
+        "first batch was answered).",
+    ),
+    option(
+        "--metrics-host",
+        default=BrokerSettings().metrics_host,
+        help="The address the metrics endpoint listens on: 0.0.0.0 (or ::) for every "
+        "interface. It has no authentication, so expose it only where that is fine.",
+    ),
+)
+
+#: The broker's other settings: serve and broker.
+broker_options = option_group("broker_opts", BrokerOptions, *BROKER_FLAGS)
+
+
+def _sim(
+    sim_base_ms: float, sim_per_item_ms: float, simlm_step_base_ms: float, simlm_step_per_seq_ms: float
+) -> SimSettings:
+    return SimSettings(sim_base_ms, sim_per_item_ms, simlm_step_base_ms, simlm_step_per_seq_ms)
+
+
+#: The simulated GPU's cost: serve, worker and bench.
+sim_options = option_group(
+    "sim",
+    _sim,
+    option(
+        "--sim-base-ms",
+        type=float_range(0, MAX_MS),
+        default=SimSettings().base_ms,
+        help="sim model: fixed cost of one batch.",
+    ),
+    option(
+        "--sim-per-item-ms",
+        type=float_range(0, MAX_MS),
+        default=SimSettings().per_item_ms,
+        help="sim model: added cost per request in a batch.",
+    ),
+    option(
+        "--simlm-step-base-ms",
+        type=float_range(0, MAX_MS),
+        default=SimSettings().step_base_ms,
+        help="simlm model: fixed cost of one step (one token for every active sequence).",
+    ),
+    option(
+        "--simlm-step-per-seq-ms",
+        type=float_range(0, MAX_MS),
+        default=SimSettings().step_per_seq_ms,
+        help="simlm model: added cost per active sequence in a step.",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """A step-level model's worker settings: serve and worker."""
+
+    max_active: int
+    batching_level: str
+
+
+#: Step-level (generative) models: serve and worker.
+step_options = option_group(
+    "steps",
+    StepOptions,
+    option(
+        "--max-active",
+        type=int_range(1, MAX_ACTIVE),
+        default=field_default(WorkerSettings, "max_active"),
+        help="Step-level models: most sequences a worker generates at once (its credit at the "
+        "broker, which sends it a request per free slot).",
+    ),
+    option(
+        "--batching-level",
+        type=click.Choice(BATCHING_LEVELS),
+        default=field_default(WorkerSettings, "batching_level"),
+        help="Step-level models: `step` admits new sequences between any two steps (continuous "
+        "batching); `request` only once all it holds have ended (request-level batching, the baseline).",
+    ),
+)

@@ -1,0 +1,402 @@
+"""`batcher serve` (a broker, its workers and, with a port, a gateway) and `batcher broker`
+(a broker alone), and how their options become BrokerSettings and PoolSettings."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import click
+
+from batcher.broker.loop import BindError, BrokerSettings, run_broker
+from batcher.cli.config_file import ConfigError, load_config
+from batcher.cli.config_options import BATCH_KEYS, config_option, given_outside_file, reread_batching
+from batcher.cli.gateway_command import (
+    GATEWAY_HOST_OPTION,
+    GRPC_PORT_OPTION,
+    HTTP_PORT_OPTION,
+    GatewayAccess,
+    gateway_access_options,
+    gateway_processes_option,
+)
+from batcher.cli.option_groups import (
+    BrokerOptions,
+    StepOptions,
+    backend_option,
+    batching_options,
+    broker_options,
+    curve_server_options,
+    frontend_option,
+    heartbeat_options,
+    max_padded_elements_option,
+    no_warmup_option,
+    sim_options,
+    step_options,
+    threads_option,
+)
+from batcher.cli.options import (
+    MAX_GPU,
+    MAX_WORKERS,
+    MAX_WORKERS_PER_GPU,
+    LogOptions,
+    check_models,
+    field_default,
+    int_range,
+    logging_options,
+    option,
+    parse_gpus,
+    require_extra,
+    setup,
+    text_callback,
+)
+from batcher.core.scheduler import BatchSettings
+from batcher.gateway.core import GatewaySettings
+from batcher.gateway.process import GatewayProcess, gateway_command, local_address
+from batcher.gateway.processes import check_supported as check_processes_supported
+from batcher.serve.serving import ModelLoadFailed, run_serve
+from batcher.transport.security import CurveServerKeys, KeyFileError
+from batcher.wire.protocol import Heartbeat
+from workers import warmup
+from workers.models import MAX_PADDED_ELEMENTS, ModelSpec, SimSettings
+from workers.supervisor import PoolSettings
+
+
+def broker_settings(
+    frontend: str,
+    backend: str,
+    models: tuple[str, ...],
+    *,
+    batching: BatchSettings,
+    broker_opts: BrokerOptions,
+    heartbeat: Heartbeat,
+    curve: CurveServerKeys | None,
+    config: str | None,
+) -> BrokerSettings:
+    """BrokerSettings from CLI values: `models` are the models' names or specs (each
+    configured under `served_name`), `batching` is every model's default, and the
+    config file's [models.NAME] tables override what the file set (a value from the
+    command line or the environment wins over the tables too)."""
+    names = tuple(dict.fromkeys(map(served_name, models))) if models else BrokerSettings().models
+    fixed = given_outside_file(click.get_current_context(silent=True), BATCH_KEYS)
+    try:
+        per_model = load_config(config).model_settings(batching, fixed) if config else {}
+        return BrokerSettings(
+            frontend=frontend,
+            backend=backend,
+            models=names,
+            batch=batching,
+            per_model=per_model,
+            default_timeout_ms=broker_opts.default_timeout_ms,
+            worker_prefetch=broker_opts.worker_prefetch,
+            heartbeat=heartbeat,
+            max_retries=broker_opts.max_retries,
+            max_message_bytes=broker_opts.max_message_bytes,
+            curve=curve,
+            metrics_port=broker_opts.metrics_port,
+            metrics_host=broker_opts.metrics_host,
+            batch_timeout_ms=broker_opts.batch_timeout_ms,
+            no_worker_timeout_ms=broker_opts.no_worker_timeout_ms,
+        )
+    except (ValueError, ConfigError) as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def pool_settings(
+    backend: str,
+    models: tuple[str, ...],
+    sim: SimSettings,
+    broker: BrokerSettings,
+    *,
+    workers: int | None,
+    gpus: tuple[int, ...] | None,
+    workers_per_gpu: int,
+    config: str | None,
+    logs: LogOptions,
+    threads_per_worker: int | None = None,
+    warmup: bool = True,
+    steps: StepOptions | None = None,
+    pin_cpus: bool = False,
+    max_padded_elements: int = MAX_PADDED_ELEMENTS,
+) -> PoolSettings:
+    """serve's PoolSettings from CLI values. The config file's [models.NAME] tables pin
+    models to GPUs (`gpus`) and set their worker counts (`workers`, unless --workers came
+    from the command line or the environment). A placement that the devices cannot
+    hold (PoolSettings refuses it) is a usage error."""
+    model_gpus: dict[str, tuple[int, ...]] = {}
+    model_workers: dict[str, int] = {}
+    warmup_samples: dict[str, str] = {}
+    try:
+        if config:
+            parsed = load_config(config)
+            model_gpus = parsed.model_gpus()
+            warmup_samples = parsed.model_warmup_samples()
+            if not given_outside_file(click.get_current_context(silent=True), ["workers"]):
+                model_workers = parsed.model_workers()
+        return PoolSettings(
+            backend,
+            models,
+            workers,
+            sim,
+            heartbeat=broker.heartbeat,
+            log_level=logs.log_level,
+            log_format=logs.log_format,
+            curve_secret_key=broker.curve.secret_key_file if broker.curve else None,
+            gpus=gpus,
+            workers_per_gpu=workers_per_gpu,
+            model_gpus=model_gpus,
+            model_workers=model_workers,
+            threads_per_worker=threads_per_worker,
+            warmup_sizes={
+                ModelSpec.parse(m).name: _warmup_sizes(
+                    broker.per_model.get(ModelSpec.parse(m).name, broker.batch)
+                )
+                for m in models
+            }
+            if warmup
+            else None,
+            **(dataclasses.asdict(steps) if steps is not None else {}),
+            pin_cpus=pin_cpus,
+            max_padded_elements=max_padded_elements,
+            warmup_samples=warmup_samples,
+        )
+    except (ValueError, ConfigError) as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _serve_gateway(
+    broker: BrokerSettings,
+    http_port: int,
+    grpc_port: int,
+    host: str,
+    processes: int,
+    gateway_access: GatewayAccess,
+    logs: LogOptions,
+) -> GatewayProcess | None:
+    """serve's gateway process, when a port asks for one: it connects to the broker's
+    frontend as a client (with the broker's own key pair under CurveZMQ), so with
+    --curve-clients it must not be a way past the allow-list: checked here, before
+    anything binds. With --gateway-processes N > 1 it is the parent of N (one process
+    to start, watch and stop, as for one)."""
+    if not http_port and not grpc_port:
+        if processes > 1:
+            raise click.UsageError(
+                f"--gateway-processes {processes} needs --http-port or --grpc-port: there is no gateway"
+            )
+        return None
+    curve = broker.curve
+    gateway_access.check(
+        host,
+        allow_lists="--curve-clients" if curve is not None and curve.clients_dir is not None else None,
+        keys_option="--gateway-api-keys-file",
+    )
+    key = curve.secret_key_file if curve else None
+    settings = GatewaySettings(
+        connect=local_address(broker.frontend),
+        host=host,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        curve_server_key=key,
+        curve_secret_key=key,
+        api_keys_file=gateway_access.api_keys_file,
+        tls_cert_file=gateway_access.tls_cert_file,
+        tls_key_file=gateway_access.tls_key_file,
+        processes=processes,
+    )
+    try:
+        check_processes_supported(processes)
+    except ValueError as exc:
+        raise click.UsageError(str(exc).replace("--processes", "--gateway-processes")) from None
+    return GatewayProcess(gateway_command(settings, logs.log_level, logs.log_format))
+
+
+def _warmup_sizes(batch: BatchSettings) -> tuple[int, ...]:
+    """The batch sizes a model's warm-up runs: its allowed ones, else 1, 2, 4, ... max."""
+    return warmup.warmup_sizes(batch.max_batch_size, batch.batch_sizes)
+
+
+def served_name(text: str) -> str:
+    """The name a --model value is configured under at the broker: a worker's spec
+    (`onnx:PATH`, `NAME=SPEC`, `sim`, `pkg.mod:attr`) is named as that worker announces
+    itself (`onnx:dir/digits.onnx` is `digits`); any other text is a name as it is
+    (`batcher broker --model mymodel`)."""
+    try:
+        return ModelSpec.parse(text).name
+    except ValueError:
+        return text.strip()
+
+
+@click.command()
+@frontend_option
+@backend_option
+@option(
+    "--workers",
+    type=int_range(0, MAX_WORKERS),
+    default=None,
+    show_default=False,
+    help="Worker processes per model. Default: --workers-per-gpu on each GPU serve may use "
+    "(--gpus), or 2 when it sees no GPU.",
+)
+@option(
+    "--gpus",
+    callback=text_callback(parse_gpus),
+    default=None,
+    show_default=False,
+    help=f"GPU ids the workers may use, e.g. 0,1 (each 0..{MAX_GPU}). Default: the visible devices.",
+)
+@option(
+    "--workers-per-gpu",
+    type=int_range(1, MAX_WORKERS_PER_GPU),
+    default=field_default(PoolSettings, "workers_per_gpu"),
+    help="Most workers of one model on one GPU; without --workers, each model gets this many per GPU.",
+)
+@option(
+    "--model",
+    "models",
+    multiple=True,
+    default=BrokerSettings().models,
+    help="Model to serve: sim, echo, pkg.module:attr, onnx:PATH or NAME=SPEC; repeat for "
+    "several. The first is the default for requests that name none.",
+)
+@threads_option(
+    "the cores divided among the workers on this machine (workers x threads <= cores; with "
+    "--pin-cpus, the cores but one)"
+)
+@option(
+    "--pin-cpus",
+    is_flag=True,
+    default=False,
+    help="Run each worker on CPUs of its own (--threads-per-worker of them, from the "
+    "highest-numbered down) and the broker on the rest, so that no model competes for a CPU "
+    "with the broker or another worker (logical CPUs: on SMT hosts, see docs/deployment.md). "
+    "Linux only; needs a CPU left for the broker.",
+)
+@no_warmup_option
+@max_padded_elements_option
+@HTTP_PORT_OPTION
+@GRPC_PORT_OPTION
+@GATEWAY_HOST_OPTION
+@gateway_processes_option("--gateway-processes")
+@gateway_access_options("gateway-")
+@batching_options
+@broker_options
+@heartbeat_options
+@curve_server_options
+@config_option
+@sim_options
+@step_options
+@logging_options
+def serve(
+    frontend: str,
+    backend: str,
+    workers: int | None,
+    gpus: tuple[int, ...] | None,
+    workers_per_gpu: int,
+    models: tuple[str, ...],
+    threads_per_worker: int | None,
+    pin_cpus: bool,
+    no_warmup: bool,
+    max_padded_elements: int,
+    http_port: int,
+    grpc_port: int,
+    host: str,
+    processes: int,
+    gateway_access: GatewayAccess,
+    batching: BatchSettings,
+    broker_opts: BrokerOptions,
+    heartbeat: Heartbeat,
+    curve: CurveServerKeys | None,
+    config: str | None,
+    sim: SimSettings,
+    steps: StepOptions,
+    logs: LogOptions,
+) -> None:
+    """Run a broker and its worker processes: per model, --workers of them, or
+    --workers-per-gpu on each GPU it may use. With --http-port or --grpc-port, a
+    gateway process serves the Open Inference Protocol (KServe v2) in front of it.
+
+    `batcher reload MODEL`, or SIGHUP (which re-reads --config's batching settings and
+    reloads every model), replaces a model's workers: new ones first, then the old ones
+    drained and stopped."""
+    setup(logs)
+    check_models(models)
+    if http_port or grpc_port:
+        require_extra("gateway", "serve --http-port/--grpc-port (the gateway)")
+    settings = broker_settings(
+        frontend,
+        backend,
+        models,
+        batching=batching,
+        broker_opts=broker_opts,
+        heartbeat=heartbeat,
+        curve=curve,
+        config=config,
+    )
+    pool = pool_settings(
+        backend,
+        models,
+        sim,
+        settings,
+        workers=workers,
+        gpus=gpus,
+        workers_per_gpu=workers_per_gpu,
+        config=config,
+        logs=logs,
+        threads_per_worker=threads_per_worker,
+        warmup=not no_warmup,
+        steps=steps,
+        pin_cpus=pin_cpus,
+        max_padded_elements=max_padded_elements,
+    )
+    ctx = click.get_current_context()
+    reread = None if config is None else functools.partial(reread_batching, ctx, config, settings.models)
+    gateway = _serve_gateway(settings, http_port, grpc_port, host, processes, gateway_access, logs)
+    try:
+        run_serve(settings, pool, reread, gateway)
+    except (BindError, KeyFileError, ModelLoadFailed) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.command()
+@frontend_option
+@backend_option
+@option(
+    "--model",
+    "models",
+    multiple=True,
+    default=BrokerSettings().models,
+    help="Model name requests may use before any worker has joined (repeat for several); "
+    "the first is the default.",
+)
+@batching_options
+@broker_options
+@heartbeat_options
+@curve_server_options
+@config_option
+@logging_options
+def broker(
+    frontend: str,
+    backend: str,
+    models: tuple[str, ...],
+    batching: BatchSettings,
+    broker_opts: BrokerOptions,
+    heartbeat: Heartbeat,
+    curve: CurveServerKeys | None,
+    config: str | None,
+    logs: LogOptions,
+) -> None:
+    """Run a broker alone; start workers with `batcher worker`."""
+    setup(logs)
+    settings = broker_settings(
+        frontend,
+        backend,
+        models,
+        batching=batching,
+        broker_opts=broker_opts,
+        heartbeat=heartbeat,
+        curve=curve,
+        config=config,
+    )
+    try:
+        run_broker(settings)
+    except (BindError, KeyFileError) as exc:
+        raise click.ClickException(str(exc)) from None
