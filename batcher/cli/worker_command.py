@@ -35,9 +35,9 @@ from batcher.cli.options import (
     text_callback,
 )
 from batcher.wire.protocol import Heartbeat
+from workers.exit_codes import EXIT_MODEL_LOAD_FAILED
 from workers.models import SimSettings
 from workers.placement import parse_cpus
-from workers.supervisor import EXIT_MODEL_LOAD_FAILED
 from workers.worker import ModelLoadError, WorkerSettings, run_worker
 
 
