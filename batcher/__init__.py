@@ -8,6 +8,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from batcher import moved_modules
+
+moved_modules.install()  # the flat module paths of before the layered layout, kept importable
+
 if TYPE_CHECKING:
     from batcher.client.aio import AsyncClient
     from batcher.client.sync import BatcherError, Client, ClientTimeout, MultiClient

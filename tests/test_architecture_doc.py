@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from batcher.moved_modules import MOVED
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = (ROOT / "docs" / "architecture.md").read_text()
 DOTTED = sorted(set(re.findall(r"`((?:batcher|workers)(?:\.\w+)+)`", PAGE)))
@@ -66,3 +68,36 @@ def test_the_old_client_imports_keep_working() -> None:
     assert issubclass(Overloaded, BatcherError) and issubclass(Forbidden, BatcherError)
     assert issubclass(Unreachable, ClientTimeout) and issubclass(ClientClosed, BatcherError)
     assert Client.__module__ == "batcher.client.sync" and MultiClient.__module__ == "batcher.client.sync"
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_flat_module_path_of_before_the_layout_still_imports_with_a_warning(old: str) -> None:
+    """Code written for the flat layout (`from batcher.aio import AsyncClient`) runs on,
+    told where the module lives now."""
+    code = (
+        "import importlib, warnings, sys\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    old = importlib.import_module('batcher.{old}')\n"
+        f"new = importlib.import_module('{MOVED[old]}')\n"
+        "print(old is new, [str(w.message) for w in seen if w.category is DeprecationWarning])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"True ['batcher.{old} moved to {MOVED[old]}: import it from there']"
+
+
+def test_a_name_that_never_was_a_module_is_still_not_found() -> None:
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("batcher.no_such_module")
+
+
+def test_the_old_broker_module_s_names_are_found_in_its_package_with_a_warning() -> None:
+    """`from batcher.broker import Broker, BrokerSettings`, as the flat layout had them."""
+    import batcher.broker
+    from batcher.broker.loop import Broker
+
+    with pytest.warns(DeprecationWarning, match=r"batcher.broker.Broker moved to batcher.broker.loop"):
+        assert batcher.broker.Broker is Broker
+    with pytest.raises(AttributeError):
+        batcher.broker.no_such_name  # noqa: B018
