@@ -30,6 +30,8 @@ import msgspec
 import zmq
 
 from batcher.client.sync import HANDSHAKE_FAILED, ConnectionWatch
+from batcher.errors import BatcherError
+from batcher.errors import ModelLoadError as ModelLoadError  # its older home
 from batcher.extras import extra_of, install_command
 from batcher.transport.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
 from batcher.transport.security import secure_client
@@ -121,7 +123,7 @@ class WorkerSettings:
 EXIT_HUNG = 75  # sysexits.h EX_TEMPFAIL: serve respawns it
 
 
-class MalformedBatch(ValueError):
+class MalformedBatch(BatcherError, ValueError):
     """A BATCH message the worker cannot run. `batch_id` is None when even the header is
     unreadable: then there is nobody to answer, and the batch is dropped."""
 
@@ -1070,10 +1072,6 @@ def _failed_batch(exc: Exception, header_frame: bytes) -> list[Any] | None:
         return protocol.reply_frames(_decode_header(header_frame)[0], 0.0, [])
     except MalformedBatch:
         return None
-
-
-class ModelLoadError(RuntimeError):
-    """The model could not be imported or built; the worker cannot start."""
 
 
 def control_pipe(settings: WorkerSettings) -> int | None:

@@ -30,6 +30,7 @@ from batcher.broker.stats import BrokerStats, gauges
 from batcher.core.pool import WorkerPool
 from batcher.core.scheduler import Batch, BatchSettings, NoSuchModel, QueuedRequest, QueueFull, Scheduler
 from batcher.core.streams import Streams
+from batcher.errors import BatcherError
 from batcher.transport.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
 from batcher.transport.security import CurveGate, CurveServerKeys, HandshakeWatch, secure_server
 from batcher.transport.stopping import StopSignals
@@ -106,7 +107,7 @@ class BrokerSettings:
         return self.models[0]
 
 
-class BindError(OSError):
+class BindError(BatcherError, OSError):
     """An address the broker was told to listen on is taken or invalid."""
 
 

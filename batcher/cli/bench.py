@@ -47,6 +47,7 @@ import msgspec
 import zmq
 from hdrh.histogram import HdrHistogram
 
+from batcher.errors import BatcherError
 from batcher.transport.allocator import heap_trimmer, keep_freed_memory
 from batcher.transport.security import load_keypair, load_public_key, secure_client
 from batcher.transport.zmqio import recv_frames, send_frames
@@ -623,7 +624,7 @@ def _take_messages(procs: list[_LoadProcess], timeout_s: float) -> None:
         p.take()
 
 
-class BenchFailed(RuntimeError):
+class BenchFailed(BatcherError, RuntimeError):
     """A run that measured nothing worth reporting (see LoadResult.failure)."""
 
 

@@ -145,7 +145,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
             raise
         except Exception as exc:  # the socket broke: nobody would ever be answered
             log.error("reply reader for %s stopped: %s", self.address, exc)
-            self._fail_pending(BatcherError(f"reply reader stopped: {exc}", code="closed"))
+            self._fail_pending(ClientClosed(f"reply reader stopped: {exc}"))
 
     # --- requests ---------------------------------------------------------------------------
 

@@ -19,7 +19,6 @@ import itertools
 import logging
 import math
 import time
-import types
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
@@ -27,145 +26,86 @@ from typing import Any, Generic, TypeVar
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from batcher.errors import BatcherError
 from batcher.transport.security import load_public_key, secure_client
 from batcher.transport.zmqio import recv_frames, send_frames
 from batcher.wire import protocol, tensor
+from batcher.wire.errors import (
+    CLOSED,
+    TIMEOUT,
+    UNREACHABLE,
+    BadRequest,
+    Cancelled,
+    ClientClosed,
+    ClientTimeout,
+    DeadlineExceeded,
+    Forbidden,
+    InternalError,
+    ModelError,
+    Overloaded,
+    ReplyError,
+    ShuttingDown,
+    TooLarge,
+    Unavailable,
+    UnknownModel,
+    Unreachable,
+    WorkerFailed,
+    error_class_name,
+    error_from_reply,
+)
 from batcher.wire.protocol import ErrorCode
+
+#: The public names, the errors among them: they live in batcher.errors and batcher.wire.errors
+#: and are re-exported here, where they were first defined.
+__all__ = [
+    "CLIENT_EVENTS",
+    "CLOSED",
+    "CONNECT_TIMEOUT_S",
+    "FATAL_HANDSHAKE_FAILURES",
+    "HANDSHAKE_FAILED",
+    "TIMEOUT",
+    "UNREACHABLE",
+    "WATCHED_EVENTS",
+    "BadRequest",
+    "BaseClient",
+    "BatcherError",
+    "Cancelled",
+    "Client",
+    "ClientClosed",
+    "ClientTimeout",
+    "ConnectionWatch",
+    "DeadlineExceeded",
+    "Forbidden",
+    "InternalError",
+    "ModelError",
+    "MultiClient",
+    "MultiPending",
+    "Overloaded",
+    "PendingReply",
+    "ReplyError",
+    "ShuttingDown",
+    "Stream",
+    "TooLarge",
+    "Unavailable",
+    "UnknownModel",
+    "Unreachable",
+    "WorkerFailed",
+    "cancel_body",
+    "collect",
+    "error_class_name",
+    "error_from_reply",
+    "open_dealer",
+    "reply_key",
+    "reply_wait_s",
+    "request_body",
+    "timeout_reply",
+]
 
 log = logging.getLogger("batcher.client")
 
-#: The client's own error code, for a request that got no reply in time (never on the wire).
-TIMEOUT = "timeout"
-#: The client's own code for a request to an address where no broker can be reached
-#: (nothing listens, or no ZeroMQ peer does): it fails after `connect_timeout_s`.
-UNREACHABLE = "unreachable"
 #: How long a Client's request waits, by default, for a first connection to a broker
 #: before failing `unreachable` (when the address refuses, or is no ZeroMQ peer).
 CONNECT_TIMEOUT_S = 1.0
-
-#: The exception class of each error code a reply can carry (error_from_reply).
-_ERRORS: dict[str, type[BatcherError]] = {}
-
-
-class BatcherError(Exception):
-    """A request answered with an error; `code` is the protocol's error code.
-
-    `class X(BatcherError, code=...)` makes X the class of every reply with that code.
-    """
-
-    code = "error"
-
-    def __init_subclass__(cls, code: str | None = None, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if code is None:
-            return
-        if code in _ERRORS:
-            raise TypeError(f"error code {code!r} already has its class {_ERRORS[code].__name__}")
-        cls.code = str(code)  # an ErrorCode as the plain str a reply carries
-        _ERRORS[cls.code] = cls
-
-    def __init__(self, message: str, code: str | None = None, reply: dict[str, Any] | None = None):
-        super().__init__(f"{code or self.code}: {message}")
-        if code is not None:
-            self.code = code
-        self.message = message
-        self.reply = reply or {}
-
-
-# One class per protocol.ErrorCode, named after it (bad_request: BadRequest); a code
-# without a class here gets one made from its name below, so none is ever forgotten.
-
-
-class BadRequest(BatcherError, code=ErrorCode.BAD_REQUEST):
-    """The broker refused the request as sent (a field of a wrong type, no input, an unknown op)."""
-
-
-class UnknownModel(BatcherError, code=ErrorCode.UNKNOWN_MODEL):
-    """No model of that name is configured on the broker or was ever served to it."""
-
-
-class ModelError(BatcherError, code=ErrorCode.MODEL_ERROR):
-    """The model raised, or returned the wrong number of outputs, for the request's batch."""
-
-
-class DeadlineExceeded(BatcherError, code=ErrorCode.DEADLINE_EXCEEDED):
-    """The request's deadline (`timeout_ms`) passed while it was still queued."""
-
-
-class Overloaded(BatcherError, code=ErrorCode.OVERLOADED):
-    """The model's queue was full when the request came (--max-queue); retry later."""
-
-
-class Cancelled(BatcherError, code=ErrorCode.CANCELLED):
-    """The request was cancelled (`cancel`) while it was still queued."""
-
-
-class WorkerFailed(BatcherError, code=ErrorCode.WORKER_FAILED):
-    """The workers holding the request failed more often than the broker's --max-retries."""
-
-
-class ShuttingDown(BatcherError, code=ErrorCode.SHUTTING_DOWN):
-    """The broker is draining: it queues nothing new (or ran out of drain time)."""
-
-
-class Unavailable(BatcherError, code=ErrorCode.UNAVAILABLE):
-    """The model has had no live worker for the broker's --no-worker-timeout-ms."""
-
-
-class TooLarge(BatcherError, code=ErrorCode.TOO_LARGE):
-    """The request is larger than the broker's --max-message-bytes; it was not queued."""
-
-
-class Forbidden(BatcherError, code=ErrorCode.FORBIDDEN):
-    """A control request that changes the service (`reload`) from a key that is not in
-    the broker's --curve-admins; nothing was changed."""
-
-
-class InternalError(BatcherError, code=ErrorCode.INTERNAL):
-    """The broker hit a bug of its own handling this request (and logged it)."""
-
-
-class ClientTimeout(BatcherError, code=TIMEOUT):
-    """No reply arrived within the client's own timeout (the broker may be down)."""
-
-
-class Unreachable(ClientTimeout, code=UNREACHABLE):
-    """No broker could be reached at the address, and the client says so within its
-    `connect_timeout_s` rather than waiting out its timeout: nothing listens there
-    (the connection is refused), or what listens is no ZeroMQ peer (an HTTP server).
-    A ClientTimeout too: no reply came, and none will."""
-
-
-class ClientClosed(BatcherError):
-    """The client was closed while this request waited for its reply."""
-
-    code = "closed"
-
-
-def error_class_name(code: str) -> str:
-    """The exception class name for an error code: `bad_request` is BadRequest."""
-    return "".join(part.capitalize() for part in code.split("_"))
-
-
-def _make_missing_error_classes() -> None:
-    for code in ErrorCode:
-        if code.value not in _ERRORS:
-            name = error_class_name(code.value)
-            cls = types.new_class(name, (BatcherError,), {"code": code})
-            cls.__module__ = __name__
-            cls.__doc__ = f"A reply with error code `{code.value}`."
-            globals()[name] = cls
-
-
-_make_missing_error_classes()
-
-
-def error_from_reply(reply: dict[str, Any]) -> BatcherError:
-    """The typed exception for an error reply (BatcherError for a code it does not know)."""
-    err = reply.get("error") or {}
-    code = str(err.get("code", "error"))
-    cls = _ERRORS.get(code, BatcherError)
-    return cls(str(err.get("message", "")), code=code, reply=reply)
 
 
 def reply_key(reply: dict[str, Any], pending: dict[Any, Any]) -> Any:
@@ -750,7 +690,7 @@ class Client(BaseClient[PendingReply]):
         is told to cancel it and the worker stops generating. `timeout_s` bounds the wait
         for each chunk; a stream is never retried."""
         if self._sock.closed:
-            raise BatcherError(f"the client of {self.address} is closed", code="closed")
+            raise ClientClosed(f"the client of {self.address} is closed")
         request_id = next(self._ids)
         fields = request_body(input, model, timeout_ms, priority, stream=True)
         body = protocol.pack_carrying({"id": request_id, **fields}, input)

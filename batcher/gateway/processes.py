@@ -50,6 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from batcher.errors import BatcherError
 from batcher.gateway import access
 from batcher.gateway.core import GatewaySettings
 from batcher.gateway.server import GRACE_S, SIBLINGS_UP
@@ -68,7 +69,7 @@ STOP_MARGIN_S = 1.5
 _PR_SET_PDEATHSIG = 1
 
 
-class GatewayExited(RuntimeError):
+class GatewayExited(BatcherError, RuntimeError):
     """A gateway process exited by itself (or never listened): the gateway has stopped."""
 
 

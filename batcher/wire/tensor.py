@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from batcher.errors import BatcherError
 from batcher.extras import install_command
 
 #: Open Inference Protocol datatype -> the numpy dtype string (little-endian).
@@ -57,7 +58,7 @@ MAX_RANK = 32
 MAX_ELEMENTS = 2**45
 
 
-class TensorError(ValueError):
+class TensorError(BatcherError, ValueError):
     """A tensor map that breaks the encoding; the message names what is wrong."""
 
 
