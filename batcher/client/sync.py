@@ -403,7 +403,13 @@ def _strerror(value: int) -> str:
 
 
 def collect(pendings: Iterable[_Awaited], return_exceptions: bool) -> list[Any]:
-    """The outputs of requests in flight, in order; errors raise, or take their place."""
+    """The outputs of requests in flight, in order, once every one has its reply (the
+    `request_many` rule, the same on every client: README, "Errors"): with
+    return_exceptions an error takes its output's place, else the first error in input
+    order is raised, after all have finished, so none is left in flight behind it."""
+    pendings = list(pendings)
+    for p in pendings:
+        p.wait()
     out: list[Any] = []
     for p in pendings:
         try:
@@ -620,12 +626,12 @@ class Client(BaseClient[PendingReply]):
         self.close()
 
     def close(self) -> None:
-        """Close the socket; a request or stream still waiting for its reply gets an error
-        of code `closed`."""
+        """Close the socket; a request or stream still waiting for its reply raises
+        ClientClosed (code `closed`), and so does any request made after."""
         if not self._sock.closed:
             self.watch.close()
             self._sock.close(0)
-        error = {"code": "closed", "message": f"the client of {self.address} was closed"}
+        error = {"code": CLOSED, "message": f"the client of {self.address} was closed"}
         pending, self._pending = self._pending, {}
         for request_id, waiting in pending.items():
             waiting.reply = {"id": request_id, "ok": False, "error": error}
@@ -670,7 +676,8 @@ class Client(BaseClient[PendingReply]):
         return_exceptions: bool = False,
     ) -> list[Any]:
         """Send all inputs at once (so the broker can batch them) and return the outputs
-        in order. With return_exceptions, errors come back in place instead of raising."""
+        in order, once every one has its reply. With return_exceptions, errors come back
+        in place; otherwise the first one (in input order) is raised, after all finished."""
         return collect([self.submit(x, model, timeout_ms) for x in inputs], return_exceptions)
 
     def control(self, op: str, **fields: Any) -> Any:
@@ -728,7 +735,10 @@ class Client(BaseClient[PendingReply]):
         """Send the request map `fields`, with an `id` of ours added, without waiting;
         returns its PendingReply, which times out `wait_s` seconds after each send
         (None: never). Its reply is taken by whoever waits on this client next, or by
-        `receive_ready`; `PendingReply.result()` waits for it and retries as configured."""
+        `receive_ready`; `PendingReply.result()` waits for it and retries as configured.
+        Raises ClientClosed once the client is closed."""
+        if self._sock.closed:
+            raise ClientClosed(f"the client of {self.address} is closed")
         request_id = next(self._ids)
         body = protocol.pack_carrying({"id": request_id, **fields}, fields.get("input"))
         pending = PendingReply(self, request_id, body, wait_s)
@@ -980,6 +990,7 @@ class MultiClient:
         self.max_down_s = max_down_s
         self._ctx: zmq.Context[Any] = context or zmq.Context.instance()
         self._frontends: list[_Frontend] = []
+        self._closed = False
         try:
             for a in addresses:
                 c = Client(a, timeout_s, 0, self._ctx, curve_server_key, curve_secret_key)
@@ -1007,11 +1018,21 @@ class MultiClient:
         self.close()
 
     def close(self) -> None:
-        """Close every socket; replies still in flight are abandoned."""
+        """Close every socket; a request still waiting for its reply raises ClientClosed,
+        and so does any request made after."""
+        self._closed = True
+        error = {"code": CLOSED, "message": f"the client of {', '.join(self.addresses)} was closed"}
         for fe in self._frontends:
             fe.client.close()
+            for request_id, waiting in fe.owners.items():
+                if waiting.reply is None:
+                    waiting.reply = {"id": request_id, "ok": False, "error": error}
             fe.owners.clear()
         self._deadlines.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed(f"the client of {', '.join(self.addresses)} is closed")
 
     @property
     def addresses(self) -> list[str]:
@@ -1041,6 +1062,7 @@ class MultiClient:
         cost: float | None = None,
     ) -> MultiPending:
         """Send a request to the next frontend that is up, without waiting."""
+        self._check_open()
         body = request_body(input, model, timeout_ms, priority, cost)
         wait_s = reply_wait_s(self.timeout_s, timeout_ms)
         assert wait_s is not None  # a MultiClient always has a timeout: it is how it finds a dead broker
@@ -1067,12 +1089,14 @@ class MultiClient:
         return_exceptions: bool = False,
     ) -> list[Any]:
         """Send all inputs at once, spread over the frontends, and return the outputs in
-        order. With return_exceptions, errors come back in place instead of raising."""
+        order, once every one has its reply. With return_exceptions, errors come back in
+        place; otherwise the first one (in input order) is raised, after all finished."""
         return collect([self.submit(x, model, timeout_ms) for x in inputs], return_exceptions)
 
     def control(self, op: str, address: str | None = None) -> Any:
         """Send a control request (`stats`) to the next frontend that is up, or to
         `address` only (no resend elsewhere), and return its output."""
+        self._check_open()
         pending = MultiPending(self, {"op": op}, self.timeout_s)
         if address is None:
             self._send(pending, time.monotonic())
