@@ -404,7 +404,7 @@ def _strerror(value: int) -> str:
 
 def collect(pendings: Iterable[_Awaited], return_exceptions: bool) -> list[Any]:
     """The outputs of requests in flight, in order, once every one has its reply (the
-    `request_many` rule, the same on every client: README, "Errors"): with
+    `request_many` rule, the same on every client: docs/architecture.md, "Errors"): with
     return_exceptions an error takes its output's place, else the first error in input
     order is raised, after all have finished, so none is left in flight behind it."""
     pendings = list(pendings)
