@@ -36,3 +36,9 @@ class ModelLoadError(BatcherError, RuntimeError):
     The one class for a model that will not load; `workers.worker.ModelLoadError`,
     `batcher.serve.serving.ModelLoadFailed` and `workers.onnx_model.OnnxLoadError` are
     this same class under its older names."""
+
+
+class SettingsError(BatcherError, ValueError):
+    """A value batcher was given and refuses, said precisely: a field of a settings
+    dataclass, a client's constructor argument, an address, a model spec or signature, a
+    CPU list, an API key or TLS file. A ValueError too, as these always were."""

@@ -39,6 +39,7 @@ BUILTIN_BASES = {
     "MissingExtra": ImportError,
     "GatewayExited": RuntimeError,
     "ModelLoadError": RuntimeError,
+    "SettingsError": ValueError,
     "KeyFileError": ValueError,
     "KeyExistsError": ValueError,
     "WorkerProtocolError": ValueError,
@@ -110,6 +111,33 @@ def test_a_model_that_will_not_load_has_one_class() -> None:
     assert issubclass(ModelLoadError, BatcherError) and issubclass(ModelLoadError, RuntimeError)
     with pytest.raises(ModelLoadError, match=r"cannot serve /nonexistent/model\.onnx"):
         OnnxModel("/nonexistent/model.onnx", None, 1)
+
+
+def test_a_refused_setting_is_a_settings_error_and_still_a_value_error() -> None:
+    from batcher.broker.loop import BrokerSettings
+    from batcher.errors import SettingsError
+    from batcher.gateway.access import parse_api_keys
+    from batcher.transport.addresses import check_address
+    from batcher.wire.signature import TensorSpec
+    from workers.models import ModelSpec
+    from workers.placement import parse_cpus
+    from workers.worker import WorkerSettings
+
+    refusals: list[tuple[Callable[[], object], str]] = [
+        (lambda: BrokerSettings(models=()), "models must name at least one model"),
+        (lambda: check_address("localhost:5555", bind=False), "no scheme"),
+        (lambda: MultiClient([]), "MultiClient needs at least one address"),
+        (lambda: Client("tcp://127.0.0.1:1", retries=-1), "retries must be >= 0"),
+        (lambda: WorkerSettings(model="echo", gpu=-1), "gpu must be >= 0"),
+        (lambda: ModelSpec.parse("=echo"), "model must be NAME, NAME=SPEC"),
+        (lambda: parse_cpus("3-1"), "runs backwards"),
+        (lambda: parse_api_keys("# only a comment", "keys.txt"), "holds no API key"),
+        (lambda: TensorSpec("", "FP32", (1,)), "a tensor's name must be"),
+    ]
+    for make, says in refusals:
+        with pytest.raises(SettingsError, match=says) as refused:
+            make()
+        assert isinstance(refused.value, ValueError) and isinstance(refused.value, BatcherError)
 
 
 def test_the_error_tree_loads_no_zmq() -> None:

@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from batcher.errors import BatcherError
+from batcher.errors import BatcherError, SettingsError
 from batcher.transport.security import load_public_key, secure_client
 from batcher.transport.zmqio import recv_frames, send_frames
 from batcher.wire import protocol, tensor
@@ -162,7 +162,7 @@ def cancel_body(request_id: Any) -> bytes:
 
 def _check_retries(retries: int) -> None:
     if retries < 0:
-        raise ValueError(f"retries must be >= 0, got {retries}")
+        raise SettingsError(f"retries must be >= 0, got {retries}")
 
 
 def open_dealer(
@@ -495,7 +495,7 @@ class BaseClient(Generic[PendingT]):
     ) -> None:
         _check_retries(retries)
         if connect_timeout_s is not None and not connect_timeout_s > 0:
-            raise ValueError(f"connect_timeout_s must be > 0 or None, got {connect_timeout_s}")
+            raise SettingsError(f"connect_timeout_s must be > 0 or None, got {connect_timeout_s}")
         self.address = address
         self.timeout_s = timeout_s
         self.retries = retries
@@ -977,11 +977,13 @@ class MultiClient:
     ) -> None:
         addresses = list(addresses)
         if not addresses:
-            raise ValueError("MultiClient needs at least one address")
+            raise SettingsError("MultiClient needs at least one address")
         if len(set(addresses)) != len(addresses):
-            raise ValueError(f"duplicate addresses in {addresses}")
+            raise SettingsError(f"duplicate addresses in {addresses}")
         if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 (it is how a down frontend is found), got {timeout_s}")
+            raise SettingsError(
+                f"timeout_s must be > 0 (it is how a down frontend is found), got {timeout_s}"
+            )
         _check_retries(retries)
         if not 0 < down_s <= max_down_s:
             raise ValueError(f"need 0 < down_s <= max_down_s, got {down_s} and {max_down_s}")
@@ -1103,7 +1105,7 @@ class MultiClient:
         else:
             matches = [fe for fe in self._frontends if fe.address == address]
             if not matches:
-                raise ValueError(f"{address} is not one of {self.addresses}")
+                raise SettingsError(f"{address} is not one of {self.addresses}")
             pending._pinned = True
             self._send_to(pending, matches[0])
         return pending.result()

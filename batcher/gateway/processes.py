@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from batcher.errors import BatcherError
+from batcher.errors import BatcherError, SettingsError
 from batcher.gateway import access
 from batcher.gateway.core import GatewaySettings
 from batcher.gateway.server import GRACE_S, SIBLINGS_UP
@@ -78,7 +78,7 @@ def check_supported(processes: int) -> None:
     spreads connections over the sockets only on Linux (elsewhere the last socket bound
     takes them all, or the option is missing)."""
     if processes > 1 and not sys.platform.startswith("linux"):
-        raise ValueError(
+        raise SettingsError(
             f"--processes {processes} needs Linux, where SO_REUSEPORT spreads connections over "
             f"the processes' sockets (this is {sys.platform}); run one process per port instead"
         )
