@@ -44,6 +44,7 @@ BUILTIN_BASES = {
     "KeyExistsError": ValueError,
     "WorkerProtocolError": ValueError,
     "TensorError": ValueError,
+    "NotEncodable": TypeError,
     "BadInput": ValueError,
     "MalformedBatch": ValueError,
 }
@@ -138,6 +139,15 @@ def test_a_refused_setting_is_a_settings_error_and_still_a_value_error() -> None
         with pytest.raises(SettingsError, match=says) as refused:
             make()
         assert isinstance(refused.value, ValueError) and isinstance(refused.value, BatcherError)
+
+
+def test_a_value_msgpack_cannot_carry_is_not_encodable_and_still_a_type_error() -> None:
+    from batcher.wire import protocol
+    from batcher.wire.tensor import NotEncodable
+
+    with pytest.raises(NotEncodable, match="can not serialize 'object' object") as refused:
+        protocol.pack_carrying({"id": 1, "input": object()}, None)
+    assert isinstance(refused.value, TypeError) and isinstance(refused.value, BatcherError)
 
 
 def test_the_error_tree_loads_no_zmq() -> None:
@@ -265,3 +275,16 @@ def test_close_fails_waiting_requests_and_later_ones_with_client_closed(face, fa
         assert isinstance(exc, ReplyError) and isinstance(exc, BatcherError) and exc.code == "closed"
         assert fb.address in exc.message
     assert [b.get("input") for b in fb.received] == ["first"]  # nothing was sent after close
+
+
+@pytest.mark.integration
+def test_a_stream_open_when_the_client_closes_raises_client_closed_and_so_does_a_new_one(fake_broker) -> None:
+    fb = fake_broker(lambda body: None)  # never answers
+    with Client(fb.address, timeout_s=20) as client:
+        chunks = client.stream("tokens")
+        fb.wait_received(lambda got: len(got) == 1)
+        client.close()
+        with pytest.raises(ClientClosed, match="was closed"):
+            next(chunks)
+        with pytest.raises(ClientClosed, match="is closed"):
+            client.stream("after")
