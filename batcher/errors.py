@@ -38,6 +38,11 @@ class ModelLoadError(BatcherError, RuntimeError):
     this same class under its older names."""
 
 
+class BindError(BatcherError, OSError):
+    """An address batcher was told to listen on is taken or invalid: the broker's
+    frontend, backend or metrics port, or the gateway's HTTP or gRPC port."""
+
+
 class SettingsError(BatcherError, ValueError):
     """A value batcher was given and refuses, said precisely: a field of a settings
     dataclass, a client's constructor argument, an address, a model spec or signature, a

@@ -30,7 +30,8 @@ from batcher.broker.stats import BrokerStats, gauges
 from batcher.core.pool import WorkerPool
 from batcher.core.scheduler import Batch, BatchSettings, NoSuchModel, QueuedRequest, QueueFull, Scheduler
 from batcher.core.streams import Streams
-from batcher.errors import BatcherError, SettingsError
+from batcher.errors import BindError as BindError  # its older home
+from batcher.errors import SettingsError
 from batcher.transport.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
 from batcher.transport.security import CurveGate, CurveServerKeys, HandshakeWatch, secure_server
 from batcher.transport.stopping import StopSignals
@@ -105,10 +106,6 @@ class BrokerSettings:
     def default_model(self) -> str:
         """The model a request without `model` goes to: the first one named."""
         return self.models[0]
-
-
-class BindError(BatcherError, OSError):
-    """An address the broker was told to listen on is taken or invalid."""
 
 
 class TimerHeap:

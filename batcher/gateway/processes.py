@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from batcher.errors import BatcherError, SettingsError
+from batcher.errors import BatcherError, BindError, SettingsError
 from batcher.gateway import access
 from batcher.gateway.core import GatewaySettings
 from batcher.gateway.server import GRACE_S, SIBLINGS_UP
@@ -100,14 +100,14 @@ def report_listening() -> None:
 def hold_port(host: str, port: int, what: str) -> socket.socket:
     """A socket that holds (host, port) for processes that bind it with SO_REUSEPORT,
     after checking, as one gateway process binding it alone would, that no one else has
-    it; OSError, saying where, if someone has."""
+    it; BindError (an OSError), saying where, if someone has."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         try:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind((host, port))
         except OSError as exc:
-            raise OSError(exc.errno, f"cannot listen for {what} on {host}:{port}: {exc.strerror}") from None
+            raise BindError(exc.errno, f"cannot listen for {what} on {host}:{port}: {exc.strerror}") from None
     holder = socket.socket(family, socket.SOCK_STREAM)
     try:
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -115,7 +115,7 @@ def hold_port(host: str, port: int, what: str) -> socket.socket:
         holder.bind((host, port))
     except OSError as exc:  # taken between the two binds
         holder.close()
-        raise OSError(exc.errno, f"cannot listen for {what} on {host}:{port}: {exc.strerror}") from None
+        raise BindError(exc.errno, f"cannot listen for {what} on {host}:{port}: {exc.strerror}") from None
     return holder
 
 
@@ -348,7 +348,7 @@ async def _serve(gateway: _Gateway, ports: list[tuple[int, str]], api_keys: bool
             foreign = foreign_listeners(port, pids)
             if foreign:
                 uids = ", ".join(sorted({str(u) for u in foreign.values()}))
-                failure = OSError(
+                failure = BindError(
                     f"cannot listen for {what} on {settings.host}:{port}: another process (uid {uids}) "
                     "listens on it too, with SO_REUSEPORT, and would be given some of its connections"
                 )

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from batcher.errors import SettingsError
+from batcher.errors import BindError, SettingsError
 from batcher.gateway import access
 from batcher.gateway.core import Gateway, GatewaySettings
 from batcher.transport.stopping import ignore_stop_signals
@@ -180,9 +180,9 @@ async def _start_grpc(
             cert, key = tls
             port = server.add_secure_port(where, grpc.ssl_server_credentials([(key, cert)]))
     except RuntimeError as exc:  # grpcio raises for a port in use (older ones return 0)
-        raise OSError(f"cannot listen for gRPC on {where}: {exc}") from None
+        raise BindError(f"cannot listen for gRPC on {where}: {exc}") from None
     if port == 0:
-        raise OSError(f"cannot listen for gRPC on {where}")
+        raise BindError(f"cannot listen for gRPC on {where}")
     await server.start()
     return server
 
