@@ -20,7 +20,7 @@ import zmq.asyncio
 import batcher
 import workers
 from batcher import AsyncClient, BatcherError, Client, ModelLoadError, MultiClient
-from batcher.client import ClientClosed, ModelError, ReplyError
+from batcher.client import ClientClosed, ModelError, Overloaded, ReplyError
 from tests.helpers import FakeBroker
 
 #: Exception classes that do not derive from BatcherError, on purpose, and why. Each is a
@@ -194,7 +194,8 @@ async def _await(value: Any) -> Any:
 @pytest.fixture
 def error_then_slow(fake_broker: Callable[..., FakeBroker]) -> Iterator[tuple[FakeBroker, threading.Event]]:
     """A broker that answers `bad` with model_error at once, `slow` 0.3 s later (setting the
-    event just before), and anything else with itself."""
+    event just before), `slow overloaded` with overloaded as late, and anything else with
+    itself."""
     answered = threading.Event()
     fb: FakeBroker
 
@@ -207,6 +208,10 @@ def error_then_slow(fake_broker: Callable[..., FakeBroker]) -> Iterator[tuple[Fa
             return {"id": body["id"], "ok": False, "error": {"code": "model_error", "message": "boom"}}
         if body.get("input") == "slow":
             threading.Timer(0.3, later, [{"id": body["id"], "ok": True, "output": "slow"}]).start()
+            return None
+        if body.get("input") == "slow overloaded":
+            refusal = {"code": "overloaded", "message": "later"}
+            threading.Timer(0.3, later, [{"id": body["id"], "ok": False, "error": refusal}]).start()
             return None
         return {"id": body["id"], "ok": True, "output": body.get("input")}
 
@@ -228,6 +233,21 @@ def test_request_many_raises_the_first_error_after_every_request_finished(face, 
         return go() if face == "AsyncClient" else asyncio.run(go())
 
     assert run_on(face, fb.address, body), "request_many raised while a request was still in flight"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("face", FACES)
+def test_request_many_raises_the_first_error_by_input_not_by_arrival(face, error_then_slow) -> None:
+    fb, _ = error_then_slow
+
+    def body(client: Any) -> Any:
+        async def go() -> None:
+            with pytest.raises(Overloaded, match="later"):  # `bad`'s model_error came first
+                await _await(client.request_many(["slow overloaded", "bad"]))
+
+        return go() if face == "AsyncClient" else asyncio.run(go())
+
+    run_on(face, fb.address, body)
 
 
 @pytest.mark.integration
