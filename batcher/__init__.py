@@ -14,22 +14,24 @@ moved_modules.install()  # the flat module paths of before the layered layout, k
 
 if TYPE_CHECKING:
     from batcher.client.aio import AsyncClient
-    from batcher.client.sync import BatcherError, Client, ClientTimeout, MultiClient
+    from batcher.client.sync import Client, ClientTimeout, MultiClient
+    from batcher.errors import BatcherError, ModelLoadError
 
-__all__ = ["AsyncClient", "BatcherError", "Client", "ClientTimeout", "MultiClient"]
+__all__ = ["AsyncClient", "BatcherError", "Client", "ClientTimeout", "ModelLoadError", "MultiClient"]
 __version__ = "0.1.0"
 
 _LAZY = {
     "AsyncClient": "batcher.client.aio",
-    "BatcherError": "batcher.client.sync",
+    "BatcherError": "batcher.errors",
     "Client": "batcher.client.sync",
     "ClientTimeout": "batcher.client.sync",
+    "ModelLoadError": "batcher.errors",
     "MultiClient": "batcher.client.sync",
 }
 
 
 def __getattr__(name: str) -> Any:
-    """Load a client class on first use, so `import batcher` stays light."""
+    """Load a client or error class on first use, so `import batcher` stays light."""
     if name not in _LAZY:
         raise AttributeError(f"module 'batcher' has no attribute {name!r}")
     value = getattr(importlib.import_module(_LAZY[name]), name)

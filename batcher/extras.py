@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 
+from batcher.errors import BatcherError
+
 #: The modules each extra brings, as they are imported.
 EXTRAS: dict[str, tuple[str, ...]] = {
     "gateway": ("uvicorn", "httptools", "grpc", "google.protobuf"),
@@ -20,7 +22,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 }
 
 
-class MissingExtra(ImportError):
+class MissingExtra(BatcherError, ImportError):
     """An extra a command needs is not installed; the message is the one line to show."""
 
 

@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 import batcher.client.sync as client_module
+import batcher.wire.errors as errors_module
 from batcher.client.sync import (
     BadRequest,
     BaseClient,
@@ -29,6 +30,7 @@ from batcher.client.sync import (
     MultiClient,
     Overloaded,
     PendingReply,
+    ReplyError,
     ShuttingDown,
     Unavailable,
     UnknownModel,
@@ -199,9 +201,10 @@ def test_every_error_code_has_a_class_of_its_own_named_after_it() -> None:
         exc = error_from_reply(error(1, code.value))
         cls = type(exc)
         classes.append(cls)
-        assert cls is not BatcherError and issubclass(cls, BatcherError), code
+        assert cls is not ReplyError and issubclass(cls, ReplyError) and issubclass(cls, BatcherError), code
         assert cls.__name__ == error_class_name(code.value), code
         assert getattr(client_module, cls.__name__) is cls, f"{cls.__name__} is not importable"
+        assert getattr(errors_module, cls.__name__) is cls, f"{cls.__name__} is not in batcher.wire.errors"
         assert cls.code == code.value and type(cls.code) is str
         assert exc.code == code.value and exc.message == "no" and exc.reply["id"] == 1
         assert str(exc) == f"{code.value}: no"
@@ -234,27 +237,29 @@ def test_a_new_error_code_gets_its_class_made_from_its_name(monkeypatch: pytest.
         BAD_REQUEST = "bad_request"
         QUOTA_EXCEEDED = "quota_exceeded"  # added to the protocol, no class written for it
 
-    monkeypatch.setattr(client_module, "ErrorCode", Extended)
-    monkeypatch.setattr(client_module, "_ERRORS", dict(client_module._ERRORS))  # the real one untouched
-    monkeypatch.setattr(client_module, "QuotaExceeded", None, raising=False)  # removed afterwards
-    client_module._make_missing_error_classes()
-    cls = client_module.QuotaExceeded
-    assert issubclass(cls, BatcherError) and cls.__module__ == "batcher.client.sync"
+    monkeypatch.setattr(errors_module, "ErrorCode", Extended)
+    monkeypatch.setattr(errors_module, "_ERRORS", dict(errors_module._ERRORS))  # the real one untouched
+    monkeypatch.setattr(errors_module, "QuotaExceeded", None, raising=False)  # removed afterwards
+    errors_module._make_missing_error_classes()
+    cls = errors_module.QuotaExceeded
+    assert issubclass(cls, ReplyError) and issubclass(cls, BatcherError)
+    assert cls.__module__ == "batcher.wire.errors"
     assert cls.code == "quota_exceeded" and type(cls.code) is str
     assert type(error_from_reply(error(1, "quota_exceeded"))) is cls
-    assert client_module._ERRORS["bad_request"] is BadRequest  # a declared class is kept
+    assert errors_module._ERRORS["bad_request"] is BadRequest  # a declared class is kept
 
 
-def test_an_unknown_code_is_a_plain_batcher_error_that_keeps_the_code() -> None:
+def test_an_unknown_code_is_a_plain_reply_error_that_keeps_the_code() -> None:
     exc = error_from_reply(error(1, "from_the_future"))
-    assert type(exc) is BatcherError and exc.code == "from_the_future"
-    assert type(error_from_reply({"id": 1, "ok": False})) is BatcherError
+    assert type(exc) is ReplyError and exc.code == "from_the_future"
+    assert isinstance(exc, BatcherError)
+    assert type(error_from_reply({"id": 1, "ok": False})) is ReplyError
 
 
 def test_a_code_cannot_get_a_second_class() -> None:
     with pytest.raises(TypeError, match="already has its class BadRequest"):
 
-        class Again(BatcherError, code="bad_request"):
+        class Again(ReplyError, code="bad_request"):
             pass
 
 

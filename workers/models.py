@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, cast
 
+from batcher.errors import SettingsError
+
 ModelFn = Callable[[list[Any]], list[Any]]
 
 BUILTIN_MODELS = ("sim", "echo", "simlm")
@@ -45,7 +47,7 @@ class SimSettings:
         for name in ("base_ms", "per_item_ms", "step_base_ms", "step_per_seq_ms"):
             value = getattr(self, name)
             if not 0 <= value < math.inf:
-                raise ValueError(f"sim {name} must be a finite number >= 0, got {value}")
+                raise SettingsError(f"sim {name} must be a finite number >= 0, got {value}")
 
     def step_ms(self, n: int) -> float:
         """How long a simlm step over n sequences takes."""
@@ -146,7 +148,7 @@ def _count_of(name: str, value: Any, least: int) -> int:
     if count is None or not least <= count <= SIMLM_MAX_TOKENS:
         shown = value.tolist() if hasattr(value, "tolist") else value
         bounds = f"[{least}, {SIMLM_MAX_TOKENS}]"
-        raise ValueError(f"simlm {name} must be an integer in {bounds}, got {shown!r}"[:200])
+        raise SettingsError(f"simlm {name} must be an integer in {bounds}, got {shown!r}"[:200])
     return count
 
 
@@ -177,13 +179,13 @@ class ModelSpec:
         if target.startswith(ONNX_PREFIX):
             path = target[len(ONNX_PREFIX) :].strip()
             if not name or not path:
-                raise ValueError(f"an ONNX model is onnx:PATH or NAME=onnx:PATH, got {text!r}")
+                raise SettingsError(f"an ONNX model is onnx:PATH or NAME=onnx:PATH, got {text!r}")
             return cls(name, ONNX_PREFIX + path)
         if not name or not target:
-            raise ValueError(f"model must be NAME, NAME=SPEC or pkg.module:attr, got {text!r}")
+            raise SettingsError(f"model must be NAME, NAME=SPEC or pkg.module:attr, got {text!r}")
         module, _, attr = target.partition(":")
         if target not in BUILTIN_MODELS and not (module.strip() and attr.strip()):
-            raise ValueError(
+            raise SettingsError(
                 f"unknown model {target!r}: use one of {', '.join(BUILTIN_MODELS)} "
                 "or a user model as package.module:attr"
             )
@@ -199,7 +201,7 @@ MAX_PADDED_ELEMENTS = 2**26
 def check_max_padded_elements(value: object) -> int:
     """`value` if it is a budget of padded elements (an int >= 1), else ValueError."""
     if type(value) is not int or value < 1:
-        raise ValueError(f"max_padded_elements must be an int >= 1, got {value!r}")
+        raise SettingsError(f"max_padded_elements must be an int >= 1, got {value!r}")
     return value
 
 

@@ -20,6 +20,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from batcher.errors import ModelLoadError
 from batcher.wire.signature import Signature, TensorSpec
 from workers import fastpath
 from workers.placement import threads_per_worker
@@ -42,8 +43,9 @@ ONNX_DATATYPES = {
 }
 
 
-class OnnxLoadError(RuntimeError):
-    """The file is not a model onnxruntime can run here (or onnxruntime is missing)."""
+#: The file is not a model onnxruntime can run here (or onnxruntime is missing): the older
+#: name of batcher.errors.ModelLoadError, the one class for a model that will not load.
+OnnxLoadError = ModelLoadError
 
 
 class OnnxModel:

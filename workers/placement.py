@@ -15,6 +15,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from batcher.errors import SettingsError
+
 #: The highest CPU id a CPU list may name (Linux's largest NR_CPUS is 8192).
 MAX_CPU_ID = 8191
 #: Where the NVIDIA driver lists one folder per GPU.
@@ -60,7 +62,7 @@ def place_workers(
     counts = dict(model_workers or {})
     unknown = sorted(set(pinned) - set(models)) + sorted(set(counts) - set(models))
     if unknown:
-        raise ValueError(f"GPU placement names models that are not served: {', '.join(unknown)}")
+        raise SettingsError(f"GPU placement names models that are not served: {', '.join(unknown)}")
     plan: list[tuple[str, int | None]] = []
     load: Counter[int] = Counter()  # workers on each device, all models together
     for model in models:
@@ -72,7 +74,7 @@ def place_workers(
         room = len(allowed) * workers_per_gpu
         count = room if count is None else count
         if count > room:
-            raise ValueError(
+            raise SettingsError(
                 f"model {model!r} needs {count} workers but its GPUs {list(allowed)} take {room} "
                 f"(--workers-per-gpu {workers_per_gpu})"
             )
@@ -91,7 +93,7 @@ def _allowed(model: str, devices: Sequence[int], pins: Sequence[int] | None) -> 
     missing = [g for g in pins if g not in devices]
     if missing:
         have = ", ".join(map(str, devices)) or "none"
-        raise ValueError(
+        raise SettingsError(
             f"model {model!r} is pinned to GPU {missing[0]}, which is not a device here ({have})"
         )
     return tuple(dict.fromkeys(pins))
@@ -110,12 +112,12 @@ def parse_cpus(text: str) -> tuple[int, ...]:
     for part in text.split(","):
         first, dash, last = part.strip().partition("-")
         if not _is_id(first) or (dash and not _is_id(last)):
-            raise ValueError(f"CPU list {text!r}: {part.strip()!r} is not an id or a range like 2-3")
+            raise SettingsError(f"CPU list {text!r}: {part.strip()!r} is not an id or a range like 2-3")
         low, high = int(first), int(last) if dash else int(first)
         if high < low:
-            raise ValueError(f"CPU list {text!r}: the range {part.strip()!r} runs backwards")
+            raise SettingsError(f"CPU list {text!r}: the range {part.strip()!r} runs backwards")
         if high > MAX_CPU_ID:
-            raise ValueError(f"CPU list {text!r}: CPU ids go up to {MAX_CPU_ID}, got {high}")
+            raise SettingsError(f"CPU list {text!r}: CPU ids go up to {MAX_CPU_ID}, got {high}")
         cpus.extend(range(low, high + 1))
     return tuple(sorted(set(cpus)))
 
@@ -138,15 +140,15 @@ def pin_to(cpus: Sequence[int]) -> None:
     worker can be given cores its parent was kept off."""
     setter = getattr(os, "sched_setaffinity", None)
     if setter is None:
-        raise ValueError("pinning to CPUs needs Linux (os.sched_setaffinity)")
+        raise SettingsError("pinning to CPUs needs Linux (os.sched_setaffinity)")
     wanted = set(cpus)
     try:
         setter(0, wanted)
     except OSError as exc:  # EINVAL: none of them is usable here
-        raise ValueError(f"cannot run on CPUs {_cpu_list(cpus)}: {exc.strerror}") from None
+        raise SettingsError(f"cannot run on CPUs {_cpu_list(cpus)}: {exc.strerror}") from None
     missing = sorted(wanted - set(usable_cpus()))  # the kernel drops CPUs outside the cpuset
     if missing:
-        raise ValueError(f"CPU {missing[0]} is not one this machine lets this process use")
+        raise SettingsError(f"CPU {missing[0]} is not one this machine lets this process use")
 
 
 def _cpu_list(cpus: Sequence[int]) -> str:
@@ -168,10 +170,10 @@ def plan_cpus(usable: Sequence[int], workers: int, threads: int) -> CpuPlan:
     the broker, the other workers or each other for a core."""
     cores = sorted(usable)
     if not cores:
-        raise ValueError("--pin-cpus needs Linux (os.sched_setaffinity)")
+        raise SettingsError("--pin-cpus needs Linux (os.sched_setaffinity)")
     need = workers * threads
     if need >= len(cores):
-        raise ValueError(
+        raise SettingsError(
             f"--pin-cpus needs a core left for the broker: {workers} worker(s) x {threads} "
             f"thread(s) on {len(cores)} core(s); lower --workers or --threads-per-worker"
         )

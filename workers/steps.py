@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
+from batcher.errors import BatcherError
 from batcher.wire import protocol
 from batcher.wire.protocol import CHUNK_DROPPED, CHUNK_ERROR, CHUNK_FINAL, CHUNK_MORE, ErrorCode
 
 log = logging.getLogger("batcher.worker")
 
 
-class BadInput(ValueError):
+class BadInput(BatcherError, ValueError):
     """What a step-level model's `start` returns (or raises) for an input it cannot take:
     its request is answered `bad_request`."""
 

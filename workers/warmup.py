@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from batcher.errors import BatcherError
 from batcher.wire.signature import Signature
 from batcher.wire.tensor import DATATYPES
 
@@ -42,7 +43,7 @@ def warmup_sizes(max_batch_size: int, batch_sizes: tuple[int, ...] | None = None
     return (*sizes, max_batch_size)
 
 
-class WarmupFailed(Exception):
+class WarmupFailed(BatcherError):
     """A warm-up run failed: nothing it measured is used; the message says why."""
 
 

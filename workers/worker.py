@@ -29,6 +29,8 @@ import msgpack
 import msgspec
 import zmq
 
+from batcher.errors import BatcherError, SettingsError
+from batcher.errors import ModelLoadError as ModelLoadError  # its older home
 from batcher.extras import extra_of, install_command
 from batcher.transport.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
 from batcher.transport.connection_watch import HANDSHAKE_FAILED, ConnectionWatch
@@ -99,25 +101,25 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         ModelSpec.parse(self.model)  # raises with a precise message
         if type(self.max_active) is not int or not 1 <= self.max_active <= protocol.MAX_ACTIVE:
-            raise ValueError(
+            raise SettingsError(
                 f"max_active must be an int in [1, {protocol.MAX_ACTIVE}], got {self.max_active!r}"
             )
         if self.batching_level not in BATCHING_LEVELS:
-            raise ValueError(
+            raise SettingsError(
                 f"batching_level must be one of {', '.join(BATCHING_LEVELS)}, got {self.batching_level!r}"
             )
         if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads_per_worker must be >= 1, got {self.threads}")
+            raise SettingsError(f"threads_per_worker must be >= 1, got {self.threads}")
         if not all(type(n) is int and n >= 1 for n in self.warmup_sizes):
-            raise ValueError(f"warmup sizes must be ints >= 1, got {list(self.warmup_sizes)}")
+            raise SettingsError(f"warmup sizes must be ints >= 1, got {list(self.warmup_sizes)}")
         if self.gpu is not None and self.gpu < 0:
-            raise ValueError(f"gpu must be >= 0, got {self.gpu}")
+            raise SettingsError(f"gpu must be >= 0, got {self.gpu}")
         check_max_padded_elements(self.max_padded_elements)
         if self.cpus is not None and (not self.cpus or not all(type(c) is int and c >= 0 for c in self.cpus)):
-            raise ValueError(f"cpus must be a non-empty list of ids >= 0, got {self.cpus!r}")
+            raise SettingsError(f"cpus must be a non-empty list of ids >= 0, got {self.cpus!r}")
 
 
-class MalformedBatch(ValueError):
+class MalformedBatch(BatcherError, ValueError):
     """A BATCH message the worker cannot run. `batch_id` is None when even the header is
     unreadable: then there is nobody to answer, and the batch is dropped."""
 
@@ -526,10 +528,10 @@ class Worker:
             with open(path, encoding="utf-8") as f:
                 value = tensor.json_tensors(json.load(f))
         except (OSError, ValueError) as exc:  # json's and tensor's errors are ValueErrors
-            raise ValueError(f"--warmup-sample {path}: {exc}") from None
+            raise SettingsError(f"--warmup-sample {path}: {exc}") from None
         request, why = _decode_request(protocol.pack({"input": value}))
         if why is not None:
-            raise ValueError(f"--warmup-sample {path}: {why}")
+            raise SettingsError(f"--warmup-sample {path}: {why}")
         return request["input"]
 
     def _warm_up(self, sample: Any) -> None:
@@ -566,7 +568,7 @@ class Worker:
             sock.connect(self.settings.connect)
         except zmq.ZMQError as exc:
             why = zmq.strerror(exc.errno) if exc.errno else str(exc)  # str(exc) repeats the address
-            raise ValueError(f"cannot connect to {self.settings.connect!r}: {why}") from None
+            raise SettingsError(f"cannot connect to {self.settings.connect!r}: {why}") from None
         finally:
             sock.close(linger=0)
 
@@ -1066,10 +1068,6 @@ def _failed_batch(exc: Exception, header_frame: bytes) -> list[Any] | None:
         return protocol.reply_frames(_decode_header(header_frame)[0], 0.0, [])
     except MalformedBatch:
         return None
-
-
-class ModelLoadError(RuntimeError):
-    """The model could not be imported or built; the worker cannot start."""
 
 
 def control_pipe(settings: WorkerSettings) -> int | None:

@@ -32,6 +32,8 @@ from batcher.core.drain import Drain, DrainVerdict
 from batcher.core.pool import WorkerPool
 from batcher.core.scheduler import BatchSettings, Scheduler
 from batcher.core.streams import Streams
+from batcher.errors import BindError as BindError  # its older home
+from batcher.errors import SettingsError
 from batcher.transport.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
 from batcher.transport.security import CurveGate, CurveServerKeys, HandshakeWatch, secure_server
 from batcher.transport.stopping import StopSignals
@@ -75,24 +77,24 @@ class BrokerSettings:
 
     def __post_init__(self) -> None:
         if not self.models:
-            raise ValueError("models must name at least one model, got none")
+            raise SettingsError("models must name at least one model, got none")
         for name in self.models:
             if not name:
-                raise ValueError("model names must be non-empty")
+                raise SettingsError("model names must be non-empty")
         if not self.default_timeout_ms >= 0:
-            raise ValueError(f"default_timeout_ms must be >= 0, got {self.default_timeout_ms}")
+            raise SettingsError(f"default_timeout_ms must be >= 0, got {self.default_timeout_ms}")
         if not isinstance(self.worker_prefetch, int) or self.worker_prefetch < 1:
-            raise ValueError(f"worker_prefetch must be >= 1, got {self.worker_prefetch}")
+            raise SettingsError(f"worker_prefetch must be >= 1, got {self.worker_prefetch}")
         if not isinstance(self.max_retries, int) or self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+            raise SettingsError(f"max_retries must be >= 0, got {self.max_retries}")
         if not isinstance(self.max_message_bytes, int) or self.max_message_bytes < 1024:
-            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+            raise SettingsError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if not self.shutdown_grace_s >= 0:
-            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+            raise SettingsError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if self.batch_timeout_ms is not None and not 0 < self.batch_timeout_ms < math.inf:
-            raise ValueError(f"batch_timeout_ms must be a finite number > 0, got {self.batch_timeout_ms}")
+            raise SettingsError(f"batch_timeout_ms must be a finite number > 0, got {self.batch_timeout_ms}")
         if not 0 <= self.no_worker_timeout_ms < math.inf:
-            raise ValueError(
+            raise SettingsError(
                 f"no_worker_timeout_ms must be a finite number >= 0, got {self.no_worker_timeout_ms}"
             )
 
@@ -100,10 +102,6 @@ class BrokerSettings:
     def default_model(self) -> str:
         """The model a request without `model` goes to: the first one named."""
         return self.models[0]
-
-
-class BindError(OSError):
-    """An address the broker was told to listen on is taken or invalid."""
 
 
 class TimerHeap:

@@ -17,9 +17,10 @@ from batcher.cli.bench_settings import (
     new_histogram,
     noise_allowance,
 )
+from batcher.errors import BatcherError
 
 
-class BenchFailed(RuntimeError):
+class BenchFailed(BatcherError, RuntimeError):
     """A run that measured nothing worth reporting (see LoadResult.failure)."""
 
 

@@ -23,6 +23,7 @@ from enum import Enum
 from typing import Any
 
 from batcher.core.scheduler import BatchSettings
+from batcher.errors import BatcherError
 
 #: Keys of a [models.NAME] table for the model's workers (`serve` only): the devices it
 #: is pinned to, how many workers it gets, and the file of the input its warm-up runs
@@ -32,7 +33,7 @@ PLACEMENT_KEYS = ("gpus", "workers", "warmup_sample")
 MODEL_KEYS = (*(f.name for f in dataclasses.fields(BatchSettings)), *PLACEMENT_KEYS)
 
 
-class ConfigError(ValueError):
+class ConfigError(BatcherError, ValueError):
     """The file is unreadable, not TOML, names an unknown setting or has a value of the
     wrong type."""
 

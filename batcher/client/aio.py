@@ -40,6 +40,7 @@ from batcher.client.sync import (
     request_body,
     timeout_reply,
 )
+from batcher.errors import SettingsError
 from batcher.transport.connection_watch import CLIENT_EVENTS
 from batcher.wire import protocol, tensor
 from batcher.wire.protocol import ZERO_COPY_BYTES
@@ -71,7 +72,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
     ) -> None:
         super().__init__(address, timeout_s, retries, connect_timeout_s)
         if timeout_s is not None and timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
+            raise SettingsError(f"timeout_s must be > 0 or None, got {timeout_s}")
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket
         self._sock, self.watch = open_dealer(
@@ -145,7 +146,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
             raise
         except Exception as exc:  # the socket broke: nobody would ever be answered
             log.error("reply reader for %s stopped: %s", self.address, exc)
-            self._fail_pending(BatcherError(f"reply reader stopped: {exc}", code="closed"))
+            self._fail_pending(ClientClosed(f"reply reader stopped: {exc}"))
 
     # --- requests ---------------------------------------------------------------------------
 

@@ -18,153 +18,99 @@ import itertools
 import logging
 import math
 import time
-import types
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 import zmq
 
-from batcher.transport.connection_watch import CLIENT_EVENTS, ConnectionWatch
+from batcher.errors import BatcherError, SettingsError
+from batcher.transport.connection_watch import (
+    CLIENT_EVENTS,
+    FATAL_HANDSHAKE_FAILURES,
+    HANDSHAKE_FAILED,
+    WATCHED_EVENTS,
+    ConnectionWatch,
+)
 from batcher.transport.security import secure_client
 from batcher.transport.zmqio import recv_frames, send_frames
 from batcher.wire import protocol, tensor
+from batcher.wire.errors import (
+    CLOSED,
+    TIMEOUT,
+    UNREACHABLE,
+    BadRequest,
+    Cancelled,
+    ClientClosed,
+    ClientTimeout,
+    DeadlineExceeded,
+    Forbidden,
+    InternalError,
+    ModelError,
+    Overloaded,
+    ReplyError,
+    ShuttingDown,
+    TooLarge,
+    Unavailable,
+    UnknownModel,
+    Unreachable,
+    WorkerFailed,
+    error_class_name,
+    error_from_reply,
+)
 from batcher.wire.protocol import ErrorCode
+
+#: The public names, the errors among them: they live in batcher.errors and batcher.wire.errors
+#: and are re-exported here, where they were first defined.
+__all__ = [
+    "CLIENT_EVENTS",
+    "CLOSED",
+    "CONNECT_TIMEOUT_S",
+    "FATAL_HANDSHAKE_FAILURES",
+    "HANDSHAKE_FAILED",
+    "TIMEOUT",
+    "UNREACHABLE",
+    "WATCHED_EVENTS",
+    "BadRequest",
+    "BaseClient",
+    "BatcherError",
+    "Cancelled",
+    "Client",
+    "ClientClosed",
+    "ClientTimeout",
+    "ConnectionWatch",
+    "DeadlineExceeded",
+    "Forbidden",
+    "InternalError",
+    "ModelError",
+    "MultiClient",
+    "MultiPending",
+    "Overloaded",
+    "PendingReply",
+    "ReplyError",
+    "ShuttingDown",
+    "Stream",
+    "TooLarge",
+    "Unavailable",
+    "UnknownModel",
+    "Unreachable",
+    "WorkerFailed",
+    "cancel_body",
+    "collect",
+    "error_class_name",
+    "error_from_reply",
+    "open_dealer",
+    "reply_key",
+    "reply_wait_s",
+    "request_body",
+    "timeout_reply",
+]
 
 log = logging.getLogger("batcher.client")
 
-#: The client's own error code, for a request that got no reply in time (never on the wire).
-TIMEOUT = "timeout"
-#: The client's own code for a request to an address where no broker can be reached
-#: (nothing listens, or no ZeroMQ peer does): it fails after `connect_timeout_s`.
-UNREACHABLE = "unreachable"
 #: How long a Client's request waits, by default, for a first connection to a broker
 #: before failing `unreachable` (when the address refuses, or is no ZeroMQ peer).
 CONNECT_TIMEOUT_S = 1.0
-
-#: The exception class of each error code a reply can carry (error_from_reply).
-_ERRORS: dict[str, type[BatcherError]] = {}
-
-
-class BatcherError(Exception):
-    """A request answered with an error; `code` is the protocol's error code.
-
-    `class X(BatcherError, code=...)` makes X the class of every reply with that code.
-    """
-
-    code = "error"
-
-    def __init_subclass__(cls, code: str | None = None, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if code is None:
-            return
-        if code in _ERRORS:
-            raise TypeError(f"error code {code!r} already has its class {_ERRORS[code].__name__}")
-        cls.code = str(code)  # an ErrorCode as the plain str a reply carries
-        _ERRORS[cls.code] = cls
-
-    def __init__(self, message: str, code: str | None = None, reply: dict[str, Any] | None = None):
-        super().__init__(f"{code or self.code}: {message}")
-        if code is not None:
-            self.code = code
-        self.message = message
-        self.reply = reply or {}
-
-
-# One class per protocol.ErrorCode, named after it (bad_request: BadRequest); a code
-# without a class here gets one made from its name below, so none is ever forgotten.
-
-
-class BadRequest(BatcherError, code=ErrorCode.BAD_REQUEST):
-    """The broker refused the request as sent (a field of a wrong type, no input, an unknown op)."""
-
-
-class UnknownModel(BatcherError, code=ErrorCode.UNKNOWN_MODEL):
-    """No model of that name is configured on the broker or was ever served to it."""
-
-
-class ModelError(BatcherError, code=ErrorCode.MODEL_ERROR):
-    """The model raised, or returned the wrong number of outputs, for the request's batch."""
-
-
-class DeadlineExceeded(BatcherError, code=ErrorCode.DEADLINE_EXCEEDED):
-    """The request's deadline (`timeout_ms`) passed while it was still queued."""
-
-
-class Overloaded(BatcherError, code=ErrorCode.OVERLOADED):
-    """The model's queue was full when the request came (--max-queue); retry later."""
-
-
-class Cancelled(BatcherError, code=ErrorCode.CANCELLED):
-    """The request was cancelled (`cancel`) while it was still queued."""
-
-
-class WorkerFailed(BatcherError, code=ErrorCode.WORKER_FAILED):
-    """The workers holding the request failed more often than the broker's --max-retries."""
-
-
-class ShuttingDown(BatcherError, code=ErrorCode.SHUTTING_DOWN):
-    """The broker is draining: it queues nothing new (or ran out of drain time)."""
-
-
-class Unavailable(BatcherError, code=ErrorCode.UNAVAILABLE):
-    """The model has had no live worker for the broker's --no-worker-timeout-ms."""
-
-
-class TooLarge(BatcherError, code=ErrorCode.TOO_LARGE):
-    """The request is larger than the broker's --max-message-bytes; it was not queued."""
-
-
-class Forbidden(BatcherError, code=ErrorCode.FORBIDDEN):
-    """A control request that changes the service (`reload`) from a key that is not in
-    the broker's --curve-admins; nothing was changed."""
-
-
-class InternalError(BatcherError, code=ErrorCode.INTERNAL):
-    """The broker hit a bug of its own handling this request (and logged it)."""
-
-
-class ClientTimeout(BatcherError, code=TIMEOUT):
-    """No reply arrived within the client's own timeout (the broker may be down)."""
-
-
-class Unreachable(ClientTimeout, code=UNREACHABLE):
-    """No broker could be reached at the address, and the client says so within its
-    `connect_timeout_s` rather than waiting out its timeout: nothing listens there
-    (the connection is refused), or what listens is no ZeroMQ peer (an HTTP server).
-    A ClientTimeout too: no reply came, and none will."""
-
-
-class ClientClosed(BatcherError):
-    """The client was closed while this request waited for its reply."""
-
-    code = "closed"
-
-
-def error_class_name(code: str) -> str:
-    """The exception class name for an error code: `bad_request` is BadRequest."""
-    return "".join(part.capitalize() for part in code.split("_"))
-
-
-def _make_missing_error_classes() -> None:
-    for code in ErrorCode:
-        if code.value not in _ERRORS:
-            name = error_class_name(code.value)
-            cls = types.new_class(name, (BatcherError,), {"code": code})
-            cls.__module__ = __name__
-            cls.__doc__ = f"A reply with error code `{code.value}`."
-            globals()[name] = cls
-
-
-_make_missing_error_classes()
-
-
-def error_from_reply(reply: dict[str, Any]) -> BatcherError:
-    """The typed exception for an error reply (BatcherError for a code it does not know)."""
-    err = reply.get("error") or {}
-    code = str(err.get("code", "error"))
-    cls = _ERRORS.get(code, BatcherError)
-    return cls(str(err.get("message", "")), code=code, reply=reply)
 
 
 def reply_key(reply: dict[str, Any], pending: dict[Any, Any]) -> Any:
@@ -221,7 +167,7 @@ def cancel_body(request_id: Any) -> bytes:
 
 def _check_retries(retries: int) -> None:
     if retries < 0:
-        raise ValueError(f"retries must be >= 0, got {retries}")
+        raise SettingsError(f"retries must be >= 0, got {retries}")
 
 
 def open_dealer(
@@ -253,7 +199,13 @@ def open_dealer(
 
 
 def collect(pendings: Iterable[_Awaited], return_exceptions: bool) -> list[Any]:
-    """The outputs of requests in flight, in order; errors raise, or take their place."""
+    """The outputs of requests in flight, in order, once every one has its reply (the
+    `request_many` rule, the same on every client: docs/architecture.md, "Errors"): with
+    return_exceptions an error takes its output's place, else the first error in input
+    order is raised, after all have finished, so none is left in flight behind it."""
+    pendings = list(pendings)
+    for p in pendings:
+        p.wait()
     out: list[Any] = []
     for p in pendings:
         try:
@@ -339,7 +291,7 @@ class BaseClient(Generic[PendingT]):
     ) -> None:
         _check_retries(retries)
         if connect_timeout_s is not None and not connect_timeout_s > 0:
-            raise ValueError(f"connect_timeout_s must be > 0 or None, got {connect_timeout_s}")
+            raise SettingsError(f"connect_timeout_s must be > 0 or None, got {connect_timeout_s}")
         self.address = address
         self.timeout_s = timeout_s
         self.retries = retries
@@ -470,12 +422,12 @@ class Client(BaseClient[PendingReply]):
         self.close()
 
     def close(self) -> None:
-        """Close the socket; a request or stream still waiting for its reply gets an error
-        of code `closed`."""
+        """Close the socket; a request or stream still waiting for its reply raises
+        ClientClosed (code `closed`), and so does any request made after."""
         if not self._sock.closed:
             self.watch.close()
             self._sock.close(0)
-        error = {"code": "closed", "message": f"the client of {self.address} was closed"}
+        error = {"code": CLOSED, "message": f"the client of {self.address} was closed"}
         pending, self._pending = self._pending, {}
         for request_id, waiting in pending.items():
             waiting.reply = {"id": request_id, "ok": False, "error": error}
@@ -520,7 +472,8 @@ class Client(BaseClient[PendingReply]):
         return_exceptions: bool = False,
     ) -> list[Any]:
         """Send all inputs at once (so the broker can batch them) and return the outputs
-        in order. With return_exceptions, errors come back in place instead of raising."""
+        in order, once every one has its reply. With return_exceptions, errors come back
+        in place; otherwise the first one (in input order) is raised, after all finished."""
         return collect([self.submit(x, model, timeout_ms) for x in inputs], return_exceptions)
 
     def control(self, op: str, **fields: Any) -> Any:
@@ -540,7 +493,7 @@ class Client(BaseClient[PendingReply]):
         is told to cancel it and the worker stops generating. `timeout_s` bounds the wait
         for each chunk; a stream is never retried."""
         if self._sock.closed:
-            raise BatcherError(f"the client of {self.address} is closed", code="closed")
+            raise ClientClosed(f"the client of {self.address} is closed")
         request_id = next(self._ids)
         fields = request_body(input, model, timeout_ms, priority, stream=True)
         body = protocol.pack_carrying({"id": request_id, **fields}, input)
@@ -578,7 +531,10 @@ class Client(BaseClient[PendingReply]):
         """Send the request map `fields`, with an `id` of ours added, without waiting;
         returns its PendingReply, which times out `wait_s` seconds after each send
         (None: never). Its reply is taken by whoever waits on this client next, or by
-        `receive_ready`; `PendingReply.result()` waits for it and retries as configured."""
+        `receive_ready`; `PendingReply.result()` waits for it and retries as configured.
+        Raises ClientClosed once the client is closed."""
+        if self._sock.closed:
+            raise ClientClosed(f"the client of {self.address} is closed")
         request_id = next(self._ids)
         body = protocol.pack_carrying({"id": request_id, **fields}, fields.get("input"))
         pending = PendingReply(self, request_id, body, wait_s)
@@ -817,11 +773,13 @@ class MultiClient:
     ) -> None:
         addresses = list(addresses)
         if not addresses:
-            raise ValueError("MultiClient needs at least one address")
+            raise SettingsError("MultiClient needs at least one address")
         if len(set(addresses)) != len(addresses):
-            raise ValueError(f"duplicate addresses in {addresses}")
+            raise SettingsError(f"duplicate addresses in {addresses}")
         if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 (it is how a down frontend is found), got {timeout_s}")
+            raise SettingsError(
+                f"timeout_s must be > 0 (it is how a down frontend is found), got {timeout_s}"
+            )
         _check_retries(retries)
         if not 0 < down_s <= max_down_s:
             raise ValueError(f"need 0 < down_s <= max_down_s, got {down_s} and {max_down_s}")
@@ -830,6 +788,7 @@ class MultiClient:
         self.max_down_s = max_down_s
         self._ctx: zmq.Context[Any] = context or zmq.Context.instance()
         self._frontends: list[_Frontend] = []
+        self._closed = False
         try:
             for a in addresses:
                 c = Client(a, timeout_s, 0, self._ctx, curve_server_key, curve_secret_key)
@@ -857,11 +816,21 @@ class MultiClient:
         self.close()
 
     def close(self) -> None:
-        """Close every socket; replies still in flight are abandoned."""
+        """Close every socket; a request still waiting for its reply raises ClientClosed,
+        and so does any request made after."""
+        self._closed = True
+        error = {"code": CLOSED, "message": f"the client of {', '.join(self.addresses)} was closed"}
         for fe in self._frontends:
             fe.client.close()
+            for request_id, waiting in fe.owners.items():
+                if waiting.reply is None:
+                    waiting.reply = {"id": request_id, "ok": False, "error": error}
             fe.owners.clear()
         self._deadlines.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed(f"the client of {', '.join(self.addresses)} is closed")
 
     @property
     def addresses(self) -> list[str]:
@@ -891,6 +860,7 @@ class MultiClient:
         cost: float | None = None,
     ) -> MultiPending:
         """Send a request to the next frontend that is up, without waiting."""
+        self._check_open()
         body = request_body(input, model, timeout_ms, priority, cost)
         wait_s = reply_wait_s(self.timeout_s, timeout_ms)
         assert wait_s is not None  # a MultiClient always has a timeout: it is how it finds a dead broker
@@ -917,19 +887,21 @@ class MultiClient:
         return_exceptions: bool = False,
     ) -> list[Any]:
         """Send all inputs at once, spread over the frontends, and return the outputs in
-        order. With return_exceptions, errors come back in place instead of raising."""
+        order, once every one has its reply. With return_exceptions, errors come back in
+        place; otherwise the first one (in input order) is raised, after all finished."""
         return collect([self.submit(x, model, timeout_ms) for x in inputs], return_exceptions)
 
     def control(self, op: str, address: str | None = None) -> Any:
         """Send a control request (`stats`) to the next frontend that is up, or to
         `address` only (no resend elsewhere), and return its output."""
+        self._check_open()
         pending = MultiPending(self, {"op": op}, self.timeout_s)
         if address is None:
             self._send(pending, time.monotonic())
         else:
             matches = [fe for fe in self._frontends if fe.address == address]
             if not matches:
-                raise ValueError(f"{address} is not one of {self.addresses}")
+                raise SettingsError(f"{address} is not one of {self.addresses}")
             pending._pinned = True
             self._send_to(pending, matches[0])
         return pending.result()

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import NamedTuple
 
+from batcher.errors import BatcherError
+
 
 class Policy(StrEnum):
     """How a model's queue turns into batches (module docstring)."""
@@ -574,11 +576,11 @@ class ModelView(NamedTuple):
         return sum(w.batches_held for w in self.workers)
 
 
-class NoSuchModel(KeyError):
+class NoSuchModel(BatcherError, KeyError):
     """A request named a model that is neither configured nor served by any worker."""
 
 
-class QueueFull(Exception):
+class QueueFull(BatcherError):
     """The model's queue is full; the request must be refused now, not dropped later."""
 
 

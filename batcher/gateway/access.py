@@ -13,6 +13,8 @@ import ssl
 from collections.abc import Iterable
 from pathlib import Path
 
+from batcher.errors import SettingsError
+
 #: The HTTP paths served without a token: the health probes (liveness and readiness,
 #: which Kubernetes asks too); everything else needs one, as Triton's restricted APIs do.
 OPEN_PATHS = frozenset({b"/v2/health/live", b"/v2/health/ready"})
@@ -36,12 +38,12 @@ def parse_api_keys(text: str, where: str) -> tuple[str, ...]:
         if not token or token.startswith("#"):
             continue
         if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
-            raise ValueError(
+            raise SettingsError(
                 f"{where}, line {number}: an API key must be printable ASCII without blanks (one key a line)"
             )
         tokens.append(token)
     if not tokens:
-        raise ValueError(f"{where} holds no API key (one a line; blank lines and # comments are skipped)")
+        raise SettingsError(f"{where} holds no API key (one a line; blank lines and # comments are skipped)")
     return tuple(tokens)
 
 
@@ -51,9 +53,9 @@ def load_api_keys(path: str) -> ApiKeys:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ValueError(f"--api-keys-file {path}: no such file") from None
+        raise SettingsError(f"--api-keys-file {path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--api-keys-file {path}: cannot be read: {exc}") from None
+        raise SettingsError(f"--api-keys-file {path}: cannot be read: {exc}") from None
     return ApiKeys(parse_api_keys(text, f"--api-keys-file {path}"))
 
 
@@ -69,7 +71,7 @@ class ApiKeys:
     def __init__(self, tokens: Iterable[str]) -> None:
         self._digests = tuple(_digest(t.encode()) for t in tokens)
         if not self._digests:
-            raise ValueError("ApiKeys needs at least one token")
+            raise SettingsError("ApiKeys needs at least one token")
 
     def accepts(self, token: bytes | None) -> bool:
         if token is None:
@@ -143,17 +145,17 @@ def check_tls_pair(cert_file: str | None, key_file: str | None) -> tuple[bytes, 
     if cert_file is None and key_file is None:
         return None
     if cert_file is None or key_file is None:
-        raise ValueError("--tls-cert-file and --tls-key-file go together: give both or neither")
+        raise SettingsError("--tls-cert-file and --tls-key-file go together: give both or neither")
     try:
         cert, key = Path(cert_file).read_bytes(), Path(key_file).read_bytes()
     except OSError as exc:
-        raise ValueError(f"the TLS pair cannot be read: {exc}") from None
+        raise SettingsError(f"the TLS pair cannot be read: {exc}") from None
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         context.load_cert_chain(cert_file, key_file, password=lambda: b"")  # no prompt for a locked key
     except ssl.SSLError as exc:
         reason = exc.reason or str(exc)
-        raise ValueError(
+        raise SettingsError(
             f"the TLS pair {cert_file} / {key_file} does not load ({reason}): a PEM certificate "
             "and its own unencrypted private key are needed"
         ) from None

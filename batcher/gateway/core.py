@@ -22,6 +22,7 @@ import zmq
 
 from batcher import __version__
 from batcher.client.sync import cancel_body, open_dealer
+from batcher.errors import SettingsError
 from batcher.gateway import oip
 from batcher.transport.connection_watch import ConnectionWatch
 from batcher.transport.zmqio import readable, recv_frames, send_frames
@@ -86,21 +87,21 @@ class GatewaySettings:
 
     def __post_init__(self) -> None:
         if type(self.processes) is not int or not 1 <= self.processes <= MAX_PROCESSES:
-            raise ValueError(
+            raise SettingsError(
                 f"processes (the gateway's --processes) must be an integer in 1..{MAX_PROCESSES}, "
                 f"got {self.processes!r}"
             )
         for name in ("http_port", "grpc_port"):
             port = getattr(self, name)
             if not 0 <= port <= 65535:
-                raise ValueError(f"{name} must be in 0..65535, got {port}")
+                raise SettingsError(f"{name} must be in 0..65535, got {port}")
         if not self.http_port and not self.grpc_port:
-            raise ValueError("give --http-port or --grpc-port (or both): the gateway serves neither")
+            raise SettingsError("give --http-port or --grpc-port (or both): the gateway serves neither")
         for name in ("request_timeout_ms", "probe_timeout_ms"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise SettingsError(f"{name} must be > 0, got {getattr(self, name)}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("--tls-cert-file and --tls-key-file go together: give both or neither")
+            raise SettingsError("--tls-cert-file and --tls-key-file go together: give both or neither")
 
 
 def _keep_view(value: dict[Any, Any]) -> dict[Any, Any]:

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from batcher.errors import BatcherError
 from batcher.gateway import access, oip, triton
 from batcher.gateway.core import Gateway
 from batcher.wire.protocol import ErrorCode
@@ -80,7 +81,7 @@ def _health(answer: dict[str, Any]) -> Response:
     return Response(200 if answer["ready"] else 503, json_encode(answer), JSON)
 
 
-class ClientGone(Exception):
+class ClientGone(BatcherError):
     """The client closed its connection before its request was answered."""
 
 

@@ -17,6 +17,7 @@ from typing import Any, cast
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from batcher.errors import BindError
 from batcher.gateway.access import ApiKeys
 from batcher.gateway.core import Gateway
 from batcher.gateway.http_api import BODY_COMPLETE, GONE, HANDLER, HttpApi, json_encode
@@ -101,7 +102,7 @@ def listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
         sock.listen(2048)
     except OSError as exc:
         sock.close()
-        raise OSError(exc.errno, f"cannot listen for HTTP on {host}:{port}: {exc.strerror}") from None
+        raise BindError(exc.errno, f"cannot listen for HTTP on {host}:{port}: {exc.strerror}") from None
     sock.setblocking(False)
     return sock
 

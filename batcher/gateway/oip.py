@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from batcher.errors import BatcherError
 from batcher.wire import tensor
 from batcher.wire.protocol import ErrorCode
 
@@ -37,7 +38,7 @@ MAX_BYTES_CELLS = 2**24
 DEFAULT_OUTPUT = "output"
 
 
-class OipError(Exception):
+class OipError(BatcherError):
     """A request the gateway refuses, or a reply it cannot express; `code` is a batcher
     error code (docs/protocol.md, section 5), which the front ends map to a status."""
 

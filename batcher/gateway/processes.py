@@ -50,6 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from batcher.errors import BatcherError, BindError, SettingsError
 from batcher.gateway import access
 from batcher.gateway.core import GatewaySettings
 from batcher.gateway.server import GRACE_S, SIBLINGS_UP
@@ -68,7 +69,7 @@ STOP_MARGIN_S = 1.5
 _PR_SET_PDEATHSIG = 1
 
 
-class GatewayExited(RuntimeError):
+class GatewayExited(BatcherError, RuntimeError):
     """A gateway process exited by itself (or never listened): the gateway has stopped."""
 
 
@@ -77,7 +78,7 @@ def check_supported(processes: int) -> None:
     spreads connections over the sockets only on Linux (elsewhere the last socket bound
     takes them all, or the option is missing)."""
     if processes > 1 and not sys.platform.startswith("linux"):
-        raise ValueError(
+        raise SettingsError(
             f"--processes {processes} needs Linux, where SO_REUSEPORT spreads connections over "
             f"the processes' sockets (this is {sys.platform}); run one process per port instead"
         )
@@ -99,14 +100,14 @@ def report_listening() -> None:
 def hold_port(host: str, port: int, what: str) -> socket.socket:
     """A socket that holds (host, port) for processes that bind it with SO_REUSEPORT,
     after checking, as one gateway process binding it alone would, that no one else has
-    it; OSError, saying where, if someone has."""
+    it; BindError (an OSError), saying where, if someone has."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         try:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind((host, port))
         except OSError as exc:
-            raise OSError(exc.errno, f"cannot listen for {what} on {host}:{port}: {exc.strerror}") from None
+            raise BindError(exc.errno, f"cannot listen for {what} on {host}:{port}: {exc.strerror}") from None
     holder = socket.socket(family, socket.SOCK_STREAM)
     try:
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -114,7 +115,7 @@ def hold_port(host: str, port: int, what: str) -> socket.socket:
         holder.bind((host, port))
     except OSError as exc:  # taken between the two binds
         holder.close()
-        raise OSError(exc.errno, f"cannot listen for {what} on {host}:{port}: {exc.strerror}") from None
+        raise BindError(exc.errno, f"cannot listen for {what} on {host}:{port}: {exc.strerror}") from None
     return holder
 
 
@@ -347,7 +348,7 @@ async def _serve(gateway: _Gateway, ports: list[tuple[int, str]], api_keys: bool
             foreign = foreign_listeners(port, pids)
             if foreign:
                 uids = ", ".join(sorted({str(u) for u in foreign.values()}))
-                failure = OSError(
+                failure = BindError(
                     f"cannot listen for {what} on {settings.host}:{port}: another process (uid {uids}) "
                     "listens on it too, with SO_REUSEPORT, and would be given some of its connections"
                 )

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from batcher.errors import BindError, SettingsError
 from batcher.gateway import access
 from batcher.gateway.core import Gateway, GatewaySettings
 from batcher.transport.stopping import ignore_stop_signals
@@ -45,7 +46,7 @@ async def serve(
     (batcher.gateway.processes), whose ports it shares (SO_REUSEPORT), leaving the
     start-up warning to the parent; `on_listening` is called once both ports listen."""
     if settings.processes != 1:
-        raise ValueError("server.serve is one gateway process: batcher.gateway.processes runs several")
+        raise SettingsError("server.serve is one gateway process: batcher.gateway.processes runs several")
     # The key file and the TLS pair are checked before anything listens (ValueError).
     api_keys = None if settings.api_keys_file is None else access.load_api_keys(settings.api_keys_file)
     tls = access.check_tls_pair(settings.tls_cert_file, settings.tls_key_file)
@@ -179,9 +180,9 @@ async def _start_grpc(
             cert, key = tls
             port = server.add_secure_port(where, grpc.ssl_server_credentials([(key, cert)]))
     except RuntimeError as exc:  # grpcio raises for a port in use (older ones return 0)
-        raise OSError(f"cannot listen for gRPC on {where}: {exc}") from None
+        raise BindError(f"cannot listen for gRPC on {where}: {exc}") from None
     if port == 0:
-        raise OSError(f"cannot listen for gRPC on {where}")
+        raise BindError(f"cannot listen for gRPC on {where}")
     await server.start()
     return server
 

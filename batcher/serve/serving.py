@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from batcher.broker.loop import Broker, BrokerSettings
 from batcher.core.scheduler import BatchSettings
+from batcher.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from batcher.gateway.process import GatewayProcess
@@ -32,9 +33,10 @@ WORKER_STOP_TIMEOUT_S = 5.0
 GATEWAY_STOP_TIMEOUT_S = 7.0
 
 
-class ModelLoadFailed(RuntimeError):
-    """A model's first worker could not load it (a configuration error), or serve's
-    gateway process exited: `serve` stops (the child's own error is in the log)."""
+#: A model's first worker could not load it (a configuration error), or serve's gateway
+#: process exited: `serve` stops (the child's own error is in the log). The older name of
+#: batcher.errors.ModelLoadError, the one class for a model that will not load.
+ModelLoadFailed = ModelLoadError
 
 
 def run_serve(
@@ -51,7 +53,7 @@ def run_serve(
     `reread_batching()` (the config file's batching settings, read again; a ValueError
     keeps the current ones). `gateway`, if given, starts once the broker is bound and
     stops after it; its exit stops serve. Raises BindError or KeyFileError if the broker cannot
-    start, ModelLoadFailed (once everything has stopped) if a model could not be loaded.
+    start, ModelLoadError (once everything has stopped) if a model could not be loaded.
     """
     from workers.models import ModelSpec
     from workers.placement import pin_to
@@ -112,7 +114,7 @@ def run_serve(
         supervisor.stop(timeout_s=0.0 if broker.signals.count > 1 else WORKER_STOP_TIMEOUT_S)
         broker.close()
     if fatal:
-        raise ModelLoadFailed(fatal[0])
+        raise ModelLoadError(fatal[0])
 
 
 def _watch_gateway(gateway: GatewayProcess, broker: Broker, fatal: list[str]) -> Callable[[float], None]:

@@ -8,6 +8,8 @@ error is one line naming the form expected. No zmq import: this is text.
 
 from __future__ import annotations
 
+from batcher.errors import SettingsError
+
 #: What an address must look like, said in every refusal.
 EXPECTED = "tcp://HOST:PORT or ipc://PATH"
 #: The highest TCP port.
@@ -21,20 +23,20 @@ def check_address(text: str, *, bind: bool) -> str:
     address = text.strip()
     scheme, sep, rest = address.partition("://")
     if not sep:
-        raise ValueError(f"expected {EXPECTED}, got {text!r} (no scheme)")
+        raise SettingsError(f"expected {EXPECTED}, got {text!r} (no scheme)")
     if scheme == "ipc":
         if not rest:
-            raise ValueError(f"expected {EXPECTED}, got {text!r} (no path)")
+            raise SettingsError(f"expected {EXPECTED}, got {text!r} (no path)")
         return address
     if scheme != "tcp":
-        raise ValueError(f"expected {EXPECTED}, got {text!r} (scheme {scheme!r})")
+        raise SettingsError(f"expected {EXPECTED}, got {text!r} (scheme {scheme!r})")
     host, colon, port = rest.rpartition(":")
     if not colon or not host:
-        raise ValueError(f"expected {EXPECTED}, got {text!r} (no HOST:PORT)")
+        raise SettingsError(f"expected {EXPECTED}, got {text!r} (no HOST:PORT)")
     if not port.isascii() or not port.isdigit() or not 1 <= int(port) <= MAX_PORT:
-        raise ValueError(f"expected {EXPECTED} with a PORT of 1..{MAX_PORT}, got {text!r}")
+        raise SettingsError(f"expected {EXPECTED} with a PORT of 1..{MAX_PORT}, got {text!r}")
     if host == "*" and not bind:
-        raise ValueError(f"expected {EXPECTED} naming the host to connect to, got {text!r} (* only binds)")
+        raise SettingsError(f"expected {EXPECTED} naming the host to connect to, got {text!r} (* only binds)")
     if host.startswith("[") != host.endswith("]") or any(c.isspace() for c in host):
-        raise ValueError(f"expected {EXPECTED}, got {text!r} (HOST {host!r})")
+        raise SettingsError(f"expected {EXPECTED}, got {text!r} (HOST {host!r})")
     return address

@@ -29,6 +29,8 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.backend import Frame
 
+from batcher.errors import BatcherError
+
 log = logging.getLogger("batcher.security")
 
 #: ZAP domains of the broker's two sockets: the authenticator tells them apart by these.
@@ -39,7 +41,7 @@ BACKEND_DOMAIN = "backend"
 MAX_REMEMBERED_REFUSALS = 1024
 
 
-class KeyFileError(ValueError):
+class KeyFileError(BatcherError, ValueError):
     """A key file that cannot be used."""
 
 

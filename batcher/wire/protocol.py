@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import msgpack
 import msgspec
 
+from batcher.errors import BatcherError
 from batcher.wire import aligned, tensor
 
 #: First frame of every backend message, so a peer speaking anything else is spotted.
@@ -119,9 +120,11 @@ class ErrorCode(StrEnum):
     INTERNAL = "internal_error"
 
 
-class ProtocolError(Exception):
+class ProtocolError(BatcherError):
     """A message that breaks the protocol; carries the code to answer with and, when the
     body's `id` could be read, that id, so the client can match the error reply."""
+
+    code: ErrorCode
 
     def __init__(self, code: ErrorCode, message: str, req_id: int | str | None = None) -> None:
         super().__init__(message)
@@ -558,7 +561,7 @@ def split_bodies(lengths: list[int], frames: list[Any]) -> list[Any]:
     return frames
 
 
-class WorkerProtocolError(ValueError):
+class WorkerProtocolError(BatcherError, ValueError):
     """A backend message that breaks the protocol; `batch_id` is the batch it names, when
     that much could be read, so only that batch fails."""
 

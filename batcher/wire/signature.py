@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from batcher.errors import SettingsError
 from batcher.wire.tensor import DATATYPES, MAX_ELEMENTS, MAX_RANK
 
 #: The longest tensor name a signature may hold.
@@ -35,11 +36,11 @@ class TensorSpec:
     def __post_init__(self) -> None:
         name = self.name
         if not isinstance(name, str) or not name or len(name) > MAX_NAME or not name.isprintable():
-            raise ValueError(
+            raise SettingsError(
                 f"a tensor's name must be a printable str of 1 to {MAX_NAME} characters, got {name!r}"[:300]
             )
         if not isinstance(self.datatype, str) or self.datatype not in DATATYPES:
-            raise ValueError(
+            raise SettingsError(
                 f"tensor {self.name!r}: datatype must be one of {', '.join(DATATYPES)}, got {self.datatype!r}"
             )
         shape = self.shape
@@ -48,7 +49,7 @@ class TensorSpec:
             or not 1 <= len(shape) <= MAX_RANK + 1
             or not all(type(d) is int and -1 <= d <= MAX_ELEMENTS for d in shape)
         ):
-            raise ValueError(
+            raise SettingsError(
                 f"tensor {self.name!r}: shape must be 1 to {MAX_RANK + 1} ints >= -1 (the batch axis "
                 f"first), got {shape!r}"
             )
@@ -81,13 +82,13 @@ class Signature:
 
     def __post_init__(self) -> None:
         if not self.inputs:
-            raise ValueError("a signature must name at least one input")
+            raise SettingsError("a signature must name at least one input")
         if len(self.inputs) > MAX_TENSORS or len(self.outputs) > MAX_TENSORS:
-            raise ValueError(f"a signature has at most {MAX_TENSORS} inputs and {MAX_TENSORS} outputs")
+            raise SettingsError(f"a signature has at most {MAX_TENSORS} inputs and {MAX_TENSORS} outputs")
         for kind, specs in (("input", self.inputs), ("output", self.outputs)):
             names = [s.name for s in specs]
             if len(set(names)) != len(names):
-                raise ValueError(f"{kind} names must differ, got {names}")
+                raise SettingsError(f"{kind} names must differ, got {names}")
 
     def wire(self) -> dict[str, Any]:
         """As READY and the `metadata` reply carry it."""
@@ -97,16 +98,16 @@ class Signature:
     def from_wire(cls, raw: object) -> Signature:
         """A signature from its wire form; ValueError naming what is wrong."""
         if not isinstance(raw, dict) or set(raw) - {"inputs", "outputs"}:
-            raise ValueError(f"a signature is a map of inputs and outputs, got {raw!r}"[:200])
+            raise SettingsError(f"a signature is a map of inputs and outputs, got {raw!r}"[:200])
 
         def specs(key: str) -> tuple[TensorSpec, ...]:
             items = raw.get(key, [])
             if not isinstance(items, list):
-                raise ValueError(f"signature {key} must be a list, got {items!r}"[:200])
+                raise SettingsError(f"signature {key} must be a list, got {items!r}"[:200])
             out = []
             for item in items:
                 if not isinstance(item, dict) or set(item) != {"name", "datatype", "shape"}:
-                    raise ValueError(
+                    raise SettingsError(
                         f"a signature's tensor is a map of name, datatype and shape, got {item!r}"[:200]
                     )
                 shape = item["shape"]

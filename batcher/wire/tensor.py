@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from batcher.errors import BatcherError
 from batcher.extras import install_command
 
 #: Open Inference Protocol datatype -> the numpy dtype string (little-endian).
@@ -57,8 +58,13 @@ MAX_RANK = 32
 MAX_ELEMENTS = 2**45
 
 
-class TensorError(ValueError):
+class TensorError(BatcherError, ValueError):
     """A tensor map that breaks the encoding; the message names what is wrong."""
+
+
+class NotEncodable(BatcherError, TypeError):
+    """A value msgpack cannot carry (an object of no msgpack type, an array of a dtype with
+    no tensor datatype); a TypeError, as msgpack's own refusal is."""
 
 
 def is_tensor(value: object) -> bool:
@@ -168,7 +174,7 @@ def from_array(array: Any) -> dict[str, Any]:
     datatype = DATATYPES_BY_DTYPE.get(dtype.str)
     if datatype is None:
         names = ", ".join(DATATYPES)
-        raise TypeError(f"arrays of dtype {array.dtype} have no tensor datatype (one of {names})")
+        raise NotEncodable(f"arrays of dtype {array.dtype} have no tensor datatype (one of {names})")
     array = np.asarray(array, dtype=dtype, order="C")  # a copy only if not C-ordered little-endian
     data = memoryview(array.reshape(-1).view(np.uint8))  # the array's own bytes
     return {"datatype": datatype, "shape": list(array.shape), "data": data}
@@ -185,7 +191,7 @@ def msgpack_default(value: object) -> Any:
     if type(value).__module__ == "numpy" and hasattr(value, "dtype"):
         np = _numpy()
         return value.item() if isinstance(value, np.generic) else from_array(value)
-    raise TypeError(f"can not serialize {type(value).__name__!r} object")
+    raise NotEncodable(f"can not serialize {type(value).__name__!r} object")
 
 
 def arrays_hook(value: dict[Any, Any]) -> Any:
