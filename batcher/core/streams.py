@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
-from batcher.core.scheduler import QueuedRequest
+from batcher.core.queue import QueuedRequest
 from batcher.wire.protocol import CHUNK_DROPPED, CHUNK_MORE
 
 #: A step-level worker that holds a sequence and sends no CHUNK for this long (with no
