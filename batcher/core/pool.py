@@ -28,7 +28,8 @@ from typing import Any, NamedTuple
 from batcher.core.queue import Batch, QueuedRequest
 from batcher.core.scheduler import Scheduler
 from batcher.core.streams import Streams
-from batcher.wire.protocol import MAX_ACTIVE, MAX_REPORTED_MS, MAX_WARMUP_ERROR_CHARS, ErrorCode, Heartbeat
+from batcher.wire.codes import MAX_ACTIVE, MAX_REPORTED_MS, ErrorCode
+from batcher.wire.frames import MAX_WARMUP_ERROR_CHARS, Heartbeat
 from batcher.wire.signature import Signature
 
 
