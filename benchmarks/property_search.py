@@ -20,7 +20,13 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS = ["tests/test_scheduler_policy.py", "tests/test_scheduler.py", "tests/test_protocol.py"]
+TESTS = [
+    "tests/test_scheduler_policy.py",
+    "tests/test_scheduler.py",
+    "tests/test_queue.py",
+    "tests/test_policy.py",
+    "tests/test_protocol.py",
+]
 
 
 def seed_range(text: str) -> range:

@@ -116,9 +116,11 @@ def test_a_model_that_will_not_load_has_one_class() -> None:
 
 def test_a_refused_setting_is_a_settings_error_and_still_a_value_error() -> None:
     from batcher.broker.loop import BrokerSettings
+    from batcher.core.limits import BatchSettings
     from batcher.errors import SettingsError
     from batcher.gateway.access import parse_api_keys
     from batcher.transport.addresses import check_address
+    from batcher.wire.protocol import Heartbeat
     from batcher.wire.signature import TensorSpec
     from workers.models import ModelSpec
     from workers.placement import parse_cpus
@@ -126,6 +128,8 @@ def test_a_refused_setting_is_a_settings_error_and_still_a_value_error() -> None
 
     refusals: list[tuple[Callable[[], object], str]] = [
         (lambda: BrokerSettings(models=()), "models must name at least one model"),
+        (lambda: BatchSettings(max_batch_size=0), "max_batch_size must be >= 1, got 0"),
+        (lambda: Heartbeat(interval_ms=0), "heartbeat_ms must be > 0"),
         (lambda: check_address("localhost:5555", bind=False), "no scheme"),
         (lambda: MultiClient([]), "MultiClient needs at least one address"),
         (lambda: Client("tcp://127.0.0.1:1", retries=-1), "retries must be >= 0"),

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batcher.wire import protocol
+from batcher.wire import codec, protocol
 from batcher.wire.protocol import EnvelopeError, ErrorCode, Heartbeat, ProtocolError, RequestHeader
 
 
@@ -942,7 +942,7 @@ def test_reply_errors_as_a_count_or_a_map_of_codes(errors: Any, counted: tuple[i
     ],
 )
 def test_only_plain_payloads_go_through_msgspec(payload: Any, plain: bool) -> None:
-    assert protocol._plain_payload(payload) is plain
+    assert codec._plain_payload(payload) is plain
     # Either way the bytes are msgpack's own: the choice only saves a copy.
     fields = {"id": 1, "ok": True, "output": payload}
     assert protocol.unpack(protocol.pack_carrying(fields, payload)) == protocol.unpack(protocol.pack(fields))
@@ -951,5 +951,5 @@ def test_only_plain_payloads_go_through_msgspec(payload: Any, plain: bool) -> No
 def test_arrays_are_plain_payloads_alone_and_in_flat_maps_and_lists() -> None:
     np = pytest.importorskip("numpy")
     a = np.zeros(3, np.float32)
-    assert all(protocol._plain_payload(p) for p in (a, {"x": a}, [a, b"raw"]))
-    assert not protocol._plain_payload({"x": {"y": a}})
+    assert all(codec._plain_payload(p) for p in (a, {"x": a}, [a, b"raw"]))
+    assert not codec._plain_payload({"x": {"y": a}})

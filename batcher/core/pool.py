@@ -7,7 +7,7 @@ scheduler (no zmq, the time passed in), tested on a float clock (tests/test_pool
 - **Lost workers.** A worker that failed (it crashed, hung or fell silent) was running
   one batch, its first (batches run in the order sent), or the one that hung: each of
   that batch's requests costs an attempt and becomes a suspect, which runs alone from
-  then on (batcher.core.scheduler), so that a request that kills every worker it meets
+  then on (batcher.core.policy.batch_requests), so that a request that kills every worker it meets
   takes none of its batch-mates with it again. The batches behind it, which the worker
   had not begun, are handed back as by a worker that left on its own (DISCONNECT):
   free the first time only. A request whose attempts reach `max_retries` is answered
@@ -25,9 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from batcher.core.scheduler import Batch, QueuedRequest, Scheduler
+from batcher.core.queue import Batch, QueuedRequest
+from batcher.core.scheduler import Scheduler
 from batcher.core.streams import Streams
-from batcher.wire.protocol import MAX_ACTIVE, MAX_REPORTED_MS, MAX_WARMUP_ERROR_CHARS, ErrorCode, Heartbeat
+from batcher.wire.codes import MAX_ACTIVE, MAX_REPORTED_MS, ErrorCode
+from batcher.wire.frames import MAX_WARMUP_ERROR_CHARS, Heartbeat
 from batcher.wire.signature import Signature
 
 

@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
-from batcher.core.scheduler import QueuedRequest
-from batcher.wire.protocol import CHUNK_DROPPED, CHUNK_MORE
+from batcher.core.queue import QueuedRequest
+from batcher.wire.codes import CHUNK_DROPPED, CHUNK_MORE
 
 #: A step-level worker that holds a sequence and sends no CHUNK for this long (with no
 #: --batch-timeout-ms) is taken for hung. Generous: a prefill of a long prompt may take
