@@ -62,6 +62,10 @@ build per CPython version (docs/benchmarks-history.md, issue 30).
     python benchmarks/mypyc_gain.py                 # 3 rounds, 5 s loads
     python benchmarks/mypyc_gain.py --tests         # also the unit tests on the compiled copy
     python benchmarks/mypyc_gain.py --rounds 5 --json out.json
+
+It measures the flat layout it was written for (batcher/protocol.py, batcher/scheduler.py
+...), the one mypyc was judged on: since the layered layout (issue 29) run it from a tree
+of that commit, `git worktree add /tmp/flat 5fad766 && python /tmp/flat/benchmarks/mypyc_gain.py`.
 """
 
 from __future__ import annotations
@@ -487,6 +491,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not (REPO_ROOT / "batcher" / "scheduler.py").is_file():
+        print(
+            "mypyc_gain.py measures the flat layout (batcher/scheduler.py ...): run it from a tree of "
+            "commit 5fad766 (git worktree add /tmp/flat 5fad766), see its docstring",
+            file=sys.stderr,
+        )
+        return 2
     tmp = Path(tempfile.mkdtemp(prefix="batcher-mypyc-"))
     try:
         pure, compiled = tmp / "pure", tmp / "compiled"
