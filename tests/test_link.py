@@ -269,3 +269,13 @@ def test_heard_resets_the_back_off(failures: int, initial: float, extra: float) 
     link.heard(100.0)
     assert link.failures == 0
     assert link.refused("x", 101.0) == Drop("x", initial, 1)
+
+
+def test_a_peer_heard_while_down_is_up_again_and_its_back_off_starts_over() -> None:
+    """A MultiClient frontend's rule: down after a timeout, probed after each wait
+    (doubling while the probes go unanswered), and any answer brings it back."""
+    link = PeerLink(Backoff(1.0, 30.0))
+    assert [link.refused("no reply", t).retry_in_s for t in (0.0, 1.0, 3.0)] == [1.0, 2.0, 4.0]  # type: ignore[union-attr]
+    link.heard(7.0)
+    assert link.up and link.failures == 0
+    assert link.refused("no reply", 8.0) == Drop("no reply", 1.0, 1)

@@ -89,7 +89,7 @@ class PeerLink:
     next heartbeat, when the peer was last heard.
 
     - `connected(now)`: a fresh connection (the peer has had no time to speak yet).
-    - `heard(now)`: the peer said something. Once it has been heard for `stable_s` on
+    - `heard(now)`: the peer said something (so the link is up). Once it has been heard for `stable_s` on
       one connection, the link is stable and the failures in a row start again from 0.
     - `refused(why, now)`: the connection failed (a refused handshake, a lost peer, a
       process that died); `Drop` with the wait before the next try, or `GiveUp` after
@@ -139,7 +139,9 @@ class PeerLink:
         self._next_beat = None if self.beat_s is None else now + self.beat_s
 
     def heard(self, now: float) -> None:
-        """The peer spoke (any message, or a handshake that succeeded)."""
+        """The peer spoke (any message, or a handshake that succeeded): it is up."""
+        if not self.up:
+            self.connected(now)
         self.heard_at = now
         if self._first_heard_at is None:
             self._first_heard_at = now
