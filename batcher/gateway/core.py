@@ -22,6 +22,7 @@ import zmq
 
 from batcher import __version__
 from batcher.client.sync import ConnectionWatch, cancel_body, open_dealer
+from batcher.core.link import Backoff, Drop, PeerLink
 from batcher.gateway import oip
 from batcher.transport.zmqio import readable, recv_frames, send_frames
 from batcher.wire import aligned, protocol, tensor
@@ -34,6 +35,7 @@ log = logging.getLogger("batcher.gateway")
 RECONNECT_MIN_S = 0.1
 RECONNECT_MAX_S = 2.0
 STABLE_S = 1.0
+RECONNECT_BACKOFF = Backoff(initial_s=RECONNECT_MIN_S, cap_s=RECONNECT_MAX_S)
 #: Messages the link may hold each way before a send is refused (`unavailable`).
 LINK_HWM = 100_000
 #: How long a model's input and output names (from its signature) are taken as known;
@@ -136,8 +138,8 @@ class BrokerLink:
         self._watch: ConnectionWatch | None = None
         self._why_down = "not connected yet"
         self._reopen: asyncio.TimerHandle | None = None
-        self._backoff_s = RECONNECT_MIN_S
-        self._up_at: float | None = None  # when the current connection's handshake succeeded
+        #: When to open a new socket (batcher/core/link.py): heard at each handshake.
+        self._link = PeerLink(RECONNECT_BACKOFF, stable_s=STABLE_S)
         #: The broker's --max-message-bytes, learnt (`learn_limits`) for each connection:
         #: a larger row is refused here (413), never sent, since past 4x that libzmq
         #: drops the one connection every client's rows share.
@@ -151,7 +153,8 @@ class BrokerLink:
         sock, watch = open_dealer(self._ctx, s.connect, s.curve_server_key, s.curve_secret_key)
         sock.setsockopt(zmq.SNDHWM, LINK_HWM)
         sock.setsockopt(zmq.RCVHWM, LINK_HWM)
-        self._sock, self._watch, self._up_at = sock, watch, None
+        self._sock, self._watch = sock, watch
+        self._link.connected(self._loop.time())
         self._forget_limits()
         self._fd = int(sock.getsockopt(zmq.FD))
         self._loop.add_reader(self._fd, self._drain)
@@ -170,11 +173,9 @@ class BrokerLink:
     def _replace_later(self) -> None:
         """Drop the socket now; open a new one after the back-off."""
         self._shut()
-        lasted = self._up_at is not None and self._loop.time() - self._up_at >= STABLE_S
-        self._up_at = None  # a failure before the next handshake doubles the back-off
-        delay = RECONNECT_MIN_S if lasted else self._backoff_s
-        self._backoff_s = min(RECONNECT_MAX_S, delay * 2)
-        self._reopen = self._loop.call_later(delay, self._reopen_now)
+        drop = self._link.refused(self._why_down, self._loop.time())
+        assert isinstance(drop, Drop)  # the link never gives up on its broker
+        self._reopen = self._loop.call_later(drop.retry_in_s, self._reopen_now)
 
     def _shut(self) -> None:
         self._unsent.clear()  # dropped with the socket, as what it had not sent yet is
@@ -198,7 +199,7 @@ class BrokerLink:
             was_up = watch.handshake_ok  # rows may have been sent (and wait unsent)
             events = watch.poll()
             if any(event == zmq.EVENT_HANDSHAKE_SUCCEEDED for event, _ in events):
-                self._up_at = self._loop.time()
+                self._link.heard(self._loop.time())
                 self._forget_limits()  # a broker (re)connected: its limits may differ
             lost = any(event == zmq.EVENT_DISCONNECTED for event, _ in events)
             if lost:
