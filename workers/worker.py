@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import zmq
 
 from batcher.client.sync import HANDSHAKE_FAILED, ConnectionWatch
+from batcher.core.link import Backoff, Beat, Drop, GiveUp, PeerLink, Reconnect
 from batcher.extras import extra_of, install_command
 from batcher.transport.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
 from batcher.transport.security import secure_client
@@ -69,6 +70,7 @@ R = TypeVar("R")
 #: Back-off between attempts to reach a broker that stopped answering (seconds).
 RECONNECT_MIN_S = 0.25
 RECONNECT_MAX_S = 8.0
+RECONNECT_BACKOFF = Backoff(initial_s=RECONNECT_MIN_S, cap_s=RECONNECT_MAX_S)
 #: A refused handshake is logged at WARNING once, then again at most this often (DEBUG between).
 REFUSAL_LOG_EVERY_S = 60.0
 #: How long a step-level worker waits at a time for its socket to take a CHUNK (ms).
@@ -209,7 +211,10 @@ class Worker:
         self._outbox: deque[list[Any]] = deque()  # CHUNKs the socket could not take yet
         self._poller = zmq.Poller()
         self._told_to_reconnect = False
-        self._heard_at = 0.0  # when the broker last said anything (set again on connecting)
+        #: When to beat, when the broker is lost, when to try it again (batcher/core/link.py).
+        self._link = PeerLink(
+            RECONNECT_BACKOFF, beat_s=self.heartbeat.interval_s, expiry_s=self.heartbeat.expiry_s
+        )
         self._ready_sent = False
         self._refused: str | None = None  # why the current connection's handshake failed
         self._refusals = 0  # handshakes failed in a row
@@ -349,52 +354,33 @@ class Worker:
             return
         self._connect()
         now = time.monotonic()
-        next_beat, self._heard_at = now + self.heartbeat.interval_s, now
-        backoff_s, reconnect_at = RECONNECT_MIN_S, None
+        self._link.connected(now)
         trim = heap_trimmer() if keep_freed_memory() else None
         next_trim = now + TRIM_INTERVAL_S
         while not self._stop_known():
-            wake = next_beat if reconnect_at is None else min(next_beat, reconnect_at)
+            wake = self._link.next_wakeup()
             if self._steps is not None and (self._inbox or self._steps.busy()):
                 wake = 0.0  # a step is due: only look at what came meanwhile
-            events = dict(self._poller.poll(max(0, math.ceil((wake - time.monotonic()) * 1000))))
+            timeout_ms = -1 if wake is None else max(0, math.ceil((wake - time.monotonic()) * 1000))
+            events = dict(self._poller.poll(timeout_ms))
             now = time.monotonic()
             if self._watch is not None and self._watch.monitor in events:
                 self._read_monitor()
-            if self._sock is not None and self._sock in events and self._drain(now):
-                backoff_s = RECONNECT_MIN_S
+            if self._sock is not None and self._sock in events:
+                self._drain(now)
             if self.signals.fd in events:
                 self.signals.clear()
             if self.control_fd is not None and self.control_fd in events and self._read_control():
                 break
-            hb = self.heartbeat  # the broker's, once it said it
             if self._model_thread is not None:
                 self._overlap(self._model_thread)
             elif self._pending:
                 self._run_pending()
                 continue  # poll again first: what the broker sent meanwhile is news of it
-            if self._sock is not None and self._refused is not None:
-                self._log_refusal(self._refused, now, backoff_s)
-                self._disconnect()  # libzmq may never reconnect it: a fresh socket will
-                reconnect_at, backoff_s = now + backoff_s, min(RECONNECT_MAX_S, backoff_s * 2)
-            elif self._sock is not None and (
-                self._told_to_reconnect or now - self._heard_at > self.heartbeat.expiry_s
-            ):
-                log.warning("worker %s: lost the broker; reconnecting in %.1fs", self.name, backoff_s)
-                self._disconnect()
-                reconnect_at, backoff_s = now + backoff_s, min(RECONNECT_MAX_S, backoff_s * 2)
-            if reconnect_at is not None and now >= reconnect_at:
-                self._connect()
-                self._heard_at, reconnect_at = now, None
-            if self._sock is not None and now >= next_beat:
-                if self._watch is not None and not self._watching:
-                    self._read_monitor()  # a dropped connection, or a later handshake's outcome
-                self._send([protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
-                next_beat = now + hb.interval_s
+            self._follow_link(now)
             if trim is not None and now >= next_trim and not self._busy():  # what a burst took goes back
                 trim()
                 next_trim = now + TRIM_INTERVAL_S
-            next_beat = min(next_beat, now + hb.interval_s)  # the broker's may be shorter
             if self._steps is not None and self._sock is not None:
                 self._run_steps(self._steps)
         if self.signals.count:
@@ -409,6 +395,31 @@ class Worker:
                 self._answer(job, outcome)
         # Batches received but not run go back to the broker's queue when it reads this.
         self._send([protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
+
+    def _follow_link(self, now: float) -> None:
+        """Do what the link says: drop a connection the broker refused, lost or disowned
+        (DISCONNECT), open a fresh one once its back-off is over, beat."""
+        if self._sock is not None and self._refused is not None:
+            drop = self._link.refused(self._refused, now)
+            assert isinstance(drop, Drop)  # a worker never gives up on its broker
+            self._log_refusal(self._refused, now, drop.retry_in_s)
+            self._disconnect()  # libzmq may never reconnect it: a fresh socket will
+        elif self._sock is not None and self._told_to_reconnect:
+            self._lost(self._link.refused("the broker does not know us", now))
+        while (action := self._link.due(now)) is not None:
+            if isinstance(action, Drop):  # no word from the broker for its expiry
+                self._lost(action)
+            elif isinstance(action, Reconnect):
+                self._connect()
+            elif isinstance(action, Beat) and self._sock is not None:
+                if self._watch is not None and not self._watching:
+                    self._read_monitor()  # a dropped connection, or a later handshake's outcome
+                self._send([protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
+
+    def _lost(self, drop: Drop | GiveUp) -> None:
+        assert isinstance(drop, Drop)  # a worker never gives up on its broker
+        log.warning("worker %s: lost the broker; reconnecting in %.1fs", self.name, drop.retry_in_s)
+        self._disconnect()
 
     def _busy(self) -> bool:
         return bool(self._pending) or (self._model_thread is not None and self._model_thread.in_flight > 0)
@@ -723,7 +734,7 @@ class Worker:
             except zmq.Again:  # woken for nothing
                 return heard
             heard = True
-            self._heard_at = now
+            self._link.heard(now)
             if len(frames) < 2 or frames[0] != protocol.WORKER_PROTOCOL:
                 log.warning("ignored a broker message of %d frames", len(frames))
             elif frames[1] == protocol.CMD_BATCH and len(frames) >= 4:
@@ -738,7 +749,7 @@ class Worker:
                 return heard
             elif frames[1] == protocol.CMD_HEARTBEAT:
                 if len(frames) >= 3:
-                    self._adopt_heartbeat(frames[2])
+                    self._adopt_heartbeat(frames[2], now)
             elif frames[1] == protocol.CMD_EXIT:
                 log.error(
                     "worker %s: the broker took a batch of ours for hung (past its time limit); exiting",
@@ -751,7 +762,7 @@ class Worker:
             if not readable(sock):
                 return True
 
-    def _adopt_heartbeat(self, frame: bytes) -> None:
+    def _adopt_heartbeat(self, frame: bytes, now: float) -> None:
         """Beat and judge the broker as it says (6.6), whatever this worker's own flags."""
         try:
             said = protocol.Heartbeat.from_frame(frame)
@@ -765,6 +776,7 @@ class Worker:
                 self.name, said.interval_ms, said.liveness, was.interval_ms, was.liveness,
             )  # fmt: skip
             self.heartbeat = said
+            self._link.retime(said.interval_s, said.expiry_s, now)
 
     def _parent_alive(self) -> bool:
         """Without a control pipe, a worker given --parent-pid polls for its parent instead."""
