@@ -6,21 +6,33 @@ answered with one REPLY (run_batch), in parts an overlapping worker runs apart
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import msgspec
+import zmq
 
 from batcher.extras import install_command
 from batcher.wire import protocol, tensor
 from batcher.wire.protocol import ErrorCode
 from workers import fastpath
+from workers.connection import BrokerConnection
 from workers.models import ModelFn
+from workers.overlap import ModelThread
+from workers.steps import StepRunner
 
 log = logging.getLogger("batcher.worker")
+
+R = TypeVar("R")
+#: How long a step-level worker waits at a time for its socket to take a CHUNK (ms).
+OUTBOX_WAIT_MS = 10
+#: Batches with a model thread at once (workers/overlap.py): the one it runs and the next.
+OVERLAP_BATCHES = 2
 
 
 class MalformedBatch(ValueError):
@@ -349,3 +361,153 @@ def _failed_batch(exc: Exception, header_frame: bytes) -> list[Any] | None:
         return protocol.reply_frames(_decode_header(header_frame)[0], 0.0, [])
     except MalformedBatch:
         return None
+
+
+class BatchRunner(BrokerConnection):
+    """The worker's batch path over its connection: batches run in the main thread (or
+    on a model thread, overlapped), steps of a step-level model, each answered on the
+    connection it came on, the socket left to the heartbeat thread while the model runs."""
+
+    model: ModelFn | None
+
+    def _busy(self) -> bool:
+        return bool(self._pending) or (self._model_thread is not None and self._model_thread.in_flight > 0)
+
+    def _overlap(self, runner: ModelThread[tuple[PreparedBatch, int], ModelOutcome]) -> None:
+        """Answer the batches the model thread finished, and keep OVERLAP_BATCHES with it:
+        the one it runs and the next, decoded meanwhile."""
+        for job, outcome in runner.take():
+            self._answer(job, outcome)
+        while runner.in_flight < OVERLAP_BATCHES and (batch := self._prepare()) is not None:
+            runner.put((batch, self.reconnects))
+
+    def _finished(self, batch: PreparedBatch, outcome: ModelOutcome) -> list[Any]:
+        try:
+            return finish_batch(batch, outcome, self.name)
+        except Exception:  # a bug of ours; the worker goes on, and answers if it can
+            log.exception("could not answer a batch")
+            return protocol.reply_frames(batch.batch_id, 0.0, [])
+
+    def _wait_for_model(
+        self, runner: ModelThread[tuple[PreparedBatch, int], ModelOutcome]
+    ) -> list[tuple[tuple[PreparedBatch, int], ModelOutcome]]:
+        """Block until the model thread is done, the socket left to the heartbeat thread."""
+        return self._unlocked(runner.wait)
+
+    def _prepare(self) -> PreparedBatch | None:
+        """The next pending batch decoded, the socket left to the heartbeat thread the
+        while (a large batch may take longer than the broker's heartbeat expiry); one
+        that cannot be run is answered (or dropped) at once, as `_run_safely` does."""
+        while self._pending and self._sock is not None:
+            arrived_at, frames = self._pending.popleft()
+            prepared = self._unlocked(functools.partial(_prepared_or_error, frames, arrived_at))
+            if isinstance(prepared, PreparedBatch):
+                return prepared
+            reply = _failed_batch(prepared, frames[2])
+            if reply is not None:
+                self._send(reply)
+        return None
+
+    def _answer(self, job: tuple[PreparedBatch, int], outcome: ModelOutcome) -> None:
+        """Send the replies of a batch the model thread ran, on the connection it came on
+        (a broker that lost us re-dispatched it: any other gets nothing)."""
+        batch, connection = job
+        reply = self._unlocked(functools.partial(self._finished, batch, outcome))  # heartbeats go on
+        if connection != self.reconnects:
+            return
+        self.batches += 1
+        if not self._send(reply):
+            log.warning(
+                "worker %s: the reply to a batch could not be sent (no connection to the broker, "
+                "which re-dispatches that batch)",
+                self.name,
+            )
+
+    def _run_pending(self) -> None:
+        """Run the batches received so far, in order, answering each on its connection;
+        a stop lets the batch at hand finish and leaves the rest to the broker. The first
+        batch asks only what the loop's poll just told (`_stop_known`): reading serve's
+        empty pipe again raised BlockingIOError between a lone request's BATCH and its
+        model (20-25 us of a cold CPU); each later one reads it, as a model may run long."""
+        assert self.model is not None
+        stopped = self._stop_known
+        while self._pending and self._sock is not None and not stopped():
+            stopped = self.stop_requested
+            arrived_at, frames = self._pending.popleft()
+            self._in_model = True
+            self._socket_lock.release()  # the heartbeat thread may use the socket meanwhile
+            try:
+                reply = _run_safely(self.model, frames[2], frames[3:], self.name, arrived_at)
+            finally:
+                self._socket_lock.acquire()
+                self._in_model = False
+            if reply is not None:
+                self.batches += 1
+                if not self._send(reply):
+                    log.warning(
+                        "worker %s: the reply to a batch could not be sent (no connection to the "
+                        "broker, which re-dispatches that batch)",
+                        self.name,
+                    )
+
+    def _run_steps(self, steps: StepRunner) -> None:
+        """Read the START and CANCEL messages that came, then run one step, the socket left
+        to the heartbeat thread meanwhile in both (a model's start, stop and step may each
+        be slow), sending the chunks as one CHUNK after each. No step runs while a CHUNK
+        waits for the socket to take it: a chunk is never dropped, and a slow broker slows
+        the model down instead."""
+        if not self._flush_outbox():
+            return
+        if self._inbox:
+            self._unlocked(lambda: self._read_inbox(steps))
+            self._send_chunks(steps)
+        if steps.busy() and self._flush_outbox():
+            self._unlocked(lambda: steps.run_step(time.monotonic()))
+            self._send_chunks(steps)
+
+    def _unlocked(self, work: Callable[[], R]) -> R:
+        """Run `work` (the model's, or decoding or encoding a batch) with the socket left
+        to the heartbeat thread; its result."""
+        self._in_model = True
+        self._socket_lock.release()
+        try:
+            return work()
+        finally:
+            self._socket_lock.acquire()
+            self._in_model = False
+
+    def _read_inbox(self, steps: StepRunner) -> None:
+        while True:
+            try:
+                arrived_at, frames = self._inbox.popleft()
+            except IndexError:  # empty (the heartbeat thread may clear it on a DISCONNECT)
+                return
+            try:
+                if frames[1] == protocol.CMD_START and len(frames) >= 3:
+                    steps.receive_start(frames[2], frames[3:], arrived_at)
+                else:
+                    steps.receive_cancel(frames[2])
+            except Exception as exc:  # msgpack raises several unrelated types
+                log.warning(
+                    "worker %s: ignored a malformed broker message: %s", self.name, protocol.describe(exc)
+                )
+
+    def _send_chunks(self, steps: StepRunner) -> None:
+        frames = steps.take_entries(time.monotonic())
+        if frames is not None:
+            self._outbox.append(frames)
+        self._flush_outbox()
+
+    def _flush_outbox(self) -> bool:
+        """Send the CHUNKs that wait, in order; True once none does. While the socket takes
+        none (the broker reads slowly: its queue for us is full), wait at most OUTBOX_WAIT_MS
+        for room, so the loop still beats and reads its pipe."""
+        while self._outbox:
+            if self._sock is None:
+                self._outbox.clear()  # the connection is gone: the broker answers for those
+                return True
+            if not self._send(self._outbox[0]):
+                self._sock.poll(OUTBOX_WAIT_MS, zmq.POLLOUT)
+                return False
+            self._outbox.popleft()
+        return True
