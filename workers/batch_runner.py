@@ -415,6 +415,11 @@ class BatchRunner(BrokerConnection):
         reply = self._unlocked(functools.partial(self._finished, batch, outcome))  # heartbeats go on
         if connection != self.reconnects:
             return
+        self._send_reply(reply)
+
+    def _send_reply(self, reply: list[Any]) -> None:
+        """Send a batch's REPLY, counted; one that cannot leave is said (its broker
+        re-dispatches that batch when it finds us gone)."""
         self.batches += 1
         if not self._send(reply):
             log.warning(
@@ -442,13 +447,7 @@ class BatchRunner(BrokerConnection):
                 self._socket_lock.acquire()
                 self._in_model = False
             if reply is not None:
-                self.batches += 1
-                if not self._send(reply):
-                    log.warning(
-                        "worker %s: the reply to a batch could not be sent (no connection to the "
-                        "broker, which re-dispatches that batch)",
-                        self.name,
-                    )
+                self._send_reply(reply)
 
     def _run_steps(self, steps: StepRunner) -> None:
         """Read the START and CANCEL messages that came, then run one step, the socket left
