@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from batcher.core.link import Backoff, GiveUp, PeerLink
+from batcher.core.link import Backoff, Drop, GiveUp, PeerLink
 from batcher.transport.stopping import stop_signals_blocked
 from batcher.wire.protocol import Heartbeat
 from workers.models import MAX_PADDED_ELEMENTS, ModelSpec, SimSettings, check_max_padded_elements
@@ -167,6 +167,15 @@ class WorkerProcess:
             RESPAWN_BACKOFF, give_up_after=MAX_EARLY_DEATHS, count_stable_failure=False
         )
     )
+
+    def died(self, code: int | None, now: float, hung: bool) -> Drop | GiveUp:
+        """Its process exited: when to respawn it, or give up. One that joined the broker,
+        lived EARLY_DEATH_S or was stopped for a hung model (a poison request) did start:
+        its death is not a start-up failure, and one client's poison requests cannot make
+        serve give up on the model."""
+        if self.joined or hung or now - self.started_at >= EARLY_DEATH_S:
+            self.link.heard(now)
+        return self.link.refused(f"exit code {code}", now)
 
     @property
     def early_deaths(self) -> int:
@@ -453,25 +462,15 @@ class Supervisor:
                 continue
             hung = w.process.pid in self._killed_hung or code == EXIT_HUNG
             self._killed_hung.discard(w.process.pid)
-            # A worker that joined the broker, or was stopped for a hung model (a poison
-            # request), did start: its death is not a start-up failure, and one client's
-            # poison requests cannot make serve give up on the model.
-            started = w.joined or hung or lived_s >= EARLY_DEATH_S
-            if started:
-                w.link.heard(now)
-            outcome = w.link.refused(f"exit code {code}", now)
+            outcome = w.died(code, now, hung)
             if isinstance(outcome, GiveUp):
                 w.given_up = True
                 self.on_event(w.name, "given_up")
                 log.error(
                     "worker for model %s on gpu %s died %d times in a row within %.0fs of starting "
                     "(last exit code %s); giving up on it",
-                    w.model,
-                    w.gpu,
-                    outcome.failures,
-                    EARLY_DEATH_S,
-                    code,
-                )
+                    w.model, w.gpu, outcome.failures, EARLY_DEATH_S, code,
+                )  # fmt: skip
                 continue
             delay = outcome.retry_in_s
             w.respawn_at = now + delay
