@@ -157,17 +157,11 @@ class Worker(BatchRunner):
     `BatchRunner`'s (workers/batch_runner.py): this is the loop over both.
     """
 
-    def __init__(
-        self,
-        settings: WorkerSettings,
-        context: zmq.Context[Any] | None = None,
-        control_fd: int | None = None,
-    ) -> None:
-        super().__init__(settings, context, control_fd)
-        self.model: ModelFn | None = None
-        self.signature: dict[str, Any] | None = None  # the model's, as READY carries it
-        self.cost_ms: list[float] | None = None  # t(n) = a + b*n from the warm-up, for READY
-        self.warmup_error: str | None = None  # why the warm-up failed, for READY
+    # Set by `load` (each instance its own); None until then.
+    model: ModelFn | None = None
+    signature: dict[str, Any] | None = None  # the model's, as READY carries it
+    cost_ms: list[float] | None = None  # t(n) = a + b*n from the warm-up, for READY
+    warmup_error: str | None = None  # why the warm-up failed, for READY
 
     def check_address(self) -> None:
         """Raise ValueError, with a one-line reason, if the broker's address (or the CURVE
