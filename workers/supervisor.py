@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from batcher.core.link import Backoff, Drop, GiveUp, PeerLink
 from batcher.transport.stopping import stop_signals_blocked
 from batcher.wire.protocol import Heartbeat
 from workers.exit_codes import EXIT_HUNG
@@ -132,6 +133,8 @@ EARLY_DEATH_S = 10.0
 MAX_EARLY_DEATHS = 5
 RESPAWN_MIN_S = 0.5
 RESPAWN_MAX_S = 10.0
+#: The wait before a respawn: RESPAWN_MIN_S, doubling with each start-up failure in a row.
+RESPAWN_BACKOFF = Backoff(initial_s=RESPAWN_MIN_S, cap_s=RESPAWN_MAX_S)
 #: A worker counts as starting (interpreter, imports) for this long after its process starts.
 STARTING_S = 1.0
 
@@ -145,7 +148,6 @@ class WorkerProcess:
     gpu: int | None  # None: no GPU
     process: subprocess.Popen[bytes] | None  # None until first started
     started_at: float = 0.0
-    early_deaths: int = 0
     restarts: int = 0
     respawn_at: float | None = None  # when to (re)start it; it waits longer for a free start slot
     given_up: bool = False
@@ -157,6 +159,27 @@ class WorkerProcess:
     replacing: bool = False
     failure: str | None = None  # why a replacing worker did not start, for the reload's reply
     load_error_fd: int | None = None  # a replacing worker's pipe: why its model did not load
+    #: Its respawns' back-off and give-up rule (batcher/core/link.py): a death after it
+    #: started (it joined, lived EARLY_DEATH_S, or was killed hung) is not counted.
+    link: PeerLink = field(
+        default_factory=lambda: PeerLink(
+            RESPAWN_BACKOFF, give_up_after=MAX_EARLY_DEATHS, count_stable_failure=False
+        )
+    )
+
+    def died(self, code: int | None, now: float, hung: bool) -> Drop | GiveUp:
+        """Its process exited: when to respawn it, or give up. One that joined the broker,
+        lived EARLY_DEATH_S or was stopped for a hung model (a poison request) did start:
+        its death is not a start-up failure, and one client's poison requests cannot make
+        serve give up on the model."""
+        if self.joined or hung or now - self.started_at >= EARLY_DEATH_S:
+            self.link.heard(now)
+        return self.link.refused(f"exit code {code}", now)
+
+    @property
+    def early_deaths(self) -> int:
+        """Deaths in a row within EARLY_DEATH_S of starting, before joining the broker."""
+        return self.link.failures
 
     def load_error(self) -> str | None:
         """What the exited worker wrote on its load-error pipe (None: nothing)."""
@@ -358,6 +381,7 @@ class Supervisor:
         w.started_at = now
         w.respawn_at = None
         w.joined = False
+        w.link.connected(now)
         where = "" if w.cpus is None else f", cpus {','.join(map(str, w.cpus))}"
         log.info("started worker for model %s on gpu %s%s (pid %d)", w.model, w.gpu, where, w.process.pid)
 
@@ -437,25 +461,17 @@ class Supervisor:
                 continue
             hung = w.process.pid in self._killed_hung or code == EXIT_HUNG
             self._killed_hung.discard(w.process.pid)
-            # A worker that joined the broker, or was stopped for a hung model (a poison
-            # request), did start: its death is not a start-up failure, and one client's
-            # poison requests cannot make serve give up on the model.
-            started = w.joined or hung
-            w.early_deaths = w.early_deaths + 1 if lived_s < EARLY_DEATH_S and not started else 0
-            if w.early_deaths >= MAX_EARLY_DEATHS:
+            outcome = w.died(code, now, hung)
+            if isinstance(outcome, GiveUp):
                 w.given_up = True
                 self.on_event(w.name, "given_up")
                 log.error(
                     "worker for model %s on gpu %s died %d times in a row within %.0fs of starting "
                     "(last exit code %s); giving up on it",
-                    w.model,
-                    w.gpu,
-                    w.early_deaths,
-                    EARLY_DEATH_S,
-                    code,
-                )
+                    w.model, w.gpu, outcome.failures, EARLY_DEATH_S, code,
+                )  # fmt: skip
                 continue
-            delay = min(RESPAWN_MAX_S, RESPAWN_MIN_S * 2 ** max(0, w.early_deaths - 1))
+            delay = outcome.retry_in_s
             w.respawn_at = now + delay
             log.warning(
                 "worker for model %s on gpu %s (pid %d) exited with code %s after %.1fs; respawning in %.1fs",

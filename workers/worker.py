@@ -9,40 +9,51 @@ then says why, and tries again with back-off.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import logging
 import math
 import os
 import signal
-import socket
 import stat
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-import msgpack
-import msgspec
 import zmq
 
-from batcher.errors import BatcherError, SettingsError
-from batcher.errors import ModelLoadError as ModelLoadError  # its older home
+from batcher.errors import ModelLoadError, SettingsError
 from batcher.extras import extra_of, install_command
 from batcher.transport.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
-from batcher.transport.connection_watch import HANDSHAKE_FAILED, ConnectionWatch
 from batcher.transport.security import secure_client
-from batcher.transport.stopping import StopSignals, ignore_stop_signals
-from batcher.transport.zmqio import readable, recv_frames, send_frames
+from batcher.transport.stopping import ignore_stop_signals
 from batcher.wire import protocol, tensor
-from batcher.wire.protocol import ErrorCode, Heartbeat
+from batcher.wire.protocol import Heartbeat
 from batcher.wire.signature import signature_of
-from workers import fastpath, warmup
-from workers.exit_codes import EXIT_BAD_ADDRESS as EXIT_BAD_ADDRESS  # its old home
-from workers.exit_codes import EXIT_HUNG
+from workers import warmup
+from workers.batch_runner import (  # re-exported: workers.worker.run_batch is the documented name
+    OUTBOX_WAIT_MS,
+    OVERLAP_BATCHES,
+    BatchRunner,
+    MalformedBatch,
+    ModelOutcome,
+    PreparedBatch,
+    _decode_request,
+    _decode_requests,
+    _prepare_tensors,
+    call_model,
+    finish_batch,
+    prepare_batch,
+    run_batch,
+)
+from workers.connection import (  # re-exported, as before the split
+    RECONNECT_BACKOFF,
+    RECONNECT_MAX_S,
+    RECONNECT_MIN_S,
+    REFUSAL_LOG_EVERY_S,
+    BrokerConnection,
+)
+from workers.exit_codes import EXIT_BAD_ADDRESS, EXIT_HUNG
 from workers.models import (
     MAX_PADDED_ELEMENTS,
     ModelFn,
@@ -56,17 +67,6 @@ from workers.placement import pin_to
 from workers.steps import BATCHING_LEVELS, BatchingLevel, StepRunner, is_step_model
 
 log = logging.getLogger("batcher.worker")
-R = TypeVar("R")
-
-#: Back-off between attempts to reach a broker that stopped answering (seconds).
-RECONNECT_MIN_S = 0.25
-RECONNECT_MAX_S = 8.0
-#: A refused handshake is logged at WARNING once, then again at most this often (DEBUG between).
-REFUSAL_LOG_EVERY_S = 60.0
-#: How long a step-level worker waits at a time for its socket to take a CHUNK (ms).
-OUTBOX_WAIT_MS = 10
-#: Batches with a model thread at once (workers/overlap.py): the one it runs and the next.
-OVERLAP_BATCHES = 2
 
 
 @dataclass(frozen=True)
@@ -119,367 +119,75 @@ class WorkerSettings:
             raise SettingsError(f"cpus must be a non-empty list of ids >= 0, got {self.cpus!r}")
 
 
-class MalformedBatch(BatcherError, ValueError):
-    """A BATCH message the worker cannot run. `batch_id` is None when even the header is
-    unreadable: then there is nobody to answer, and the batch is dropped."""
-
-    def __init__(self, message: str, batch_id: int | None) -> None:
-        super().__init__(message)
-        self.batch_id = batch_id
-
-
-def _decode_header(header_frame: bytes) -> tuple[int, list[Any] | None, list[int]]:
-    """(batch id, queue_ms list or None when unusable, each body's length) from a BATCH
-    header; MalformedBatch without an id when no integer batch id can be read, with it
-    when the lengths cannot."""
-    try:
-        header = protocol.unpack(header_frame)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise MalformedBatch(f"header is not msgpack: {type(exc).__name__}: {exc}", None) from None
-    if not isinstance(header, list) or not header or type(header[0]) is not int:
-        raise MalformedBatch(
-            f"header must be [batch_id, queue_ms, lengths], got {protocol.clip(header)}", None
-        )
-    lengths = header[2] if len(header) > 2 else None
-    if not isinstance(lengths, list) or not all(type(n) is int and n >= 0 for n in lengths):
-        raise MalformedBatch(f"header must hold the bodies' lengths, got {protocol.clip(header)}", header[0])
-    queue_ms = header[1] if isinstance(header[1], list) else None
-    return header[0], queue_ms, lengths
+__all__ = [
+    "EXIT_BAD_ADDRESS",
+    "EXIT_HUNG",
+    "OUTBOX_WAIT_MS",
+    "OVERLAP_BATCHES",
+    "RECONNECT_BACKOFF",
+    "RECONNECT_MAX_S",
+    "RECONNECT_MIN_S",
+    "REFUSAL_LOG_EVERY_S",
+    "BatchRunner",
+    "BrokerConnection",
+    "MalformedBatch",
+    "ModelLoadError",
+    "ModelOutcome",
+    "PreparedBatch",
+    "Worker",
+    "WorkerSettings",
+    "call_model",
+    "finish_batch",
+    "prepare_batch",
+    "run_batch",
+    "run_worker",
+]
 
 
-def _decode_requests(bodies: list[Any]) -> tuple[list[dict[str, Any]], dict[int, str]]:
-    """The batch's request maps, tensors in them as numpy arrays viewing the bytes
-    msgpack decoded (docs/protocol.md, "Tensors"); and, by position, why a request cannot
-    be run: a body that is not a msgpack map (the broker reads only its header), or a
-    malformed tensor. That request is answered `bad_request` and never reaches the model."""
-    requests: list[dict[str, Any]] = []
-    bad: dict[int, str] = {}
-    for i, body in enumerate(bodies):
-        try:
-            request, why = _decode_request(body)
-        except TypeError as exc:  # valid msgpack, but a map key that is an array or a map
-            request = {"id": protocol.id_of(body)}
-            why = f"body has a map key that is an array or a map, which is not supported ({exc})"
-        except Exception as exc:  # msgpack raises several unrelated types
-            request, why = {"id": protocol.id_of(body)}, f"body cannot be decoded: {protocol.describe(exc)}"
-        if not isinstance(request, dict):
-            request, why = {}, f"body must be a msgpack map, got {type(request).__name__}"
-        requests.append(request)
-        if why is not None:
-            bad[i] = why
-    return requests, bad
-
-
-def _decode_request(body: Any) -> tuple[Any, str | None]:
-    """One request body decoded, and why one of its tensors is malformed (None if none is).
-    A large body's input tensors, in the usual forms, are arrays viewing the received
-    frame (tensor.unpack_viewing); any other tensor is an array viewing the bytes
-    msgpack decoded it into."""
-    if len(body) < protocol.ZERO_COPY_BYTES and b"datatype" not in body:
-        return protocol.unpack(body), None  # no tensor: the plain decode (a C-speed scan)
-    malformed: list[str] = []
-
-    def arrays(value: dict[Any, Any]) -> Any:
-        array, why = _array(value)
-        if why is not None:
-            malformed.append(why)
-        return array
-
-    if len(body) >= protocol.ZERO_COPY_BYTES:
-        try:
-            request = tensor.unpack_viewing(body, "input", arrays)
-            return request, malformed[0] if malformed else None
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-            malformed.clear()  # not a map of str keys: the plain decode says what is wrong
-    request = msgpack.unpackb(body, raw=False, strict_map_key=False, object_hook=arrays)
-    return request, malformed[0] if malformed else None
-
-
-def _array(value: dict[Any, Any]) -> tuple[Any, str | None]:
-    """A tensor map as a numpy array (and None), a malformed one as itself and why; any
-    other map as itself."""
-    if not tensor.is_tensor(value):
-        return value, None
-    try:
-        return tensor.to_array(value), None
-    except (tensor.TensorError, ValueError) as exc:  # ValueError: numpy refused the shape
-        return value, str(exc)
-    except ImportError:
-        return (
-            value,
-            f"this worker takes no tensors: numpy is not installed here ({install_command('tensors')})",
-        )
-
-
-@dataclass
-class PreparedBatch:
-    """A BATCH decoded and ready for the model: what run_batch does before the model call,
-    apart from it so that an overlapping worker does it while the model runs another."""
-
-    batch_id: int
-    queue_ms: list[Any]
-    everything: list[Any]  # every request map, by position
-    bad: dict[int, str]  # position -> why that request never reaches the model
-    live: list[int]  # the positions the model runs
-    inputs: Any  # the model's argument: the live requests' inputs
-    arrived_at: float | None
-
-
-@dataclass
-class ModelOutcome:
-    """What the model call gave: its outputs, or the exception that failed the batch."""
-
-    outputs: Any
-    error: Exception | None
-    infer_ms: float
-    wait_ms: float | None  # from the BATCH's arrival to the model call
-    padding: tuple[int, int] | None
-
-
-def prepare_batch(
-    header_frame: bytes, body_frames: list[Any], arrived_at: float | None = None
-) -> PreparedBatch:
-    """Decode a BATCH for the model; MalformedBatch for one that cannot be run."""
-    batch_id, queue_ms, lengths = _decode_header(header_frame)
-    plain = fastpath.decode_plain(lengths, body_frames)  # small, no tensors: in one pass
-    fast = None
-    bad: dict[int, str]
-    if plain is not None:
-        everything, bad = plain, {}
-    else:
-        try:
-            bodies = protocol.split_bodies(lengths, body_frames)
-        except ValueError as exc:
-            raise MalformedBatch(f"the bodies do not match the header: {exc}", batch_id) from None
-        fast = fastpath.decode_uniform(bodies)  # one tensor each, all alike: decoded as one batch
-        everything, bad = (fast[0], {}) if fast is not None else _decode_requests(bodies)
-    if queue_ms is None or len(queue_ms) != len(everything):
-        # Only metadata: the requests themselves are fine, so they are answered.
-        log.warning(
-            "batch %d: queue_ms does not match its %d requests; replying without it",
-            batch_id,
-            len(everything),
-        )
-        queue_ms = [None] * len(everything)
-    live = [i for i in range(len(everything)) if i not in bad]
-    inputs = fast[1] if fast is not None else [everything[i].get("input") for i in live]
-    return PreparedBatch(batch_id, queue_ms, everything, bad, live, inputs, arrived_at)
-
-
-def call_model(model: ModelFn, batch: PreparedBatch) -> ModelOutcome:
-    """Run the model on a prepared batch; the model's exception, or a wrong count of
-    outputs, is the outcome's error, not raised."""
-    arrived_at = batch.arrived_at
-    wait_ms = None if arrived_at is None else round(max(0.0, (time.monotonic() - arrived_at) * 1000.0), 3)
-    if getattr(model, "last_padding", None) is not None:
-        with contextlib.suppress(AttributeError, TypeError):
-            model.last_padding = None  # type: ignore[attr-defined]  # only this batch's counts
-    n = len(batch.live)
-    t0 = time.perf_counter()
-    try:
-        outputs = model(batch.inputs) if n else []
-        if not isinstance(outputs, list | tuple) or len(outputs) != n:
-            got = f"{len(outputs)} outputs" if isinstance(outputs, list | tuple) else repr(type(outputs))
-            raise ValueError(f"model returned {got} for a batch of {n}")
-    except Exception as exc:
-        return ModelOutcome(None, exc, (time.perf_counter() - t0) * 1000.0, wait_ms, None)
-    infer_ms = round((time.perf_counter() - t0) * 1000.0, 3)
-    return ModelOutcome(outputs, None, infer_ms, wait_ms, _padding_of(model))
-
-
-def finish_batch(batch: PreparedBatch, outcome: ModelOutcome, worker_name: str) -> list[Any]:
-    """The REPLY frames of a batch the model ran (see run_batch)."""
-    everything, live, wait_ms, infer_ms = batch.everything, batch.live, outcome.wait_ms, outcome.infer_ms
-    replies: list[bytes | None] = [None] * len(everything)
-    for i, why in batch.bad.items():  # a malformed tensor: answered here, never given to the model
-        replies[i] = protocol.error_reply(
-            protocol.answer_id(everything[i]), ErrorCode.BAD_REQUEST, why, _streamed(everything[i])
-        )
-    if outcome.error is not None:
-        exc = outcome.error
-        message = f"{type(exc).__name__}: {exc}"
-        log.warning("model raised on a batch of %d: %s", len(live), message)
-        log.debug("batch %d: the model's traceback", batch.batch_id, exc_info=exc)
-        for i in live:
-            replies[i] = protocol.error_reply(
-                protocol.answer_id(everything[i]), ErrorCode.MODEL_ERROR, message, _streamed(everything[i])
-            )
-        errors = protocol.error_counts(len(live), len(batch.bad))
-        return protocol.reply_frames(batch.batch_id, infer_ms, _all(replies), errors, wait_ms)
-    n = len(live)
-    refused, model_errors = len(batch.bad), 0
-    encoder = fastpath.ReplyEncoder(n, worker_name, wait_ms, infer_ms)
-    # The batch's metadata once; each reply's copy gets its own queue_ms (key order kept).
-    template = fastpath.reply_meta(n, worker_name, None, wait_ms, infer_ms)
-    for i, out in zip(live, outcome.outputs, strict=True):
-        r = everything[i]
-        req_id = protocol.answer_id(r)
-        stream = _streamed(r)
-        if isinstance(out, BaseException):  # one check on the common path for both cases
-            if isinstance(out, tensor.TensorError):  # its input does not fit the model's batch
-                refused += 1
-                replies[i] = protocol.error_reply(req_id, ErrorCode.BAD_REQUEST, str(out), stream)
-                continue
-            # the model failed this input alone
-            model_errors += 1
-            message = f"{type(out).__name__}: {out}"
-            trace = out if out.__traceback__ is not None else None
-            log.debug("batch %d: the model failed item %d: %s", batch.batch_id, i, message, exc_info=trace)
-            replies[i] = protocol.error_reply(req_id, ErrorCode.MODEL_ERROR, message, stream)
-            continue
-        q = batch.queue_ms[i]
-        if not isinstance(q, _NUMBER) or isinstance(q, bool):
-            q = None  # forwarded to the client: only a number from the broker
-        elif wait_ms is not None:
-            q = round(q + wait_ms, 3)
-        # an array: the batch's encoding, byte for byte (a streamed request's says "more")
-        reply = None if stream else encoder.encode(req_id, out, q)
-        if reply is not None:
-            replies[i] = reply
-            continue
-        try:
-            meta = template.copy()
-            meta["queue_ms"] = q
-            if stream:  # a request-level model's stream is one chunk: its last
-                meta["more"] = False
-            replies[i] = protocol.ok_reply(req_id, out, meta)
-        except (TypeError, ValueError, OverflowError, BufferError, RecursionError) as exc:
-            model_errors += 1
-            replies[i] = protocol.error_reply(
-                req_id, ErrorCode.MODEL_ERROR, f"output cannot be encoded: {exc}", stream
-            )
-    errors = protocol.error_counts(model_errors, refused)
-    return protocol.reply_frames(batch.batch_id, infer_ms, _all(replies), errors, wait_ms, outcome.padding)
-
-
-#: What a broker's queue_ms may be (a tuple: `int | float` would build a union each time).
-_NUMBER = (int, float)
-
-
-def run_batch(
-    model: ModelFn,
-    header_frame: bytes,
-    body_frames: list[Any],
-    worker_name: str,
-    arrived_at: float | None = None,
-) -> list[Any]:
-    """Run one BATCH message through the model; returns the REPLY frames.
-
-    Whatever the model does, every request of the batch gets a reply: its output, or
-    `model_error` for all of them when the model raises or returns the wrong count,
-    or for one alone when its output is an exception instance or cannot be encoded.
-    `arrived_at` (time.monotonic()) is when the BATCH reached the worker: the wait from
-    then until the model ran (behind other batches) is part of each request's queue
-    time, so it is added to `queue_ms`, given as `worker_wait_ms` and sent to the broker
-    as the REPLY header's 5th element. Raises MalformedBatch for a message that cannot
-    be run (see `_run_safely`).
-    """
-    batch = prepare_batch(header_frame, body_frames, arrived_at)
-    return finish_batch(batch, call_model(model, batch), worker_name)
-
-
-def _prepare_tensors() -> None:
-    """Import numpy (where it is installed) and run a tiny tensor request's decode and
-    reply through the batch path, before READY: the first tensor request to a model
-    without a signature (so without a warm-up) paid 40-170 ms for that otherwise. A
-    worker without numpy takes no tensors and skips this."""
-    try:
-        import numpy  # noqa: F401
-    except ImportError:
-        return
-    body = protocol.pack({"id": 0, "input": {"datatype": "FP32", "shape": [2], "data": bytes(8)}})
-    frames = protocol.batch_frames(0, [0.0], [body])
-    run_batch(list, frames[2], frames[3:], "warm")
-
-
-def _streamed(request: dict[str, Any]) -> bool:
-    """Whether a request asked for a stream: its reply is then the stream's last chunk."""
-    return request.get("stream") is True
-
-
-def _padding_of(model: ModelFn) -> tuple[int, int] | None:
-    """(padded, real) elements of the batch the model just ran, when it says (a stacked
-    model does: workers.stacking.Stacked.last_padding; any model may set it)."""
-    padding = getattr(model, "last_padding", None)
-    if isinstance(padding, tuple) and len(padding) == 2 and all(type(n) is int and n >= 0 for n in padding):
-        return padding[0], padding[1]
-    return None
-
-
-def _all(replies: list[bytes | None]) -> list[bytes]:
-    """Every reply of a batch, once each position has one."""
-    assert all(r is not None for r in replies)
-    return [r for r in replies if r is not None]
-
-
-class Worker:
+class Worker(BatchRunner):
     """Connects to the broker's backend and serves batches until told to stop.
 
     The model runs in the main thread, right where the batch arrives (no hand-off to
     another thread on the hot path), unless it releases the GIL (`releases_gil`, as the
     ONNX model does): then it runs on a model thread of its own (workers/overlap.py) and
-    the main thread decodes and encodes around it. The socket belongs to whichever
-    thread holds `_socket_lock`: the main thread, except while the model runs or a
-    batch is decoded or encoded, when a small thread may take it to send heartbeats, so
-    a worker in a long batch is not taken for dead.
-
-    Told to stop by SIGINT/SIGTERM (`signals`), or, for a worker of `serve`, by end of
-    file on `control_fd`: the read end of a pipe whose only writer is `serve`, which
-    closes it to stop the worker, and which the kernel closes when `serve` dies.
-
-    No send ever blocks or raises out of the loop: a message the socket cannot take
-    (not connected yet, or given up by libzmq after a refused handshake) is dropped,
-    except READY, which is sent again once a handshake succeeds.
+    the main thread decodes and encodes around it. The connection, its heartbeats and
+    reconnects are `BrokerConnection`'s (workers/connection.py), the batch path
+    `BatchRunner`'s (workers/batch_runner.py): this is the loop over both.
     """
 
-    def __init__(
-        self,
-        settings: WorkerSettings,
-        context: zmq.Context[Any] | None = None,
-        control_fd: int | None = None,
-    ) -> None:
-        self.settings = settings
-        # The broker's heartbeat once it says it (every HEARTBEAT it sends carries it);
-        # this worker's own flags until then.
-        self.heartbeat = settings.heartbeat
-        self.control_fd = control_fd
-        self._released = False  # end of file on control_fd
-        if control_fd is not None:
-            os.set_blocking(control_fd, False)
-        self.spec = ModelSpec.parse(settings.model)
-        gpu = settings.gpu
-        self.name = f"{socket.gethostname()}/gpu{gpu if gpu is not None else '-'}/{os.getpid()}"
-        self.ctx: zmq.Context[Any] = context or zmq.Context()
-        self.signals = StopSignals()
-        self.model: ModelFn | None = None
-        self.signature: dict[str, Any] | None = None  # the model's, as READY carries it
-        self.cost_ms: list[float] | None = None  # t(n) = a + b*n from the warm-up, for READY
-        self.warmup_error: str | None = None  # why the warm-up failed, for READY
-        self.batches = 0
-        self.reconnects = 0
-        self._sock: zmq.Socket[Any] | None = None
-        self._watch: ConnectionWatch | None = None  # the socket's monitor
-        # Whether the poller holds the monitor: only until a handshake succeeded, and again
-        # once that connection drops (it doubled the poll's work a batch); meanwhile its
-        # events are read at each heartbeat.
-        self._watching = False
-        self._pending: deque[tuple[float, list[Any]]] = deque()  # (arrived at, BATCH frames) not run yet
-        # A model that releases the GIL runs on a thread of its own (workers/overlap.py):
-        # its jobs: (a batch, self.reconnects when it came); at most OVERLAP_BATCHES at once
-        self._model_thread: ModelThread[tuple[PreparedBatch, int], ModelOutcome] | None = None
-        self._steps: StepRunner | None = None  # a step-level model's sequences
-        self._inbox: deque[tuple[float, list[Any]]] = deque()  # (arrived at, START or CANCEL) not read yet
-        self._outbox: deque[list[Any]] = deque()  # CHUNKs the socket could not take yet
-        self._poller = zmq.Poller()
-        self._told_to_reconnect = False
-        self._heard_at = 0.0  # when the broker last said anything (set again on connecting)
-        self._ready_sent = False
-        self._refused: str | None = None  # why the current connection's handshake failed
-        self._refusals = 0  # handshakes failed in a row
-        self._refusal_logged: tuple[str, float] | None = None  # (why, when) of the last warning
-        self._socket_lock = threading.Lock()  # a full memory barrier when the socket changes thread
-        self._in_model = False
-        self._stopped = threading.Event()
+    # Set by `load` (each instance its own); None until then.
+    model: ModelFn | None = None
+    signature: dict[str, Any] | None = None  # the model's, as READY carries it
+    cost_ms: list[float] | None = None  # t(n) = a + b*n from the warm-up, for READY
+    warmup_error: str | None = None  # why the warm-up failed, for READY
+
+    def check_address(self) -> None:
+        """Raise ValueError, with a one-line reason, if the broker's address (or the CURVE
+        key files) cannot be used: checked before the model loads, on a throwaway socket,
+        so a typo fails at once rather than after a long load."""
+        sock: zmq.Socket[Any] = self.ctx.socket(zmq.DEALER)
+        try:
+            if self.settings.curve_server_key:
+                secure_client(sock, self.settings.curve_server_key, self.settings.curve_secret_key)
+            sock.connect(self.settings.connect)
+        except zmq.ZMQError as exc:
+            why = zmq.strerror(exc.errno) if exc.errno else str(exc)  # str(exc) repeats the address
+            raise SettingsError(f"cannot connect to {self.settings.connect!r}: {why}") from None
+        finally:
+            sock.close(linger=0)
+
+    def _goodbye_linger_ms(self) -> int:
+        """How long closing may wait for our DISCONNECT to leave: up to 500 ms while the
+        connection to the broker is up, none once it is gone (the broker stopped or was
+        killed, or serve, our parent, died with its broker): libzmq would hold a message
+        nobody can read for the whole linger, and the process would wait with it."""
+        parent = self.settings.parent_pid
+        if parent is not None and os.getppid() != parent:
+            return 0
+        if self._watch is None:
+            return 0
+        self._watch.poll()
+        return 500 if self._watch.connected else 0
 
     def load(self) -> None:
         """Load the model, with CUDA_VISIBLE_DEVICES set first as a real GPU would need."""
@@ -557,31 +265,6 @@ class Worker:
             self.name, ",".join(map(str, sizes)), (time.perf_counter() - t0) * 1000, a_ms, b_ms,
         )  # fmt: skip
 
-    def check_address(self) -> None:
-        """Raise ValueError, with a one-line reason, if the broker's address (or the CURVE
-        key files) cannot be used: checked before the model loads, on a throwaway socket,
-        so a typo fails at once rather than after a long load."""
-        sock: zmq.Socket[Any] = self.ctx.socket(zmq.DEALER)
-        try:
-            if self.settings.curve_server_key:
-                secure_client(sock, self.settings.curve_server_key, self.settings.curve_secret_key)
-            sock.connect(self.settings.connect)
-        except zmq.ZMQError as exc:
-            why = zmq.strerror(exc.errno) if exc.errno else str(exc)  # str(exc) repeats the address
-            raise SettingsError(f"cannot connect to {self.settings.connect!r}: {why}") from None
-        finally:
-            sock.close(linger=0)
-
-    def stop_requested(self) -> bool:
-        """Whether a signal, serve (closing our pipe) or our parent's death says stop."""
-        return bool(self.signals.count) or self._read_control() or not self._parent_alive()
-
-    def _stop_known(self) -> bool:
-        """stop_requested without reading serve's pipe: for the loop, which reads it when
-        the poll says it is readable (an empty read raises BlockingIOError: 0.8 us, twice
-        a request on a lone request's path)."""
-        return bool(self.signals.count) or self._released or not self._parent_alive()
-
     def run(self) -> None:
         """Serve until told to stop (see the class), finishing the batch at hand first."""
         if self.model is None:
@@ -612,52 +295,33 @@ class Worker:
             return
         self._connect()
         now = time.monotonic()
-        next_beat, self._heard_at = now + self.heartbeat.interval_s, now
-        backoff_s, reconnect_at = RECONNECT_MIN_S, None
+        self._link.connected(now)
         trim = heap_trimmer() if keep_freed_memory() else None
         next_trim = now + TRIM_INTERVAL_S
         while not self._stop_known():
-            wake = next_beat if reconnect_at is None else min(next_beat, reconnect_at)
+            wake = self._link.next_wakeup()
             if self._steps is not None and (self._inbox or self._steps.busy()):
                 wake = 0.0  # a step is due: only look at what came meanwhile
-            events = dict(self._poller.poll(max(0, math.ceil((wake - time.monotonic()) * 1000))))
+            timeout_ms = -1 if wake is None else max(0, math.ceil((wake - time.monotonic()) * 1000))
+            events = dict(self._poller.poll(timeout_ms))
             now = time.monotonic()
             if self._watch is not None and self._watch.monitor in events:
                 self._read_monitor()
-            if self._sock is not None and self._sock in events and self._drain(now):
-                backoff_s = RECONNECT_MIN_S
+            if self._sock is not None and self._sock in events:
+                self._drain(now)
             if self.signals.fd in events:
                 self.signals.clear()
             if self.control_fd is not None and self.control_fd in events and self._read_control():
                 break
-            hb = self.heartbeat  # the broker's, once it said it
             if self._model_thread is not None:
                 self._overlap(self._model_thread)
             elif self._pending:
                 self._run_pending()
                 continue  # poll again first: what the broker sent meanwhile is news of it
-            if self._sock is not None and self._refused is not None:
-                self._log_refusal(self._refused, now, backoff_s)
-                self._disconnect()  # libzmq may never reconnect it: a fresh socket will
-                reconnect_at, backoff_s = now + backoff_s, min(RECONNECT_MAX_S, backoff_s * 2)
-            elif self._sock is not None and (
-                self._told_to_reconnect or now - self._heard_at > self.heartbeat.expiry_s
-            ):
-                log.warning("worker %s: lost the broker; reconnecting in %.1fs", self.name, backoff_s)
-                self._disconnect()
-                reconnect_at, backoff_s = now + backoff_s, min(RECONNECT_MAX_S, backoff_s * 2)
-            if reconnect_at is not None and now >= reconnect_at:
-                self._connect()
-                self._heard_at, reconnect_at = now, None
-            if self._sock is not None and now >= next_beat:
-                if self._watch is not None and not self._watching:
-                    self._read_monitor()  # a dropped connection, or a later handshake's outcome
-                self._send([protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
-                next_beat = now + hb.interval_s
+            self._follow_link(now)
             if trim is not None and now >= next_trim and not self._busy():  # what a burst took goes back
                 trim()
                 next_trim = now + TRIM_INTERVAL_S
-            next_beat = min(next_beat, now + hb.interval_s)  # the broker's may be shorter
             if self._steps is not None and self._sock is not None:
                 self._run_steps(self._steps)
         if self.signals.count:
@@ -673,202 +337,6 @@ class Worker:
         # Batches received but not run go back to the broker's queue when it reads this.
         self._send([protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
 
-    def _busy(self) -> bool:
-        return bool(self._pending) or (self._model_thread is not None and self._model_thread.in_flight > 0)
-
-    def _overlap(self, runner: ModelThread[tuple[PreparedBatch, int], ModelOutcome]) -> None:
-        """Answer the batches the model thread finished, and keep OVERLAP_BATCHES with it:
-        the one it runs and the next, decoded meanwhile."""
-        for job, outcome in runner.take():
-            self._answer(job, outcome)
-        while runner.in_flight < OVERLAP_BATCHES and (batch := self._prepare()) is not None:
-            runner.put((batch, self.reconnects))
-
-    def _finished(self, batch: PreparedBatch, outcome: ModelOutcome) -> list[Any]:
-        try:
-            return finish_batch(batch, outcome, self.name)
-        except Exception:  # a bug of ours; the worker goes on, and answers if it can
-            log.exception("could not answer a batch")
-            return protocol.reply_frames(batch.batch_id, 0.0, [])
-
-    def _wait_for_model(
-        self, runner: ModelThread[tuple[PreparedBatch, int], ModelOutcome]
-    ) -> list[tuple[tuple[PreparedBatch, int], ModelOutcome]]:
-        """Block until the model thread is done, the socket left to the heartbeat thread."""
-        return self._unlocked(runner.wait)
-
-    def _prepare(self) -> PreparedBatch | None:
-        """The next pending batch decoded, the socket left to the heartbeat thread the
-        while (a large batch may take longer than the broker's heartbeat expiry); one
-        that cannot be run is answered (or dropped) at once, as `_run_safely` does."""
-        while self._pending and self._sock is not None:
-            arrived_at, frames = self._pending.popleft()
-            prepared = self._unlocked(functools.partial(_prepared_or_error, frames, arrived_at))
-            if isinstance(prepared, PreparedBatch):
-                return prepared
-            reply = _failed_batch(prepared, frames[2])
-            if reply is not None:
-                self._send(reply)
-        return None
-
-    def _answer(self, job: tuple[PreparedBatch, int], outcome: ModelOutcome) -> None:
-        """Send the replies of a batch the model thread ran, on the connection it came on
-        (a broker that lost us re-dispatched it: any other gets nothing)."""
-        batch, connection = job
-        reply = self._unlocked(functools.partial(self._finished, batch, outcome))  # heartbeats go on
-        if connection != self.reconnects:
-            return
-        self.batches += 1
-        if not self._send(reply):
-            log.warning(
-                "worker %s: the reply to a batch could not be sent (no connection to the broker, "
-                "which re-dispatches that batch)",
-                self.name,
-            )
-
-    def _run_pending(self) -> None:
-        """Run the batches received so far, in order, answering each on its connection;
-        a stop lets the batch at hand finish and leaves the rest to the broker. The first
-        batch asks only what the loop's poll just told (`_stop_known`): reading serve's
-        empty pipe again raised BlockingIOError between a lone request's BATCH and its
-        model (20-25 us of a cold CPU); each later one reads it, as a model may run long."""
-        assert self.model is not None
-        stopped = self._stop_known
-        while self._pending and self._sock is not None and not stopped():
-            stopped = self.stop_requested
-            arrived_at, frames = self._pending.popleft()
-            self._in_model = True
-            self._socket_lock.release()  # the heartbeat thread may use the socket meanwhile
-            try:
-                reply = _run_safely(self.model, frames[2], frames[3:], self.name, arrived_at)
-            finally:
-                self._socket_lock.acquire()
-                self._in_model = False
-            if reply is not None:
-                self.batches += 1
-                if not self._send(reply):
-                    log.warning(
-                        "worker %s: the reply to a batch could not be sent (no connection to the "
-                        "broker, which re-dispatches that batch)",
-                        self.name,
-                    )
-
-    def _run_steps(self, steps: StepRunner) -> None:
-        """Read the START and CANCEL messages that came, then run one step, the socket left
-        to the heartbeat thread meanwhile in both (a model's start, stop and step may each
-        be slow), sending the chunks as one CHUNK after each. No step runs while a CHUNK
-        waits for the socket to take it: a chunk is never dropped, and a slow broker slows
-        the model down instead."""
-        if not self._flush_outbox():
-            return
-        if self._inbox:
-            self._unlocked(lambda: self._read_inbox(steps))
-            self._send_chunks(steps)
-        if steps.busy() and self._flush_outbox():
-            self._unlocked(lambda: steps.run_step(time.monotonic()))
-            self._send_chunks(steps)
-
-    def _unlocked(self, work: Callable[[], R]) -> R:
-        """Run `work` (the model's, or decoding or encoding a batch) with the socket left
-        to the heartbeat thread; its result."""
-        self._in_model = True
-        self._socket_lock.release()
-        try:
-            return work()
-        finally:
-            self._socket_lock.acquire()
-            self._in_model = False
-
-    def _read_inbox(self, steps: StepRunner) -> None:
-        while True:
-            try:
-                arrived_at, frames = self._inbox.popleft()
-            except IndexError:  # empty (the heartbeat thread may clear it on a DISCONNECT)
-                return
-            try:
-                if frames[1] == protocol.CMD_START and len(frames) >= 3:
-                    steps.receive_start(frames[2], frames[3:], arrived_at)
-                else:
-                    steps.receive_cancel(frames[2])
-            except Exception as exc:  # msgpack raises several unrelated types
-                log.warning(
-                    "worker %s: ignored a malformed broker message: %s", self.name, protocol.describe(exc)
-                )
-
-    def _send_chunks(self, steps: StepRunner) -> None:
-        frames = steps.take_entries(time.monotonic())
-        if frames is not None:
-            self._outbox.append(frames)
-        self._flush_outbox()
-
-    def _flush_outbox(self) -> bool:
-        """Send the CHUNKs that wait, in order; True once none does. While the socket takes
-        none (the broker reads slowly: its queue for us is full), wait at most OUTBOX_WAIT_MS
-        for room, so the loop still beats and reads its pipe."""
-        while self._outbox:
-            if self._sock is None:
-                self._outbox.clear()  # the connection is gone: the broker answers for those
-                return True
-            if not self._send(self._outbox[0]):
-                self._sock.poll(OUTBOX_WAIT_MS, zmq.POLLOUT)
-                return False
-            self._outbox.popleft()
-        return True
-
-    def _read_control(self) -> bool:
-        """Read what is in serve's pipe (nothing is expected); returns whether it reached
-        end of file, i.e. serve closed it or died: time to stop."""
-        fd = self.control_fd
-        while fd is not None and not self._released:
-            try:
-                if not os.read(fd, 4096):
-                    self._released = True
-            except BlockingIOError:
-                break
-            except OSError:  # not readable any more: as good as closed
-                self._released = True
-        return self._released
-
-    def _beat_while_in_model(self) -> None:
-        """Heartbeat while the main thread is inside the model and cannot."""
-        while not self._stopped.wait(self.heartbeat.interval_s):
-            if not self._in_model:
-                continue
-            with self._socket_lock:
-                if self._in_model:
-                    self._send([protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
-                    # Read what came meanwhile: above all an EXIT, if the batch at hand ran
-                    # past the broker's time limit (the model may never return).
-                    if self._sock is not None and self._sock.poll(0, zmq.POLLIN):
-                        self._drain(time.monotonic())
-
-    def _connect(self) -> None:
-        """A fresh DEALER (and so a fresh identity at the broker), announced with READY,
-        and a monitor on it, which tells a refused handshake from a silent broker."""
-        sock: zmq.Socket[Any] = self.ctx.socket(zmq.DEALER)
-        watch = None
-        try:
-            sock.setsockopt(zmq.LINGER, 0)
-            if self.settings.curve_server_key:
-                secure_client(sock, self.settings.curve_server_key, self.settings.curve_secret_key)
-            watch = ConnectionWatch(
-                sock, self.settings.connect, "--curve-workers", self.settings.curve_secret_key
-            )
-            sock.connect(self.settings.connect)
-        except BaseException:
-            if watch is not None:
-                watch.close()
-            sock.close(linger=0)  # an open socket would block ctx.term() for ever
-            raise
-        self._poller.register(sock, zmq.POLLIN)
-        self._poller.register(watch.monitor, zmq.POLLIN)
-        self._sock, self._watch, self._watching = sock, watch, True
-        self._told_to_reconnect = False
-        self._refused = None
-        self._ready_sent = self._send(self._ready())
-        level = logging.DEBUG if self._refusals else logging.INFO  # retries after a refusal: quiet
-        log.log(level, "worker %s ready for model %s at %s", self.name, self.spec.name, self.settings.connect)
-
     def _ready(self) -> list[bytes]:
         max_active = self.settings.max_active if self._steps is not None else None
         return protocol.ready_frames(
@@ -880,194 +348,6 @@ class Worker:
             max_active=max_active,
             warmup_error=self.warmup_error,
         )
-
-    def _goodbye_linger_ms(self) -> int:
-        """How long closing may wait for our DISCONNECT to leave: up to 500 ms while the
-        connection to the broker is up, none once it is gone (the broker stopped or was
-        killed, or serve, our parent, died with its broker): libzmq would hold a message
-        nobody can read for the whole linger, and the process would wait with it."""
-        parent = self.settings.parent_pid
-        if parent is not None and os.getppid() != parent:
-            return 0
-        if self._watch is None:
-            return 0
-        self._watch.poll()
-        return 500 if self._watch.connected else 0
-
-    def _disconnect(self, linger_ms: int = 0) -> None:
-        """Drop the socket. Batches not run yet go too: a broker that lost us re-dispatches
-        them, and a reply can only ever go back on the connection its batch came on."""
-        if self._sock is None:
-            return
-        if self._watch is not None:
-            if self._watching:
-                self._poller.unregister(self._watch.monitor)
-            self._watch.close()
-            self._watch, self._watching = None, False
-        self._poller.unregister(self._sock)
-        self._sock.close(linger=linger_ms)
-        self._sock = None
-        self._pending.clear()
-        if self._model_thread is not None:
-            self._model_thread.retract()
-        self._inbox.clear()
-        self._outbox.clear()
-        if self._steps is not None:
-            self._steps.reset()
-        self.reconnects += 1
-
-    def _send(self, frames: list[bytes]) -> bool:
-        """Send on the current connection without blocking; False when there is none or
-        it cannot take the message (not connected yet, or given up after a refusal)."""
-        if self._sock is None:
-            return False
-        try:
-            send_frames(self._sock, frames)
-        except zmq.Again:
-            return False
-        return True
-
-    def _read_monitor(self) -> None:
-        """Note a failed handshake (handled by the loop), and after a successful one send
-        READY if it could not go before, and say so if the broker had refused us."""
-        watch = self._watch
-        assert watch is not None
-        for event, _ in watch.poll():
-            if event in HANDSHAKE_FAILED:
-                self._refused = watch.refusal()
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                if self._refusals:
-                    log.info(
-                        "worker %s: the broker at %s accepted us after %d failed handshakes",
-                        self.name,
-                        self.settings.connect,
-                        self._refusals,
-                    )
-                self._refusals, self._refusal_logged = 0, None
-                if not self._ready_sent:
-                    self._ready_sent = self._send(self._ready())
-        if watch.handshake_ok == self._watching:  # up: read at heartbeats; down: at once
-            if self._watching:
-                self._poller.unregister(watch.monitor)
-            else:
-                self._poller.register(watch.monitor, zmq.POLLIN)
-            self._watching = not self._watching
-
-    def _log_refusal(self, why: str, now: float, retry_s: float) -> None:
-        """A failed handshake: WARNING the first time, then at most every REFUSAL_LOG_EVERY_S
-        (DEBUG in between), so a worker left refused for days does not flood its log."""
-        self._refusals += 1
-        last = self._refusal_logged
-        again = last is not None and last[0] == why and now - last[1] < REFUSAL_LOG_EVERY_S
-        level = logging.DEBUG if again else logging.WARNING
-        if not again:
-            self._refusal_logged = (why, now)
-        log.log(
-            level,
-            "worker %s cannot join the broker at %s: %s; retrying in %.2gs (failed handshakes: %d)",
-            self.name,
-            self.settings.connect,
-            why,
-            retry_s,
-            self._refusals,
-        )
-
-    def _drain(self, now: float) -> bool:
-        """Take every message from the broker (a BATCH noted with `now`, its arrival);
-        returns whether any came. Read until the socket says none waits (ZMQ_EVENTS), not
-        until a read raises zmq.Again: on a lone request's path, the exception after the
-        BATCH cost 20-50 us of a cold CPU between the BATCH's arrival and the model."""
-        sock = self._sock
-        assert sock is not None
-        heard = False
-        while True:
-            try:
-                frames = recv_frames(sock, copied=3)  # large bodies stay zmq.Frames
-            except zmq.Again:  # woken for nothing
-                return heard
-            heard = True
-            self._heard_at = now
-            if len(frames) < 2 or frames[0] != protocol.WORKER_PROTOCOL:
-                log.warning("ignored a broker message of %d frames", len(frames))
-            elif frames[1] == protocol.CMD_BATCH and len(frames) >= 4:
-                self._pending.append((now, frames))
-            elif frames[1] in (protocol.CMD_START, protocol.CMD_CANCEL) and len(frames) >= 3:
-                self._inbox.append((now, frames))  # read between steps, by the main thread
-            elif frames[1] == protocol.CMD_DISCONNECT:
-                log.info("worker %s: the broker does not know us; announcing again", self.name)
-                self._told_to_reconnect = True
-                self._pending.clear()
-                self._inbox.clear()
-                return heard
-            elif frames[1] == protocol.CMD_HEARTBEAT:
-                if len(frames) >= 3:
-                    self._adopt_heartbeat(frames[2])
-            elif frames[1] == protocol.CMD_EXIT:
-                log.error(
-                    "worker %s: the broker took a batch of ours for hung (past its time limit); exiting",
-                    self.name,
-                )
-                logging.shutdown()
-                os._exit(EXIT_HUNG)  # from any thread: the model may never return
-            else:
-                log.warning("ignored broker command %r", frames[1])
-            if not readable(sock):
-                return True
-
-    def _adopt_heartbeat(self, frame: bytes) -> None:
-        """Beat and judge the broker as it says (6.6), whatever this worker's own flags."""
-        try:
-            said = protocol.Heartbeat.from_frame(frame)
-        except ValueError as exc:
-            log.warning("worker %s: ignored the broker's heartbeat settings: %s", self.name, exc)
-            return
-        if said != self.heartbeat:
-            was = self.heartbeat
-            log.info(
-                "worker %s: using the broker's heartbeat, %g ms x %d (was %g ms x %d)",
-                self.name, said.interval_ms, said.liveness, was.interval_ms, was.liveness,
-            )  # fmt: skip
-            self.heartbeat = said
-
-    def _parent_alive(self) -> bool:
-        """Without a control pipe, a worker given --parent-pid polls for its parent instead."""
-        parent = self.settings.parent_pid
-        return parent is None or self.control_fd is not None or os.getppid() == parent
-
-
-def _run_safely(
-    model: ModelFn, header_frame: bytes, body_frames: list[Any], name: str, arrived_at: float | None = None
-) -> list[Any] | None:
-    """run_batch that never raises (see `_failed_batch`)."""
-    try:
-        return run_batch(model, header_frame, body_frames, name, arrived_at)
-    except Exception as exc:
-        return _failed_batch(exc, header_frame)
-
-
-def _prepared_or_error(frames: list[Any], arrived_at: float) -> PreparedBatch | Exception:
-    try:
-        return prepare_batch(frames[2], frames[3:], arrived_at)
-    except Exception as exc:  # MalformedBatch, or a bug of ours
-        return exc
-
-
-def _failed_batch(exc: Exception, header_frame: bytes) -> list[Any] | None:
-    """The answer to a batch that could not be run: a batch whose body cannot be read gets
-    an empty REPLY (the broker fails all its requests); one without a readable batch id
-    is dropped (None: nothing to answer; its broker re-dispatches it when it loses this
-    worker); any other exception is a bug of ours, logged, and the worker goes on."""
-    if isinstance(exc, MalformedBatch):
-        if exc.batch_id is None:
-            log.warning("dropped a batch whose header cannot be read: %s", exc)
-            return None
-        log.warning("batch %d cannot be read (%s); failing its requests", exc.batch_id, exc)
-        return protocol.reply_frames(exc.batch_id, 0.0, [])
-    log.error("could not run a batch", exc_info=exc)
-    try:
-        return protocol.reply_frames(_decode_header(header_frame)[0], 0.0, [])
-    except MalformedBatch:
-        return None
 
 
 def control_pipe(settings: WorkerSettings) -> int | None:

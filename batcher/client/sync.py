@@ -24,6 +24,7 @@ from typing import Any, Generic, TypeVar
 
 import zmq
 
+from batcher.core.link import Backoff, Drop, PeerLink
 from batcher.errors import BatcherError, SettingsError
 from batcher.transport.connection_watch import (
     CLIENT_EVENTS,
@@ -694,13 +695,13 @@ class Stream:
 
 
 class _Frontend:
-    """One broker frontend of a MultiClient: its Client and whether it is taken for down."""
+    """One broker frontend of a MultiClient: its Client and whether it is taken for down
+    (until `down_until`, then probed); its back-off is a link's (batcher/core/link.py)."""
 
-    def __init__(self, client: Client, down_s: float) -> None:
+    def __init__(self, client: Client, down_s: float, max_down_s: float) -> None:
         self.client = client
         self.address = client.address
-        self.first_down_s = down_s
-        self.backoff_s = down_s
+        self.link = PeerLink(Backoff(initial_s=down_s, cap_s=max_down_s))
         self.down_until: float | None = None  # None: up
         self.probe: PendingReply | None = None  # a `stats` request asking whether it is back
         self.owners: dict[int, MultiPending] = {}  # the Client's request id -> our request
@@ -711,9 +712,17 @@ class _Frontend:
     def up(self) -> bool:
         return self.down_until is None
 
-    def mark_up(self) -> None:
+    def mark_up(self, now: float) -> None:
+        """It answered: up, and its back-off starts again from `down_s`."""
         self.down_until = None
-        self.backoff_s = self.first_down_s
+        self.link.heard(now)
+
+    def mark_down(self, now: float, why: str) -> float:
+        """No answer (or `why`): down for the back-off's next wait, which it returns."""
+        drop = self.link.refused(why, now)
+        assert isinstance(drop, Drop)  # a frontend is never given up on
+        self.down_until = now + drop.retry_in_s
+        return drop.retry_in_s
 
 
 class MultiPending(_Awaited):
@@ -792,7 +801,7 @@ class MultiClient:
         try:
             for a in addresses:
                 c = Client(a, timeout_s, 0, self._ctx, curve_server_key, curve_secret_key)
-                self._frontends.append(_Frontend(c, down_s))
+                self._frontends.append(_Frontend(c, down_s, max_down_s))
         except BaseException:
             self.close()
             raise
@@ -934,8 +943,8 @@ class MultiClient:
 
     def _mark_down(self, fe: _Frontend, now: float, why: str) -> None:
         if fe.up:
-            fe.down_until = now + fe.backoff_s
-            log.warning("frontend %s taken for down for %.1fs: %s", fe.address, fe.backoff_s, why)
+            down_s = fe.mark_down(now, why)
+            log.warning("frontend %s taken for down for %.1fs: %s", fe.address, down_s, why)
 
     def _wait_for(self, target: MultiPending) -> None:
         while target.reply is None:
@@ -953,11 +962,12 @@ class MultiClient:
                 self._receive(self._by_socket[sock])
 
     def _receive(self, fe: _Frontend) -> None:
+        now = time.monotonic()
         for inner in fe.client.receive_ready():
             assert inner.reply is not None
             if not fe.up:
                 log.info("frontend %s answers again", fe.address)
-            fe.mark_up()  # any answer shows it is up
+            fe.mark_up(now)  # any answer shows it is up
             if fe.probe is inner:
                 fe.probe = None
                 continue
@@ -1009,8 +1019,7 @@ class MultiClient:
                 if fe.probe.deadline is not None and now >= fe.probe.deadline:
                     fe.client.forget(fe.probe.request_id)
                     fe.probe = None
-                    fe.backoff_s = min(self.max_down_s, fe.backoff_s * 2)
-                    fe.down_until = now + fe.backoff_s
-                    log.info("frontend %s still down; next try in %.1fs", fe.address, fe.backoff_s)
+                    down_s = fe.mark_down(now, "the probe went unanswered")
+                    log.info("frontend %s still down; next try in %.1fs", fe.address, down_s)
             elif fe.down_until is not None and now >= fe.down_until:
                 fe.probe = fe.client.start({"op": "stats"}, self.timeout_s)

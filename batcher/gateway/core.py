@@ -17,16 +17,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import zmq
 
 from batcher import __version__
 from batcher.client.sync import cancel_body, open_dealer
+from batcher.core.link import Backoff, Drop, PeerLink
 from batcher.errors import SettingsError
 from batcher.gateway import oip
+from batcher.gateway.bodies import pack_request
 from batcher.transport.connection_watch import ConnectionWatch
 from batcher.transport.zmqio import readable, recv_frames, send_frames
-from batcher.wire import aligned, protocol, tensor
+from batcher.wire import protocol, tensor
 from batcher.wire.protocol import ErrorCode
 
 log = logging.getLogger("batcher.gateway")
@@ -36,6 +37,7 @@ log = logging.getLogger("batcher.gateway")
 RECONNECT_MIN_S = 0.1
 RECONNECT_MAX_S = 2.0
 STABLE_S = 1.0
+RECONNECT_BACKOFF = Backoff(initial_s=RECONNECT_MIN_S, cap_s=RECONNECT_MAX_S)
 #: Messages the link may hold each way before a send is refused (`unavailable`).
 LINK_HWM = 100_000
 #: How long a model's input and output names (from its signature) are taken as known;
@@ -118,11 +120,10 @@ class BrokerLink:
     at once (503 `unavailable`) instead of waiting. A lost connection fails the rows in
     flight and replaces the socket, so a row given up on is never delivered to a broker
     that comes back later; so does a handshake libzmq gives up on (a refused CURVE key),
-    which libzmq would never retry. A new socket comes after a back-off (RECONNECT_MIN_S
-    doubling to RECONNECT_MAX_S, while connections do not last), as libzmq's own
-    reconnects do. Not ZMQ_IMMEDIATE, which would do the first with less code: libzmq
-    then drops a reply that arrived just before the connection closed (the last reply of
-    a draining broker) unless the socket had already read it."""
+    which libzmq would never retry. A new socket comes after the link core's back-off
+    (RECONNECT_BACKOFF), as libzmq's own reconnects do. Not ZMQ_IMMEDIATE, which would
+    do the first with less code: libzmq then drops a reply that arrived just before the
+    connection closed (the last reply of a draining broker) unless it had been read."""
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.address = settings.connect
@@ -138,8 +139,8 @@ class BrokerLink:
         self._watch: ConnectionWatch | None = None
         self._why_down = "not connected yet"
         self._reopen: asyncio.TimerHandle | None = None
-        self._backoff_s = RECONNECT_MIN_S
-        self._up_at: float | None = None  # when the current connection's handshake succeeded
+        #: When to open a new socket (batcher/core/link.py): heard at each handshake.
+        self._link = PeerLink(RECONNECT_BACKOFF, stable_s=STABLE_S)
         #: The broker's --max-message-bytes, learnt (`learn_limits`) for each connection:
         #: a larger row is refused here (413), never sent, since past 4x that libzmq
         #: drops the one connection every client's rows share.
@@ -153,7 +154,8 @@ class BrokerLink:
         sock, watch = open_dealer(self._ctx, s.connect, s.curve_server_key, s.curve_secret_key)
         sock.setsockopt(zmq.SNDHWM, LINK_HWM)
         sock.setsockopt(zmq.RCVHWM, LINK_HWM)
-        self._sock, self._watch, self._up_at = sock, watch, None
+        self._sock, self._watch = sock, watch
+        self._link.connected(self._loop.time())
         self._forget_limits()
         self._fd = int(sock.getsockopt(zmq.FD))
         self._loop.add_reader(self._fd, self._drain)
@@ -172,11 +174,9 @@ class BrokerLink:
     def _replace_later(self) -> None:
         """Drop the socket now; open a new one after the back-off."""
         self._shut()
-        lasted = self._up_at is not None and self._loop.time() - self._up_at >= STABLE_S
-        self._up_at = None  # a failure before the next handshake doubles the back-off
-        delay = RECONNECT_MIN_S if lasted else self._backoff_s
-        self._backoff_s = min(RECONNECT_MAX_S, delay * 2)
-        self._reopen = self._loop.call_later(delay, self._reopen_now)
+        drop = self._link.refused(self._why_down, self._loop.time())
+        assert isinstance(drop, Drop)  # the link never gives up on its broker
+        self._reopen = self._loop.call_later(drop.retry_in_s, self._reopen_now)
 
     def _shut(self) -> None:
         self._unsent.clear()  # dropped with the socket, as what it had not sent yet is
@@ -200,7 +200,7 @@ class BrokerLink:
             was_up = watch.handshake_ok  # rows may have been sent (and wait unsent)
             events = watch.poll()
             if any(event == zmq.EVENT_HANDSHAKE_SUCCEEDED for event, _ in events):
-                self._up_at = self._loop.time()
+                self._link.heard(self._loop.time())
                 self._forget_limits()  # a broker (re)connected: its limits may differ
             lost = any(event == zmq.EVENT_DISCONNECTED for event, _ in events)
             if lost:
@@ -630,54 +630,6 @@ def _row_fields(request: oip.InferRequest, row: Any, timeout_ms: float) -> dict[
         fields["priority"] = request.priority
     fields["input"] = row  # last: `pack_request` writes its tensors after the rest
     return fields
-
-
-_encode = msgspec.msgpack.Encoder().encode
-_NIL = 0xC0  # msgpack's nil
-
-
-def pack_request(message: dict[str, Any]) -> bytes:
-    """A request body as protocol.pack_carrying writes it (every tensor aligned), faster
-    for the rows the gateway sends: when `input` is the map's last key and a valid tensor
-    or a map of fewer than 16 of them, the other fields are encoded by msgspec and the
-    tensors written after them (4.9 us a row against 9.3, measured in one run).
-    Anything else (BYTES rows, a tensor that does not check) goes to pack_carrying."""
-    payload = message.get("input")
-    if type(payload) is dict and next(reversed(message)) == "input":
-        body = _pack_tensors_last(message, payload)
-        if body is not None:
-            return body
-    return protocol.pack_carrying(message, payload)
-
-
-def _pack_tensors_last(message: dict[str, Any], payload: dict[str, Any]) -> bytes | None:
-    single = tensor.is_tensor(payload)
-    named = [("", payload)] if single else list(payload.items())
-    if not named or len(named) >= 16 or not all(type(k) is str and tensor.is_tensor(t) for k, t in named):
-        return None
-    try:
-        checked = [tensor.check(t) for _, t in named]
-        head = _encode({**message, "input": None})
-    except (tensor.TensorError, TypeError, ValueError, OverflowError):
-        return None
-    if head[-1] != _NIL:
-        return None
-    parts: list[Any] = [head[:-1]]
-    pos = len(head) - 1
-    if not single:
-        parts.append(bytes([0x80 | len(named)]))  # fixmap
-        pos += 1
-    for (name, t), (datatype, shape) in zip(named, checked, strict=True):
-        if not single:
-            key = _encode(name)
-            parts.append(key)
-            pos += len(key)
-        data = t["data"]
-        size = memoryview(data).nbytes
-        tensor_head = aligned.tensor_head(pos, datatype, shape, size)
-        parts += [tensor_head, data]
-        pos += len(tensor_head) + size
-    return b"".join(parts)
 
 
 def _names(outputs: list[dict[str, Any]] | None) -> list[str] | None:
