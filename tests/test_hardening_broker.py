@@ -429,3 +429,60 @@ def test_heap_trim_gives_freed_pages_back_after_a_burst() -> None:
     after = me.memory_info().rss
     assert before - after > 40 << 20, f"trim gave back {(before - after) >> 20} MiB of ~90 freed"
     assert len(kept) == 10
+
+
+def test_a_frontend_drain_asks_zmq_events_once_and_reads_a_burst_to_zmq_again(
+    zctx: zmq.Context[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """libzmq answers ZMQ_EVENTS with two system calls: a drain asks it once, after its
+    first message, so a lone request is read without a raised zmq.Again after it and a
+    burst pays one zmq.Again, not a query per request (zmqio.readable)."""
+    import batcher.broker.frontend as frontend_module
+
+    settings = BrokerSettings(frontend=free_tcp_address(), backend=free_tcp_address(), models=("echo",))
+    broker = Broker(settings, context=zctx)
+    reads: list[str] = []  # "message" or "again", in order, across drains
+    queries = [0]
+    receive, readable = broker.clients._receive, frontend_module.readable
+
+    def counting_receive(*args: Any) -> Any:
+        try:
+            got = receive(*args)
+        except zmq.Again:
+            reads.append("again")
+            raise
+        reads.append("message")
+        return got
+
+    def counting_readable(sock: zmq.Socket[Any]) -> bool:
+        queries[0] += 1
+        return readable(sock)
+
+    broker.clients._receive = counting_receive
+    monkeypatch.setattr(frontend_module, "readable", counting_readable)
+    client: zmq.Socket[Any] = zctx.socket(zmq.DEALER)
+    try:
+        client.connect(settings.frontend)
+        client.send_multipart([b"", pack({"id": 0, "model": "echo", "input": "x"})])
+        wait_until(lambda: broker.frontend.poll(0), 10, "the lone request arrived")
+        broker.clients.drain(time.monotonic())
+        assert reads == ["message"], "a lone request was followed by a read raising zmq.Again"
+        assert queries[0] == 1
+        assert broker.scheduler.queued("echo") == 1
+        burst = 50
+        for i in range(1, burst + 1):
+            client.send_multipart([b"", pack({"id": i, "model": "echo", "input": "x"})])
+        drains = 0
+        while broker.scheduler.queued("echo") < burst + 1:
+            wait_until(lambda: broker.frontend.poll(0), 10, "the rest of the burst arrived")
+            reads.clear()
+            queries[0] = 0
+            broker.clients.drain(time.monotonic())
+            drains += 1
+            asked = f"ZMQ_EVENTS asked {queries[0]} times in a drain of {reads.count('message')}"
+            assert queries[0] == 1, asked
+            assert reads.count("again") <= 1 and reads[:-1].count("again") == 0
+        assert drains <= burst
+    finally:
+        client.close(linger=0)
+        broker.close()

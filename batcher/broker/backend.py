@@ -66,7 +66,7 @@ class Backend:
         read again only to keep the turn within its budget."""
         sock = self.sock
         budget_end = now + DRAIN_BUDGET_S
-        for _ in range(DRAIN_LIMIT):
+        for i in range(DRAIN_LIMIT):
             try:
                 frames = recv_frames(sock, copied=4)
             except zmq.Again:
@@ -80,7 +80,7 @@ class Backend:
             except Exception:  # a bug of ours, not the worker's
                 self.stats.dropped_backend += 1
                 log.exception("unexpected error handling a backend message (the broker goes on)")
-            if not readable(sock):  # read to the end, without a zmq.Again raised to say so
+            if i == 0 and not readable(sock):  # read to the end (zmqio.readable: after the first only)
                 self.pool.backend_read(now)
                 return True
             if time.monotonic() >= budget_end:

@@ -45,9 +45,16 @@ def _recv_large(sock: zmq.Socket[Any]) -> Buffer:
 
 
 def readable(sock: zmq.Socket[Any]) -> bool:
-    """Whether a message waits on `sock` (its ZMQ_EVENTS has POLLIN), as an event loop
-    reading the socket's edge-triggered descriptor must ask until it is not: half the
-    cost of pyzmq's getsockopt with its enum flags."""
+    """Whether a message waits on `sock` (its ZMQ_EVENTS has POLLIN): half the cost of
+    pyzmq's getsockopt with its enum flags.
+
+    Not free: libzmq answers it by looking for commands in the socket's mailbox, two
+    system calls (getpid, poll) whenever none waits, 2.3 us on this VM. So the drain loops
+    ask it once, after a poll's first message, and read on until zmq.Again only if another
+    waits: a lone message is never followed by a raised zmq.Again (15-50 us of a cold CPU
+    on its path), a burst of N pays one zmq.Again (~5 us hot) instead of N queries. Asked
+    after every message, the broker's event loop made 3x the system calls a batch at 64
+    in flight (33 polls a batch against v1's 10; perf stat)."""
     return bool(cast(int, _get(sock, _EVENTS)) & _POLLIN)
 
 
