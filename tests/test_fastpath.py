@@ -139,6 +139,22 @@ def test_every_datatype_and_size_is_written_as_ok_reply_writes_it(out: Any) -> N
     assert encoder.encode(5, out, 0.25) == expected  # the tensor header, cached
 
 
+@pytest.mark.parametrize("req_id", [0, 2**64 - 1, "abc", None])
+@pytest.mark.parametrize("queue_ms", [None, 0.5])
+@pytest.mark.parametrize("wait_ms", [None, 3.25])
+@pytest.mark.parametrize("size", [0, 16, 31, 255, 256, 65535, 65536])  # bin 8, 16 and 32
+def test_a_bytes_reply_is_byte_for_byte_ok_reply(req_id: Any, queue_ms: Any, wait_ms: Any, size: int) -> None:
+    out = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    encoder = ReplyEncoder(27, WORKER, wait_ms, 0.004)
+    expected = protocol.ok_reply(req_id, out, reply_meta(27, WORKER, queue_ms, wait_ms, 0.004))
+    assert encoder.encode(req_id, out, queue_ms) == expected
+    assert encoder.encode(req_id, out, queue_ms) == expected  # the batch's parts, kept
+
+
+def test_a_bytes_reply_with_an_id_msgpack_cannot_hold_is_left_to_ok_reply() -> None:
+    assert ReplyEncoder(1, WORKER, None, 1.0).encode(2**64, b"x", 0.0) is None
+
+
 @pytest.mark.parametrize(
     "out",
     [
@@ -190,6 +206,15 @@ def test_run_batch_replies_the_same_bytes_either_way(monkeypatch: pytest.MonkeyP
     fast, slow = both_ways(monkeypatch, negate, bodies)
     assert fast == slow
     assert len(protocol.unpack(fast[2])[2]) == len(bodies)  # every request answered, once
+
+
+def test_run_batch_replies_bytes_outputs_the_same_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    bodies = [msgpack.packb({"id": i, "input": b"x" * (i * 100)}) for i in range(5)]
+    bodies.append(msgpack.packb({"id": 5, "input": b"y", "stream": True}))  # its reply says "more"
+    bodies.append(msgpack.packb({"id": 6, "input": "text"}))
+    fast, slow = both_ways(monkeypatch, list, bodies)
+    assert fast == slow
+    assert len(protocol.unpack(fast[2])[2]) == len(bodies)
 
 
 def test_a_model_that_fails_one_row_of_a_uniform_batch_fails_only_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -333,13 +358,14 @@ def test_a_batch_without_tensors_is_not_decoded_twice(monkeypatch: pytest.Monkey
 
 
 def test_other_outputs_never_encode_the_array_reply_parts(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The parts an array reply shares with its batch are encoded at the first array only:
-    # a batch of bytes or lists (the echo model's) never pays for them (1.6 us a batch).
+    # The parts an array or bytes reply shares with its batch are encoded at the first such
+    # output only: a batch of lists, str or None never pays for them (1.6 us a batch).
     calls: list[Any] = []
     real = fastpath._encode
     monkeypatch.setattr(fastpath, "_encode", lambda value: calls.append(value) or real(value))
     encoder = ReplyEncoder(4, WORKER, 0.25, 1.5)
-    assert [encoder.encode(i, out, 0.5) for i, out in enumerate([b"abc", [1, 2], "text", None])] == [None] * 4
+    others = [[1, 2], "text", None, bytearray(b"ab"), memoryview(b"ab")]
+    assert [encoder.encode(i, out, 0.5) for i, out in enumerate(others)] == [None] * len(others)
     assert calls == []
     np = pytest.importorskip("numpy")
     out = np.arange(3, dtype=np.float32)

@@ -249,7 +249,7 @@ def finish_batch(batch: PreparedBatch, outcome: ModelOutcome, worker_name: str) 
             q = None  # forwarded to the client: only a number from the broker
         elif wait_ms is not None:
             q = round(q + wait_ms, 3)
-        # an array: the batch's encoding, byte for byte (a streamed request's says "more")
+        # an array or bytes: the batch's encoding, byte for byte (a streamed request's says "more")
         reply = None if stream else encoder.encode(req_id, out, q)
         if reply is not None:
             replies[i] = reply
