@@ -14,7 +14,8 @@ moved_modules.install()  # the flat module paths of before the layered layout, k
 
 if TYPE_CHECKING:
     from batcher.client.aio import AsyncClient
-    from batcher.client.sync import Client, ClientTimeout, MultiClient
+    from batcher.client.multi import MultiClient
+    from batcher.client.sync import Client, ClientTimeout
     from batcher.errors import BatcherError, ModelLoadError
 
 __all__ = ["AsyncClient", "BatcherError", "Client", "ClientTimeout", "ModelLoadError", "MultiClient"]
@@ -26,7 +27,7 @@ _LAZY = {
     "Client": "batcher.client.sync",
     "ClientTimeout": "batcher.client.sync",
     "ModelLoadError": "batcher.errors",
-    "MultiClient": "batcher.client.sync",
+    "MultiClient": "batcher.client.multi",
 }
 
 

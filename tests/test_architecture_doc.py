@@ -67,7 +67,7 @@ def test_the_old_client_imports_keep_working() -> None:
     assert AsyncClient is AsyncClient2
     assert issubclass(Overloaded, BatcherError) and issubclass(Forbidden, BatcherError)
     assert issubclass(Unreachable, ClientTimeout) and issubclass(ClientClosed, BatcherError)
-    assert Client.__module__ == "batcher.client.sync" and MultiClient.__module__ == "batcher.client.sync"
+    assert Client.__module__ == "batcher.client.sync" and MultiClient.__module__ == "batcher.client.multi"
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))

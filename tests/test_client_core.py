@@ -1,4 +1,4 @@
-"""The client core (batcher.client.sync.BaseClient) on its own: request ids, matching replies
+"""The client core (batcher.client.core.BaseClient) on its own: request ids, matching replies
 to requests, the nil-id rule, duplicates, timeouts with retries, and one exception class
 per protocol error code. Without sockets, except the last tests, which drive Client's
 public surface (start, receive_ready, forget, send_cancel, socket) over inproc.
@@ -16,6 +16,7 @@ import zmq
 
 import batcher.client.sync as client_module
 import batcher.wire.errors as errors_module
+from batcher.client.multi import MultiClient
 from batcher.client.sync import (
     BadRequest,
     BaseClient,
@@ -27,7 +28,6 @@ from batcher.client.sync import (
     Forbidden,
     InternalError,
     ModelError,
-    MultiClient,
     Overloaded,
     PendingReply,
     ReplyError,

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import zmq
 
-from batcher.client.sync import ClientTimeout, MultiClient
+from batcher.client.multi import MultiClient
+from batcher.client.sync import ClientTimeout
 from batcher.serve.launcher import free_tcp_address
 from tests.helpers import FAST_SIM, HEARTBEAT, broker_stats, echo, pack, silent, unpack, wait_until
 

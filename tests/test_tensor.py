@@ -377,7 +377,7 @@ def test_client_async_client_and_multiclient_send_and_receive_arrays(serve, clie
     import asyncio
 
     from batcher import AsyncClient
-    from batcher.client.sync import MultiClient
+    from batcher.client.multi import MultiClient
 
     s = serve("--model", "echo", "--workers", "1", "--max-batch-size", "8", workers=1)
     sent = _arrays()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from batcher.client.multi import MultiClient, MultiPending
 from batcher.client.sync import (
     BadRequest,
     BatcherError,
@@ -19,8 +20,6 @@ from batcher.client.sync import (
     Forbidden,
     InternalError,
     ModelError,
-    MultiClient,
-    MultiPending,
     Overloaded,
     PendingReply,
     ReplyError,

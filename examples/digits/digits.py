@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=1)
     args = p.parse_args(argv)
-    from batcher.client.sync import Client
+    from batcher.client import Client
     from batcher.serve.launcher import ServeProcess
 
     with tempfile.TemporaryDirectory() as tmp:

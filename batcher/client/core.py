@@ -1,0 +1,253 @@
+"""What every Python client shares, without any I/O (as httpx's BaseClient is for its
+Client and AsyncClient): the request ids, the table of requests waiting for a reply,
+matching a reply to its request, the timeout and retry rules, and the ConnectionWatch
+hints. `batcher.client.sync.Client` adds a blocking socket, `batcher.client.aio.AsyncClient`
+an asyncio one; `batcher.client.multi.MultiClient` combines Clients."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any, Generic, Protocol, TypeVar
+
+from batcher.errors import BatcherError, SettingsError
+from batcher.transport.connection_watch import (
+    ConnectionWatch,
+)
+from batcher.wire import protocol
+from batcher.wire.errors import (
+    TIMEOUT,
+    error_from_reply,
+)
+
+log = logging.getLogger("batcher.client")
+
+
+#: How long a Client's request waits, by default, for a first connection to a broker
+#: before failing `unreachable` (when the address refuses, or is no ZeroMQ peer).
+CONNECT_TIMEOUT_S = 1.0
+
+
+def reply_key(reply: dict[str, Any], pending: dict[Any, Any]) -> Any:
+    """The id a reply answers. An error with `id: nil` (the broker could not read the id
+    of a request it refused) answers the one request in flight, when there is just one."""
+    req_id = reply["id"]
+    if req_id is None and reply.get("ok") is False and len(pending) == 1:
+        return next(iter(pending))
+    return req_id
+
+
+def request_body(
+    input: Any,
+    model: str | None,
+    timeout_ms: float | None,
+    priority: float | None,
+    cost: float | None = None,
+    stream: bool = False,
+) -> dict[str, Any]:
+    """A request map with only the fields that were given (protocol.md, 4.2)."""
+    body: dict[str, Any] = {"input": input}
+    if stream:
+        body["stream"] = True
+    if model is not None:
+        body["model"] = model
+    if timeout_ms is not None:
+        body["timeout_ms"] = timeout_ms
+    if priority is not None:
+        body["priority"] = priority
+    if cost is not None:
+        body["cost"] = cost
+    return body
+
+
+def reply_wait_s(timeout_s: float | None, timeout_ms: float | None) -> float | None:
+    """How long a client waits for a reply: its own timeout, but no longer than a
+    request's deadline plus a second for the trip back (the broker answers by then)."""
+    if not timeout_ms:
+        return timeout_s
+    limit = timeout_ms / 1000.0 + 1.0
+    return limit if timeout_s is None else min(timeout_s, limit)
+
+
+def timeout_reply(request_id: Any, message: str, code: str = TIMEOUT) -> dict[str, Any]:
+    """The reply map a request is answered with when no reply came in time (`timeout`),
+    or none can come (`unreachable`)."""
+    return {"id": request_id, "ok": False, "error": {"code": code, "message": message}}
+
+
+def cancel_body(request_id: Any) -> bytes:
+    """The body asking the broker to drop request `request_id` if it is still queued."""
+    return protocol.pack({"id": request_id, "op": "cancel"})
+
+
+def _check_retries(retries: int) -> None:
+    if retries < 0:
+        raise SettingsError(f"retries must be >= 0, got {retries}")
+
+
+def collect(pendings: Iterable[_Awaited], return_exceptions: bool) -> list[Any]:
+    """The outputs of requests in flight, in order, once every one has its reply (the
+    `request_many` rule, the same on every client: docs/architecture.md, "Errors"): with
+    return_exceptions an error takes its output's place, else the first error in input
+    order is raised, after all have finished, so none is left in flight behind it."""
+    pendings = list(pendings)
+    for p in pendings:
+        p.wait()
+    out: list[Any] = []
+    for p in pendings:
+        try:
+            out.append(p.result())
+        except BatcherError as exc:
+            if not return_exceptions:
+                raise
+            out.append(exc)
+    return out
+
+
+class _Awaited:
+    """What every in-flight request offers: its reply once it came, as output or error."""
+
+    reply: dict[str, Any] | None
+
+    def done(self) -> bool:
+        return self.reply is not None
+
+    def result(self) -> Any:
+        """The output; raises the typed error for an error reply, ClientTimeout for none."""
+        reply = self.wait()
+        if reply.get("ok"):
+            return reply.get("output")
+        raise error_from_reply(reply)
+
+    def wait(self) -> dict[str, Any]:
+        """The whole reply map (with metadata such as batch_size), error or not."""
+        if self.reply is None:
+            self._wait()
+        assert self.reply is not None
+        return self.reply
+
+    def _wait(self) -> None:
+        raise NotImplementedError
+
+
+PendingT = TypeVar("PendingT")
+
+
+class Expirable(Protocol):
+    """What `BaseClient._expire` needs of a blocking request in flight (PendingReply)."""
+
+    request_id: Any
+    attempts: int
+    wait_s: float | None
+    sent_at: float
+    deadline: float | None
+    reply: dict[str, Any] | None
+
+
+class BaseClient(Generic[PendingT]):
+    """What every client of one broker shares, without any I/O (in the manner of httpx's
+    BaseClient): the request ids, the table of requests waiting for a reply, matching a
+    reply to its request, the timeout and retry rules, and the ConnectionWatch hints.
+
+    `PendingT` is what the table holds for a request: a PendingReply for Client, a
+    future for AsyncClient. A subclass opens the socket and sets `watch`; it adds a
+    request to `_pending` under its id (from `_ids`) when it sends it, and gives every
+    reply it receives to `_match`.
+    """
+
+    watch: ConnectionWatch  # the socket's monitor, set by the subclass that opens the socket
+
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float | None,
+        retries: int,
+        connect_timeout_s: float | None = CONNECT_TIMEOUT_S,
+    ) -> None:
+        _check_retries(retries)
+        if connect_timeout_s is not None and not connect_timeout_s > 0:
+            raise SettingsError(f"connect_timeout_s must be > 0 or None, got {connect_timeout_s}")
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retries = retries
+        #: Until a broker was reached, how long a request waits before it fails
+        #: `unreachable` when none can be there (ConnectionWatch.unreachable).
+        self.connect_timeout_s = connect_timeout_s
+        self._ids = itertools.count(1)
+        self._pending: dict[Any, PendingT] = {}
+        #: Streamed requests by id: what takes their chunks (a closed one's stay until its last).
+        self._streams: dict[Any, Any] = {}
+        #: Replies that matched no waiting request: a retried request's second reply,
+        #: or a late one to a request that already timed out.
+        self.duplicates_dropped = 0
+
+    def _route_chunk(self, reply: dict[str, Any]) -> bool:
+        """Give a reply to the stream it belongs to, if it does (True); a stream's last
+        reply (`more` not true) ends it here."""
+        req_id = reply.get("id")
+        stream = self._streams.get(req_id) if isinstance(req_id, int | str) else None
+        if stream is None:
+            return False
+        if reply.get("more") is not True:
+            del self._streams[req_id]
+        stream.take(reply)
+        return True
+
+    def _next_id(self) -> int:
+        """A request id not used before on this client (1, 2, ...)."""
+        return next(self._ids)
+
+    def forget(self, request_id: Any) -> None:
+        """Stop waiting for request `request_id`: a reply to it that still comes is
+        dropped as a duplicate."""
+        self._pending.pop(request_id, None)
+
+    def _match(self, reply: dict[str, Any]) -> PendingT | None:
+        """Take the request `reply` answers out of the table, by its id (or by the nil-id
+        rule of `reply_key`). None when no request waits for it (a late reply, or a
+        retried request's second), counted in `duplicates_dropped`. Raises (KeyError,
+        TypeError) for what is no reply at all: the caller skips it, uncounted."""
+        key = reply["id"]
+        if key is None:
+            key = reply_key(reply, self._pending)
+        pending = self._pending.pop(key, None)
+        if pending is None:
+            self.duplicates_dropped += 1
+        return pending
+
+    def _unreachable(self, since: float) -> str | None:
+        """Why no broker can be reached, for a request sent at `since` (None: one may be)."""
+        if self.connect_timeout_s is None or self.watch.handshake_ever:
+            return None
+        return self.watch.unreachable(since, time.monotonic(), self.connect_timeout_s)
+
+    def _verdict_due(self, since: float) -> float | None:
+        """When `_unreachable` is next due to change its mind by time alone (None: never,
+        or only on a monitor event)."""
+        if self.connect_timeout_s is None or self.watch.handshake_ever:
+            return None
+        due = self.watch.next_verdict_at(since, self.connect_timeout_s)
+        return due if due is not None and due > time.monotonic() else None
+
+    def _retry_allowed(self, attempts: int) -> bool:
+        """Whether a request sent `attempts` times without a reply in time goes again."""
+        return attempts <= self.retries
+
+    def _timeout_message(self, attempts: int) -> str:
+        """Why a request got no reply after `attempts` sends, from the socket's monitor."""
+        return f"no reply from {self.address} after {attempts} attempt(s): {self.watch.hint()}"
+
+    def _expire(self, pending: Expirable) -> bool:
+        """A blocking request past its deadline: True when it is to be sent again (its
+        attempts and deadline are updated; the caller sends it), else it is answered
+        with a `timeout` reply and forgotten."""
+        if pending.wait_s is not None and self._retry_allowed(pending.attempts):
+            pending.attempts += 1
+            pending.sent_at = time.monotonic()
+            pending.deadline = pending.sent_at + pending.wait_s
+            return True
+        self.forget(pending.request_id)
+        pending.reply = timeout_reply(pending.request_id, self._timeout_message(pending.attempts))
+        return False
