@@ -205,3 +205,15 @@ def test_the_c_speed_path_for_plain_payloads_writes_what_the_general_writer_writ
         assert aligned._MARK in expected
     else:
         assert fast == expected
+
+
+@given(name=st.text(max_size=31).filter(lambda s: len(s.encode()) < 32))
+@example(name="datatype")
+@example(name="")
+def test_each_encoding_of_a_key_decodes_to_it_and_adds_the_bytes_it_names(name: str) -> None:
+    """The widened keys: fixstr, str 8, str 16 and str 32 of the same name. (The module
+    builds its keys at import, which a mutation run cannot reach: this checks the builder.)"""
+    for extra in (0, 1, 2, 4):
+        key = aligned._key(name, extra)
+        assert msgpack.unpackb(key, raw=False) == name
+        assert len(key) == len(name.encode()) + 1 + extra
