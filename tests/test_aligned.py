@@ -217,3 +217,27 @@ def test_each_encoding_of_a_key_decodes_to_it_and_adds_the_bytes_it_names(name: 
         key = aligned._key(name, extra)
         assert msgpack.unpackb(key, raw=False) == name
         assert len(key) == len(name.encode()) + 1 + extra
+
+
+@pytest.mark.parametrize("n", [15, 16, 65535, 65536])
+def test_maps_and_lists_of_every_header_size_around_a_tensor_decode_to_what_they_held(n: int) -> None:
+    """A map or list that holds a tensor is written entry by entry, with a header of its
+    own (fixmap/fixarray, 16-bit, 32-bit count): every size decodes to the same value."""
+    x = np.arange(3, dtype=np.float64)
+    mapping: dict[str, Any] = {"t": x, **{f"k{i}": i for i in range(n - 1)}}
+    listing: list[Any] = [x, *range(n - 1)]
+    for value in (mapping, listing):
+        body = aligned.pack(value)
+        assert _as_plain(msgpack.unpackb(body, raw=False)) == _as_plain(
+            msgpack.unpackb(msgpack.packb(value, default=tensor.msgpack_default), raw=False)
+        )
+        assert_aligned(body, [x])
+
+
+@pytest.mark.parametrize("size", [0, 255, 256, 65535, 65536])
+def test_tensor_data_of_every_bin_header_size_decodes_whole_and_aligned(size: int) -> None:
+    x = (np.arange(size) % 251).astype(np.uint8)
+    body = aligned.pack({"id": 1, "output": x})
+    got = msgpack.unpackb(body, raw=False)["output"]
+    assert (got["datatype"], got["shape"], bytes(got["data"])) == ("UINT8", [size], x.tobytes())
+    assert_aligned(body, [x])

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from batcher.core.pool import WorkerInfo, WorkerPool, worker_info
 from batcher.core.scheduler import BatchSettings, QueuedRequest, Scheduler
+from batcher.core.streams import Streams
 from batcher.wire.protocol import ErrorCode, Heartbeat
 from batcher.wire.signature import Signature, TensorSpec
 
@@ -556,3 +557,49 @@ def test_a_models_warmup_is_its_newest_live_workers() -> None:
     assert p.warmup("m") == "failed: oom"
     p.lose(b"b", failed=False)
     assert p.warmup("m") == "measured"
+
+
+def test_a_suspect_handed_back_by_a_worker_that_left_still_runs_alone() -> None:
+    """A worker that leaves (DISCONNECT) proves nothing about the suspect it held: it
+    stays one, and runs alone on the next worker too."""
+    s = Scheduler(per_model={"m": BatchSettings(max_batch_size=4, max_wait_ms=0.0)})
+    p = WorkerPool(s, HEARTBEAT, 3, now=0.0)
+    join(p, b"w1")
+    crashed = [request(0), request(1)]
+    for r in crashed:
+        s.enqueue("m", r)
+    s.due_batches(0.0)
+    p.lose(b"w1", failed=True)
+    join(p, b"w2")
+    (b,) = s.due_batches(1.0)
+    assert [r.id for r in b.requests] == [0]  # alone
+    p.lose(b"w2", failed=False)
+    assert [(r.attempts, r.suspect > 0) for r in crashed] == [(1, True), (1, True)]
+    for r in (request(5), request(6)):
+        s.enqueue("m", r)
+    join(p, b"w3")
+    sizes = []
+    while s.queued("m"):
+        (b,) = s.due_batches(2.0)
+        sizes.append([r.id for r in b.requests])
+        s.complete(b.worker, b.batch_id)
+    assert sizes == [[0], [1], [5, 6]]
+
+
+def test_a_warm_up_cost_in_ready_seeds_the_models_cost_in_seconds() -> None:
+    p = pool()
+    assert p.scheduler.cost("m") is None
+    p.joined(b"w", WorkerInfo("m", 0, 1, cost_ms=(2.0, 0.5)), None, 0.0)
+    a_s, b_s = p.scheduler.cost("m")  # type: ignore[misc]
+    assert a_s == pytest.approx(0.002) and b_s == pytest.approx(0.0005)
+
+
+def test_the_pool_keeps_the_streams_it_is_given_and_joins_step_level_workers_to_them() -> None:
+    streams = Streams()
+    p = WorkerPool(pool().scheduler, HEARTBEAT, 1, now=0.0, streams=streams)
+    assert p.streams is streams
+    p.joined(b"s", WorkerInfo("m", 0, 1, max_active=3), None, 5.0)
+    p.joined(b"b", WorkerInfo("m", 0, 2), None, 5.0)
+    w = streams.worker(b"s")
+    assert w is not None and (w.model, w.max_active, w.free) == ("m", 3, 3)
+    assert b"b" not in streams  # a batch-level worker holds no sequences
