@@ -68,13 +68,13 @@ def test_a_model_without_a_worker_is_refused_before_the_body_is_looked_at() -> N
 
 def test_a_body_that_misfits_the_signature_is_a_bad_request_before_its_length_is_read() -> None:
     got = verdict(pool(signature=SIG), tensor(3, cols=5))
-    assert isinstance(got, Refusal) and got.code == ErrorCode.BAD_REQUEST
+    assert isinstance(got, Refusal) and got.code == ErrorCode.BAD_REQUEST and got.req_id == 7
     assert "shape" in got.message
 
 
 def test_an_unmeasurable_body_is_a_bad_request_under_bucketing_only() -> None:
     got = verdict(pool(), [1, 2, 3])
-    assert isinstance(got, Refusal) and got.code == ErrorCode.BAD_REQUEST
+    assert isinstance(got, Refusal) and got.code == ErrorCode.BAD_REQUEST and got.req_id == 7
     assert "groups requests by length" in got.message
     assert verdict(pool(), [1, 2, 3], settings=None) == Admitted(None, None)
 
@@ -93,3 +93,14 @@ def test_the_deadline_is_the_requests_timeout_else_the_default_and_zero_means_no
         assert got is None
     else:
         assert got == pytest.approx(now + timeout_s) and got >= now
+
+
+def test_an_admitted_request_expires_after_its_own_timeout_else_the_brokers_default() -> None:
+    def admitted(timeout_ms: float | None, default_s: float | None) -> Admitted | Refusal:
+        return admit(header(timeout_ms=timeout_ms), "m", body(tensor(3)), 10.0, draining=False, pool=pool(),
+                     settings=BUCKETED, default_timeout_s=default_s)  # fmt: skip
+
+    assert admitted(500.0, None) == Admitted(10.5, 0)
+    assert admitted(None, 2.0) == Admitted(12.0, 0)
+    assert admitted(250.0, 2.0) == Admitted(10.25, 0)  # its own wins
+    assert admitted(None, None) == Admitted(None, 0)

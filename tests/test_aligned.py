@@ -205,3 +205,39 @@ def test_the_c_speed_path_for_plain_payloads_writes_what_the_general_writer_writ
         assert aligned._MARK in expected
     else:
         assert fast == expected
+
+
+@given(name=st.text(max_size=31).filter(lambda s: len(s.encode()) < 32))
+@example(name="datatype")
+@example(name="")
+def test_each_encoding_of_a_key_decodes_to_it_and_adds_the_bytes_it_names(name: str) -> None:
+    """The widened keys: fixstr, str 8, str 16 and str 32 of the same name. (The module
+    builds its keys at import, which a mutation run cannot reach: this checks the builder.)"""
+    for extra in (0, 1, 2, 4):
+        key = aligned._key(name, extra)
+        assert msgpack.unpackb(key, raw=False) == name
+        assert len(key) == len(name.encode()) + 1 + extra
+
+
+@pytest.mark.parametrize("n", [15, 16, 65535, 65536])
+def test_maps_and_lists_of_every_header_size_around_a_tensor_decode_to_what_they_held(n: int) -> None:
+    """A map or list that holds a tensor is written entry by entry, with a header of its
+    own (fixmap/fixarray, 16-bit, 32-bit count): every size decodes to the same value."""
+    x = np.arange(3, dtype=np.float64)
+    mapping: dict[str, Any] = {"t": x, **{f"k{i}": i for i in range(n - 1)}}
+    listing: list[Any] = [x, *range(n - 1)]
+    for value in (mapping, listing):
+        body = aligned.pack(value)
+        assert _as_plain(msgpack.unpackb(body, raw=False)) == _as_plain(
+            msgpack.unpackb(msgpack.packb(value, default=tensor.msgpack_default), raw=False)
+        )
+        assert_aligned(body, [x])
+
+
+@pytest.mark.parametrize("size", [0, 255, 256, 65535, 65536])
+def test_tensor_data_of_every_bin_header_size_decodes_whole_and_aligned(size: int) -> None:
+    x = (np.arange(size) % 251).astype(np.uint8)
+    body = aligned.pack({"id": 1, "output": x})
+    got = msgpack.unpackb(body, raw=False)["output"]
+    assert (got["datatype"], got["shape"], bytes(got["data"])) == ("UINT8", [size], x.tobytes())
+    assert_aligned(body, [x])

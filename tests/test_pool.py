@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from batcher.core.pool import WorkerInfo, WorkerPool, worker_info
 from batcher.core.scheduler import BatchSettings, QueuedRequest, Scheduler
+from batcher.core.streams import Streams
 from batcher.wire.protocol import ErrorCode, Heartbeat
 from batcher.wire.signature import Signature, TensorSpec
 
@@ -465,7 +466,7 @@ def test_a_bad_reply_fails_the_batch_it_names_and_keeps_the_worker() -> None:
     dispatch(p, 1)
     (batch_id,) = [b.batch_id for b in p.scheduler.in_flight() if b.worker == b"w"]
     batch, broken = p.bad_reply(b"w", batch_id)
-    assert batch is not None and [r.id for r in batch.requests] == [1] and not broken
+    assert batch is not None and [r.id for r in batch.requests] == [1] and broken is False
     assert p.scheduler.held(b"w") == 0  # failed, not left held
 
 
@@ -478,3 +479,127 @@ def test_a_bad_reply_naming_no_batch_breaks_a_worker_only_if_it_holds_some() -> 
     holder = b"idle" if p.scheduler.held(b"idle") else b"busy"
     assert p.bad_reply(holder, None) == (None, True)
     assert p.bad_reply(holder, 10**6) == (None, False)  # names an unknown batch: dropped, kept
+
+
+# --- what a READY may say of the worker (docs/protocol.md 6.2) ---------------------------------
+
+
+def test_ready_info_carries_the_signature_cost_credit_and_warmup_error_it_announced() -> None:
+    raw_sig = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}], "outputs": []}
+    info = worker_info(
+        {"model": "m", "gpu": 0, "pid": 5, "signature": raw_sig, "cost_ms": [1, 2.5], "max_active": 8}
+    )
+    assert info == WorkerInfo("m", 0, 5, Signature((TensorSpec("x", "FP32", (-1, 4)),), ()), (1.0, 2.5), 8)
+    assert type(info.cost_ms[0]) is float and info.warmup == "measured"  # type: ignore[index]
+    failed = worker_info({"model": "m", "warmup_error": "out of memory"})
+    assert (failed.warmup_error, failed.warmup, failed.cost_ms) == (
+        "out of memory",
+        "failed: out of memory",
+        None,
+    )
+    assert worker_info({"model": "m"}).warmup is None  # no warm-up ran
+
+
+def test_ready_cost_ms_must_be_two_numbers_within_a_day() -> None:
+    for good in ([0, 0], [86_400_000, 86_400_000.0], [0.5, 86_400_000]):
+        assert worker_info({"model": "m", "cost_ms": good}).cost_ms == (float(good[0]), float(good[1]))
+    for bad in ([1], [1, 2, 3], (1, 2), "12", [1, True], [True, 1], [-0.001, 1], [1, 86_400_000.5], [1, "2"]):
+        with pytest.raises(
+            ValueError, match=r"^bad READY cost_ms: must be \[a, b\], two numbers in \[0, one day\], got "
+        ):
+            worker_info({"model": "m", "cost_ms": bad})
+    with pytest.raises(ValueError) as info:
+        worker_info({"model": "m", "cost_ms": ["x" * 1000, 1]})
+    assert len(str(info.value)) == 200  # a huge value is cut, not logged whole
+
+
+def test_ready_max_active_must_be_an_int_from_1_to_4096() -> None:
+    for good in (1, 4096):
+        assert worker_info({"model": "m", "max_active": good}).max_active == good
+    for bad in (0, 4097, -1, 2.0, True, "3"):
+        with pytest.raises(ValueError, match=r"^bad READY max_active: must be an int in \[1, 4096\], got "):
+            worker_info({"model": "m", "max_active": bad})
+    with pytest.raises(ValueError) as info:
+        worker_info({"model": "m", "max_active": "x" * 1000})
+    assert len(str(info.value)) == 200
+
+
+def test_ready_warmup_error_must_be_a_str_and_is_cut_to_500_characters() -> None:
+    assert worker_info({"model": "m", "warmup_error": "e" * 501}).warmup_error == "e" * 500
+    assert worker_info({"model": "m", "warmup_error": "e" * 500}).warmup_error == "e" * 500
+    with pytest.raises(ValueError, match=r"^bad READY warmup_error: must be a str, got 5$"):
+        worker_info({"model": "m", "warmup_error": 5})
+    with pytest.raises(ValueError) as info:
+        worker_info({"model": "m", "warmup_error": [0] * 1000})
+    assert len(str(info.value)) == 200
+
+
+def test_a_ready_signature_that_is_no_signature_is_refused_with_why() -> None:
+    with pytest.raises(ValueError, match=r"^bad READY signature: a signature is a map of inputs and outputs"):
+        worker_info({"model": "m", "signature": [1]})
+
+
+def test_the_public_name_leaves_the_pid_out_and_an_unknown_worker_is_named_by_its_id() -> None:
+    assert WorkerInfo("m", 2, 7).public_name(b"\x0a\xff") == "m/gpu2/id0aff"
+    assert WorkerInfo("m", None, 7).public_name(b"\x0a") == "m/gpu-/id0a"
+    p = pool()
+    p.joined(b"\x01", WorkerInfo("m", 3, 9), None, 0.0)
+    assert (p.name(b"\x01"), p.public_name(b"\x01")) == ("m/gpu3/pid9/id01", "m/gpu3/id01")
+    assert (p.name(b"\x02"), p.public_name(b"\x02")) == ("id02", "id02")
+
+
+def test_a_models_warmup_is_its_newest_live_workers() -> None:
+    p = pool()
+    assert p.warmup("m") is None  # no worker
+    p.joined(b"a", WorkerInfo("m", 0, 1, cost_ms=(1.0, 2.0)), None, 0.0)
+    p.joined(b"b", WorkerInfo("m", 0, 2, warmup_error="oom"), None, 0.0)
+    p.joined(b"c", WorkerInfo("other", 0, 3, cost_ms=(1.0, 2.0)), None, 0.0)
+    assert p.warmup("m") == "failed: oom"
+    p.lose(b"b", failed=False)
+    assert p.warmup("m") == "measured"
+
+
+def test_a_suspect_handed_back_by_a_worker_that_left_still_runs_alone() -> None:
+    """A worker that leaves (DISCONNECT) proves nothing about the suspect it held: it
+    stays one, and runs alone on the next worker too."""
+    s = Scheduler(per_model={"m": BatchSettings(max_batch_size=4, max_wait_ms=0.0)})
+    p = WorkerPool(s, HEARTBEAT, 3, now=0.0)
+    join(p, b"w1")
+    crashed = [request(0), request(1)]
+    for r in crashed:
+        s.enqueue("m", r)
+    s.due_batches(0.0)
+    p.lose(b"w1", failed=True)
+    join(p, b"w2")
+    (b,) = s.due_batches(1.0)
+    assert [r.id for r in b.requests] == [0]  # alone
+    p.lose(b"w2", failed=False)
+    assert [(r.attempts, r.suspect > 0) for r in crashed] == [(1, True), (1, True)]
+    for r in (request(5), request(6)):
+        s.enqueue("m", r)
+    join(p, b"w3")
+    sizes = []
+    while s.queued("m"):
+        (b,) = s.due_batches(2.0)
+        sizes.append([r.id for r in b.requests])
+        s.complete(b.worker, b.batch_id)
+    assert sizes == [[0], [1], [5, 6]]
+
+
+def test_a_warm_up_cost_in_ready_seeds_the_models_cost_in_seconds() -> None:
+    p = pool()
+    assert p.scheduler.cost("m") is None
+    p.joined(b"w", WorkerInfo("m", 0, 1, cost_ms=(2.0, 0.5)), None, 0.0)
+    a_s, b_s = p.scheduler.cost("m")  # type: ignore[misc]
+    assert a_s == pytest.approx(0.002) and b_s == pytest.approx(0.0005)
+
+
+def test_the_pool_keeps_the_streams_it_is_given_and_joins_step_level_workers_to_them() -> None:
+    streams = Streams()
+    p = WorkerPool(pool().scheduler, HEARTBEAT, 1, now=0.0, streams=streams)
+    assert p.streams is streams
+    p.joined(b"s", WorkerInfo("m", 0, 1, max_active=3), None, 5.0)
+    p.joined(b"b", WorkerInfo("m", 0, 2), None, 5.0)
+    w = streams.worker(b"s")
+    assert w is not None and (w.model, w.max_active, w.free) == ("m", 3, 3)
+    assert b"b" not in streams  # a batch-level worker holds no sequences

@@ -134,3 +134,65 @@ def test_a_models_signature_is_its_newest_live_workers() -> None:
     pool.joined(b"c", WorkerInfo("m", None, 3, None), None, 0.0)
     assert pool.signature("m") is None  # the newest announces none: nothing is checked
     assert pool.signature("other") is None
+
+
+def spec(name: str = "x", shape: object = (-1,)) -> dict[str, Any]:
+    return {"name": name, "datatype": "FP32", "shape": list(shape) if isinstance(shape, tuple) else shape}
+
+
+def test_the_limits_a_worker_may_announce_are_inclusive() -> None:
+    """The bounds of docs/protocol.md: 256-character names, 1024 inputs and outputs, rank 32
+    past the batch axis, dimensions up to 2**45 elements."""
+    Signature.from_wire({"inputs": [spec("x" * 256)]})
+    Signature.from_wire({"inputs": [spec(shape=(-1,) * 33)]})
+    Signature.from_wire({"inputs": [spec(shape=(-1, 2**45))]})
+    many = [spec(f"x{i}") for i in range(1024)]
+    Signature.from_wire({"inputs": many, "outputs": many})
+    for bad in ({"inputs": [spec(shape=(-1,) * 34)]}, {"inputs": [spec(shape=(-1, 2**45 + 1))]}):
+        with pytest.raises(ValueError, match=r"shape must be 1 to 33 ints >= -1 \(the batch axis first\)"):
+            Signature.from_wire(bad)
+    with pytest.raises(ValueError, match="at most 1024 inputs and 1024 outputs"):
+        Signature.from_wire({"inputs": [spec()], "outputs": [*many, spec("y")]})
+
+
+def test_every_refusal_of_an_announced_signature_says_what_is_wrong() -> None:
+    def why(raw: object) -> str:
+        with pytest.raises(ValueError) as info:
+            Signature.from_wire(raw)
+        return str(info.value)
+
+    assert why({"inputs": []}) == "a signature must name at least one input"
+    assert (
+        why({"inputs": [spec()], "outputs": [spec("y"), spec("y")]})
+        == "output names must differ, got ['y', 'y']"
+    )
+    assert why({"inputs": [spec(), spec()]}) == "input names must differ, got ['x', 'x']"
+    assert why({"inputs": [spec(shape=5)]}) == (
+        "tensor 'x': shape must be 1 to 33 ints >= -1 (the batch axis first), got 5"
+    )  # a shape that is no list is refused as such, not taken apart
+    assert why({"inputs": [{"name": "x", "datatype": "FP8", "shape": [-1]}]}).startswith(
+        "tensor 'x': datatype must be one of BOOL, "
+    )
+    assert (
+        why({"inputs": [spec(5)]}) == "a tensor's name must be a printable str of 1 to 256 characters, got 5"
+    )  # type: ignore[arg-type]
+
+
+def test_a_huge_bad_value_in_a_signature_is_cut_from_the_message() -> None:
+    for raw, cut in [
+        ({"inputs": "x" * 1000}, 200),
+        ("x" * 1000, 200),
+        ({"inputs": [{"name": "x" * 1000}]}, 200),
+        ({"inputs": [spec("x" * 1000)]}, 300),
+    ]:
+        with pytest.raises(ValueError) as info:
+            Signature.from_wire(raw)
+        assert len(str(info.value)) == cut
+
+
+def test_a_tensor_of_the_wrong_rank_misfits_even_when_its_first_dimensions_fit() -> None:
+    sig = Signature((TensorSpec("x", "FP32", (-1, 4)),), ())
+    for shape in ([4, 4], [], [4, 1]):
+        assert sig.misfit(body(t(shape=shape))) == (
+            f"input 'x' must have shape [4] (-1: any), without the batch axis; got {shape}"
+        )

@@ -674,3 +674,28 @@ def test_a_limit_shorter_than_the_progress_reports_allow_is_raised() -> None:
     s.start(b"w", [rq()], 0.0)
     assert s.hung(MIN_STEP_LIMIT_S, 0.001) == []
     assert s.hung(MIN_STEP_LIMIT_S + 0.01, 0.001) == [(s.worker(b"w"), MIN_STEP_LIMIT_S)]
+
+
+# --- bounded state: nothing outlives its sequence ----------------------------------------------
+
+
+def test_cancelled_sequences_leave_the_deadlines_and_a_removed_worker_leaves_nothing() -> None:
+    """Sequences the broker answers before their deadline stay in the deadlines' heap only
+    lazily: however many come and go behind one long sequence (whose deadline is the
+    heap's head, so none is popped), the heap holds at most twice the held sequences
+    (plus a constant), and the deadlines still answer right; a removed worker's
+    sequences are forgotten, answered or not."""
+    s = streams_with((b"w", 4))
+    (long_one,) = s.start(b"w", [rq(deadline=500.0)], 0.0)
+    for i in range(1000):
+        (seq,) = s.start(b"w", [rq(float(i), deadline=1000.0 + i)], float(i))
+        assert s.answer(seq)  # cancelled: its worker still holds it, and is told to stop it
+        assert len(s._deadlines) <= 2 * s.held(b"w") + 64
+        assert s.on_chunk(b"w", seq.seq_id, CHUNK_DROPPED, float(i)) == (Verdict.DROP, None)  # the ack
+    assert s.next_deadline() == 500.0
+    (open_one,) = s.start(b"w", [rq(deadline=3000.0)], 1000.0)
+    assert s.expire(2500.0) == [long_one]
+    s.answer(long_one)
+    assert s.next_deadline() == 3000.0 and s.unanswered() == [open_one]
+    assert s.remove_worker(b"w") == [open_one]
+    assert not s._sequences and not s._by_client and s.next_deadline() is None
