@@ -396,9 +396,14 @@ def test_without_an_arrival_time_the_reply_is_as_before() -> None:
 
 
 def test_a_prefetched_batch_reports_its_wait_in_the_worker(serve, client, zctx) -> None:
+    # While the model runs, the worker reads its socket only at its heartbeat thread's
+    # ticks: at the default 500 ms a tick fell inside the first batch's 0.4 s once in four
+    # or five runs, and the second batch was read only after it (a wait of 0). At 100 ms
+    # the first tick reads it within 0.1 s of the model's start (liveness 20: a 2 s expiry).
     sp: ServeProcess = serve(
         "--workers", "1", "--model", "sleepy=tests.test_ops_worker:sleepy", "--max-batch-size", "1",
-        "--max-wait-ms", "0", "--worker-prefetch", "2",
+        "--max-wait-ms", "0", "--worker-prefetch", "2", "--heartbeat-ms", "100",
+        "--heartbeat-liveness", "20",
         workers=1,
     )  # fmt: skip
     c = client(sp.frontend)
