@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import operator
 import os
 import site
@@ -25,6 +24,7 @@ from types import ModuleType
 from typing import Any, cast
 
 from batcher.errors import SettingsError
+from batcher.settings import MAX_MS, Bounds, check, setting, setting_of
 
 ModelFn = Callable[[list[Any]], list[Any]]
 
@@ -38,16 +38,41 @@ class SimSettings:
     """The simulated GPU's cost: a batch of n takes base_ms + per_item_ms * n; a step of
     `simlm` over n sequences takes step_base_ms + step_per_seq_ms * n."""
 
-    base_ms: float = 20.0
-    per_item_ms: float = 2.5
-    step_base_ms: float = 15.0
-    step_per_seq_ms: float = 0.5
+    base_ms: float = setting(
+        20.0,
+        min=0,
+        max=MAX_MS,
+        noun="a finite number",
+        label="sim base_ms",
+        help="sim model: fixed cost of one batch.",
+    )
+    per_item_ms: float = setting(
+        2.5,
+        min=0,
+        max=MAX_MS,
+        noun="a finite number",
+        label="sim per_item_ms",
+        help="sim model: added cost per request in a batch.",
+    )
+    step_base_ms: float = setting(
+        15.0,
+        min=0,
+        max=MAX_MS,
+        noun="a finite number",
+        label="sim step_base_ms",
+        help="simlm model: fixed cost of one step (one token for every active sequence).",
+    )
+    step_per_seq_ms: float = setting(
+        0.5,
+        min=0,
+        max=MAX_MS,
+        noun="a finite number",
+        label="sim step_per_seq_ms",
+        help="simlm model: added cost per active sequence in a step.",
+    )
 
     def __post_init__(self) -> None:
-        for name in ("base_ms", "per_item_ms", "step_base_ms", "step_per_seq_ms"):
-            value = getattr(self, name)
-            if not 0 <= value < math.inf:
-                raise SettingsError(f"sim {name} must be a finite number >= 0, got {value}")
+        check(self)
 
     def step_ms(self, n: int) -> float:
         """How long a simlm step over n sequences takes."""
@@ -198,10 +223,32 @@ class ModelSpec:
 MAX_PADDED_ELEMENTS = 2**26
 
 
+#: The largest --max-padded-elements: far above any memory, within an int64.
+MAX_PADDED_BUDGET = 2**62
+#: The bounds of a budget of padded elements (WorkerSettings', PoolSettings', a Stacked's).
+PADDED_ELEMENTS = Bounds(
+    int,
+    1,
+    MAX_PADDED_BUDGET,
+    label="max_padded_elements",
+    noun="an int",
+    help="The most elements a stacked model's batch may hold once padded (n x the longest "
+    "shape, summed over its inputs): requests that would pad past it are run in separate "
+    "model calls, and one over it alone is answered bad_request.",
+)
+
+
+def max_padded_elements_setting() -> Any:
+    """The max_padded_elements field of a settings dataclass: PADDED_ELEMENTS' bounds."""
+    return setting_of(MAX_PADDED_ELEMENTS, PADDED_ELEMENTS)
+
+
 def check_max_padded_elements(value: object) -> int:
     """`value` if it is a budget of padded elements (an int >= 1), else ValueError."""
-    if type(value) is not int or value < 1:
-        raise SettingsError(f"max_padded_elements must be an int >= 1, got {value!r}")
+    problem = PADDED_ELEMENTS.problem(value)
+    if problem is not None:
+        raise SettingsError(problem)
+    assert isinstance(value, int)
     return value
 
 

@@ -21,11 +21,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from batcher.core.link import Backoff, Drop, GiveUp, PeerLink
+from batcher.settings import MAX_THREADS, MAX_WORKERS, MAX_WORKERS_PER_GPU, check, setting
 from batcher.transport.stopping import stop_signals_blocked
 from batcher.wire.protocol import Heartbeat
 from workers.exit_codes import EXIT_HUNG
 from workers.exit_codes import EXIT_MODEL_LOAD_FAILED as EXIT_MODEL_LOAD_FAILED  # its old home
-from workers.models import MAX_PADDED_ELEMENTS, ModelSpec, SimSettings, check_max_padded_elements
+from workers.models import ModelSpec, SimSettings, max_padded_elements_setting
 from workers.placement import (
     CpuPlan,
     pinned_threads_per_worker,
@@ -47,19 +48,35 @@ class PoolSettings:
 
     backend: str
     models: tuple[str, ...]
-    workers_per_model: int | None = None
+    workers_per_model: int | None = setting(
+        None,
+        kind=int,
+        min=0,
+        max=MAX_WORKERS,
+        optional=True,
+        label="workers",
+        help="Worker processes per model. Default: --workers-per-gpu on each GPU serve may use "
+        "(--gpus), or 2 when it sees no GPU.",
+    )
     sim: SimSettings = field(default_factory=SimSettings)
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     log_level: str = "INFO"
     log_format: str = "text"
     curve_secret_key: str | None = None  # the broker's: its local workers use its key pair
-    max_starting: int | None = None  # worker processes starting at once; None: default_max_starting()
+    #: Worker processes starting at once; None: default_max_starting().
+    max_starting: int | None = setting(None, kind=int, min=1, optional=True)
     gpus: tuple[int, ...] | None = None
-    workers_per_gpu: int = 1
+    workers_per_gpu: int = setting(
+        1,
+        kind=int,
+        min=1,
+        max=MAX_WORKERS_PER_GPU,
+        help="Most workers of one model on one GPU; without --workers, each model gets this many per GPU.",
+    )
     model_gpus: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # pinned models, by name
     model_workers: Mapping[str, int] = field(default_factory=dict)  # worker counts, by model name
     #: Intra-op threads of each worker's ONNX session; None: the cores divided among the workers.
-    threads_per_worker: int | None = None
+    threads_per_worker: int | None = setting(None, kind=int, min=1, max=MAX_THREADS, optional=True)
     #: By model name, the batch sizes its workers' warm-up runs; None: no warm-up (--no-warmup).
     warmup_sizes: Mapping[str, tuple[int, ...]] | None = field(default_factory=dict)
     #: A step-level model's most sequences per worker, and when it admits new ones.
@@ -68,20 +85,12 @@ class PoolSettings:
     #: --pin-cpus: each worker on cores of its own, the broker on the rest (CpuPlan).
     pin_cpus: bool = False
     #: The most elements a stacked model's padded batch may hold (--max-padded-elements).
-    max_padded_elements: int = MAX_PADDED_ELEMENTS
+    max_padded_elements: int = max_padded_elements_setting()
     #: By model name, the file of the input its warm-up runs on (a table's warmup_sample).
     warmup_samples: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.workers_per_model is not None and self.workers_per_model < 0:
-            raise ValueError(f"workers must be >= 0, got {self.workers_per_model}")
-        if self.max_starting is not None and self.max_starting < 1:
-            raise ValueError(f"max_starting must be >= 1, got {self.max_starting}")
-        check_max_padded_elements(self.max_padded_elements)
-        if self.workers_per_gpu < 1:
-            raise ValueError(f"workers_per_gpu must be >= 1, got {self.workers_per_gpu}")
-        if self.threads_per_worker is not None and self.threads_per_worker < 1:
-            raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
+        check(self)
         for name, count in self.model_workers.items():
             if count < 0:
                 raise ValueError(f"workers of model {name!r} must be >= 0, got {count}")

@@ -24,6 +24,7 @@ import zmq
 
 from batcher.errors import ModelLoadError, SettingsError
 from batcher.extras import extra_of, install_command
+from batcher.settings import MAX_GPU, MAX_PID, MAX_THREADS, check, setting
 from batcher.transport.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
 from batcher.transport.security import secure_client
 from batcher.transport.stopping import ignore_stop_signals
@@ -55,12 +56,11 @@ from workers.connection import (  # re-exported, as before the split
 )
 from workers.exit_codes import EXIT_BAD_ADDRESS, EXIT_HUNG
 from workers.models import (
-    MAX_PADDED_ELEMENTS,
     ModelFn,
     ModelSpec,
     SimSettings,
-    check_max_padded_elements,
     load_model,
+    max_padded_elements_setting,
 )
 from workers.overlap import ModelThread
 from workers.placement import pin_to
@@ -75,46 +75,51 @@ class WorkerSettings:
 
     connect: str = "tcp://127.0.0.1:5556"
     model: str = "sim"
-    gpu: int | None = None
+    gpu: int | None = setting(
+        None, kind=int, min=0, max=MAX_GPU, optional=True, help="GPU id (sets CUDA_VISIBLE_DEVICES)."
+    )
     sim: SimSettings = field(default_factory=SimSettings)
-    parent_pid: int | None = None
+    parent_pid: int | None = setting(None, kind=int, min=1, max=MAX_PID, optional=True)
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     curve_server_key: str | None = None  # the broker's public key file: turns CURVE on
     curve_secret_key: str | None = None  # this worker's key pair (.key_secret)
-    threads: int | None = None  # an ONNX session's intra-op threads; None: every core
+    #: An ONNX session's intra-op threads; None: every core.
+    threads: int | None = setting(
+        None, kind=int, min=1, max=MAX_THREADS, optional=True, label="threads_per_worker"
+    )
     #: Before READY, run the model at these batch sizes on zero inputs of its signature
     #: and announce the fitted cost (workers/warmup.py); () skips it (--no-warmup).
     warmup_sizes: tuple[int, ...] = (1, 2, 4, 8)
     #: A step-level model's most sequences at once: its credit at the broker.
-    max_active: int = 32
+    max_active: int = setting(
+        32,
+        kind=int,
+        min=1,
+        max=protocol.MAX_ACTIVE,
+        message="max_active must be an int in [{min}, {max}], got {value!r}",
+        help="Step-level models: most sequences a worker generates at once (its credit at the "
+        "broker, which sends it a request per free slot).",
+    )
     #: When a step-level model admits new sequences (workers/steps.py): "step", between
     #: any two steps; "request", once all it holds have ended (the baseline).
     batching_level: str = BatchingLevel.STEP.value
     #: The CPUs this worker and every thread it starts run on (--cpus); None: not pinned.
     cpus: tuple[int, ...] | None = None
     #: The most elements a stacked model's padded batch may hold (workers/stacking.py).
-    max_padded_elements: int = MAX_PADDED_ELEMENTS
+    max_padded_elements: int = max_padded_elements_setting()
     #: A JSON file of one request's input for the warm-up (--warmup-sample); None: the
     #: model's own warmup_sample, else zeros of its signature.
     warmup_sample: str | None = None
 
     def __post_init__(self) -> None:
         ModelSpec.parse(self.model)  # raises with a precise message
-        if type(self.max_active) is not int or not 1 <= self.max_active <= protocol.MAX_ACTIVE:
-            raise SettingsError(
-                f"max_active must be an int in [1, {protocol.MAX_ACTIVE}], got {self.max_active!r}"
-            )
+        check(self)
         if self.batching_level not in BATCHING_LEVELS:
             raise SettingsError(
                 f"batching_level must be one of {', '.join(BATCHING_LEVELS)}, got {self.batching_level!r}"
             )
-        if self.threads is not None and self.threads < 1:
-            raise SettingsError(f"threads_per_worker must be >= 1, got {self.threads}")
         if not all(type(n) is int and n >= 1 for n in self.warmup_sizes):
             raise SettingsError(f"warmup sizes must be ints >= 1, got {list(self.warmup_sizes)}")
-        if self.gpu is not None and self.gpu < 0:
-            raise SettingsError(f"gpu must be >= 0, got {self.gpu}")
-        check_max_padded_elements(self.max_padded_elements)
         if self.cpus is not None and (not self.cpus or not all(type(c) is int and c >= 0 for c in self.cpus)):
             raise SettingsError(f"cpus must be a non-empty list of ids >= 0, got {self.cpus!r}")
 

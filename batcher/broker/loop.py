@@ -34,6 +34,15 @@ from batcher.core.scheduler import BatchSettings, Scheduler
 from batcher.core.streams import Streams
 from batcher.errors import BindError as BindError  # its older home
 from batcher.errors import SettingsError
+from batcher.settings import (
+    MAX_MESSAGE_BYTES,
+    MAX_PORT,
+    MAX_PREFETCH,
+    MAX_RETRIES,
+    MAX_TIMEOUT_MS,
+    check,
+    setting,
+)
 from batcher.transport.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
 from batcher.transport.security import CurveGate, CurveServerKeys, HandshakeWatch, secure_server
 from batcher.transport.stopping import StopSignals
@@ -58,22 +67,68 @@ class BrokerSettings:
     models: tuple[str, ...] = ("sim",)
     batch: BatchSettings = field(default_factory=BatchSettings)
     per_model: dict[str, BatchSettings] = field(default_factory=dict)
-    default_timeout_ms: float = 0.0
-    worker_prefetch: int = 2
+    default_timeout_ms: float = setting(
+        0.0, min=0, max=MAX_TIMEOUT_MS, help="Deadline for requests that carry no timeout_ms (0: none)."
+    )
+    worker_prefetch: int = setting(
+        2,
+        kind=int,
+        min=1,
+        max=MAX_PREFETCH,
+        help="Batches a worker may hold at once (the next one waits on the worker).",
+    )
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
-    max_retries: int = 1
-    max_message_bytes: int = 16 * 1024 * 1024
+    max_retries: int = setting(
+        1,
+        kind=int,
+        min=0,
+        max=MAX_RETRIES,
+        help="Re-dispatches of a batch whose worker died, before its requests get worker_failed.",
+    )
+    max_message_bytes: int = setting(
+        16 * 1024 * 1024,
+        kind=int,
+        min=1024,
+        max=MAX_MESSAGE_BYTES,
+        help="Largest request accepted: a bigger one is answered too_large; a frame over "
+        "4 x this (the hard limit) makes libzmq drop its sender's connection.",
+    )
     curve: CurveServerKeys | None = None
-    metrics_port: int | None = None
+    metrics_port: int | None = setting(
+        None,
+        kind=int,
+        min=1,
+        max=MAX_PORT,
+        optional=True,
+        help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST: --metrics-host).",
+    )
     #: A batch running longer than this is taken for hung (its worker stopped, its requests
     #: retried); None: 10 x n x the learned t(1), at least 1 s (60 s for a model's first batch).
-    batch_timeout_ms: float | None = None
+    batch_timeout_ms: float | None = setting(
+        None,
+        min=0,
+        min_exclusive=True,
+        max=MAX_TIMEOUT_MS,
+        optional=True,
+        noun="a finite number",
+        help="A batch running longer is taken for hung: its worker is stopped (serve kills and "
+        "respawns its own) and its requests are retried within --max-retries. Default: "
+        "10 x n x the model's learned time for one request, at least 1 s (60 s before its "
+        "first batch was answered).",
+    )
     #: Where the metrics endpoint listens: loopback unless asked (it has no authentication).
     metrics_host: str = "127.0.0.1"
-    shutdown_grace_s: float = 10.0
+    shutdown_grace_s: float = setting(10.0, min=0)
     #: A request for a model that has had no worker this long is answered `unavailable`
     #: (and so is every later one, until a worker joins); 0 waits forever.
-    no_worker_timeout_ms: float = 10_000.0
+    no_worker_timeout_ms: float = setting(
+        10_000.0,
+        min=0,
+        max=MAX_TIMEOUT_MS,
+        noun="a finite number",
+        help="A request for a configured model that has had no worker this long is answered "
+        "unavailable (0: wait forever for a worker).",
+    )
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -81,22 +136,7 @@ class BrokerSettings:
         for name in self.models:
             if not name:
                 raise SettingsError("model names must be non-empty")
-        if not self.default_timeout_ms >= 0:
-            raise SettingsError(f"default_timeout_ms must be >= 0, got {self.default_timeout_ms}")
-        if not isinstance(self.worker_prefetch, int) or self.worker_prefetch < 1:
-            raise SettingsError(f"worker_prefetch must be >= 1, got {self.worker_prefetch}")
-        if not isinstance(self.max_retries, int) or self.max_retries < 0:
-            raise SettingsError(f"max_retries must be >= 0, got {self.max_retries}")
-        if not isinstance(self.max_message_bytes, int) or self.max_message_bytes < 1024:
-            raise SettingsError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
-        if not self.shutdown_grace_s >= 0:
-            raise SettingsError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
-        if self.batch_timeout_ms is not None and not 0 < self.batch_timeout_ms < math.inf:
-            raise SettingsError(f"batch_timeout_ms must be a finite number > 0, got {self.batch_timeout_ms}")
-        if not 0 <= self.no_worker_timeout_ms < math.inf:
-            raise SettingsError(
-                f"no_worker_timeout_ms must be a finite number >= 0, got {self.no_worker_timeout_ms}"
-            )
+        check(self)
 
     @property
     def default_model(self) -> str:

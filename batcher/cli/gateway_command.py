@@ -10,37 +10,24 @@ import zmq
 
 from batcher.cli.option_groups import ClientKeys, connect_option, curve_client_options
 from batcher.cli.options import (
-    MAX_TIMEOUT_MS,
     Decorator,
     LogOptions,
     field_default,
-    float_range,
-    int_range,
     local_option,
     logging_options,
     option,
     option_group,
     require_extra,
+    setting_option,
     setup,
 )
 from batcher.gateway import access
-from batcher.gateway.core import MAX_PROCESSES as MAX_GATEWAY_PROCESSES
 from batcher.gateway.core import GatewaySettings
 from batcher.gateway.process import gateway_command
 from batcher.gateway.processes import check_supported as check_processes_supported
 
-HTTP_PORT_OPTION = option(
-    "--http-port",
-    type=int_range(0, 65535),
-    default=0,
-    help="Serve the Open Inference Protocol (KServe v2) over HTTP on this port (0: not).",
-)
-GRPC_PORT_OPTION = option(
-    "--grpc-port",
-    type=int_range(0, 65535),
-    default=0,
-    help="Serve the Open Inference Protocol (KServe v2) over gRPC on this port (0: not).",
-)
+HTTP_PORT_OPTION = setting_option("--http-port", cls=GatewaySettings, field="http_port")
+GRPC_PORT_OPTION = setting_option("--grpc-port", cls=GatewaySettings, field="grpc_port")
 
 
 @dataclass(frozen=True)
@@ -118,14 +105,8 @@ def gateway_access_options(prefix: str) -> Decorator:
 
 
 def gateway_processes_option(name: str) -> Decorator:
-    return option(
-        name,
-        "processes",
-        envvar="BATCHER_GATEWAY_PROCESSES",
-        type=int_range(1, MAX_GATEWAY_PROCESSES),
-        default=field_default(GatewaySettings, "processes"),
-        help="Gateway processes sharing the HTTP and gRPC ports (SO_REUSEPORT, Linux), each "
-        "with its own link to the broker: up to one a core for HTTP/gRPC parsing (docs/gateway.md).",
+    return setting_option(
+        name, "processes", cls=GatewaySettings, field="processes", envvar="BATCHER_GATEWAY_PROCESSES"
     )
 
 
@@ -142,12 +123,7 @@ GATEWAY_HOST_OPTION = option(
 @HTTP_PORT_OPTION
 @GRPC_PORT_OPTION
 @GATEWAY_HOST_OPTION
-@option(
-    "--request-timeout-ms",
-    type=float_range(0, MAX_TIMEOUT_MS, min_open=True),
-    default=field_default(GatewaySettings, "request_timeout_ms"),
-    help="Longest wait for the broker's reply to a request that sets no timeout of its own.",
-)
+@setting_option("--request-timeout-ms", cls=GatewaySettings, field="request_timeout_ms")
 @gateway_processes_option("--processes")
 @gateway_access_options("")
 @local_option(

@@ -13,16 +13,9 @@ from batcher.broker.loop import BrokerSettings
 from batcher.cli.options import (
     BIND_ADDRESS,
     CONNECT_ADDRESS,
-    MAX_BATCH_COST,
     MAX_BATCH_SIZE,
     MAX_LIVENESS,
-    MAX_MESSAGE_BYTES,
     MAX_MS,
-    MAX_PREFETCH,
-    MAX_QUEUE,
-    MAX_RETRIES,
-    MAX_THREADS,
-    MAX_TIMEOUT_MS,
     Decorator,
     field_default,
     float_range,
@@ -32,12 +25,13 @@ from batcher.cli.options import (
     option_group,
     parse_batch_sizes,
     parse_length_buckets,
+    setting_option,
 )
 from batcher.client.sync import Client
 from batcher.core.scheduler import BUCKET_BY, POLICIES, BatchSettings
 from batcher.transport.security import CurveServerKeys
-from batcher.wire.protocol import MAX_ACTIVE, Heartbeat
-from workers.models import MAX_PADDED_ELEMENTS, SimSettings
+from batcher.wire.protocol import Heartbeat
+from workers.models import SimSettings
 from workers.steps import BATCHING_LEVELS
 from workers.worker import WorkerSettings
 
@@ -65,11 +59,10 @@ backend_option = option(
 
 def threads_option(default_text: str) -> Decorator:
     """--threads-per-worker, its default described as `default_text`: serve, worker."""
-    return option(
+    return setting_option(
         "--threads-per-worker",
-        type=int_range(1, MAX_THREADS),
-        default=None,
-        show_default=False,
+        cls=WorkerSettings,
+        field="threads",
         help=f"Intra-op threads of each worker's ONNX session. Default: {default_text}.",
     )
 
@@ -85,14 +78,8 @@ no_warmup_option = option(
 
 
 #: --max-padded-elements: serve, worker.
-max_padded_elements_option = option(
-    "--max-padded-elements",
-    type=int_range(1, 2**62),
-    default=MAX_PADDED_ELEMENTS,
-    show_default=True,
-    help="The most elements a stacked model's batch may hold once padded (n x the longest "
-    "shape, summed over its inputs): requests that would pad past it are run in separate "
-    "model calls, and one over it alone is answered bad_request.",
+max_padded_elements_option = setting_option(
+    "--max-padded-elements", cls=WorkerSettings, field="max_padded_elements"
 )
 
 
@@ -231,18 +218,8 @@ heartbeat_options = option_group("heartbeat", _heartbeat, *HEARTBEAT_FLAGS)
 
 #: How each model's requests are queued and batched: BatchSettings' fields, by name.
 BATCHING_FLAGS = (
-    option(
-        "--max-batch-size",
-        type=int_range(1, MAX_BATCH_SIZE),
-        default=BatchSettings().max_batch_size,
-        help="Largest batch sent to a worker.",
-    ),
-    option(
-        "--max-wait-ms",
-        type=float_range(0, MAX_MS),
-        default=BatchSettings().max_wait_ms,
-        help="Longest a request waits for its batch to fill.",
-    ),
+    setting_option("--max-batch-size", cls=BatchSettings, field="max_batch_size"),
+    setting_option("--max-wait-ms", cls=BatchSettings, field="max_wait_ms"),
     option(
         "--policy",
         type=click.Choice(POLICIES),
@@ -257,26 +234,9 @@ BATCHING_FLAGS = (
         help=f"Allowed batch sizes, e.g. 1,2,4,8 (must start at 1; each 1..{MAX_BATCH_SIZE}); "
         "a batch is cut to the largest the queue fills.",
     ),
-    option(
-        "--max-queue",
-        type=int_range(1, MAX_QUEUE),
-        default=BatchSettings().max_queue,
-        help="Queued requests per model.",
-    ),
-    option(
-        "--priority-aging-ms",
-        type=float_range(0, MAX_TIMEOUT_MS),
-        default=BatchSettings().priority_aging_ms,
-        help="A waiting request gains one priority level each this many ms, so a flood of "
-        "higher priorities cannot starve the rest (0: strict priority).",
-    ),
-    option(
-        "--max-batch-cost",
-        type=float_range(0, MAX_BATCH_COST, min_open=True),
-        default=None,
-        help="Largest sum of the requests' `cost` (tokens, pixels, bytes; 1 when a request "
-        "gives none) in one batch; a lone request over it runs alone. Default: no cap.",
-    ),
+    setting_option("--max-queue", cls=BatchSettings, field="max_queue"),
+    setting_option("--priority-aging-ms", cls=BatchSettings, field="priority_aging_ms"),
+    setting_option("--max-batch-cost", cls=BatchSettings, field="max_batch_cost"),
     option(
         "--bucket-by",
         type=click.Choice(BUCKET_BY),
@@ -314,53 +274,13 @@ class BrokerOptions:
 
 
 BROKER_FLAGS = (
-    option(
-        "--default-timeout-ms",
-        type=float_range(0, MAX_TIMEOUT_MS),
-        default=BrokerSettings().default_timeout_ms,
-        help="Deadline for requests that carry no timeout_ms (0: none).",
-    ),
-    option(
-        "--worker-prefetch",
-        type=int_range(1, MAX_PREFETCH),
-        default=BrokerSettings().worker_prefetch,
-        help="Batches a worker may hold at once (the next one waits on the worker).",
-    ),
-    option(
-        "--max-retries",
-        type=int_range(0, MAX_RETRIES),
-        default=BrokerSettings().max_retries,
-        help="Re-dispatches of a batch whose worker died, before its requests get worker_failed.",
-    ),
-    option(
-        "--max-message-bytes",
-        type=int_range(1024, MAX_MESSAGE_BYTES),
-        default=BrokerSettings().max_message_bytes,
-        help="Largest request accepted: a bigger one is answered too_large; a frame over "
-        "4 x this (the hard limit) makes libzmq drop its sender's connection.",
-    ),
-    option(
-        "--no-worker-timeout-ms",
-        type=float_range(0, MAX_TIMEOUT_MS),
-        default=BrokerSettings().no_worker_timeout_ms,
-        help="A request for a configured model that has had no worker this long is answered "
-        "unavailable (0: wait forever for a worker).",
-    ),
-    option(
-        "--metrics-port",
-        type=int_range(1, 65535),
-        default=BrokerSettings().metrics_port,
-        help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST: --metrics-host).",
-    ),
-    option(
-        "--batch-timeout-ms",
-        type=float_range(0, MAX_TIMEOUT_MS, min_open=True),
-        default=None,
-        help="A batch running longer is taken for hung: its worker is stopped (serve kills and "
-        "respawns its own) and its requests are retried within --max-retries. Default: "
-        "10 x n x the model's learned time for one request, at least 1 s (60 s before its "
-        "first batch was answered).",
-    ),
+    setting_option("--default-timeout-ms", cls=BrokerSettings, field="default_timeout_ms"),
+    setting_option("--worker-prefetch", cls=BrokerSettings, field="worker_prefetch"),
+    setting_option("--max-retries", cls=BrokerSettings, field="max_retries"),
+    setting_option("--max-message-bytes", cls=BrokerSettings, field="max_message_bytes"),
+    setting_option("--no-worker-timeout-ms", cls=BrokerSettings, field="no_worker_timeout_ms"),
+    setting_option("--metrics-port", cls=BrokerSettings, field="metrics_port"),
+    setting_option("--batch-timeout-ms", cls=BrokerSettings, field="batch_timeout_ms"),
     option(
         "--metrics-host",
         default=BrokerSettings().metrics_host,
@@ -383,30 +303,10 @@ def _sim(
 sim_options = option_group(
     "sim",
     _sim,
-    option(
-        "--sim-base-ms",
-        type=float_range(0, MAX_MS),
-        default=SimSettings().base_ms,
-        help="sim model: fixed cost of one batch.",
-    ),
-    option(
-        "--sim-per-item-ms",
-        type=float_range(0, MAX_MS),
-        default=SimSettings().per_item_ms,
-        help="sim model: added cost per request in a batch.",
-    ),
-    option(
-        "--simlm-step-base-ms",
-        type=float_range(0, MAX_MS),
-        default=SimSettings().step_base_ms,
-        help="simlm model: fixed cost of one step (one token for every active sequence).",
-    ),
-    option(
-        "--simlm-step-per-seq-ms",
-        type=float_range(0, MAX_MS),
-        default=SimSettings().step_per_seq_ms,
-        help="simlm model: added cost per active sequence in a step.",
-    ),
+    setting_option("--sim-base-ms", cls=SimSettings, field="base_ms"),
+    setting_option("--sim-per-item-ms", cls=SimSettings, field="per_item_ms"),
+    setting_option("--simlm-step-base-ms", cls=SimSettings, field="step_base_ms"),
+    setting_option("--simlm-step-per-seq-ms", cls=SimSettings, field="step_per_seq_ms"),
 )
 
 
@@ -422,13 +322,7 @@ class StepOptions:
 step_options = option_group(
     "steps",
     StepOptions,
-    option(
-        "--max-active",
-        type=int_range(1, MAX_ACTIVE),
-        default=field_default(WorkerSettings, "max_active"),
-        help="Step-level models: most sequences a worker generates at once (its credit at the "
-        "broker, which sends it a request per free slot).",
-    ),
+    setting_option("--max-active", cls=WorkerSettings, field="max_active"),
     option(
         "--batching-level",
         type=click.Choice(BATCHING_LEVELS),

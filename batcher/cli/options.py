@@ -18,7 +18,6 @@ the groups several commands use are in `batcher.cli.option_groups`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -31,6 +30,46 @@ import click
 
 from batcher.extras import MissingExtra, require
 from batcher.logs import FORMATS, setup_logging
+from batcher.settings import (  # re-exported: the bounds of the options
+    MAX_BATCH_COST as MAX_BATCH_COST,
+)
+from batcher.settings import (
+    MAX_BATCH_SIZE as MAX_BATCH_SIZE,
+)
+from batcher.settings import (
+    MAX_GPU as MAX_GPU,
+)
+from batcher.settings import (
+    MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES,
+)
+from batcher.settings import (
+    MAX_MS as MAX_MS,
+)
+from batcher.settings import (
+    MAX_PREFETCH as MAX_PREFETCH,
+)
+from batcher.settings import (
+    MAX_QUEUE as MAX_QUEUE,
+)
+from batcher.settings import (
+    MAX_RETRIES as MAX_RETRIES,
+)
+from batcher.settings import (
+    MAX_THREADS as MAX_THREADS,
+)
+from batcher.settings import (
+    MAX_TIMEOUT_MS as MAX_TIMEOUT_MS,
+)
+from batcher.settings import (
+    MAX_WORKERS as MAX_WORKERS,
+)
+from batcher.settings import (
+    MAX_WORKERS_PER_GPU as MAX_WORKERS_PER_GPU,
+)
+from batcher.settings import (
+    bounds,
+)
+from batcher.settings import default as settings_default
 from batcher.transport.addresses import check_address
 from workers.models import ONNX_PREFIX, ModelSpec
 
@@ -41,26 +80,12 @@ log = logging.getLogger("batcher.cli")
 #: How often `batcher ready` asks the broker again while a model has no worker.
 READY_POLL_S = 0.2
 
-# Upper bounds of the numeric options, shown by --help. Each is finite, far above any
-# useful setting, and small enough for where the value ends up: poll timeouts in whole
-# milliseconds, libzmq's int64 options, msgpack's 32-bit lengths, one process per worker.
-MAX_MS = 60_000.0  # heartbeat interval, batch window, simulated batch costs: one minute
-MAX_TIMEOUT_MS = 86_400_000.0  # request deadlines: one day
-MAX_BATCH_COST = 1e15  # a batch's summed request costs (tokens, pixels, bytes)
+# Upper bounds of the numeric options, shown by --help: those of a settings field are
+# declared with it (batcher.settings); the others' are here.
 MAX_TIMEOUT_S = MAX_TIMEOUT_MS / 1000  # a client's wait for a reply: one day
-MAX_BATCH_SIZE = 4096
-#: The most intra-op threads one worker's session may get (--threads-per-worker).
-MAX_THREADS = 1024
 #: The largest length bucket bound (--length-buckets).
 MAX_LENGTH = 2**31
-MAX_QUEUE = 10_000_000  # requests per model
-MAX_WORKERS = 256  # worker processes per model
-MAX_WORKERS_PER_GPU = 64
-MAX_GPU = 65_535  # serve numbers its workers' GPUs across models: up to MAX_WORKERS each
-MAX_PREFETCH = 64
-MAX_RETRIES = 100
 MAX_LIVENESS = 100
-MAX_MESSAGE_BYTES = 1 << 30  # 1 GiB: bigger inputs belong in shared storage, not a message
 MAX_BENCH_S = 86_400.0
 MAX_RATE = 1_000_000.0
 MAX_CONCURRENCY = 100_000
@@ -205,8 +230,32 @@ def option_group(into: str, build: Callable[..., Any], *options: Decorator) -> D
 def field_default(cls: Any, name: str) -> Any:
     """The default of field `name` of dataclass `cls`, for a class that cannot be built
     without arguments (PoolSettings needs its models)."""
-    (f,) = [f for f in dataclasses.fields(cls) if f.name == name]
-    return f.default
+    return settings_default(cls, name)
+
+
+def setting_type(cls: Any, name: str) -> click.IntRange | FiniteFloatRange:
+    """The click type of the settings field `name` of `cls` (batcher.settings): its
+    bounds, both shown by --help."""
+    b = bounds(cls, name)
+    if b.min is None or b.max is None:
+        raise LookupError(f"{cls.__name__}.{name} needs both bounds to be an option")
+    if b.kind is int:
+        return click.IntRange(min=int(b.min), max=int(b.max), min_open=b.min_exclusive)
+    return FiniteFloatRange(min=b.min, max=b.max, min_open=b.min_exclusive)
+
+
+def setting_option(*decls: str, cls: Any, field: str, **kwargs: Any) -> Decorator:
+    """`option` for the settings field `field` of dataclass `cls`: its type (the field's
+    bounds), its default and its help come from the field, so a bound is declared once
+    (batcher.settings). `kwargs` (an envvar, a help that names the command's default...)
+    go to `option`, and win."""
+    kwargs.setdefault("type", setting_type(cls, field))
+    kwargs.setdefault("default", settings_default(cls, field))
+    if bounds(cls, field).help:
+        kwargs.setdefault("help", bounds(cls, field).help)
+    if kwargs["default"] is None:
+        kwargs.setdefault("show_default", False)
+    return option(*decls, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -36,16 +36,13 @@ from batcher.cli.option_groups import (
 )
 from batcher.cli.options import (
     MAX_GPU,
-    MAX_WORKERS,
-    MAX_WORKERS_PER_GPU,
     LogOptions,
     check_models,
-    field_default,
-    int_range,
     logging_options,
     option,
     parse_gpus,
     require_extra,
+    setting_option,
     setup,
     text_callback,
 )
@@ -228,14 +225,7 @@ def served_name(text: str) -> str:
 @click.command()
 @frontend_option
 @backend_option
-@option(
-    "--workers",
-    type=int_range(0, MAX_WORKERS),
-    default=None,
-    show_default=False,
-    help="Worker processes per model. Default: --workers-per-gpu on each GPU serve may use "
-    "(--gpus), or 2 when it sees no GPU.",
-)
+@setting_option("--workers", cls=PoolSettings, field="workers_per_model")
 @option(
     "--gpus",
     callback=text_callback(parse_gpus),
@@ -243,12 +233,7 @@ def served_name(text: str) -> str:
     show_default=False,
     help=f"GPU ids the workers may use, e.g. 0,1 (each 0..{MAX_GPU}). Default: the visible devices.",
 )
-@option(
-    "--workers-per-gpu",
-    type=int_range(1, MAX_WORKERS_PER_GPU),
-    default=field_default(PoolSettings, "workers_per_gpu"),
-    help="Most workers of one model on one GPU; without --workers, each model gets this many per GPU.",
-)
+@setting_option("--workers-per-gpu", cls=PoolSettings, field="workers_per_gpu")
 @option(
     "--model",
     "models",

@@ -22,7 +22,6 @@ from batcher.cli.option_groups import (
 )
 from batcher.cli.options import (
     CONNECT_ADDRESS,
-    MAX_GPU,
     LogOptions,
     check_models,
     int_list_callback,
@@ -31,6 +30,7 @@ from batcher.cli.options import (
     logging_options,
     option,
     parse_batch_sizes,
+    setting_option,
     setup,
     text_callback,
 )
@@ -57,7 +57,7 @@ from workers.worker import ModelLoadError, WorkerSettings, run_worker
     default=WorkerSettings().model,
     help="The model to load: sim, echo, pkg.module:attr, onnx:PATH or NAME=SPEC.",
 )
-@option("--gpu", type=int_range(0, MAX_GPU), default=None, help="GPU id (sets CUDA_VISIBLE_DEVICES).")
+@setting_option("--gpu", cls=WorkerSettings, field="gpu")
 @threads_option("every core (one worker); `serve` divides the cores among its workers")
 @option(
     "--cpus",
@@ -83,7 +83,7 @@ from workers.worker import ModelLoadError, WorkerSettings, run_worker
     "(serve: a model table's warmup_sample).",
 )
 @max_padded_elements_option
-@option("--parent-pid", type=int_range(1, 2**31 - 1), default=None, hidden=True)
+@setting_option("--parent-pid", cls=WorkerSettings, field="parent_pid", hidden=True)
 @local_option(
     "--load-error-fd",
     type=int_range(0, 2**31 - 1),

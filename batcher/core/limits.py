@@ -8,11 +8,11 @@ built, so the scheduler (batcher.core.scheduler) never meets one.
 from __future__ import annotations
 
 import bisect
-import math
 from dataclasses import dataclass
 from enum import StrEnum
 
 from batcher.errors import SettingsError
+from batcher.settings import MAX_BATCH_COST, MAX_BATCH_SIZE, MAX_QUEUE, MAX_TIMEOUT_MS, check, setting
 
 
 class Policy(StrEnum):
@@ -35,39 +35,47 @@ FIRST_BATCH_LIMIT_S = 60.0
 class BatchSettings:
     """How one model's requests are queued and grouped into batches."""
 
-    max_batch_size: int = 8
-    max_wait_ms: float = 5.0
+    max_batch_size: int = setting(
+        8, kind=int, min=1, max=MAX_BATCH_SIZE, int_message=True, help="Largest batch sent to a worker."
+    )
+    max_wait_ms: float = setting(
+        5.0,
+        min=0,
+        max=MAX_TIMEOUT_MS,  # not MAX_MS: a window of an hour is a scheduler's to take (tests do)
+        noun="a finite number",
+        help="Longest a request waits for its batch to fill.",
+    )
     batch_sizes: tuple[int, ...] | None = None
-    max_queue: int = 10_000
+    max_queue: int = setting(
+        10_000, kind=int, min=1, max=MAX_QUEUE, int_message=True, help="Queued requests per model."
+    )
     policy: Policy = Policy.ADAPTIVE
-    max_batch_cost: float | None = None
-    priority_aging_ms: float = 0.0  # 0: priority is strict
+    max_batch_cost: float | None = setting(
+        None,
+        min=0,
+        min_exclusive=True,
+        max=MAX_BATCH_COST,
+        optional=True,
+        noun="a finite number",
+        help="Largest sum of the requests' `cost` (tokens, pixels, bytes; 1 when a request "
+        "gives none) in one batch; a lone request over it runs alone. Default: no cap.",
+    )
+    priority_aging_ms: float = setting(  # 0: priority is strict
+        0.0,
+        min=0,
+        max=MAX_TIMEOUT_MS,
+        noun="a finite number",
+        help="A waiting request gains one priority level each this many ms, so a flood of "
+        "higher priorities cannot starve the rest (0: strict priority).",
+    )
     bucket_by: str | None = None  # "length": requests of different length buckets never share a batch
     length_buckets: tuple[int, ...] | None = None  # the buckets' upper bounds, e.g. (16, 32, 64, 128)
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_queue"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise SettingsError(f"{name} must be an int, got {value!r}")
-        if self.max_batch_size < 1:
-            raise SettingsError(f"max_batch_size must be >= 1, got {self.max_batch_size!r}")
-        wait = self.max_wait_ms
-        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait < math.inf:
-            raise SettingsError(f"max_wait_ms must be a finite number >= 0, got {wait!r}")
-        if self.max_queue < 1:
-            raise SettingsError(f"max_queue must be >= 1, got {self.max_queue!r}")
+        check(self)
         if self.policy not in POLICIES:
             raise SettingsError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         object.__setattr__(self, "policy", Policy(self.policy))  # a plain str is accepted
-        aging = self.priority_aging_ms
-        if isinstance(aging, bool) or not isinstance(aging, int | float) or not 0 <= aging < math.inf:
-            raise SettingsError(f"priority_aging_ms must be a finite number >= 0, got {aging!r}")
-        cap = self.max_batch_cost
-        if cap is not None and (
-            isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 < cap < math.inf
-        ):
-            raise SettingsError(f"max_batch_cost must be a finite number > 0, got {cap!r}")
         if self.batch_sizes is not None:
             sizes = self.batch_sizes
             if not all(type(n) is int for n in sizes):

@@ -25,6 +25,7 @@ from batcher.core.link import Backoff, Drop, PeerLink
 from batcher.errors import SettingsError
 from batcher.gateway import oip
 from batcher.gateway.bodies import pack_request
+from batcher.settings import MAX_PORT, MAX_TIMEOUT_MS, check, setting
 from batcher.transport.connection_watch import ConnectionWatch
 from batcher.transport.zmqio import readable, recv_frames, send_frames
 from batcher.wire import protocol, tensor
@@ -60,6 +61,8 @@ EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 #: of some 50 MB with a link of its own to the broker; more than the host's cores only
 #: adds memory and broker connections.
 MAX_PROCESSES = 256
+#: What a bad port of the gateway is told.
+_PORT_MESSAGE = "{label} must be in {min}..{max}, got {value!r}"
 
 
 @dataclass(frozen=True)
@@ -68,12 +71,32 @@ class GatewaySettings:
 
     connect: str = "tcp://127.0.0.1:5555"
     host: str = "127.0.0.1"
-    http_port: int = 0
-    grpc_port: int = 0
+    http_port: int = setting(
+        0,
+        kind=int,
+        min=0,
+        max=MAX_PORT,
+        message=_PORT_MESSAGE,
+        help="Serve the Open Inference Protocol (KServe v2) over HTTP on this port (0: not).",
+    )
+    grpc_port: int = setting(
+        0,
+        kind=int,
+        min=0,
+        max=MAX_PORT,
+        message=_PORT_MESSAGE,
+        help="Serve the Open Inference Protocol (KServe v2) over gRPC on this port (0: not).",
+    )
     #: How long the gateway waits for the broker's reply to a request without a timeout.
-    request_timeout_ms: float = 30_000.0
+    request_timeout_ms: float = setting(
+        30_000.0,
+        min=0,
+        min_exclusive=True,
+        max=MAX_TIMEOUT_MS,
+        help="Longest wait for the broker's reply to a request that sets no timeout of its own.",
+    )
     #: How long a health or metadata question waits for the broker.
-    probe_timeout_ms: float = 2_000.0
+    probe_timeout_ms: float = setting(2_000.0, min=0, min_exclusive=True)
     #: The most bytes of outputs one response may hold (HTTP body, gRPC message).
     max_response_bytes: int = 256 * 1024 * 1024
     curve_server_key: str | None = None
@@ -85,23 +108,20 @@ class GatewaySettings:
     tls_key_file: str | None = None
     #: How many processes serve the ports, sharing them (SO_REUSEPORT; docs/gateway.md,
     #: "Several processes"): 1 is one process, exclusive on its ports.
-    processes: int = 1
+    processes: int = setting(
+        1,
+        kind=int,
+        min=1,
+        max=MAX_PROCESSES,
+        message="processes (the gateway's --processes) must be an integer in {min}..{max}, got {value!r}",
+        help="Gateway processes sharing the HTTP and gRPC ports (SO_REUSEPORT, Linux), each "
+        "with its own link to the broker: up to one a core for HTTP/gRPC parsing (docs/gateway.md).",
+    )
 
     def __post_init__(self) -> None:
-        if type(self.processes) is not int or not 1 <= self.processes <= MAX_PROCESSES:
-            raise SettingsError(
-                f"processes (the gateway's --processes) must be an integer in 1..{MAX_PROCESSES}, "
-                f"got {self.processes!r}"
-            )
-        for name in ("http_port", "grpc_port"):
-            port = getattr(self, name)
-            if not 0 <= port <= 65535:
-                raise SettingsError(f"{name} must be in 0..65535, got {port}")
+        check(self)
         if not self.http_port and not self.grpc_port:
             raise SettingsError("give --http-port or --grpc-port (or both): the gateway serves neither")
-        for name in ("request_timeout_ms", "probe_timeout_ms"):
-            if not getattr(self, name) > 0:
-                raise SettingsError(f"{name} must be > 0, got {getattr(self, name)}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise SettingsError("--tls-cert-file and --tls-key-file go together: give both or neither")
 
