@@ -33,6 +33,13 @@ MAX_RETRIES = 100
 MAX_MESSAGE_BYTES = 1 << 30  # 1 GiB: bigger inputs belong in shared storage, not a message
 MAX_PORT = 65_535
 MAX_PID = 2**31 - 1
+#: `batcher bench`'s load: seconds of it, arrivals per second, requests in flight or in
+#: all, load generator processes.
+MAX_BENCH_S = 86_400.0
+MAX_RATE = 1_000_000.0
+MAX_CONCURRENCY = 100_000
+MAX_REQUESTS = 1_000_000_000
+MAX_PROCESSES = 256
 
 #: The metadata key of a field made by `setting`.
 KEY = "batcher.setting"
@@ -46,7 +53,7 @@ class Bounds:
     `noun` words the lower bound's message ("a finite number": "x must be a finite number
     >= 0, got -1"); `int_message` says "x must be an int" of a value that is none;
     `message`, when given, is the one message of every refusal (formatted with label, min,
-    max and value)."""
+    max and value); `not_finite`, when given, that of a NaN or an infinity."""
 
     kind: type
     min: float | None
@@ -58,6 +65,7 @@ class Bounds:
     int_message: bool = False
     message: str | None = None
     help: str = ""
+    not_finite: str | None = None
 
     def _say(self, template: str, value: Any) -> str:
         return template.format(label=self.label, min=self.min, max=self.max, value=value)
@@ -85,8 +93,10 @@ class Bounds:
                 if self.int_message and self.message is None:
                     return f"{self.label} must be an int, got {value!r}"
                 return self.below(value)
-        elif isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        elif isinstance(value, bool) or not isinstance(value, int | float):
             return self.below(value)
+        elif not math.isfinite(value):
+            return self.below(value) if self.not_finite is None else self._say(self.not_finite, value)
         if self.min is not None and (value <= self.min if self.min_exclusive else value < self.min):
             return self.below(value)
         if self.max is not None and value > self.max:
@@ -107,11 +117,13 @@ def setting(
     int_message: bool = False,
     message: str | None = None,
     help: str = "",
+    not_finite: str | None = None,
 ) -> Any:
     """A dataclass field with default `default` whose value `check` holds to the bounds
     (Bounds says what each argument means); `help` is the CLI option's help text."""
     return setting_of(
-        default, Bounds(kind, min, max, min_exclusive, optional, label, noun, int_message, message, help)
+        default,
+        Bounds(kind, min, max, min_exclusive, optional, label, noun, int_message, message, help, not_finite),
     )
 
 

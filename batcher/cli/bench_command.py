@@ -13,6 +13,7 @@ import click
 
 from batcher.broker.loop import BrokerSettings
 from batcher.cli.config_options import config_option
+from batcher.cli.load_settings import LoadSettings
 from batcher.cli.option_groups import (
     BATCHING_FLAGS,
     BROKER_FLAGS,
@@ -26,22 +27,16 @@ from batcher.cli.option_groups import (
 )
 from batcher.cli.options import (
     CONNECT_ADDRESS,
-    MAX_BENCH_S,
-    MAX_CONCURRENCY,
-    MAX_MESSAGE_BYTES,
-    MAX_PROCESSES,
-    MAX_RATE,
-    MAX_REQUESTS,
     MAX_WORKERS,
     MAX_WORKERS_PER_GPU,
     READY_POLL_S,
     LogOptions,
-    float_range,
     int_range,
     local_option,
     logging_options,
     option,
     option_group,
+    setting_option,
     setup,
 )
 from batcher.cli.send_command import parse_input
@@ -50,7 +45,7 @@ from batcher.transport.security import KeyFileError
 from workers.models import SimSettings
 
 if TYPE_CHECKING:  # the load generator loads when bench runs, not with every command
-    from batcher.cli.bench import LoadResult, LoadSettings
+    from batcher.cli.bench import LoadResult
     from batcher.serve.launcher import ServeProcess
 
 
@@ -166,33 +161,12 @@ class BenchOptions:
 bench_options = option_group(
     "opts",
     BenchOptions,
-    option(
-        "--concurrency",
-        type=int_range(1, MAX_CONCURRENCY),
-        default=None,
-        help="Closed loop: requests in flight.",
-    ),
-    option(
-        "--rate",
-        type=float_range(0, MAX_RATE, min_open=True),
-        default=None,
-        help="Open loop: Poisson arrivals per second.",
-    ),
-    option(
-        "--duration",
-        "duration_s",
-        type=float_range(0, MAX_BENCH_S, min_open=True),
-        default=None,
-        help="Seconds of load after warm-up (default 10 unless --requests).",
-    ),
-    option("--requests", type=int_range(1, MAX_REQUESTS), default=None, help="Requests to send in all."),
-    option("--warmup-s", type=float_range(0, MAX_BENCH_S), default=0.0, help="Seconds of load not measured."),
-    option(
-        "--payload-bytes",
-        type=int_range(0, MAX_MESSAGE_BYTES),
-        default=16,
-        help="Size of each request's input.",
-    ),
+    setting_option("--concurrency", cls=LoadSettings, field="concurrency"),
+    setting_option("--rate", cls=LoadSettings, field="rate"),
+    setting_option("--duration", "duration_s", cls=LoadSettings, field="duration_s", default=None),
+    setting_option("--requests", cls=LoadSettings, field="requests"),
+    setting_option("--warmup-s", cls=LoadSettings, field="warmup_s"),
+    setting_option("--payload-bytes", cls=LoadSettings, field="payload_bytes"),
     option(
         "--model",
         envvar="BATCHER_REQUEST_MODEL",
@@ -200,7 +174,7 @@ bench_options = option_group(
         default=None,
         help="Model to ask; with --spawn, the model served (default sim).",
     ),
-    option("--processes", type=int_range(1, MAX_PROCESSES), default=1, help="Load generator processes."),
+    setting_option("--processes", cls=LoadSettings, field="processes"),
     option(
         "--json",
         "json_path",

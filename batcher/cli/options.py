@@ -30,11 +30,17 @@ import click
 
 from batcher.extras import MissingExtra, require
 from batcher.logs import FORMATS, setup_logging
-from batcher.settings import (  # re-exported: the bounds of the options
+from batcher.settings import (
     MAX_BATCH_COST as MAX_BATCH_COST,
 )
 from batcher.settings import (
     MAX_BATCH_SIZE as MAX_BATCH_SIZE,
+)
+from batcher.settings import (  # re-exported: the bounds of the options
+    MAX_BENCH_S as MAX_BENCH_S,
+)
+from batcher.settings import (
+    MAX_CONCURRENCY as MAX_CONCURRENCY,
 )
 from batcher.settings import (
     MAX_GPU as MAX_GPU,
@@ -49,7 +55,16 @@ from batcher.settings import (
     MAX_PREFETCH as MAX_PREFETCH,
 )
 from batcher.settings import (
+    MAX_PROCESSES as MAX_PROCESSES,
+)
+from batcher.settings import (
     MAX_QUEUE as MAX_QUEUE,
+)
+from batcher.settings import (
+    MAX_RATE as MAX_RATE,
+)
+from batcher.settings import (
+    MAX_REQUESTS as MAX_REQUESTS,
 )
 from batcher.settings import (
     MAX_RETRIES as MAX_RETRIES,
@@ -86,11 +101,6 @@ MAX_TIMEOUT_S = MAX_TIMEOUT_MS / 1000  # a client's wait for a reply: one day
 #: The largest length bucket bound (--length-buckets).
 MAX_LENGTH = 2**31
 MAX_LIVENESS = 100
-MAX_BENCH_S = 86_400.0
-MAX_RATE = 1_000_000.0
-MAX_CONCURRENCY = 100_000
-MAX_REQUESTS = 1_000_000_000
-MAX_PROCESSES = 256
 MAX_STATS_S = 3600.0
 MAX_REFRESHES = 1_000_000_000
 #: The range of a [models.NAME] table's `workers` (the workers of that model).
