@@ -127,6 +127,13 @@ def setting(
     )
 
 
+def port(help: str) -> Any:
+    """A setting of a TCP port to listen on, 0 for none: "x must be in 0..65535"."""
+    return setting(
+        0, kind=int, min=0, max=MAX_PORT, message="{label} must be in {min}..{max}, got {value!r}", help=help
+    )
+
+
 def setting_of(default: Any, bounds: Bounds) -> Any:
     """A dataclass field as `setting` makes, of bounds declared once for several fields."""
     return dataclasses.field(default=default, metadata={KEY: bounds})

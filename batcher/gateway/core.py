@@ -25,7 +25,7 @@ from batcher.core.link import Backoff, Drop, PeerLink
 from batcher.errors import SettingsError
 from batcher.gateway import oip
 from batcher.gateway.bodies import pack_request
-from batcher.settings import MAX_PORT, MAX_TIMEOUT_MS, check, setting
+from batcher.settings import MAX_TIMEOUT_MS, check, port, setting
 from batcher.transport.connection_watch import ConnectionWatch
 from batcher.transport.zmqio import readable, recv_frames, send_frames
 from batcher.wire import protocol, tensor
@@ -61,8 +61,6 @@ EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 #: of some 50 MB with a link of its own to the broker; more than the host's cores only
 #: adds memory and broker connections.
 MAX_PROCESSES = 256
-#: What a bad port of the gateway is told.
-_PORT_MESSAGE = "{label} must be in {min}..{max}, got {value!r}"
 
 
 @dataclass(frozen=True)
@@ -71,22 +69,8 @@ class GatewaySettings:
 
     connect: str = "tcp://127.0.0.1:5555"
     host: str = "127.0.0.1"
-    http_port: int = setting(
-        0,
-        kind=int,
-        min=0,
-        max=MAX_PORT,
-        message=_PORT_MESSAGE,
-        help="Serve the Open Inference Protocol (KServe v2) over HTTP on this port (0: not).",
-    )
-    grpc_port: int = setting(
-        0,
-        kind=int,
-        min=0,
-        max=MAX_PORT,
-        message=_PORT_MESSAGE,
-        help="Serve the Open Inference Protocol (KServe v2) over gRPC on this port (0: not).",
-    )
+    http_port: int = port("Serve the Open Inference Protocol (KServe v2) over HTTP on this port (0: not).")
+    grpc_port: int = port("Serve the Open Inference Protocol (KServe v2) over gRPC on this port (0: not).")
     #: How long the gateway waits for the broker's reply to a request without a timeout.
     request_timeout_ms: float = setting(
         30_000.0,
