@@ -18,8 +18,8 @@ from typing import Any
 
 from batcher.errors import SettingsError
 
-MAX_MS = 60_000.0  # heartbeat interval, batch window, simulated batch costs: one minute
-MAX_TIMEOUT_MS = 86_400_000.0  # request deadlines: one day
+MAX_MS = 60_000.0  # simulated batch and step costs (and the heartbeat option): one minute
+MAX_TIMEOUT_MS = 86_400_000.0  # request deadlines, batch windows, priority aging: one day
 MAX_BATCH_COST = 1e15  # a batch's summed request costs (tokens, pixels, bytes)
 MAX_BATCH_SIZE = 4096
 #: The most intra-op threads one worker's session may get (--threads-per-worker).
