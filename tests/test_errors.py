@@ -312,3 +312,93 @@ def test_a_stream_open_when_the_client_closes_raises_client_closed_and_so_does_a
             next(chunks)
         with pytest.raises(ClientClosed, match="is closed"):
             client.stream("after")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("face", FACES)
+def test_request_reply_returns_every_reply_as_a_map_on_every_face(face, error_then_slow) -> None:
+    fb, _ = error_then_slow
+
+    def body(client: Any) -> Any:
+        async def go() -> list[dict[str, Any]]:
+            return [await _await(client.request_reply(x)) for x in ("fine", "bad")]
+
+        return go() if face == "AsyncClient" else asyncio.run(go())
+
+    good, bad = run_on(face, fb.address, body)
+    assert good["ok"] is True and good["output"] == "fine"
+    # An error is data here, not raised.
+    assert bad["ok"] is False and bad["error"] == {"code": "model_error", "message": "boom"}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("face", FACES)
+def test_request_reply_answers_no_reply_in_time_with_a_timeout_map(face, fake_broker) -> None:
+    fb = fake_broker(lambda body: None)  # never answers
+    if face == "AsyncClient":
+
+        async def main() -> dict[str, Any]:
+            ctx = zmq.asyncio.Context()
+            try:
+                async with AsyncClient(fb.address, timeout_s=0.2, context=ctx) as client:
+                    return await client.request_reply("x")
+            finally:
+                ctx.destroy(linger=0)
+
+        reply = asyncio.run(main())
+    else:
+        client: Client | MultiClient
+        if face == "Client":
+            client = Client(fb.address, timeout_s=0.2)
+        else:
+            client = MultiClient([fb.address], 0.2, retries=0)
+        with client:
+            reply = client.request_reply("x")
+    assert reply["ok"] is False and reply["error"]["code"] == "timeout"
+    assert "after 1 attempt(s)" in reply["error"]["message"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("face", FACES)
+def test_control_sends_its_fields_on_every_face(face, fake_broker) -> None:
+    fb = fake_broker(
+        lambda body: {"id": body["id"], "ok": True, "output": {"op": body["op"], "model": body.get("model")}}
+    )
+    out = run_on(face, fb.address, lambda client: client.control("reload", model="sim"))
+    assert out == {"op": "reload", "model": "sim"}
+    assert fb.received[-1]["op"] == "reload" and fb.received[-1]["model"] == "sim"
+
+
+def _streaming_answer(fb_box: list[FakeBroker]) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
+    """Answers a streamed request with two chunks and a last reply; others with themselves."""
+
+    def answer(body: dict[str, Any]) -> dict[str, Any] | None:
+        if not body.get("stream"):
+            return {"id": body["id"], "ok": True, "output": body.get("input")}
+        for i in range(2):
+            fb_box[0].reply_later({"id": body["id"], "ok": True, "output": i, "more": True})
+        fb_box[0].reply_later({"id": body["id"], "ok": True, "output": "end"})
+        return None
+
+    return answer
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("face", FACES)
+def test_stream_yields_every_chunk_on_every_face(face, fake_broker) -> None:
+    box: list[FakeBroker] = []
+    fb = fake_broker(_streaming_answer(box))
+    box.append(fb)
+
+    def body(client: Any) -> Any:
+        if face == "AsyncClient":
+
+            async def go() -> list[Any]:
+                return [chunk async for chunk in client.stream("x")]
+
+            return go()
+        with client.stream("x") as chunks:
+            return list(chunks)
+
+    assert run_on(face, fb.address, body) == [0, 1, "end"]
+    assert fb.received[-1]["stream"] is True

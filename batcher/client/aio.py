@@ -40,6 +40,7 @@ from batcher.client.sync import (
     request_body,
     timeout_reply,
 )
+from batcher.core.expiry import Attempts, TimedOut, expire
 from batcher.errors import SettingsError
 from batcher.transport.connection_watch import CLIENT_EVENTS
 from batcher.wire import protocol, tensor
@@ -183,7 +184,8 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
                             on_sent()
                         return await self._reply_or_unreachable(fut, request_id)
                 except TimeoutError:
-                    if not self._retry_allowed(attempts):
+                    verdict = expire(Attempts(attempts, wait_s), time.monotonic(), self.retries)
+                    if isinstance(verdict, TimedOut):
                         if sent:
                             self._send_cancel(fut, request_id, fields)
                         raise ClientTimeout(
@@ -203,14 +205,15 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         is looked at when due by time: the monitor is read then, not awaited)."""
         since = time.monotonic()
         while True:
-            why = self._unreachable(since)
+            now = time.monotonic()
+            why = self._unreachable(since, now)
             if why is not None:
                 raise Unreachable(why, reply={"id": request_id})
-            due = self._verdict_due(since)
+            due = self._verdict_due(since, now)
             if due is None:
                 return await asyncio.shield(fut)  # shield: a timed-out wait leaves it for a retry
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.001, due - time.monotonic())):
+                async with asyncio.timeout(max(0.001, due - now)):
                     return await asyncio.shield(fut)
 
     def _send_cancel(
@@ -246,9 +249,13 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         cost: float | None = None,
     ) -> dict[str, Any]:
         """Send one request and return the whole reply map (output or error, with
-        metadata such as batch_size and worker); raises only ClientTimeout."""
+        metadata such as batch_size and worker); an error is data here, never raised, and
+        no reply in time is one with code `timeout` (or `unreachable`), as on Client."""
         body = request_body(input, model, timeout_ms, priority, cost)
-        return await self._call(body, reply_wait_s(self.timeout_s, timeout_ms))
+        try:
+            return await self._call(body, reply_wait_s(self.timeout_s, timeout_ms))
+        except ClientTimeout as exc:
+            return timeout_reply(exc.reply.get("id"), exc.message, exc.code)
 
     async def request(
         self,
@@ -259,7 +266,8 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         cost: float | None = None,
     ) -> Any:
         """Send one request and return its output, or raise its typed error."""
-        reply = await self.request_reply(input, model, timeout_ms, priority, cost)
+        body = request_body(input, model, timeout_ms, priority, cost)
+        reply = await self._call(body, reply_wait_s(self.timeout_s, timeout_ms))
         if reply.get("ok"):
             return reply.get("output")
         raise error_from_reply(reply)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Iterable
 from typing import Any, Generic, Protocol, TypeVar
 
+from batcher.core.expiry import Resend, check_retries, expire
 from batcher.errors import BatcherError, SettingsError
 from batcher.transport.connection_watch import (
     ConnectionWatch,
@@ -80,11 +80,6 @@ def timeout_reply(request_id: Any, message: str, code: str = TIMEOUT) -> dict[st
 def cancel_body(request_id: Any) -> bytes:
     """The body asking the broker to drop request `request_id` if it is still queued."""
     return protocol.pack({"id": request_id, "op": "cancel"})
-
-
-def _check_retries(retries: int) -> None:
-    if retries < 0:
-        raise SettingsError(f"retries must be >= 0, got {retries}")
 
 
 def collect(pendings: Iterable[_Awaited], return_exceptions: bool) -> list[Any]:
@@ -166,7 +161,7 @@ class BaseClient(Generic[PendingT]):
         retries: int,
         connect_timeout_s: float | None = CONNECT_TIMEOUT_S,
     ) -> None:
-        _check_retries(retries)
+        check_retries(retries)
         if connect_timeout_s is not None and not connect_timeout_s > 0:
             raise SettingsError(f"connect_timeout_s must be > 0 or None, got {connect_timeout_s}")
         self.address = address
@@ -217,37 +212,35 @@ class BaseClient(Generic[PendingT]):
             self.duplicates_dropped += 1
         return pending
 
-    def _unreachable(self, since: float) -> str | None:
-        """Why no broker can be reached, for a request sent at `since` (None: one may be)."""
+    def _unreachable(self, since: float, now: float) -> str | None:
+        """Why no broker can be reached, at `now`, for a request sent at `since` (None:
+        one may be)."""
         if self.connect_timeout_s is None or self.watch.handshake_ever:
             return None
-        return self.watch.unreachable(since, time.monotonic(), self.connect_timeout_s)
+        return self.watch.unreachable(since, now, self.connect_timeout_s)
 
-    def _verdict_due(self, since: float) -> float | None:
-        """When `_unreachable` is next due to change its mind by time alone (None: never,
-        or only on a monitor event)."""
+    def _verdict_due(self, since: float, now: float) -> float | None:
+        """When `_unreachable` is next due to change its mind by time alone, seen at `now`
+        (None: never, or only on a monitor event)."""
         if self.connect_timeout_s is None or self.watch.handshake_ever:
             return None
         due = self.watch.next_verdict_at(since, self.connect_timeout_s)
-        return due if due is not None and due > time.monotonic() else None
-
-    def _retry_allowed(self, attempts: int) -> bool:
-        """Whether a request sent `attempts` times without a reply in time goes again."""
-        return attempts <= self.retries
+        return due if due is not None and due > now else None
 
     def _timeout_message(self, attempts: int) -> str:
         """Why a request got no reply after `attempts` sends, from the socket's monitor."""
         return f"no reply from {self.address} after {attempts} attempt(s): {self.watch.hint()}"
 
-    def _expire(self, pending: Expirable) -> bool:
-        """A blocking request past its deadline: True when it is to be sent again (its
-        attempts and deadline are updated; the caller sends it), else it is answered
-        with a `timeout` reply and forgotten."""
-        if pending.wait_s is not None and self._retry_allowed(pending.attempts):
-            pending.attempts += 1
-            pending.sent_at = time.monotonic()
-            pending.deadline = pending.sent_at + pending.wait_s
+    def _expire(self, pending: Expirable, now: float) -> bool:
+        """A blocking request past its deadline at `now` (batcher.core.expiry): True when
+        it is to be sent again (its attempts and deadline are updated; the caller sends
+        it), else it is answered with a `timeout` reply and forgotten."""
+        verdict = expire(pending, now, self.retries)
+        if isinstance(verdict, Resend):
+            pending.attempts = verdict.attempt
+            pending.sent_at = now
+            pending.deadline = verdict.deadline
             return True
         self.forget(pending.request_id)
-        pending.reply = timeout_reply(pending.request_id, self._timeout_message(pending.attempts))
+        pending.reply = timeout_reply(pending.request_id, self._timeout_message(verdict.attempts))
         return False

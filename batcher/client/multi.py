@@ -14,8 +14,9 @@ from typing import Any
 
 import zmq
 
-from batcher.client.core import _Awaited, _check_retries, collect, reply_wait_s, request_body, timeout_reply
-from batcher.client.sync import Client, PendingReply
+from batcher.client.core import _Awaited, collect, reply_wait_s, request_body, timeout_reply
+from batcher.client.sync import Client, PendingReply, Stream
+from batcher.core.expiry import Attempts, Resend, check_retries, expire
 from batcher.core.link import Backoff, Drop, PeerLink
 from batcher.errors import SettingsError
 from batcher.wire.errors import (
@@ -122,7 +123,7 @@ class MultiClient:
             raise SettingsError(
                 f"timeout_s must be > 0 (it is how a down frontend is found), got {timeout_s}"
             )
-        _check_retries(retries)
+        check_retries(retries)
         if not 0 < down_s <= max_down_s:
             raise ValueError(f"need 0 < down_s <= max_down_s, got {down_s} and {max_down_s}")
         self.timeout_s = timeout_s
@@ -221,6 +222,18 @@ class MultiClient:
         """Send one request and return its output, or raise its typed error."""
         return self.submit(input, model, timeout_ms, priority, cost).result()
 
+    def request_reply(
+        self,
+        input: Any,
+        model: str | None = None,
+        timeout_ms: float | None = None,
+        priority: float | None = None,
+        cost: float | None = None,
+    ) -> dict[str, Any]:
+        """Send one request and return the whole reply map (output or error, with
+        metadata such as batch_size and worker), as every client's request_reply does."""
+        return self.submit(input, model, timeout_ms, priority, cost).wait()
+
     def request_many(
         self,
         inputs: Iterable[Any],
@@ -233,11 +246,12 @@ class MultiClient:
         place; otherwise the first one (in input order) is raised, after all finished."""
         return collect([self.submit(x, model, timeout_ms) for x in inputs], return_exceptions)
 
-    def control(self, op: str, address: str | None = None) -> Any:
-        """Send a control request (`stats`) to the next frontend that is up, or to
-        `address` only (no resend elsewhere), and return its output."""
+    def control(self, op: str, address: str | None = None, **fields: Any) -> Any:
+        """Send a control request (`stats`; `reload` with model=NAME), with `fields` as
+        Client.control takes them, to the next frontend that is up, or to `address`
+        only (no resend elsewhere), and return its output."""
         self._check_open()
-        pending = MultiPending(self, {"op": op}, self.timeout_s)
+        pending = MultiPending(self, {"op": op, **fields}, self.timeout_s)
         if address is None:
             self._send(pending, time.monotonic())
         else:
@@ -247,6 +261,21 @@ class MultiClient:
             pending._pinned = True
             self._send_to(pending, matches[0])
         return pending.result()
+
+    def stream(
+        self,
+        input: Any,
+        model: str | None = None,
+        timeout_ms: float | None = None,
+        priority: float | None = None,
+    ) -> Stream:
+        """Send a streamed request to the next frontend that is up and iterate over its
+        chunks, as Client.stream does. A stream is never moved to another frontend: its
+        chunks already given cannot be taken back."""
+        self._check_open()
+        fe = self._pick(time.monotonic(), None)
+        fe.sent += 1
+        return fe.client.stream(input, model, timeout_ms, priority)
 
     # --- machinery --------------------------------------------------------------------------
 
@@ -337,7 +366,8 @@ class MultiClient:
             fe.timeouts += 1
             self._mark_down(fe, now, f"no reply within {pending.wait_s}s")
             pending.timeouts += 1
-            if pending.timeouts <= self.retries and not pending._pinned:
+            retries = 0 if pending._pinned else self.retries
+            if isinstance(expire(Attempts(pending.timeouts, pending.wait_s), now, retries), Resend):
                 self.resent += 1
                 self._send(pending, now, avoid=fe)
                 continue

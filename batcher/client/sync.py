@@ -146,13 +146,15 @@ def open_dealer(
 class PendingReply(_Awaited):
     """A request in flight; `result()` waits for it while serving the others too."""
 
-    def __init__(self, client: Client, request_id: int, body: bytes, wait_s: float | None) -> None:
+    def __init__(
+        self, client: Client, request_id: int, body: bytes, wait_s: float | None, sent_at: float
+    ) -> None:
         self._client = client
         self.request_id = request_id
         self.body = body
         self.wait_s = wait_s
         self.attempts = 1
-        self.sent_at = time.monotonic()  # of the latest attempt
+        self.sent_at = sent_at  # of the latest attempt
         self.deadline = None if wait_s is None else self.sent_at + wait_s
         self.reply: dict[str, Any] | None = None
 
@@ -254,6 +256,18 @@ class Client(BaseClient[PendingReply]):
         """Send one request and return its output, or raise its typed error."""
         return self.submit(input, model, timeout_ms, priority, cost).result()
 
+    def request_reply(
+        self,
+        input: Any,
+        model: str | None = None,
+        timeout_ms: float | None = None,
+        priority: float | None = None,
+        cost: float | None = None,
+    ) -> dict[str, Any]:
+        """Send one request and return the whole reply map (output or error, with
+        metadata such as batch_size and worker); an error is data here, never raised."""
+        return self.submit(input, model, timeout_ms, priority, cost).wait()
+
     def request_many(
         self,
         inputs: Iterable[Any],
@@ -300,7 +314,7 @@ class Client(BaseClient[PendingReply]):
         since = time.monotonic()
         deadline = None if stream.wait_s is None else since + stream.wait_s
         while not stream.received:
-            why = self._unreachable(since)
+            why = self._unreachable(since, time.monotonic())
             if why is not None:
                 self._streams.pop(stream.request_id, None)
                 stream.take(timeout_reply(stream.request_id, why, UNREACHABLE))
@@ -327,7 +341,7 @@ class Client(BaseClient[PendingReply]):
             raise ClientClosed(f"the client of {self.address} is closed")
         request_id = next(self._ids)
         body = protocol.pack_carrying({"id": request_id, **fields}, fields.get("input"))
-        pending = PendingReply(self, request_id, body, wait_s)
+        pending = PendingReply(self, request_id, body, wait_s, time.monotonic())
         self._pending[request_id] = pending
         self._send_body(body, pending.deadline)
         return pending
@@ -387,16 +401,17 @@ class Client(BaseClient[PendingReply]):
     def _wait_for(self, target: PendingReply) -> None:
         self.watch.poll()  # keeps the monitor's queue short, so no event is dropped
         while target.reply is None:
-            why = self._unreachable(target.sent_at)
+            now = time.monotonic()
+            why = self._unreachable(target.sent_at, now)
             if why is not None:
                 self.forget(target.request_id)
                 target.reply = timeout_reply(target.request_id, why, UNREACHABLE)
                 return
             timeout_ms = -1
             if target.deadline is not None:
-                remaining = target.deadline - time.monotonic()
+                remaining = target.deadline - now
                 if remaining <= 0:
-                    if self._expire(target):  # sent again, while retries last
+                    if self._expire(target, now):  # sent again, while retries last
                         self._send_body(target.body, target.deadline)
                     continue
                 timeout_ms = max(1, math.ceil(remaining * 1000))
@@ -409,9 +424,10 @@ class Client(BaseClient[PendingReply]):
         `_unreachable` is due, so that it is given at once."""
         if self.connect_timeout_s is None or self.watch.handshake_ever:
             return bool(self._sock.poll(timeout_ms, zmq.POLLIN))
-        due = self._verdict_due(since)
+        now = time.monotonic()
+        due = self._verdict_due(since, now)
         if due is not None:
-            due_ms = max(1, math.ceil((due - time.monotonic()) * 1000))
+            due_ms = max(1, math.ceil((due - now) * 1000))
             timeout_ms = due_ms if timeout_ms < 0 else min(timeout_ms, due_ms)
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
