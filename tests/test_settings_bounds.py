@@ -331,3 +331,26 @@ def test_check_refuses_the_first_field_out_of_bounds_with_its_label() -> None:
         Two(0, 0)
     with pytest.raises(LookupError):
         bounds(Two, "c")
+
+
+@pytest.mark.parametrize("row", [pytest.param(row, id=row[0]) for row in ROWS if "broker" in row[1]])
+def test_a_config_file_value_past_an_edge_is_refused_as_the_flag_is(row: Any, tmp_path: Any) -> None:
+    """--config (batcher/cli/config_file.py) checks a value with the flag's own type: the
+    edges pass, the first value past each is refused naming the file, the table and the
+    key; a [models.NAME] table's batching keys too."""
+    _, _, cls, name, _, _ = row
+    accepted, under, over = edges(bounds(cls, name))
+    tables = ["", "[models.echo]\n"] if cls is BatchSettings else [""]
+    broker = main.commands["broker"]
+    for table in tables:
+        where = f"[models.echo] {name}" if table else f"{name} (top level)"
+        for value, ok in ((accepted[0], True), (accepted[1], True), (under, False), (over, False)):
+            path = tmp_path / "batcher.toml"
+            path.write_text(f"{table}{name} = {value!r}\n")
+            if ok:
+                with broker.make_context("broker", ["--config", str(path)]) as ctx:
+                    assert ctx.params["config"] == str(path)
+                continue
+            with pytest.raises(click.BadParameter) as raised:
+                broker.make_context("broker", ["--config", str(path)])
+            assert f"{where}: {value!r} is not in the range" in raised.value.message
