@@ -354,3 +354,23 @@ def test_a_config_file_value_past_an_edge_is_refused_as_the_flag_is(row: Any, tm
             with pytest.raises(click.BadParameter) as raised:
                 broker.make_context("broker", ["--config", str(path)])
             assert f"{where}: {value!r} is not in the range" in raised.value.message
+
+
+def test_a_model_tables_workers_have_the_range_of_workers() -> None:
+    """A [models.NAME] table's `workers` (PoolSettings.model_workers) is held to the range
+    of --workers, in the file (MODEL_WORKERS) and in the dataclass."""
+    from batcher.cli.options import MODEL_WORKERS
+
+    b = bounds(PoolSettings, "workers_per_model")
+    assert (MODEL_WORKERS.min, MODEL_WORKERS.max) == (b.min, b.max) == (0, 256)
+    pool = {**POOL, "models": ("echo",)}
+    assert PoolSettings(**pool, model_workers={"echo": 256}).model_workers == {"echo": 256}
+    for bad, message in (
+        (-1, "workers of model 'echo' must be >= 0, got -1"),
+        (257, "workers of model 'echo' must be <= 256, got 257"),
+    ):
+        with pytest.raises(click.BadParameter, match="is not in the range 0<=x<=256"):
+            MODEL_WORKERS.convert(bad, None, None)
+        with pytest.raises(SettingsError) as raised:
+            PoolSettings(**pool, model_workers={"echo": bad})
+        assert str(raised.value) == message

@@ -18,10 +18,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from batcher.core.link import Backoff, Drop, GiveUp, PeerLink
-from batcher.settings import MAX_THREADS, MAX_WORKERS, MAX_WORKERS_PER_GPU, check, setting
+from batcher.errors import SettingsError
+from batcher.settings import MAX_THREADS, MAX_WORKERS, MAX_WORKERS_PER_GPU, bounds, check, setting
 from batcher.transport.stopping import stop_signals_blocked
 from batcher.wire.protocol import Heartbeat
 from workers.exit_codes import EXIT_HUNG
@@ -91,9 +92,11 @@ class PoolSettings:
 
     def __post_init__(self) -> None:
         check(self)
-        for name, count in self.model_workers.items():
-            if count < 0:
-                raise ValueError(f"workers of model {name!r} must be >= 0, got {count}")
+        each = replace(bounds(PoolSettings, "workers_per_model"), optional=False)
+        for name, count in self.model_workers.items():  # a [models.NAME] table's `workers`
+            problem = replace(each, label=f"workers of model {name!r}").problem(count)
+            if problem is not None:
+                raise SettingsError(problem)
         self.placement()  # raises, naming the model, when the workers do not fit
         if self.pin_cpus:
             self.cpu_plan()  # raises when no core would be left to the broker

@@ -87,6 +87,7 @@ from batcher.settings import (
 from batcher.settings import default as settings_default
 from batcher.transport.addresses import check_address
 from workers.models import ONNX_PREFIX, ModelSpec
+from workers.supervisor import PoolSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -103,8 +104,6 @@ MAX_LENGTH = 2**31
 MAX_LIVENESS = 100
 MAX_STATS_S = 3600.0
 MAX_REFRESHES = 1_000_000_000
-#: The range of a [models.NAME] table's `workers` (the workers of that model).
-MODEL_WORKERS = click.IntRange(min=0, max=MAX_WORKERS)
 
 #: Names that used to mean one thing on some commands and another elsewhere. Each is
 #: still read, after its new name, where it had that meaning, with a warning saying why.
@@ -266,6 +265,10 @@ def setting_option(*decls: str, cls: Any, field: str, **kwargs: Any) -> Decorato
     if kwargs["default"] is None:
         kwargs.setdefault("show_default", False)
     return option(*decls, **kwargs)
+
+
+#: The range of a [models.NAME] table's `workers` (the workers of that model): --workers'.
+MODEL_WORKERS = setting_type(PoolSettings, "workers_per_model")
 
 
 @dataclass(frozen=True)
