@@ -187,12 +187,12 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
                     verdict = expire(Attempts(attempts, wait_s), time.monotonic(), self.retries)
                     if isinstance(verdict, TimedOut):
                         if sent:
-                            self._send_cancel(fut, request_id, fields)
+                            _cancel_soon(self, request_id, fut.done() or "op" in fields)
                         raise ClientTimeout(
                             self._timeout_message(attempts), reply={"id": request_id}
                         ) from None
         except asyncio.CancelledError:
-            self._send_cancel(fut, request_id, fields)
+            _cancel_soon(self, request_id, fut.done() or "op" in fields)
             raise
         finally:
             if self._pending.get(request_id) is fut:
@@ -215,15 +215,6 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.001, due - now)):
                     return await asyncio.shield(fut)
-
-    def _send_cancel(
-        self, fut: asyncio.Future[dict[str, Any]], request_id: int, fields: dict[str, Any]
-    ) -> None:
-        """Best effort, without awaiting: drop an unanswered request from the broker's queue."""
-        if not fut.done() and not self._closed and "op" not in fields:
-            with contextlib.suppress(zmq.ZMQError):
-                sent = asyncio.ensure_future(self._sock.send_multipart([b"", cancel_body(request_id)]))
-                sent.add_done_callback(_ignore_result)
 
     def submit(
         self,
@@ -416,12 +407,7 @@ class AsyncPendingReply:
             self._send_cancel()
 
     def _send_cancel(self) -> None:
-        client = self._client
-        if self._task.done() or client._closed:
-            return
-        with contextlib.suppress(zmq.ZMQError):
-            sent = asyncio.ensure_future(client._sock.send_multipart([b"", cancel_body(self.request_id)]))
-            sent.add_done_callback(_ignore_result)
+        _cancel_soon(self._client, self.request_id, self._task.done())
 
 
 class _StreamQueue:
@@ -437,6 +423,16 @@ class _StreamQueue:
 
     async def get(self) -> dict[str, Any] | BaseException:
         return await self._queue.get()
+
+
+def _cancel_soon(client: AsyncClient, request_id: int, answered: bool) -> None:
+    """Best effort, without awaiting: drop an unanswered request from the broker's queue
+    (nothing for one `answered` already, or once the client is closed)."""
+    if answered or client._closed:
+        return
+    with contextlib.suppress(zmq.ZMQError):
+        sent = asyncio.ensure_future(client._sock.send_multipart([b"", cancel_body(request_id)]))
+        sent.add_done_callback(_ignore_result)
 
 
 def _ignore_result(fut: asyncio.Future[Any]) -> None:
