@@ -35,7 +35,7 @@ from batcher.core.streams import Streams
 from batcher.errors import BindError as BindError  # its older home
 from batcher.errors import SettingsError
 from batcher.observe.settings import TraceSettings
-from batcher.observe.tracer import start_tracing
+from batcher.observe.tracer import start_broker_tracing
 from batcher.transport.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
 from batcher.transport.security import CurveGate, CurveServerKeys, HandshakeWatch, secure_server
 from batcher.transport.stopping import StopSignals
@@ -188,15 +188,6 @@ class Broker:
             roles,
         )
         clients = self.clients
-        #: The broker's spans when tracing is on, else None (one test on the hot path).
-        self.tracer: Any = None
-        tracer = start_tracing(
-            settings.trace, "batcher-broker", {"batcher.models": ",".join(settings.models)}
-        )
-        if tracer is not None:
-            from batcher.observe.broker_spans import BrokerSpans
-
-            self.tracer = BrokerSpans(tracer)
         self.workers = Backend(
             self.backend,
             self.scheduler,
@@ -215,7 +206,7 @@ class Broker:
         clients.controls = self.controls
         clients.end_stream = self.workers.end_stream
         clients.on_stop = self._note_stop
-        clients.tracer = self.workers.tracer = self.tracer
+        self.tracer = clients.tracer = self.workers.tracer = start_broker_tracing(settings)
         self.call_every(settings.heartbeat.interval_s, self.workers.heartbeat)
         self._limit_s = None if settings.batch_timeout_ms is None else settings.batch_timeout_ms / 1000.0
         self._limits_armed = False  # whether the time-limit check is on the timer heap
@@ -273,7 +264,7 @@ class Broker:
         """Close the sockets (and the context, when the broker made it); the spans still
         queued are exported (within the export timeout)."""
         if self.tracer is not None:
-            self.tracer.tracer.shutdown()
+            self.tracer.shutdown()
         if self._auth is not None:
             self._auth.stop()
         if self._handshakes is not None:
@@ -389,7 +380,7 @@ class Broker:
                 self.stats.metrics.queue_waits_ms(batch.model, queue_ms)
                 frames = protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests])
             else:
-                frames = self._traced_batch(tracer, batch, queue_ms, now)
+                frames = traced_batch(tracer, batch, queue_ms, now, self.pool.name(batch.worker), self.stats)
             if not self.workers.send(batch.worker, frames):
                 log.warning("worker %s unreachable; its batches go to another", self.pool.name(batch.worker))
                 self.workers.lost(batch.worker, "worker unreachable")
@@ -397,20 +388,6 @@ class Broker:
             self._dispatch_sequences(now)
         if not self._limits_armed and (self.scheduler.running() or self.streams.busy()):
             self._arm_time_limits()
-
-    def _traced_batch(self, tracer: Any, batch: Any, queue_ms: list[float], now: float) -> list[Any]:
-        """A BATCH whose span begins now (its traceparent in the header when any of its
-        requests is traced); the queue waits observed with their trace ids as exemplars."""
-        cost = sum(r.cost for r in batch.requests)
-        traceparent = tracer.batch_started(batch, self.pool.name(batch.worker), cost, now)
-        exemplars = [
-            None
-            if r.trace is None or r.trace.queue is None
-            else {"trace_id": f"{r.trace.queue.trace_id:032x}", "span_id": f"{r.trace.queue.span_id:016x}"}
-            for r in batch.requests
-        ]
-        self.stats.metrics.queue_waits_ms(batch.model, queue_ms, exemplars)
-        return protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests], traceparent)
 
     def _dispatch_sequences(self, now: float) -> None:
         """Step-level workers: end the sequences past their deadline, then fill every free
@@ -436,6 +413,23 @@ class Broker:
             if not self.workers.send(w.worker_id, frames):
                 log.warning("worker %s unreachable; its sequences go to another", self.pool.name(w.worker_id))
                 self.workers.lost(w.worker_id, "worker unreachable")
+
+
+def traced_batch(
+    tracer: Any, batch: Any, queue_ms: list[float], now: float, worker: str, stats: BrokerStats
+) -> list[Any]:
+    """A BATCH whose span begins now (its traceparent in the header when any of its
+    requests is traced); the queue waits observed with their trace ids as exemplars."""
+    cost = sum(r.cost for r in batch.requests)
+    traceparent = tracer.batch_started(batch, worker, cost, now)
+    exemplars = [
+        None
+        if r.trace is None or r.trace.queue is None
+        else {"trace_id": f"{r.trace.queue.trace_id:032x}", "span_id": f"{r.trace.queue.span_id:016x}"}
+        for r in batch.requests
+    ]
+    stats.metrics.queue_waits_ms(batch.model, queue_ms, exemplars)
+    return protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests], traceparent)
 
 
 def router(ctx: zmq.Context[Any], max_message_bytes: int) -> zmq.Socket[Any]:

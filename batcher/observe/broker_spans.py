@@ -25,6 +25,10 @@ class BrokerSpans:
         self.tracer = tracer
         self._open: dict[int, Any] = {}  # batch id -> its open span
 
+    def shutdown(self) -> None:
+        """Export the spans still queued (within the export timeout) and stop exporting."""
+        self.tracer.shutdown()
+
     def admit(self, traceparent: object, tracestate: object) -> RequestTrace | None:
         """A request's trace if it is sampled (None: it costs nothing more)."""
         _, parent, state = parent_of(traceparent, tracestate)

@@ -46,3 +46,15 @@ def start_tracing(
         settings.traces_url, settings.protocol, settings.sample_ratio, settings.service_name or service,
     )  # fmt: skip
     return tracer
+
+
+def start_broker_tracing(broker: Any) -> Any:
+    """The spans of a broker of these BrokerSettings (its `trace` and `models`:
+    batcher.observe.broker_spans.BrokerSpans) when tracing is on, else None: the broker's
+    loop tests that value once where it would record."""
+    tracer = start_tracing(broker.trace, "batcher-broker", {"batcher.models": ",".join(broker.models)})
+    if tracer is None:
+        return None
+    from batcher.observe.broker_spans import BrokerSpans
+
+    return BrokerSpans(tracer)
