@@ -36,9 +36,13 @@ class BrokerSpans:
             return None
         return RequestTrace(None if parent is None else span_context(parent, state))
 
-    def queue_ended(self, req: Any, model: str, outcome: str, now: float, code: str | None = None) -> None:
+    def queue_ended(
+        self, req: Any, model: str, outcome: str, now: float, code: str | None = None, batch: Any = None
+    ) -> None:
         """A traced request left its queue (`outcome`: batched, expired, cancelled,
-        refused, unavailable, ...): its queue span, from arrival to now."""
+        refused, unavailable, ...): its queue span, from arrival to now, linked to the
+        `batch` span it left for when that is not its own child (so a request's trace
+        leads to its batch whichever request's trace the batch is in)."""
         rt: RequestTrace = req.trace
         if rt.queue is not None:
             return
@@ -54,8 +58,9 @@ class BrokerSpans:
             attributes["batcher.deadline_ms"] = round((req.deadline_at - req.arrived_at) * 1000.0, 3)
         if code is not None:
             attributes["batcher.error_code"] = code
+        links = () if batch is None else (Link(batch, {"batcher.link": "batch"}),)
         rt.queue = self.tracer.record(
-            "batcher.queue", rt.parent, req.arrived_at, now, attributes, kind=SpanKind.SERVER, error=code
+            "batcher.queue", rt.parent, req.arrived_at, now, attributes, links, SpanKind.SERVER, code
         )
 
     def refused(self, rt: RequestTrace, req_id: object, model: str | None, code: str, now: float) -> None:
@@ -71,11 +76,9 @@ class BrokerSpans:
         traced = [r for r in batch.requests if r.trace is not None]
         if not traced:
             return None
-        links = []
-        for r in traced:
-            if r.trace.queue is None:
-                self.queue_ended(r, batch.model, "batched", now)
-            links.append(Link(r.trace.queue, {"batcher.request_id": str(r.id)}))
+        first = traced[0]
+        if first.trace.queue is None:
+            self.queue_ended(first, batch.model, "batched", now)
         attempt = 1 + max(r.attempts + r.handbacks for r in batch.requests)
         attributes = {
             "batcher.model": batch.model,
@@ -86,13 +89,19 @@ class BrokerSpans:
             "batcher.attempt": attempt,
             "batcher.traced_requests": len(traced),
         }
-        span = self.tracer.start("batcher.batch", traced[0].trace.queue, now, attributes, links)
+        link = Link(first.trace.queue, {"batcher.request_id": str(first.id)})
+        span = self.tracer.start("batcher.batch", first.trace.queue, now, attributes, [link])
+        batch_ctx = span.get_span_context()
+        for r in traced[1:]:  # each linked both ways: batch -> request, request -> batch
+            if r.trace.queue is None:
+                self.queue_ended(r, batch.model, "batched", now, batch=batch_ctx)
+            span.add_link(r.trace.queue, {"batcher.request_id": str(r.id)})
         if attempt > 1:
             span.add_event("batcher.redispatch", {"batcher.attempt": attempt}, timestamp=self.tracer.ns(now))
         if len(self._open) >= MAX_OPEN_BATCHES:
             self._open.pop(next(iter(self._open))).end()
         self._open[batch.batch_id] = span
-        return traceparent_of(span.get_span_context())
+        return traceparent_of(batch_ctx)
 
     def batch_answered(
         self, batch_id: int, now: float, infer_ms: float, wait_ms: float | None, padding: Any, errors: Any
