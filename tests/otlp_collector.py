@@ -80,8 +80,8 @@ def decode(body: bytes) -> list[SpanRecord]:
 
 class Collector:
     """The collector on a free loopback port: `endpoint` to give --trace-endpoint, `spans`
-    received so far; `mode` "ok", "error" (answers 503) or "slow" (answers after
-    `delay_s`)."""
+    received so far; `mode` "ok", "error" (answers 503), "slow" (answers after
+    `delay_s`) or "sink" (answers at once, decoding nothing: for benchmarks)."""
 
     def __init__(self, mode: str = "ok", delay_s: float = 2.0) -> None:
         self.mode = mode
@@ -106,7 +106,7 @@ class Collector:
                     return
                 if collector.mode == "slow":
                     collector._released.wait(collector.delay_s)  # a collector that answers late
-                spans = decode(body)
+                spans = decode(body) if collector.mode != "sink" else []
                 with collector._lock:
                     collector.spans.extend(spans)
                 self.send_response(200)

@@ -163,6 +163,11 @@ def test_a_python_client_in_a_span_sets_the_context_and_a_batch_links_all_its_re
     batch = one(spans, "batcher.batch")
     assert batch.attributes["batcher.batch_size"] == 8
     assert {(q.trace_id, q.span_id) for q in queues} == {(t, s) for t, s, _ in batch.links}
+    # Every request's trace leads to the batch: its child in one, a link from the others.
+    for q in queues:
+        assert batch.parent_id == q.span_id or (batch.trace_id, batch.span_id) in [
+            (t, s) for t, s, _ in q.links
+        ]
 
 
 def _all_queued(spans: list[SpanRecord], trace_ids: set[str]) -> bool:
