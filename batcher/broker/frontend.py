@@ -138,7 +138,9 @@ class Frontend:
             default_timeout_s=self._default_timeout_s,
         )
         tracer = self.tracer
-        trace = None if tracer is None else tracer.admit(header.traceparent, header.tracestate)
+        trace = None
+        if tracer is not None and (header.traceparent is not None or tracer.samples_roots):
+            trace = tracer.admit(header.traceparent, header.tracestate)
         if isinstance(verdict, Refusal):
             if trace is not None:
                 tracer.refused(trace, verdict.req_id, model, str(verdict.code), now)

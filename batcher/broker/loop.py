@@ -376,7 +376,7 @@ class Broker:
         tracer = self.tracer
         for batch in self.scheduler.due_batches(now):
             queue_ms = [round((now - r.arrived_at) * 1000.0, 3) for r in batch.requests]
-            if tracer is None:
+            if tracer is None or all(r.trace is None for r in batch.requests):
                 self.stats.metrics.queue_waits_ms(batch.model, queue_ms)
                 frames = protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests])
             else:

@@ -24,6 +24,9 @@ class BrokerSpans:
     def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer
         self._open: dict[int, Any] = {}  # batch id -> its open span
+        #: Whether a request without context may be traced (ratio > 0): at ratio 0 only a
+        #: request carrying a traceparent costs the broker anything.
+        self.samples_roots = tracer.ratio > 0.0
 
     def shutdown(self) -> None:
         """Export the spans still queued (within the export timeout) and stop exporting."""

@@ -18,7 +18,13 @@ from opentelemetry.trace.span import TraceState
 from batcher.observe.counters import spans_dropped
 from batcher.observe.export import make_provider
 from batcher.observe.settings import TraceSettings
-from batcher.wire.tracecontext import TraceParent, format_traceparent, parse_tracestate, should_sample
+from batcher.wire.tracecontext import (
+    TraceParent,
+    format_traceparent,
+    parse_traceparent,
+    parse_tracestate,
+    should_sample,
+)
 
 Attributes = Mapping[str, Any]
 
@@ -138,7 +144,5 @@ class RequestTrace:
 
 def parent_of(traceparent: object, tracestate: object) -> tuple[bool, TraceParent | None, str | None]:
     """(valid, parent, tracestate) of a request's context fields: bad ones read as none."""
-    from batcher.wire.tracecontext import parse_traceparent
-
     parent = parse_traceparent(traceparent)
     return parent is not None, parent, parse_tracestate(tracestate) if parent is not None else None
