@@ -59,8 +59,7 @@ class Backend:
         self.on_hung: Callable[[int], None] = lambda pid: None
         #: Set by `serve`: the worker process of this pid announced itself (READY).
         self.on_joined: Callable[[int], None] = lambda pid: None
-        #: The broker's spans when tracing is on (batcher.observe.broker_spans), else None.
-        self.tracer: Any = None
+        self.tracer: Any = None  #: the broker's spans when tracing is on (batcher.observe), else None
 
     def drain(self, now: float) -> bool:
         """Handle what the workers sent, within one budget; True once read to the end.
@@ -239,6 +238,8 @@ class Backend:
     def heartbeat(self, now: float) -> None:
         """Tell every worker we live; take those silent past their liveness for dead (the
         backend is read first: a heartbeat that arrived while the loop was busy counts)."""
+        if self.tracer is not None:
+            self.tracer.flush()
         self.drain(now)
         for worker_id, silent_s in self.pool.silent():
             log.warning("worker %s silent for %.1fs: taken for dead", self.pool.name(worker_id), silent_s)

@@ -28,6 +28,9 @@ class BrokerSpans:
         #: request carrying a traceparent costs the broker anything.
         self.samples_roots = tracer.ratio > 0.0
 
+    def flush(self) -> None:
+        """Nothing to hand over: the SDK's processor queues each span as it ends."""
+
     def shutdown(self) -> None:
         """Export the spans still queued (within the export timeout) and stop exporting."""
         self.tracer.shutdown()

@@ -52,9 +52,24 @@ def start_broker_tracing(broker: Any) -> Any:
     """The spans of a broker of these BrokerSettings (its `trace` and `models`:
     batcher.observe.broker_spans.BrokerSpans) when tracing is on, else None: the broker's
     loop tests that value once where it would record."""
-    tracer = start_tracing(broker.trace, "batcher-broker", {"batcher.models": ",".join(broker.models)})
-    if tracer is None:
+    settings: TraceSettings = broker.trace
+    attributes = {"batcher.models": ",".join(broker.models)}
+    if not settings.enabled:
         return None
-    from batcher.observe.broker_spans import BrokerSpans
+    if os.environ.get("BATCHER_TRACE_IN_PROCESS") == "1":  # the SDK in the broker's process
+        tracer = start_tracing(settings, "batcher-broker", attributes)
+        from batcher.observe.broker_spans import BrokerSpans
 
-    return BrokerSpans(tracer)
+        return BrokerSpans(tracer) if tracer is not None else None
+
+    from batcher.extras import missing_module
+
+    if missing_module("tracing") is not None:
+        raise MissingExtra(f"tracing needs the OpenTelemetry SDK: {install_command('tracing')}")
+    from batcher.observe.relay import RelaySpans
+
+    log.info(
+        "tracing to %s (%s, sampling %g) as %s, from an exporter process",
+        settings.traces_url, settings.protocol, settings.sample_ratio, settings.service_name or "the broker",
+    )  # fmt: skip
+    return RelaySpans(settings, "batcher-broker", attributes)
