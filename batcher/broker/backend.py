@@ -326,8 +326,7 @@ class Backend:
         if info is not None:
             self.stats.metrics.worker_event(info.model, "died" if failed else "left")
         self.stats.workers_lost += failed
-        if self.tracer is not None:
-            end_lost_spans(self.tracer, self.scheduler, worker_id, why, blame)
+        end_lost_spans(self.tracer, self.scheduler, worker_id, why, blame)
         lost = self.pool.lose(worker_id, failed, blame)
         self.stats.batches_retried += lost.batches_requeued
         for model, req in lost.failed:
@@ -337,8 +336,8 @@ class Backend:
 def end_lost_spans(tracer: Any, scheduler: Scheduler, worker_id: bytes, why: str, blame: int | None) -> None:
     """The spans of a lost worker's batches end, each with its event: the blamed one
     `batcher.hung_batch_killed`, the others `batcher.worker_lost` (their requests are
-    re-dispatched, or answered worker_failed past their retries)."""
-    state = scheduler.workers.get(worker_id)
+    re-dispatched, or answered worker_failed past their retries). Nothing without a tracer."""
+    state = None if tracer is None else scheduler.workers.get(worker_id)
     now = time.monotonic()
     for batch_id in list(state.in_flight) if state is not None else ():
         event = "batcher.hung_batch_killed" if batch_id == blame else "batcher.worker_lost"
