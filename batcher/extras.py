@@ -19,6 +19,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "gateway": ("uvicorn", "httptools", "grpc", "google.protobuf"),
     "onnx": ("onnxruntime", "numpy"),
     "tensors": ("numpy",),
+    "tracing": ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http"),
+    "tracing-grpc": ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.grpc"),
 }
 
 

@@ -44,6 +44,7 @@ SCRIPTS = (
     "http_servers",
     "gateway_processes",
     "streaming",
+    "tracing",
 )
 
 INTRO_START = "<!-- intro -->"

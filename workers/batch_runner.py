@@ -45,10 +45,21 @@ class MalformedBatch(BatcherError, ValueError):
         self.batch_id = batch_id
 
 
+#: This process's tracer when tracing is on (batcher.observe.spans.Tracer), else None.
+_tracer: Any = None
+
+
+def set_tracer(tracer: Any) -> None:
+    """Trace the batches this process runs (None: not), as `run_worker` says."""
+    global _tracer
+    _tracer = tracer
+
+
 def _decode_header(header_frame: bytes) -> tuple[int, list[Any] | None, list[int]]:
     """(batch id, queue_ms list or None when unusable, each body's length) from a BATCH
     header; MalformedBatch without an id when no integer batch id can be read, with it
-    when the lengths cannot."""
+    when the lengths cannot. A 4th element (the batch span's traceparent) is read by
+    `_trace_of`, and only when tracing is on."""
     try:
         header = protocol.unpack(header_frame)
     except Exception as exc:  # msgpack raises several unrelated types
@@ -140,6 +151,8 @@ class PreparedBatch:
     live: list[int]  # the positions the model runs
     inputs: Any  # the model's argument: the live requests' inputs
     arrived_at: float | None
+    trace: Any = None  # the batch span's context when the batch is traced here
+    decode_s: tuple[float, float] = (0.0, 0.0)  # its decode began and ended (monotonic), when traced
 
 
 @dataclass
@@ -151,12 +164,14 @@ class ModelOutcome:
     infer_ms: float
     wait_ms: float | None  # from the BATCH's arrival to the model call
     padding: tuple[int, int] | None
+    model_s: tuple[float, float] = (0.0, 0.0)  # the model call began and ended (monotonic), when traced
 
 
 def prepare_batch(
     header_frame: bytes, body_frames: list[Any], arrived_at: float | None = None
 ) -> PreparedBatch:
     """Decode a BATCH for the model; MalformedBatch for one that cannot be run."""
+    begun = time.monotonic() if _tracer is not None else 0.0
     batch_id, queue_ms, lengths = _decode_header(header_frame)
     plain = fastpath.decode_plain(lengths, body_frames)  # small, no tensors: in one pass
     fast = None
@@ -180,7 +195,37 @@ def prepare_batch(
         queue_ms = [None] * len(everything)
     live = [i for i in range(len(everything)) if i not in bad]
     inputs = fast[1] if fast is not None else [everything[i].get("input") for i in live]
-    return PreparedBatch(batch_id, queue_ms, everything, bad, live, inputs, arrived_at)
+    prepared = PreparedBatch(batch_id, queue_ms, everything, bad, live, inputs, arrived_at)
+    if _tracer is not None:
+        prepared.trace = _trace_of(header_frame)
+        prepared.decode_s = (begun, time.monotonic())
+    return prepared
+
+
+def _trace_of(header_frame: bytes) -> Any:
+    """The batch span's context from a BATCH header's 4th element (None: not traced, or
+    a malformed traceparent, which is ignored)."""
+    from batcher.observe.spans import span_context
+    from batcher.wire.tracecontext import parse_traceparent
+
+    header = protocol.unpack(header_frame)
+    parent = parse_traceparent(header[3]) if len(header) > 3 else None
+    return None if parent is None or not parent.sampled else span_context(parent)
+
+
+def _record_spans(batch: PreparedBatch, outcome: ModelOutcome, encode_begun: float) -> None:
+    """The worker's spans of a traced batch, children of its batch span: decode, model,
+    encode (a failed model call's span says why)."""
+    tracer, parent = _tracer, batch.trace
+    n = len(batch.everything)
+    attributes = {"batcher.batch_id": str(batch.batch_id), "batcher.batch_size": n}
+    tracer.record("batcher.worker.decode", parent, *batch.decode_s, attributes)
+    error = None if outcome.error is None else f"{type(outcome.error).__name__}: {outcome.error}"
+    model_attrs = {**attributes, "batcher.infer_ms": float(outcome.infer_ms)}
+    if outcome.wait_ms is not None:
+        model_attrs["batcher.worker_wait_ms"] = float(outcome.wait_ms)
+    tracer.record("batcher.worker.model", parent, *outcome.model_s, model_attrs, error=error)
+    tracer.record("batcher.worker.encode", parent, encode_begun, time.monotonic(), attributes)
 
 
 def call_model(model: ModelFn, batch: PreparedBatch) -> ModelOutcome:
@@ -192,6 +237,7 @@ def call_model(model: ModelFn, batch: PreparedBatch) -> ModelOutcome:
         with contextlib.suppress(AttributeError, TypeError):
             model.last_padding = None  # type: ignore[attr-defined]  # only this batch's counts
     n = len(batch.live)
+    begun = time.monotonic() if batch.trace is not None else 0.0
     t0 = time.perf_counter()
     try:
         outputs = model(batch.inputs) if n else []
@@ -199,13 +245,29 @@ def call_model(model: ModelFn, batch: PreparedBatch) -> ModelOutcome:
             got = f"{len(outputs)} outputs" if isinstance(outputs, list | tuple) else repr(type(outputs))
             raise ValueError(f"model returned {got} for a batch of {n}")
     except Exception as exc:
-        return ModelOutcome(None, exc, (time.perf_counter() - t0) * 1000.0, wait_ms, None)
-    infer_ms = round((time.perf_counter() - t0) * 1000.0, 3)
-    return ModelOutcome(outputs, None, infer_ms, wait_ms, _padding_of(model))
+        outcome = ModelOutcome(None, exc, (time.perf_counter() - t0) * 1000.0, wait_ms, None)
+    else:
+        infer_ms = round((time.perf_counter() - t0) * 1000.0, 3)
+        outcome = ModelOutcome(outputs, None, infer_ms, wait_ms, _padding_of(model))
+    if batch.trace is not None:
+        outcome.model_s = (begun, time.monotonic())
+    return outcome
 
 
 def finish_batch(batch: PreparedBatch, outcome: ModelOutcome, worker_name: str) -> list[Any]:
-    """The REPLY frames of a batch the model ran (see run_batch)."""
+    """The REPLY frames of a batch the model ran (see run_batch); a traced batch's spans."""
+    if batch.trace is None:
+        return _finish_batch(batch, outcome, worker_name)
+    begun = time.monotonic()
+    frames = _finish_batch(batch, outcome, worker_name)
+    try:
+        _record_spans(batch, outcome, begun)
+    except Exception:  # a span is never worth a reply
+        log.exception("could not record a batch's spans")
+    return frames
+
+
+def _finish_batch(batch: PreparedBatch, outcome: ModelOutcome, worker_name: str) -> list[Any]:
     everything, live, wait_ms, infer_ms = batch.everything, batch.live, outcome.wait_ms, outcome.infer_ms
     replies: list[bytes | None] = [None] * len(everything)
     for i, why in batch.bad.items():  # a malformed tensor: answered here, never given to the model

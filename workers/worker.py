@@ -24,6 +24,8 @@ import zmq
 
 from batcher.errors import ModelLoadError, SettingsError
 from batcher.extras import extra_of, install_command
+from batcher.observe.settings import TraceSettings
+from batcher.observe.tracer import start_tracing
 from batcher.settings import MAX_GPU, MAX_PID, MAX_THREADS, check, setting
 from batcher.transport.allocator import TRIM_INTERVAL_S, heap_trimmer, keep_freed_memory
 from batcher.transport.security import secure_client
@@ -46,6 +48,7 @@ from workers.batch_runner import (  # re-exported: workers.worker.run_batch is t
     finish_batch,
     prepare_batch,
     run_batch,
+    set_tracer,
 )
 from workers.connection import (  # re-exported, as before the split
     RECONNECT_BACKOFF,
@@ -110,6 +113,8 @@ class WorkerSettings:
     #: A JSON file of one request's input for the warm-up (--warmup-sample); None: the
     #: model's own warmup_sample, else zeros of its signature.
     warmup_sample: str | None = None
+    #: OpenTelemetry traces (docs/tracing.md): off unless an endpoint is given.
+    trace: TraceSettings = field(default_factory=TraceSettings)
 
     def __post_init__(self) -> None:
         ModelSpec.parse(self.model)  # raises with a precise message
@@ -385,6 +390,12 @@ def run_worker(settings: WorkerSettings) -> None:
             log.error("--cpus %s: %s", ",".join(map(str, settings.cpus)), exc)
             raise SystemExit(EXIT_BAD_ADDRESS) from None
     worker = Worker(settings, control_fd=control_fd)
+    attributes = {
+        "batcher.model": settings.model,
+        "batcher.gpu": -1 if settings.gpu is None else settings.gpu,
+    }
+    tracer = start_tracing(settings.trace, "batcher-worker", attributes)
+    set_tracer(tracer)
     try:
         try:
             worker.check_address()
@@ -407,3 +418,5 @@ def run_worker(settings: WorkerSettings) -> None:
         worker.run()
     finally:
         worker.ctx.term()
+        if tracer is not None:
+            tracer.shutdown()

@@ -59,6 +59,7 @@ class Backend:
         self.on_hung: Callable[[int], None] = lambda pid: None
         #: Set by `serve`: the worker process of this pid announced itself (READY).
         self.on_joined: Callable[[int], None] = lambda pid: None
+        self.tracer: Any = None  #: the broker's spans when tracing is on (batcher.observe), else None
 
     def drain(self, now: float) -> bool:
         """Handle what the workers sent, within one budget; True once read to the end.
@@ -173,6 +174,8 @@ class Backend:
             return
         # The replies first, back to back; the batch's counts after.
         self.deliver_batch(requests, replies)
+        if self.tracer is not None:
+            self.tracer.batch_answered(batch_id, now, infer_ms, wait_ms, padding, errors)
         arrivals = [r.arrived_at for r in requests]
         self.stats.batch_answered(
             batch.model, arrivals, sent_at, wait_ms, infer_ms, in_worker_ms, errors, refused, padding, now
@@ -235,6 +238,8 @@ class Backend:
     def heartbeat(self, now: float) -> None:
         """Tell every worker we live; take those silent past their liveness for dead (the
         backend is read first: a heartbeat that arrived while the loop was busy counts)."""
+        if self.tracer is not None:
+            self.tracer.flush()
         self.drain(now)
         for worker_id, silent_s in self.pool.silent():
             log.warning("worker %s silent for %.1fs: taken for dead", self.pool.name(worker_id), silent_s)
@@ -321,10 +326,22 @@ class Backend:
         if info is not None:
             self.stats.metrics.worker_event(info.model, "died" if failed else "left")
         self.stats.workers_lost += failed
+        end_lost_spans(self.tracer, self.scheduler, worker_id, why, blame)
         lost = self.pool.lose(worker_id, failed, blame)
         self.stats.batches_retried += lost.batches_requeued
         for model, req in lost.failed:
             self.reply_error(req, model, ErrorCode.WORKER_FAILED, why)
+
+
+def end_lost_spans(tracer: Any, scheduler: Scheduler, worker_id: bytes, why: str, blame: int | None) -> None:
+    """The spans of a lost worker's batches end, each with its event: the blamed one
+    `batcher.hung_batch_killed`, the others `batcher.worker_lost` (their requests are
+    re-dispatched, or answered worker_failed past their retries). Nothing without a tracer."""
+    state = None if tracer is None else scheduler.workers.get(worker_id)
+    now = time.monotonic()
+    for batch_id in list(state.in_flight) if state is not None else ():
+        event = "batcher.hung_batch_killed" if batch_id == blame else "batcher.worker_lost"
+        tracer.batch_failed(batch_id, now, event, why)
 
 
 def _final_outcome(flag: int, body: Any) -> str:

@@ -69,6 +69,8 @@ class Frontend:
         self.controls: Controls | None = None
         self.end_stream: Callable[[Sequence, ErrorCode, str, str], None] = lambda *args: None
         self.on_stop: Callable[[float], None] = lambda now: None
+        #: The broker's spans when tracing is on (batcher.observe.broker_spans), else None.
+        self.tracer: Any = None
 
     def drain(self, now: float) -> None:
         """Handle every request waiting on the frontend socket, within one budget."""
@@ -135,10 +137,17 @@ class Frontend:
             settings=self.scheduler.settings_of(model),
             default_timeout_s=self._default_timeout_s,
         )
+        tracer = self.tracer
+        trace = None
+        if tracer is not None and (header.traceparent is not None or tracer.samples_roots):
+            trace = tracer.admit(header.traceparent, header.tracestate)
         if isinstance(verdict, Refusal):
+            if trace is not None:
+                tracer.refused(trace, verdict.req_id, model, str(verdict.code), now)
             self.refuse(envelope, verdict.req_id, verdict.code, verdict.message, model, stream)
             return
         request = QueuedRequest(envelope, body, header.id, now, header.priority, verdict.deadline)
+        request.trace = trace
         request.cost = header.cost
         request.stream = stream
         request.bucket = verdict.bucket
@@ -210,6 +219,8 @@ class Frontend:
             log.debug("%d replies to vanished clients dropped", failed)
 
     def reply_error(self, req: QueuedRequest, model: str, code: ErrorCode, message: str) -> None:
+        if req.trace is not None and self.tracer is not None:
+            self.tracer.queue_ended(req, model, str(code), time.monotonic(), str(code))
         self.stats.count(model, code)
         self.send_to_client(req.envelope, protocol.error_reply(req.id, code, message, req.stream))
 

@@ -34,6 +34,8 @@ from batcher.core.scheduler import BatchSettings, Scheduler
 from batcher.core.streams import Streams
 from batcher.errors import BindError as BindError  # its older home
 from batcher.errors import SettingsError
+from batcher.observe.settings import TraceSettings
+from batcher.observe.tracer import start_broker_tracing
 from batcher.settings import (
     MAX_MESSAGE_BYTES,
     MAX_PORT,
@@ -129,6 +131,8 @@ class BrokerSettings:
         help="A request for a configured model that has had no worker this long is answered "
         "unavailable (0: wait forever for a worker).",
     )
+    #: OpenTelemetry traces (docs/tracing.md): off unless an endpoint is given.
+    trace: TraceSettings = field(default_factory=TraceSettings)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -242,6 +246,7 @@ class Broker:
         clients.controls = self.controls
         clients.end_stream = self.workers.end_stream
         clients.on_stop = self._note_stop
+        self.tracer = clients.tracer = self.workers.tracer = start_broker_tracing(settings)
         self.call_every(settings.heartbeat.interval_s, self.workers.heartbeat)
         self._limit_s = None if settings.batch_timeout_ms is None else settings.batch_timeout_ms / 1000.0
         self._limits_armed = False  # whether the time-limit check is on the timer heap
@@ -296,7 +301,10 @@ class Broker:
             self.signals.trigger()
 
     def close(self) -> None:
-        """Close the sockets (and the context, when the broker made it)."""
+        """Close the sockets (and the context, when the broker made it); the spans still
+        queued are exported (within the export timeout)."""
+        if self.tracer is not None:
+            self.tracer.shutdown()
         if self._auth is not None:
             self._auth.stop()
         if self._handshakes is not None:
@@ -405,10 +413,14 @@ class Broker:
             self.clients.reply_error(
                 req, name, ErrorCode.UNAVAILABLE, self.pool.unavailable_message(name, without_s)
             )
+        tracer = self.tracer
         for batch in self.scheduler.due_batches(now):
             queue_ms = [round((now - r.arrived_at) * 1000.0, 3) for r in batch.requests]
-            self.stats.metrics.queue_waits_ms(batch.model, queue_ms)
-            frames = protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests])
+            if tracer is None or all(r.trace is None for r in batch.requests):
+                self.stats.metrics.queue_waits_ms(batch.model, queue_ms)
+                frames = protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests])
+            else:
+                frames = traced_batch(tracer, batch, queue_ms, now, self.pool.name(batch.worker), self.stats)
             if not self.workers.send(batch.worker, frames):
                 log.warning("worker %s unreachable; its batches go to another", self.pool.name(batch.worker))
                 self.workers.lost(batch.worker, "worker unreachable")
@@ -441,6 +453,23 @@ class Broker:
             if not self.workers.send(w.worker_id, frames):
                 log.warning("worker %s unreachable; its sequences go to another", self.pool.name(w.worker_id))
                 self.workers.lost(w.worker_id, "worker unreachable")
+
+
+def traced_batch(
+    tracer: Any, batch: Any, queue_ms: list[float], now: float, worker: str, stats: BrokerStats
+) -> list[Any]:
+    """A BATCH whose span begins now (its traceparent in the header when any of its
+    requests is traced); the queue waits observed with their trace ids as exemplars."""
+    cost = sum(r.cost for r in batch.requests)
+    traceparent = tracer.batch_started(batch, worker, cost, now)
+    exemplars = [
+        None
+        if r.trace is None or r.trace.queue is None
+        else {"trace_id": f"{r.trace.queue.trace_id:032x}", "span_id": f"{r.trace.queue.span_id:016x}"}
+        for r in batch.requests
+    ]
+    stats.metrics.queue_waits_ms(batch.model, queue_ms, exemplars)
+    return protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests], traceparent)
 
 
 def router(ctx: zmq.Context[Any], max_message_bytes: int) -> zmq.Socket[Any]:

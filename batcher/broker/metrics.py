@@ -47,7 +47,9 @@ class NoMetrics:
     def batch_done(self, model: str, size: int, infer_s: float) -> None:
         pass
 
-    def queue_waits_ms(self, model: str, waits_ms: list[float]) -> None:
+    def queue_waits_ms(
+        self, model: str, waits_ms: list[float], exemplars: list[dict[str, str] | None] | None = None
+    ) -> None:
         pass
 
     def worker_wait(self, model: str, wait_s: float) -> None:
@@ -168,6 +170,20 @@ class PrometheusMetrics(NoMetrics):
 
         self.registry.register(Gauges())
 
+        class Dropped:
+            def collect(self) -> Any:
+                from prometheus_client.core import CounterMetricFamily
+
+                from batcher.observe.counters import spans_dropped
+
+                yield CounterMetricFamily(
+                    "batcher_trace_spans_dropped",
+                    "Trace spans dropped: the export queue was full, or the collector failed or was down",
+                    value=spans_dropped(),
+                )
+
+        self.registry.register(Dropped())
+
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """Start the HTTP endpoint (/metrics) in prometheus_client's thread."""
         from prometheus_client import start_http_server
@@ -182,10 +198,18 @@ class PrometheusMetrics(NoMetrics):
         self.batch_size.labels(model).observe(size)
         self.inference.labels(model).observe(infer_s)
 
-    def queue_waits_ms(self, model: str, waits_ms: list[float]) -> None:
+    def queue_waits_ms(
+        self, model: str, waits_ms: list[float], exemplars: list[dict[str, str] | None] | None = None
+    ) -> None:
+        """Each request's wait; a traced one's carries its trace and span id as an
+        exemplar (shown in the OpenMetrics exposition), so a slow bucket leads to a trace."""
         observe = self.queue_wait.labels(model).observe
-        for w in waits_ms:
-            observe(w / 1000.0)
+        if exemplars is None:
+            for w in waits_ms:
+                observe(w / 1000.0)
+            return
+        for w, exemplar in zip(waits_ms, exemplars, strict=True):
+            observe(w / 1000.0, exemplar)
 
     def worker_wait(self, model: str, wait_s: float) -> None:
         self.worker_wait_hist.labels(model).observe(wait_s)

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 import click
 import zmq
 
-from batcher.cli.option_groups import ClientKeys, connect_option, curve_client_options
+from batcher.cli.option_groups import (
+    ClientKeys,
+    connect_option,
+    curve_client_options,
+    pass_trace_to_children,
+    trace_options,
+)
 from batcher.cli.options import (
     Decorator,
     LogOptions,
@@ -25,6 +31,7 @@ from batcher.gateway import access
 from batcher.gateway.core import GatewaySettings
 from batcher.gateway.process import gateway_command
 from batcher.gateway.processes import check_supported as check_processes_supported
+from batcher.observe.settings import TraceSettings
 
 HTTP_PORT_OPTION = setting_option("--http-port", cls=GatewaySettings, field="http_port")
 GRPC_PORT_OPTION = setting_option("--grpc-port", cls=GatewaySettings, field="grpc_port")
@@ -136,6 +143,7 @@ GATEWAY_HOST_OPTION = option(
     help="One of the processes of a gateway of several: bind with SO_REUSEPORT, say so on stdout.",
 )
 @curve_client_options
+@trace_options
 @logging_options
 def gateway(
     connect: str,
@@ -148,6 +156,7 @@ def gateway(
     under_serve: bool,
     shared_ports: bool,
     curve: ClientKeys,
+    trace: TraceSettings,
     logs: LogOptions,
 ) -> None:
     """Serve the Open Inference Protocol (KServe v2) over HTTP and gRPC in front of a
@@ -168,8 +177,10 @@ def gateway(
             tls_cert_file=gateway_access.tls_cert_file,
             tls_key_file=gateway_access.tls_key_file,
             processes=processes,
+            trace=trace,
         )
         check_processes_supported(processes)
+        pass_trace_to_children(trace)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if shared_ports and processes > 1:

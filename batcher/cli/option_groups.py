@@ -5,6 +5,7 @@ options of serve and worker. Each group hands its command one typed value."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import click
@@ -29,6 +30,8 @@ from batcher.cli.options import (
 )
 from batcher.client.sync import Client
 from batcher.core.scheduler import BUCKET_BY, POLICIES, BatchSettings
+from batcher.observe.settings import TraceSettings
+from batcher.observe.tracer import settings_from
 from batcher.transport.security import CurveServerKeys
 from batcher.wire.protocol import Heartbeat
 from workers.models import SimSettings
@@ -331,3 +334,39 @@ step_options = option_group(
         "batching); `request` only once all it holds have ended (request-level batching, the baseline).",
     ),
 )
+
+
+def _trace(trace_endpoint: str | None, trace_sample_ratio: float | None) -> TraceSettings:
+    """The process's trace settings: these options over the standard OTEL_* variables."""
+    return settings_from(trace_endpoint, trace_sample_ratio)
+
+
+#: --trace-endpoint and --trace-sample-ratio (serve, broker, worker, gateway): OpenTelemetry
+#: traces to an OTLP collector (docs/tracing.md).
+trace_options = option_group(
+    "trace",
+    _trace,
+    option(
+        "--trace-endpoint",
+        default=None,
+        metavar="URL",
+        help="Send OpenTelemetry traces to this OTLP collector (http://host:4318; its /v1/traces "
+        "unless the URL has a path). Default: OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT; none: no tracing. "
+        "Needs `pip install 'batcher[tracing]'`.",
+    ),
+    option(
+        "--trace-sample-ratio",
+        type=float_range(0.0, 1.0),
+        default=None,
+        help="Share of the requests without a caller's context that are traced (a caller's "
+        "sampled flag is followed). Default: OTEL_TRACES_SAMPLER[_ARG], else 1.",
+    ),
+)
+
+
+def pass_trace_to_children(trace: TraceSettings) -> None:
+    """Let the processes this one starts (serve's workers and gateway, a gateway's
+    processes) trace as it does: its settings in the variables their options read."""
+    if trace.endpoint is not None:
+        os.environ["BATCHER_TRACE_ENDPOINT"] = trace.endpoint
+        os.environ["BATCHER_TRACE_SAMPLE_RATIO"] = repr(float(trace.sample_ratio))

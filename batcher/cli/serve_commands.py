@@ -30,9 +30,11 @@ from batcher.cli.option_groups import (
     heartbeat_options,
     max_padded_elements_option,
     no_warmup_option,
+    pass_trace_to_children,
     sim_options,
     step_options,
     threads_option,
+    trace_options,
 )
 from batcher.cli.options import (
     MAX_GPU,
@@ -50,6 +52,7 @@ from batcher.core.scheduler import BatchSettings
 from batcher.gateway.core import GatewaySettings
 from batcher.gateway.process import GatewayProcess, gateway_command, local_address
 from batcher.gateway.processes import check_supported as check_processes_supported
+from batcher.observe.settings import TraceSettings
 from batcher.serve.serving import ModelLoadFailed, run_serve
 from batcher.transport.security import CurveServerKeys, KeyFileError
 from batcher.wire.protocol import Heartbeat
@@ -269,6 +272,7 @@ def served_name(text: str) -> str:
 @config_option
 @sim_options
 @step_options
+@trace_options
 @logging_options
 def serve(
     frontend: str,
@@ -293,6 +297,7 @@ def serve(
     config: str | None,
     sim: SimSettings,
     steps: StepOptions,
+    trace: TraceSettings,
     logs: LogOptions,
 ) -> None:
     """Run a broker and its worker processes: per model, --workers of them, or
@@ -316,6 +321,8 @@ def serve(
         curve=curve,
         config=config,
     )
+    settings = dataclasses.replace(settings, trace=trace)
+    pass_trace_to_children(trace)  # its workers and gateway trace as it does
     pool = pool_settings(
         backend,
         models,
@@ -357,6 +364,7 @@ def serve(
 @heartbeat_options
 @curve_server_options
 @config_option
+@trace_options
 @logging_options
 def broker(
     frontend: str,
@@ -367,6 +375,7 @@ def broker(
     heartbeat: Heartbeat,
     curve: CurveServerKeys | None,
     config: str | None,
+    trace: TraceSettings,
     logs: LogOptions,
 ) -> None:
     """Run a broker alone; start workers with `batcher worker`."""
@@ -381,6 +390,7 @@ def broker(
         curve=curve,
         config=config,
     )
+    settings = dataclasses.replace(settings, trace=trace)
     try:
         run_broker(settings)
     except (BindError, KeyFileError) as exc:

@@ -19,6 +19,7 @@ from batcher.cli.option_groups import (
     sim_options,
     step_options,
     threads_option,
+    trace_options,
 )
 from batcher.cli.options import (
     CONNECT_ADDRESS,
@@ -34,6 +35,7 @@ from batcher.cli.options import (
     setup,
     text_callback,
 )
+from batcher.observe.settings import TraceSettings
 from batcher.wire.protocol import Heartbeat
 from workers.exit_codes import EXIT_MODEL_LOAD_FAILED
 from workers.models import SimSettings
@@ -95,6 +97,7 @@ from workers.worker import ModelLoadError, WorkerSettings, run_worker
 @curve_worker_options
 @sim_options
 @step_options
+@trace_options
 @logging_options
 def worker(
     connect: str,
@@ -112,6 +115,7 @@ def worker(
     curve: ClientKeys,
     sim: SimSettings,
     steps: StepOptions,
+    trace: TraceSettings,
     logs: LogOptions,
 ) -> None:
     """Run one model-worker process connected to a broker's backend."""
@@ -135,6 +139,7 @@ def worker(
                 cpus,
                 max_padded_elements,
                 warmup_sample,
+                trace,
             )
         )
     except ModelLoadError as exc:

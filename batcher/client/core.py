@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 from collections.abc import Iterable
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -21,6 +22,7 @@ from batcher.wire.errors import (
     TIMEOUT,
     error_from_reply,
 )
+from batcher.wire.tracecontext import format_traceparent
 
 log = logging.getLogger("batcher.client")
 
@@ -47,7 +49,8 @@ def request_body(
     cost: float | None = None,
     stream: bool = False,
 ) -> dict[str, Any]:
-    """A request map with only the fields that were given (protocol.md, 4.2)."""
+    """A request map with only the fields that were given (protocol.md, 4.2), and the
+    caller's trace context when it runs inside an OpenTelemetry span (docs/tracing.md)."""
     body: dict[str, Any] = {"input": input}
     if stream:
         body["stream"] = True
@@ -59,7 +62,25 @@ def request_body(
         body["priority"] = priority
     if cost is not None:
         body["cost"] = cost
+    if (otel := sys.modules.get("opentelemetry.trace")) is not None:
+        add_trace_context(body, otel)
     return body
+
+
+def add_trace_context(body: dict[str, Any], otel: Any) -> None:
+    """Set `traceparent` (and `tracestate`) from OpenTelemetry's current span, when it is
+    a valid one: the request's spans at the broker are then its children. Never raises:
+    a broken or absent OpenTelemetry sends the request without context."""
+    try:
+        ctx = otel.get_current_span().get_span_context()
+        if not ctx.is_valid:
+            return
+        body["traceparent"] = format_traceparent(ctx.trace_id, ctx.span_id, int(ctx.trace_flags))
+        state = ctx.trace_state.to_header() if ctx.trace_state else ""
+        if state:
+            body["tracestate"] = state
+    except Exception:  # the caller's OpenTelemetry is theirs: never a failed request
+        return
 
 
 def reply_wait_s(timeout_s: float | None, timeout_ms: float | None) -> float | None:

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 from batcher.core.cost_model import ArrivalRate, CostModel
 from batcher.core.limits import BatchSettings
@@ -54,6 +55,7 @@ class QueuedRequest:
     rank: float = 0.0  # its place by priority: lower first (set when it is queued)
     stream: bool = False  # answered chunk by chunk; its error reply says "more": false
     bucket: int | None = None  # its length bucket, with --bucket-by: batches never mix buckets
+    trace: Any = None  # its trace at the broker when it is traced (batcher.observe), opaque here
 
 
 @dataclass(slots=True, eq=False)

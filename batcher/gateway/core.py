@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -25,6 +25,7 @@ from batcher.core.link import Backoff, Drop, PeerLink
 from batcher.errors import SettingsError
 from batcher.gateway import oip
 from batcher.gateway.bodies import pack_request
+from batcher.observe.settings import TraceSettings
 from batcher.settings import MAX_TIMEOUT_MS, check, port, setting
 from batcher.transport.connection_watch import ConnectionWatch
 from batcher.transport.zmqio import readable, recv_frames, send_frames
@@ -101,6 +102,8 @@ class GatewaySettings:
         help="Gateway processes sharing the HTTP and gRPC ports (SO_REUSEPORT, Linux), each "
         "with its own link to the broker: up to one a core for HTTP/gRPC parsing (docs/gateway.md).",
     )
+    #: OpenTelemetry traces (docs/tracing.md): off unless an endpoint is given.
+    trace: TraceSettings = field(default_factory=TraceSettings)
 
     def __post_init__(self) -> None:
         check(self)
@@ -433,6 +436,8 @@ def _decode_reply(frame: Any) -> dict[str, Any]:
 class Gateway:
     """The v2 operations over one broker connection (create inside the event loop)."""
 
+    tracer: Any = None  #: the gateway's tracer when tracing is on (set by server.serve)
+
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         #: model -> (when asked, its input names, its output names); None: no signature.
@@ -492,7 +497,7 @@ class Gateway:
 
     # --- inference --------------------------------------------------------------------------
 
-    async def infer(self, request: oip.InferRequest) -> list[oip.OutputTensor]:
+    async def infer(self, request: oip.InferRequest, trace: Any = None) -> list[oip.OutputTensor]:
         """The request's rows through the broker, joined; OipError for any failure.
 
         Every row carries a deadline (the request's timeout, else the gateway's
@@ -519,6 +524,8 @@ class Gateway:
             await self.link.learn_limits(max(0.001, budget_s - (loop.time() - started)))
         timeout_ms = max(1.0, timeout_ms - (loop.time() - started) * 1000.0)
         fields = [_row_fields(request, row, timeout_ms) for row in rows]
+        for context in [trace.round_trip(request.model, len(rows))] if trace is not None else ():
+            fields = [{**f, **context} for f in fields]  # each row a child of the round trip
         sent: list[tuple[int, asyncio.Future[dict[str, Any]]]] = []
         # Rows still unanswered CANCEL_AFTER_S past their deadline (which the broker
         # enforces itself unless it is paused or swamped) are dropped at the broker before

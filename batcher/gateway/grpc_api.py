@@ -8,13 +8,14 @@ becomes the rows' `timeout_ms`; a cancelled call cancels its rows at the broker.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
 
-from batcher.gateway import access, oip, triton
+from batcher.gateway import access, oip, tracing, triton
 from batcher.gateway import inference_pb2 as pb
 from batcher.gateway import inference_pb2_grpc as pb_grpc
 from batcher.gateway.core import Gateway
@@ -117,15 +118,25 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         )
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
+        trace = self._trace(context)
         try:
+            begun = time.monotonic()
             infer = parse_infer(request, context.time_remaining())
-            outputs = await self.gateway.infer(infer)  # a cancelled call cancels this
+            if trace is not None:
+                trace.parsed(begun, time.monotonic())
+            outputs = await self.gateway.infer(infer, trace)  # a cancelled call cancels this
             raw = [bytes(oip.output_raw(o)) for o in outputs]
         except oip.OipError as exc:
+            if trace is not None:
+                trace.end({"rpc.grpc.status": oip.grpc_status(exc.code)}, exc.message)
             await _abort(context, exc)
         except Exception as exc:  # a bug of ours: the client still gets a status
             log.exception("ModelInfer failed")
+            if trace is not None:
+                trace.end({"rpc.grpc.status": "INTERNAL"}, f"{type(exc).__name__}: {exc}")
             await _abort(context, oip.OipError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+        if trace is not None:
+            trace.end({"rpc.grpc.status": "OK"})
         return pb.ModelInferResponse(
             model_name=infer.model,
             model_version=oip.MODEL_VERSION,
@@ -135,6 +146,22 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 for o in outputs
             ],
             raw_output_contents=raw,
+        )
+
+    def _trace(self, context: Any) -> tracing.GatewayTrace | None:
+        """A ModelInfer call's trace (an RPC server span, its caller's `traceparent`
+        metadata as parent), None when tracing is off or it is not sampled."""
+        if self.gateway.tracer is None:
+            return None
+        metadata = dict(context.invocation_metadata() or ())
+        attributes = {
+            "rpc.system": "grpc",
+            "rpc.service": "inference.GRPCInferenceService",
+            "rpc.method": "ModelInfer",
+        }
+        name = "inference.GRPCInferenceService/ModelInfer"
+        return tracing.begin(
+            self.gateway.tracer, metadata.get("traceparent"), metadata.get("tracestate"), name, attributes
         )
 
     async def ModelConfig(self, request: Any, context: Any) -> Any:

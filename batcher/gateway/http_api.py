@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import urllib.parse
 import zlib
 from collections.abc import Awaitable, Callable
@@ -22,7 +23,7 @@ from typing import Any
 import msgspec
 
 from batcher.errors import BatcherError
-from batcher.gateway import access, oip, triton
+from batcher.gateway import access, oip, tracing, triton
 from batcher.gateway.core import Gateway
 from batcher.wire.protocol import ErrorCode
 
@@ -153,6 +154,31 @@ class HttpApi:
         return _error(401, why, {"WWW-Authenticate": challenge, "Connection": "close"})
 
     async def infer(self, scope: Scope, receive: Receive, model: str, version: str) -> Response:
+        """An infer request; traced (an HTTP server span, its caller's `traceparent` header
+        as parent) when tracing is on."""
+        tracer = self.gateway.tracer
+        if tracer is None:
+            return await self._infer(scope, receive, model, version, None)
+        attributes = {"http.request.method": "POST", "http.route": "/v2/models/{model}/infer"}
+        attributes["url.path"] = scope.get("path", "")
+        traceparent, tracestate = _header(scope, b"traceparent"), _header(scope, b"tracestate")
+        trace = tracing.begin(tracer, traceparent, tracestate, "POST /v2/models/{model}/infer", attributes)
+        try:
+            response = await self._infer(scope, receive, model, version, trace)
+        except oip.OipError as exc:
+            if trace is not None:
+                trace.end({"http.response.status_code": oip.http_status(exc.code)}, exc.message)
+            raise
+        except BaseException as exc:
+            if trace is not None:
+                trace.end({"http.response.status_code": 500}, type(exc).__name__)
+            raise
+        if trace is not None:
+            trace.end({"http.response.status_code": response.status})
+        return response
+
+    async def _infer(self, scope: Scope, receive: Receive, model: str, version: str, trace: Any) -> Response:
+        begun = time.monotonic()
         body = await read_body(scope, receive, self.max_body_bytes)
         encoding = _header(scope, b"content-encoding")
         if encoding is not None:
@@ -160,9 +186,11 @@ class HttpApi:
         infer, binary_default, binary_outputs = parse_infer(
             model, version, body, _header(scope, _HEADER_LENGTH_KEY)
         )
+        if trace is not None:
+            trace.parsed(begun, time.monotonic())
         scope[HANDLER] = asyncio.current_task()  # cancelled if the client goes: see http_server
         try:
-            outputs = await self.gateway.infer(infer)
+            outputs = await self.gateway.infer(infer, trace)
         except asyncio.CancelledError:
             if scope.get(GONE):
                 raise ClientGone from None

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from batcher.errors import BindError, SettingsError
 from batcher.gateway import access
 from batcher.gateway.core import Gateway, GatewaySettings
+from batcher.observe.tracer import start_tracing
 from batcher.transport.stopping import ignore_stop_signals
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ async def serve(
     if stop is None:
         stop = _stop_on_signals() if control_fd is None else _stop_on_pipe_close(control_fd, on_parent_data)
     gateway = SharedGateway(settings, siblings_up) if shared else Gateway(settings)
+    gateway.tracer = start_tracing(settings.trace, "batcher-gateway")
     http: HttpServer | None = None
     grpc_server = None
     try:

@@ -90,10 +90,18 @@ def body_frames(bodies: list[Any]) -> list[Any]:
     return [b"".join(bodies)]
 
 
-def batch_frames(batch_id: int, queue_ms: list[float], bodies: list[Any]) -> list[Any]:
+def batch_frames(
+    batch_id: int, queue_ms: list[float], bodies: list[Any], traceparent: str | None = None
+) -> list[Any]:
     """Backend BATCH message (after the worker's routing id): a header with each body's
-    length, then the bodies, joined in one frame or one frame each (`body_frames`)."""
-    header = _packer_pack([batch_id, queue_ms, [len(b) for b in bodies]])
+    length (and, when the batch is traced, its span's traceparent as a 4th element, the
+    parent of the worker's spans), then the bodies, joined in one frame or one frame each
+    (`body_frames`)."""
+    lengths = [len(b) for b in bodies]
+    fields = (
+        [batch_id, queue_ms, lengths] if traceparent is None else [batch_id, queue_ms, lengths, traceparent]
+    )
+    header = _packer_pack(fields)
     return [WORKER_PROTOCOL, CMD_BATCH, header, *body_frames(bodies)]
 
 

@@ -152,6 +152,10 @@ class RequestHeader(NamedTuple):
     op: str
     cost: float = 1.0  # its share of the model's max_batch_cost
     stream: bool = False  # one reply per chunk, each but the last with "more": true
+    # W3C trace context as the client sent it, unchecked (batcher.wire.tracecontext reads
+    # it, and only when tracing is on): any value, never a reason to refuse a request.
+    traceparent: Any = None
+    tracestate: Any = None
 
 
 class _Header(msgspec.Struct):
@@ -165,6 +169,8 @@ class _Header(msgspec.Struct):
     op: str = "infer"
     cost: int | float = 1.0
     stream: bool = False
+    traceparent: Any = None
+    tracestate: Any = None
     input: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
 
 
@@ -193,7 +199,9 @@ def read_header(body: Any) -> RequestHeader:
         or not 0 < cost <= MAX_COST
     ):
         return parse_request(bytes(body))[0]  # raises with the precise message
-    return RequestHeader(h.id, h.model, timeout_ms, priority, h.op, cost, h.stream)
+    return RequestHeader(
+        h.id, h.model, timeout_ms, priority, h.op, cost, h.stream, h.traceparent, h.tracestate
+    )
 
 
 class _TensorHeader(msgspec.Struct):
@@ -398,4 +406,7 @@ def parse_request(body: bytes) -> tuple[RequestHeader, dict[str, Any]]:
     stream = msg.get("stream", False)
     if not isinstance(stream, bool):
         raise bad(f"stream must be true or false, got {_type_name(stream)}")
-    return RequestHeader(req_id, model, timeout_ms, priority, op, cost, stream), msg
+    header = RequestHeader(
+        req_id, model, timeout_ms, priority, op, cost, stream, msg.get("traceparent"), msg.get("tracestate")
+    )
+    return header, msg

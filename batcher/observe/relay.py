@@ -1,0 +1,258 @@
+"""The broker's spans without the SDK in its process: its loop keeps each span as a raw
+record (ids, times, attributes: a tuple), and hands them, msgpack-packed, a batch of
+records at a time, to an exporter process of its own (batcher.observe.relay_exporter)
+over an ipc:// PAIR socket; that process builds the SDK's spans and exports them over
+OTLP. What moved the benchmark: the SDK's span start and end (about 35 and 26 us) and
+the OTLP encode (about 78 us a span) ran under the broker's GIL; a record costs the loop
+a few microseconds (docs/benchmarks.md, "Tracing").
+
+Same face as batcher.observe.broker_spans.BrokerSpans (the in-process SDK, kept for
+comparison: BATCHER_TRACE_IN_PROCESS=1). A relay socket that is full (the exporter
+process behind) drops records, counted with the exporter's own drops."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from typing import Any, NamedTuple
+
+import msgpack
+import zmq
+
+from batcher.observe.counters import count_dropped
+from batcher.observe.settings import TraceSettings
+from batcher.wire.tracecontext import format_traceparent, parse_traceparent, parse_tracestate, should_sample
+
+log = logging.getLogger("batcher.tracing")
+
+#: SpanKind values (opentelemetry.trace.SpanKind) as the records carry them.
+INTERNAL, SERVER = 0, 1
+#: Record messages the relay socket holds before the loop drops (counted) instead.
+RELAY_HWM = 1000
+#: Open batch spans kept at most (a worker that never answers cannot grow the table).
+MAX_OPEN_BATCHES = 100_000
+
+
+def _b(trace_id: int) -> bytes:
+    """A 128-bit trace id as msgpack carries it (its ints stop at 64 bits)."""
+    return trace_id.to_bytes(16, "big")
+
+
+class Ctx(NamedTuple):
+    """A span's context, as the broker keeps it."""
+
+    trace_id: int
+    span_id: int
+    flags: int = 1
+    state: str | None = None
+
+
+class RelayTrace:
+    """A traced request's context at the broker (as spans.RequestTrace)."""
+
+    __slots__ = ("parent", "queue")
+
+    def __init__(self, parent: Ctx | None) -> None:
+        self.parent = parent
+        self.queue: Ctx | None = None
+
+
+class RelaySpans:
+    """The broker's spans as records, exported by a process of their own."""
+
+    def __init__(self, settings: TraceSettings, service: str, attributes: dict[str, Any]) -> None:
+        self.ratio = settings.sample_ratio
+        self.parent_based = settings.parent_based
+        self.samples_roots = self.ratio > 0.0
+        self._offset_ns = time.time_ns() - time.monotonic_ns()
+        self._bits = random.getrandbits
+        self._random = random.random
+        self._records: list[tuple[Any, ...]] = []
+        self._open: dict[int, list[Any]] = {}
+        self._dir = tempfile.mkdtemp(prefix="batcher-trace-")
+        address = f"ipc://{os.path.join(self._dir, 'relay')}"
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._sock: zmq.Socket[Any] = self._ctx.socket(zmq.PAIR)
+        self._sock.setsockopt(zmq.SNDHWM, RELAY_HWM)
+        self._sock.setsockopt(zmq.LINGER, 2000)
+        self._sock.bind(address)
+        config = json.dumps({"settings": asdict(settings), "service": service, "attributes": attributes})
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "batcher.observe.relay_exporter", address, config], stdin=subprocess.PIPE
+        )
+
+    def ns(self, monotonic_s: float) -> int:
+        return int(monotonic_s * 1e9) + self._offset_ns
+
+    def admit(self, traceparent: object, tracestate: object) -> RelayTrace | None:
+        """A request's trace if it is sampled (None: it costs nothing more)."""
+        parent = parse_traceparent(traceparent) if traceparent is not None else None
+        ratio = self.ratio
+        if parent is None and ratio >= 1.0:
+            return RelayTrace(None)
+        if not should_sample(parent, ratio, self._random(), self.parent_based):
+            return None
+        if parent is None:
+            return RelayTrace(None)
+        state = parse_tracestate(tracestate) if tracestate is not None else None
+        return RelayTrace(Ctx(int(parent.trace_id, 16), int(parent.span_id, 16), parent.flags, state))
+
+    def queue_ended(
+        self,
+        req: Any,
+        model: str,
+        outcome: str,
+        now: float,
+        code: str | None = None,
+        batch: Ctx | None = None,
+    ) -> None:
+        """A traced request left its queue: its queue span (as BrokerSpans.queue_ended)."""
+        rt: RelayTrace = req.trace
+        if rt.queue is not None:
+            return
+        parent = rt.parent
+        attributes: dict[str, Any] = {
+            "batcher.model": model,
+            "batcher.priority": float(req.priority),
+            "batcher.outcome": outcome,
+            "batcher.attempt": req.attempts + 1,
+        }
+        if req.id is not None:
+            attributes["batcher.request_id"] = str(req.id)
+        if req.deadline_at is not None:
+            attributes["batcher.deadline_ms"] = round((req.deadline_at - req.arrived_at) * 1000.0, 3)
+        if code is not None:
+            attributes["batcher.error_code"] = code
+        if parent is None:
+            ctx = Ctx(self._bits(128) or 1, self._bits(64) or 1)
+        else:
+            ctx = Ctx(parent.trace_id, self._bits(64) or 1, 1, parent.state)
+        rt.queue = ctx
+        links = () if batch is None else ((_b(batch.trace_id), batch.span_id, {"batcher.link": "batch"}),)
+        self._records.append(
+            (
+                "batcher.queue", SERVER, _b(ctx.trace_id), ctx.span_id,
+                0 if parent is None else parent.span_id, self.ns(req.arrived_at), self.ns(now),
+                attributes, links, (), code, ctx.state,
+            )
+        )  # fmt: skip
+        if outcome != "batched":
+            self.flush()
+
+    def refused(self, rt: RelayTrace, req_id: object, model: str | None, code: str, now: float) -> None:
+        """A traced request refused at the door: a queue span of no length, with its code."""
+
+        class _Refused:
+            priority, attempts, deadline_at, arrived_at, trace = 0.0, 0, None, now, rt
+            id = req_id
+
+        self.queue_ended(_Refused, model or "", "refused", now, code)
+
+    def batch_started(self, batch: Any, worker: str, cost: float, now: float) -> str | None:
+        """The batch's span begins (its record is made when it ends); its traceparent for
+        the BATCH header, None when none of its requests is traced."""
+        traced = [r for r in batch.requests if r.trace is not None]
+        if not traced:
+            return None
+        first = traced[0]
+        if first.trace.queue is None:
+            self.queue_ended(first, batch.model, "batched", now)
+        parent = first.trace.queue
+        ctx = Ctx(parent.trace_id, self._bits(64) or 1, 1, parent.state)
+        links = [(_b(parent.trace_id), parent.span_id, {"batcher.request_id": str(first.id)})]
+        for r in traced[1:]:
+            if r.trace.queue is None:
+                self.queue_ended(r, batch.model, "batched", now, batch=ctx)
+            q = r.trace.queue
+            links.append((_b(q.trace_id), q.span_id, {"batcher.request_id": str(r.id)}))
+        attempt = 1 + max(r.attempts + r.handbacks for r in batch.requests)
+        attributes = {
+            "batcher.model": batch.model,
+            "batcher.batch_id": str(batch.batch_id),
+            "batcher.batch_size": len(batch.requests),
+            "batcher.batch_cost": float(cost),
+            "batcher.worker": worker,
+            "batcher.attempt": attempt,
+            "batcher.traced_requests": len(traced),
+        }
+        events = [("batcher.redispatch", self.ns(now), {"batcher.attempt": attempt})] if attempt > 1 else []
+        if len(self._open) >= MAX_OPEN_BATCHES:
+            self._open.pop(next(iter(self._open)))
+        self._open[batch.batch_id] = [ctx, parent.span_id, self.ns(now), attributes, links, events]
+        return format_traceparent(ctx.trace_id, ctx.span_id, 1)
+
+    def _end_batch(self, batch_id: int, now: float, error: str | None) -> None:
+        held = self._open.pop(batch_id, None)
+        if held is None:
+            return
+        ctx, parent_id, start_ns, attributes, links, events = held
+        self._records.append(
+            (
+                "batcher.batch", INTERNAL, _b(ctx.trace_id), ctx.span_id, parent_id, start_ns, self.ns(now),
+                attributes, links, events, error, ctx.state,
+            )
+        )  # fmt: skip
+        self.flush()
+
+    def batch_answered(
+        self, batch_id: int, now: float, infer_ms: float, wait_ms: float | None, padding: Any, errors: Any
+    ) -> None:
+        """The worker's REPLY came: the batch span ends, with the worker's figures."""
+        held = self._open.get(batch_id)
+        if held is None:
+            return
+        attributes = held[3]
+        attributes["batcher.infer_ms"] = float(infer_ms)
+        if wait_ms is not None:
+            attributes["batcher.worker_wait_ms"] = float(wait_ms)
+        if padding is not None:
+            padded, real = padding
+            attributes["batcher.padding_waste"] = padded / real if real else 0.0
+        failed = errors if isinstance(errors, int) else sum(errors.values())
+        self._end_batch(batch_id, now, f"{failed} requests failed" if failed else None)
+
+    def batch_failed(self, batch_id: int, now: float, event: str, why: str) -> None:
+        """The batch will not be answered: its span ends with `event`."""
+        held = self._open.get(batch_id)
+        if held is not None:
+            held[5].append((event, self.ns(now), {"batcher.reason": why}))
+            self._end_batch(batch_id, now, why)
+
+    def flush(self) -> None:
+        """Hand the records kept so far to the exporter process (dropped, counted, when
+        its socket is full), and take the drop counts it sent back."""
+        records = self._records
+        if records:
+            self._records = []
+            try:
+                self._sock.send(msgpack.packb(records), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                count_dropped(len(records))
+        try:
+            while True:
+                said = msgpack.unpackb(self._sock.recv(zmq.NOBLOCK))
+                count_dropped(int(said))
+        except (zmq.ZMQError, ValueError, TypeError):
+            return
+
+    def shutdown(self) -> None:
+        """Hand over what is left, then let the exporter process export it and exit."""
+        self.flush()
+        self._sock.close(2000)
+        self._ctx.term()
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()  # the exporter process's signal to finish
+        try:
+            self._proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,148 @@
+"""Spans from timestamps: each process keeps monotonic times on its hot path and makes
+its spans from them here, with the OpenTelemetry SDK (imported at the top: this module
+is loaded only when tracing is on). `Tracer` is one process's; `BrokerSpans` is what the
+broker's loop records of a request's queue and of each batch, the batch span LINKED to
+the queue span of every request it carries (docs/tracing.md)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace.span import TraceState
+
+from batcher.observe.counters import spans_dropped
+from batcher.observe.export import make_provider
+from batcher.observe.settings import TraceSettings
+from batcher.wire.tracecontext import (
+    TraceParent,
+    format_traceparent,
+    parse_traceparent,
+    parse_tracestate,
+    should_sample,
+)
+
+Attributes = Mapping[str, Any]
+
+
+def span_context(parent: TraceParent, tracestate: str | None = None) -> SpanContext:
+    """A remote parent's SpanContext from its traceparent (and tracestate)."""
+    state = TraceState.from_header([tracestate]) if tracestate else None
+    return SpanContext(
+        int(parent.trace_id, 16), int(parent.span_id, 16), True, TraceFlags(parent.flags & 0xFF), state
+    )
+
+
+def traceparent_of(ctx: SpanContext) -> str:
+    """The traceparent that makes `ctx` the parent of the next hop's spans."""
+    return format_traceparent(ctx.trace_id, ctx.span_id, int(ctx.trace_flags))
+
+
+def tracestate_of(ctx: SpanContext) -> str | None:
+    """`ctx`'s tracestate as a header, None when it has none."""
+    return ctx.trace_state.to_header() or None if ctx.trace_state else None
+
+
+class Tracer:
+    """One process's tracer: its sampling rule (parent-based ratio), the SDK's tracer,
+    and monotonic times turned into the epoch nanoseconds spans carry."""
+
+    def __init__(
+        self,
+        settings: TraceSettings,
+        service: str,
+        attributes: Attributes | None = None,
+        exporter: Any = None,
+    ) -> None:
+        self.settings = settings
+        self.provider, self.processor = make_provider(settings, service, attributes, exporter)
+        self.sdk = self.provider.get_tracer("batcher")
+        self.ratio = settings.sample_ratio
+        self.parent_based = settings.parent_based
+        self._offset_ns = time.time_ns() - time.monotonic_ns()
+        self._random = random.random
+
+    def ns(self, monotonic_s: float) -> int:
+        """A time.monotonic() reading as epoch nanoseconds."""
+        return int(monotonic_s * 1e9) + self._offset_ns
+
+    def sample(self, parent: TraceParent | None) -> bool:
+        """Whether a request with this parent (None: none or a malformed one) is traced."""
+        ratio = self.ratio
+        if parent is None and (ratio <= 0.0 or ratio >= 1.0):
+            return ratio >= 1.0  # no random draw at the extremes
+        return should_sample(parent, ratio, self._random(), self.parent_based)
+
+    def start(
+        self,
+        name: str,
+        parent: SpanContext | None,
+        start_s: float,
+        attributes: Attributes | None = None,
+        links: Sequence[Link] = (),
+        kind: SpanKind = SpanKind.INTERNAL,
+    ) -> Any:
+        """An open span begun at `start_s` (monotonic), child of `parent` (None: a root)."""
+        context = trace.set_span_in_context(NonRecordingSpan(parent)) if parent is not None else None
+        return self.sdk.start_span(
+            name, context=context, kind=kind, attributes=attributes, links=links, start_time=self.ns(start_s)
+        )
+
+    def end(self, span: Any, end_s: float, error: str | None = None) -> None:
+        """End `span` at `end_s` (monotonic), with an error status when `error` says one."""
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end(end_time=self.ns(end_s))
+
+    def record(
+        self,
+        name: str,
+        parent: SpanContext | None,
+        start_s: float,
+        end_s: float,
+        attributes: Attributes | None = None,
+        links: Sequence[Link] = (),
+        kind: SpanKind = SpanKind.INTERNAL,
+        error: str | None = None,
+        events: Iterable[tuple[str, float, Attributes]] = (),
+    ) -> SpanContext:
+        """A span made after the fact from its two times; its context (for children and links)."""
+        span = self.start(name, parent, start_s, attributes, links, kind)
+        for event, at_s, attrs in events:
+            span.add_event(event, attrs, timestamp=self.ns(at_s))
+        self.end(span, end_s, error)
+        ctx: SpanContext = span.get_span_context()
+        return ctx
+
+    def dropped(self) -> int:
+        """Spans this process dropped (queue full, or a failed export)."""
+        return spans_dropped()
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Export what is queued now (tests, a process's exit)."""
+        return self.processor.force_flush(int(timeout_s * 1000))
+
+    def shutdown(self) -> None:
+        """Export what is left and stop the export thread."""
+        self.provider.shutdown()
+
+
+class RequestTrace:
+    """A traced request's context at the broker: its caller's span (None: a new trace),
+    then its queue span once that ended (the batch spans link to it)."""
+
+    __slots__ = ("parent", "queue")
+
+    def __init__(self, parent: SpanContext | None) -> None:
+        self.parent = parent
+        self.queue: SpanContext | None = None
+
+
+def parent_of(traceparent: object, tracestate: object) -> tuple[bool, TraceParent | None, str | None]:
+    """(valid, parent, tracestate) of a request's context fields: bad ones read as none."""
+    parent = parse_traceparent(traceparent)
+    return parent is not None, parent, parse_tracestate(tracestate) if parent is not None else None

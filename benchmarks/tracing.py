@@ -1,0 +1,133 @@
+"""Tracing's cost (issue 32): the broker and its worker with tracing off, with tracing on
+at sampling 0, and at sampling 1, all up at once and loaded in turn (off, 0, 1, off, 0,
+1, ... for --runs rounds, so drift on a noisy machine hits them alike), each traced serve
+exporting to a collector in this process that takes OTLP/HTTP bodies and answers 200
+without decoding them (its own CPU is the benchmark's, not the broker's; it shares the
+machine's cores all the same).
+
+Two loads: small messages (the `echo` model, max batch 32, wait 0: the broker's own
+cost dominates) and `sim` at saturation (2 workers of the simulated GPU, 20 ms + 1 ms an
+item, max batch 32: the model's time dominates). Reported per round and as the median of
+the within-round ratios to tracing off. Targets: sampling 0 within 2% of off on both
+loads; sampling 1 within 15% on small messages and within 2% on `sim`.
+
+    python benchmarks/tracing.py            # 3 rounds
+    python benchmarks/tracing.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from common import closed_loop, handle_sigterm, md_table, running_serve, serve_args, summarize, write_results
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.otlp_collector import Collector
+
+LOADS = {
+    # name: (serve args, workers, concurrency)
+    "small": (serve_args(workers=1, model="echo", max_batch_size=32, max_wait_ms=0.0), 1, 64),
+    "sim": (
+        serve_args(
+            workers=2,
+            max_batch_size=32,
+            max_wait_ms=5.0,
+            extra=["--sim-base-ms", "20", "--sim-per-item-ms", "1"],
+        ),
+        2,
+        128,
+    ),
+}
+TARGETS = {("small", "0"): 0.98, ("sim", "0"): 0.98, ("small", "1"): 0.85, ("sim", "1"): 0.98}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="2 short rounds")
+    p.add_argument("--runs", type=int, default=None, help="rounds (3; quick 2)")
+    p.add_argument("--duration", type=float, default=None, help="measured seconds per load (3; quick 1.5)")
+    p.add_argument("--warmup", type=float, default=None, help="warm-up seconds per load (0.5; quick 0.3)")
+    p.add_argument("--loads", default="small,sim", help="comma-separated: small, sim")
+    args = p.parse_args(argv)
+    args.runs = args.runs or (2 if args.quick else 3)
+    args.duration = args.duration or (1.5 if args.quick else 3.0)
+    args.warmup = args.warmup or (0.3 if args.quick else 0.5)
+    return args
+
+
+def measure(load: str, args: argparse.Namespace, collector: Collector) -> dict[str, list[dict[str, Any]]]:
+    base, workers, concurrency = LOADS[load]
+    configs = {
+        "off": base,
+        "0": [*base, "--trace-endpoint", collector.endpoint, "--trace-sample-ratio", "0"],
+        "1": [*base, "--trace-endpoint", collector.endpoint, "--trace-sample-ratio", "1"],
+    }
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+    with contextlib.ExitStack() as stack:
+        addresses = {
+            name: stack.enter_context(running_serve(a, workers)).frontend for name, a in configs.items()
+        }
+        for i in range(args.runs):
+            for name, addr in addresses.items():
+                result = summarize(closed_loop(addr, concurrency, args.duration, args.warmup))
+                rounds[name].append(result)
+                print(
+                    f"{load} round {i + 1}/{args.runs} sampling {name}: "
+                    f"{result['throughput_rps']:.0f} req/s, "
+                    f"p50 {result['p50_ms']:.2f} ms, mean batch {result['mean_batch_size']}",
+                    flush=True,
+                )
+    return rounds
+
+
+def main(argv: list[str] | None = None) -> None:
+    handle_sigterm()
+    args = parse_args(argv)
+    collector = Collector(mode="sink")
+    results: dict[str, Any] = {}
+    rows = []
+    try:
+        for load in [x.strip() for x in args.loads.split(",") if x.strip()]:
+            rounds = measure(load, args, collector)
+            results[load] = rounds
+            for name in ("off", "0", "1"):
+                ratios = [
+                    r["throughput_rps"] / b["throughput_rps"]
+                    for r, b in zip(rounds[name], rounds["off"], strict=True)
+                ]
+                target = TARGETS.get((load, name))
+                ratio = statistics.median(ratios)
+                met = "" if target is None else ("met" if ratio >= target else "**missed**")
+                rows.append(
+                    [
+                        load,
+                        "off" if name == "off" else f"on, sampling {name}",
+                        f"{statistics.median(r['throughput_rps'] for r in rounds[name]):.0f}",
+                        f"{statistics.median(r['p50_ms'] for r in rounds[name]):.2f}",
+                        f"{ratio:.3f}",
+                        ", ".join(f"{x:.3f}" for x in ratios),
+                        "" if target is None else f">= {target} ({met})",
+                    ]
+                )
+    finally:
+        spans_posts = collector.posts
+        collector.close()
+    table = md_table(
+        ["load", "tracing", "req/s (median)", "p50 ms", "ratio to off", "per round", "target"], rows
+    )
+    body = (
+        "The broker and its worker(s), tracing off, on at sampling 0 and on at sampling 1, up at once and "
+        "loaded in turn each round (closed loop; `small`: the echo model, concurrency 64; `sim`: 2 workers, "
+        "20 ms + 1 ms an item, concurrency 128). The traced serves export to a collector in the benchmark's "
+        f"process that answers without decoding ({spans_posts} OTLP posts in all).\n\n" + table
+    )
+    write_results("tracing", "Tracing: off, sampling 0 and sampling 1", body, {"rounds": results}, args.quick)
+
+
+if __name__ == "__main__":
+    main()

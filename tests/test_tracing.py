@@ -1,0 +1,277 @@
+"""OpenTelemetry traces across gateway, broker and worker (issue 32, docs/tracing.md),
+received by a test OTLP/HTTP collector (tests/otlp_collector.py): the span tree and
+parents, the batch span linked to each of its requests, durations against the reply's
+queue_ms and infer_ms; context set by the Python client and by a raw client; sampling
+0 and an unsampled parent; a collector down, slow or erroring; bad context ignored."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from batcher.client import Client
+from batcher.serve.launcher import ServeProcess, free_tcp_address
+from tests.helpers import pack, recv_reply, sample, scrape, wait_until
+from tests.otlp_collector import Collector, SpanRecord
+
+pytestmark = pytest.mark.integration
+
+SIM = ("--model", "sim", "--workers", "1", "--sim-base-ms", "20", "--sim-per-item-ms", "1")
+SERVER, CLIENT = 2, 3  # the proto's SpanKind values
+
+
+def new_traceparent(sampled: bool = True) -> tuple[str, str, str]:
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    return f"00-{trace_id}-{span_id}-{'01' if sampled else '00'}", trace_id, span_id
+
+
+def free_port() -> int:
+    return int(free_tcp_address().rsplit(":", 1)[1])
+
+
+@pytest.fixture
+def collector() -> Iterator[Callable[..., Collector]]:
+    made: list[Collector] = []
+
+    def make(mode: str = "ok", delay_s: float = 2.0) -> Collector:
+        made.append(Collector(mode, delay_s))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def by_name(spans: list[SpanRecord], name: str) -> list[SpanRecord]:
+    return [s for s in spans if s.name == name]
+
+
+def one(spans: list[SpanRecord], name: str) -> SpanRecord:
+    found = by_name(spans, name)
+    assert len(found) == 1, (name, spans)
+    return found[0]
+
+
+def has_worker_spans(trace_id: str) -> Callable[[list[SpanRecord]], bool]:
+    def check(spans: list[SpanRecord]) -> bool:
+        names = {s.name for s in spans if s.trace_id == trace_id}
+        return {"batcher.queue", "batcher.batch", "batcher.worker.model", "batcher.worker.encode"} <= names
+
+    return check
+
+
+def post_infer(port: int, headers: dict[str, str], value: float = 1.0) -> dict[str, Any]:
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [value]}]}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v2/models/sim/infer",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **headers},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=10) as r:
+        answer: dict[str, Any] = json.loads(r.read())
+        return answer
+
+
+def test_an_http_request_is_one_trace_from_gateway_to_worker(
+    serve: Callable[..., ServeProcess], collector: Callable[..., Collector]
+) -> None:
+    c = collector()
+    http_port = free_port()
+    serve(*SIM, "--http-port", str(http_port), "--trace-endpoint", c.endpoint, workers=1)
+    wait_until(lambda: _live(http_port), 20.0, "the gateway's HTTP port")
+    traceparent, trace_id, caller_span = new_traceparent()
+    post_infer(http_port, {"traceparent": traceparent, "tracestate": "vendor=abc"})
+    spans = c.wait_for(
+        lambda s: (
+            has_worker_spans(trace_id)(s)
+            and any(x.name.startswith("POST") and x.trace_id == trace_id for x in s)
+        )
+    )
+    mine = [s for s in spans if s.trace_id == trace_id]
+    assert {s.service for s in mine} == {"batcher-gateway", "batcher-broker", "batcher-worker"}
+    server = one(mine, "POST /v2/models/{model}/infer")
+    assert server.parent_id == caller_span and server.kind == SERVER
+    assert server.attributes["http.response.status_code"] == 200
+    assert server.attributes["http.request.method"] == "POST"
+    assert server.trace_state == "vendor=abc"
+    parse, trip = one(mine, "batcher.gateway.parse"), one(mine, "batcher.gateway.broker")
+    assert parse.parent_id == trip.parent_id == server.span_id and trip.kind == CLIENT
+    queue = one(mine, "batcher.queue")
+    assert queue.parent_id == trip.span_id and queue.attributes["batcher.outcome"] == "batched"
+    assert queue.trace_state == "vendor=abc"  # carried on through the row's request
+    batch = one(mine, "batcher.batch")
+    assert batch.parent_id == queue.span_id
+    assert (trace_id, queue.span_id) in [(t, s) for t, s, _ in batch.links]
+    for name in ("batcher.worker.decode", "batcher.worker.model", "batcher.worker.encode"):
+        assert one(mine, name).parent_id == batch.span_id
+    assert one(mine, "batcher.worker.model").resource["batcher.model"] == "sim"
+    # Each child lies within its parent (clocks of one machine).
+    for child, parent in (
+        (trip, server),
+        (queue, trip),
+        (batch, trip),
+        (one(mine, "batcher.worker.model"), batch),
+    ):
+        assert parent.start_ns <= child.start_ns and child.end_ns <= parent.end_ns + 1_000_000, (
+            child,
+            parent,
+        )
+
+
+def _live(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/live", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def test_a_python_client_in_a_span_sets_the_context_and_a_batch_links_all_its_requests(
+    serve: Callable[..., ServeProcess], collector: Callable[..., Collector]
+) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    c = collector()
+    sp = serve(
+        "--model", "sim", "--workers", "1", "--sim-base-ms", "60", "--sim-per-item-ms", "1",
+        "--max-batch-size", "8", "--policy", "window", "--max-wait-ms", "200",
+        "--trace-endpoint", c.endpoint, workers=1,
+    )  # fmt: skip
+    tracer = TracerProvider().get_tracer("test")  # a caller's own spans (not exported)
+    contexts = []
+    with Client(sp.frontend, timeout_s=10) as client:
+        handles = []
+        for i in range(8):
+            with tracer.start_as_current_span(f"caller {i}") as span:
+                contexts.append(span.get_span_context())
+                handles.append(client.submit(float(i)))
+        replies = [h.result() for h in handles]
+    assert len(replies) == 8
+    trace_ids = {f"{ctx.trace_id:032x}" for ctx in contexts}
+    spans = c.wait_for(lambda s: _all_queued(s, trace_ids) and by_name(s, "batcher.batch"))
+    queues = [s for s in spans if s.name == "batcher.queue" and s.trace_id in trace_ids]
+    callers = {f"{ctx.span_id:016x}" for ctx in contexts}
+    assert {q.parent_id for q in queues} == callers  # each a child of its caller's span
+    batch = one(spans, "batcher.batch")
+    assert batch.attributes["batcher.batch_size"] == 8
+    assert {(q.trace_id, q.span_id) for q in queues} == {(t, s) for t, s, _ in batch.links}
+    # Every request's trace leads to the batch: its child in one, a link from the others.
+    for q in queues:
+        assert batch.parent_id == q.span_id or (batch.trace_id, batch.span_id) in [
+            (t, s) for t, s, _ in q.links
+        ]
+
+
+def _all_queued(spans: list[SpanRecord], trace_ids: set[str]) -> bool:
+    return {s.trace_id for s in spans if s.name == "batcher.queue"} >= trace_ids
+
+
+def test_durations_match_the_replys_queue_and_infer_ms_from_a_raw_client(
+    serve: Callable[..., ServeProcess], collector: Callable[..., Collector], zctx: zmq.Context[Any]
+) -> None:
+    c = collector()
+    sp = serve(*SIM, "--trace-endpoint", c.endpoint, workers=1)
+    traceparent, trace_id, caller_span = new_traceparent()
+    sock = zctx.socket(zmq.DEALER)
+    sock.connect(sp.frontend)
+    sock.send_multipart([b"", pack({"id": 1, "input": 3.0, "traceparent": traceparent})])
+    reply = recv_reply(sock)
+    assert reply["ok"], reply
+    mine = [s for s in c.wait_for(has_worker_spans(trace_id)) if s.trace_id == trace_id]
+    queue, model = one(mine, "batcher.queue"), one(mine, "batcher.worker.model")
+    assert queue.parent_id == caller_span
+    # The reply's queue_ms is the broker's queue plus the worker's wait; infer_ms the model's.
+    assert queue.duration_ms <= reply["queue_ms"] + 1.0
+    assert abs(model.duration_ms - reply["infer_ms"]) < 5.0, (model.duration_ms, reply["infer_ms"])
+    assert model.attributes["batcher.infer_ms"] == reply["infer_ms"]
+
+
+def test_ratio_zero_exports_nothing_and_an_unsampled_parent_is_respected(
+    serve: Callable[..., ServeProcess], collector: Callable[..., Collector], zctx: zmq.Context[Any]
+) -> None:
+    c = collector()
+    sp = serve(*SIM, "--trace-endpoint", c.endpoint, "--trace-sample-ratio", "0", workers=1)
+    unsampled, unsampled_trace, _ = new_traceparent(sampled=False)
+    with Client(sp.frontend, timeout_s=10) as client:
+        for i in range(20):
+            client.request(float(i))  # no context: ratio 0 traces none
+        client.request(1.0)
+    sock = zctx.socket(zmq.DEALER)
+    sock.connect(sp.frontend)
+    sock.send_multipart([b"", pack({"id": 1, "input": 1.0, "traceparent": unsampled})])
+    assert recv_reply(sock)["ok"]
+    # A sampled parent is followed whatever the ratio: its spans mark that all before have left.
+    marker, marker_trace, _ = new_traceparent()
+    sock.send_multipart([b"", pack({"id": 2, "input": 1.0, "traceparent": marker})])
+    assert recv_reply(sock)["ok"]
+    spans = c.wait_for(has_worker_spans(marker_trace))
+    assert {s.trace_id for s in spans} == {marker_trace}, spans
+    assert unsampled_trace not in {s.trace_id for s in spans}
+
+
+@pytest.mark.parametrize("trouble", ["down", "error", "slow"])
+def test_a_collector_down_slow_or_erroring_never_touches_serving(
+    serve: Callable[..., ServeProcess], collector: Callable[..., Collector], trouble: str
+) -> None:
+    if trouble == "down":
+        endpoint = f"http://{free_tcp_address().removeprefix('tcp://')}"  # nothing listens there
+    else:
+        endpoint = collector(trouble, delay_s=30.0).endpoint
+    metrics_port = free_port()
+    sp = serve(
+        *SIM,
+        "--trace-endpoint",
+        endpoint,
+        "--metrics-port",
+        str(metrics_port),
+        workers=1,
+        stop_timeout_s=15.0,
+    )
+    with Client(sp.frontend, timeout_s=10) as client:
+        started = time.monotonic()
+        replies = client.request_many([float(i) for i in range(64)])
+        elapsed_s = time.monotonic() - started
+    assert len(replies) == 64
+    # 64 requests of a 20 ms + 1 ms/item model at up to 32 a batch: well under a second
+    # whatever the collector does (the export thread waits, the loop never does).
+    assert elapsed_s < 3.0, elapsed_s
+    if trouble != "slow":  # a slow collector delays spans; its queue is far from full
+        wait_until(
+            lambda: sample(scrape(metrics_port), "batcher_trace_spans_dropped_total") > 0,
+            20.0,
+            "the broker's dropped spans counted",
+        )
+
+
+def test_bad_context_is_ignored_never_an_error(
+    serve: Callable[..., ServeProcess], collector: Callable[..., Collector], zctx: zmq.Context[Any]
+) -> None:
+    c = collector()
+    sp = serve(*SIM, "--trace-endpoint", c.endpoint, workers=1)
+    sock = zctx.socket(zmq.DEALER)
+    sock.connect(sp.frontend)
+    good, good_trace, _ = new_traceparent()
+    bad_bodies = [
+        {"id": 1, "input": 1.0, "traceparent": "00-not-a-trace-01"},
+        {"id": 2, "input": 1.0, "traceparent": {"a": "map"}, "tracestate": 5},
+        {"id": 3, "input": 1.0, "traceparent": "x" * 100_000},
+        {"id": 4, "input": 1.0, "traceparent": good, "tracestate": "k=" + "v" * 10_000},
+    ]
+    for body in bad_bodies:
+        sock.send_multipart([b"", pack(body)])
+        reply = recv_reply(sock)
+        assert reply["ok"] and reply["id"] == body["id"], reply
+    spans = c.wait_for(lambda s: len(by_name(s, "batcher.queue")) >= 4 and has_worker_spans(good_trace)(s))
+    queues = by_name(spans, "batcher.queue")
+    ids = {q.attributes["batcher.request_id"]: q for q in queues}
+    assert ids["4"].trace_id == good_trace and ids["4"].trace_state == ""  # the huge tracestate dropped
+    for rid in ("1", "2", "3"):
+        assert ids[rid].parent_id == ""  # a new trace (ratio 1), the bad context ignored
