@@ -19,6 +19,7 @@ from batcher.core.scaling import (
     desired_cells,
     desired_workers,
     scaling_batch_size,
+    workers_needed,
 )
 from batcher.core.scheduler import QueueFull, Scheduler
 from batcher.errors import SettingsError
@@ -36,6 +37,15 @@ def test_the_issues_example_four_workers_serve_1280_and_640_needs_three() -> Non
     assert desired_workers(640.0, A_S, B_S, 32, 0.7) == 3
     assert desired_workers(0.0, A_S, B_S, 32, 0.7) == 0
     assert desired_workers(0.01, A_S, B_S, 32, 0.7) == 1  # any load needs a worker
+    assert workers_needed(640.0, A_S, B_S, 32, 0.7) == pytest.approx(640 * 0.1 / (32 * 0.7))
+
+
+def test_summed_over_cells_the_unrounded_need_scales_in() -> None:
+    """Four cells with a little load each: each rounds up to one worker, but together
+    they need one; the sum a ScaledObject takes is of workers_needed."""
+    per_cell = [workers_needed(50.0, A_S, B_S, 32, 0.7) for _ in range(4)]
+    assert sum(desired_workers(50.0, A_S, B_S, 32, 0.7) for _ in range(4)) == 4
+    assert math.ceil(sum(per_cell)) == 1
 
 
 def test_the_issues_example_through_a_fake_clock_and_a_scheduler() -> None:
@@ -58,6 +68,7 @@ def test_the_issues_example_through_a_fake_clock_and_a_scheduler() -> None:
     assert (d.batch_size, d.workers, d.cells) == (32, 3, 2)
     wire = auto.wire("m")
     assert wire["desired_workers"] == 3 and wire["target_utilization"] == 0.7
+    assert wire["workers_needed"] == pytest.approx(640 * 0.1 / (32 * 0.7), abs=1e-3)
     assert wire["cell_workers"] == 2
 
 

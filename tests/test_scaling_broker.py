@@ -58,6 +58,7 @@ def test_serve_exports_desired_workers_and_cells_for_the_offered_load(serve, spa
     workers = sample(m, "batcher_desired_workers", model="sim")
     cells = sample(m, "batcher_desired_cells", model="sim")
     assert abs(workers - entry["desired_workers"]) <= 1
+    assert workers - 1 < sample(m, "batcher_workers_needed", model="sim") <= workers
     assert cells == math.ceil(workers / 2)
 
 

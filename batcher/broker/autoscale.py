@@ -42,7 +42,13 @@ class Autoscale:
         d = self.desires.get(model)
         entry: dict[str, object] = {"target_utilization": self.target_utilization}
         if d is None:
-            entry.update(offered_per_s=0.0, scaling_batch_size=None, desired_workers=None, desired_cells=None)
+            entry.update(
+                offered_per_s=0.0,
+                scaling_batch_size=None,
+                desired_workers=None,
+                workers_needed=None,
+                desired_cells=None,
+            )
         else:
             entry.update(d.wire())
         entry["cell_workers"] = self.cell_workers.get(model)

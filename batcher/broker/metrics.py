@@ -170,6 +170,10 @@ class PrometheusMetrics(NoMetrics):
                         "desired_workers",
                         "Workers the offered load needs at --target-utilization (docs/kubernetes.md)",
                     ),
+                    (
+                        "workers_needed",
+                        "desired_workers before rounding up: sum() it over cells to scale a deployment",
+                    ),
                     ("desired_cells", "Cells (serve processes) the offered load needs at that target"),
                 ):
                     family = GaugeMetricFamily(f"batcher_{name}", help_text, labels=["model"])

@@ -355,6 +355,8 @@ def gauges(
         for name, d in autoscale.desires.items():  # one dict, replaced whole at each tick
             if name in out and d.workers is not None:
                 out[name]["desired_workers"] = d.workers
+                if d.needed is not None:
+                    out[name]["workers_needed"] = d.needed
                 if d.cells is not None:
                     out[name]["desired_cells"] = d.cells
     return out

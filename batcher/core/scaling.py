@@ -51,6 +51,7 @@ __all__ = [
     "desired_cells",
     "desired_workers",
     "scaling_batch_size",
+    "workers_needed",
 ]
 
 
@@ -61,17 +62,23 @@ def check_target_utilization(target: float) -> str | None:
     return None
 
 
-def desired_workers(rate_per_s: float, a_s: float, b_s: float, batch_size: int, target: float) -> int:
-    """ceil(rate * t(n) / (n * target)) with t(n) = a + b*n in seconds (module docstring);
-    0 for no load."""
+def workers_needed(rate_per_s: float, a_s: float, b_s: float, batch_size: int, target: float) -> float:
+    """rate * t(n) / (n * target) with t(n) = a + b*n in seconds, not rounded: the load in
+    workers at the target. Summed over cells it is what a deployment needs (a sum of each
+    cell's rounded-up count would keep a cell per loaded cell, and never scale in)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if problem := check_target_utilization(target):
         raise ValueError(problem)
     if rate_per_s <= 0:
-        return 0
-    batch_s = a_s + b_s * batch_size
-    return max(1, math.ceil(rate_per_s * batch_s / (batch_size * target) - _EPSILON))
+        return 0.0
+    return rate_per_s * (a_s + b_s * batch_size) / (batch_size * target)
+
+
+def desired_workers(rate_per_s: float, a_s: float, b_s: float, batch_size: int, target: float) -> int:
+    """ceil(rate * t(n) / (n * target)) (module docstring); 0 for no load, else >= 1."""
+    needed = workers_needed(rate_per_s, a_s, b_s, batch_size, target)
+    return 0 if needed <= 0 else max(1, math.ceil(needed - _EPSILON))
 
 
 def desired_cells(workers: int, workers_per_cell: int) -> int:
@@ -125,6 +132,8 @@ class Desire:
     batch_size: int
     #: None while the model's batch time is not learned yet (no batch answered).
     workers: int | None
+    #: workers before rounding up (workers_needed); None when workers is.
+    needed: float | None
     #: None where the cell's worker count is not known (a plain broker) or workers is None.
     cells: int | None
 
@@ -134,6 +143,7 @@ class Desire:
             "offered_per_s": round(self.rate_per_s, 3),
             "scaling_batch_size": self.batch_size,
             "desired_workers": self.workers,
+            "workers_needed": None if self.needed is None else round(self.needed, 4),
             "desired_cells": self.cells,
         }
 
@@ -148,12 +158,13 @@ def desire(
     """The signal of a model offered `rate_per_s`, of learned `cost` (a, b) or None, with
     `cell_workers` of its workers in one cell (None or 0: not known)."""
     n = scaling_batch_size(settings)
-    workers = None
+    workers = needed = None
     if cost is not None:
+        needed = workers_needed(rate_per_s, cost[0], cost[1], n, target)
         workers = desired_workers(rate_per_s, cost[0], cost[1], n, target)
     elif rate_per_s <= 0:
-        workers = 0
+        workers, needed = 0, 0.0
     cells = None
     if workers is not None and cell_workers:
         cells = desired_cells(workers, cell_workers)
-    return Desire(rate_per_s, n, workers, cells)
+    return Desire(rate_per_s, n, workers, needed, cells)
