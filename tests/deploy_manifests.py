@@ -162,3 +162,95 @@ def uses_many_brokers(command: Command) -> bool:
 def mounts(container: dict[str, Any]) -> list[str]:
     """The mount paths of a container."""
     return [m["mountPath"] for m in container.get("volumeMounts", [])]
+
+
+# --- the manifests' commands on a simulated node (tests/test_cluster.py) ------------------
+
+#: The API key the simulated gateways accept.
+API_KEY = "cluster-test-token"
+POD_ETC = "/etc/batcher"
+
+
+def pod_files(root: Path) -> Path:
+    """The files a pod mounts, made under `root` as the manifests mount them: the
+    ConfigMap's batcher.toml, the CurveZMQ keys of the Secret (made by `batcher keygen`),
+    the clients' allow-list and the API keys. Returns root's etc/batcher."""
+    import subprocess
+    import sys
+
+    from workers.supervisor import child_environment
+
+    etc = root / POD_ETC.lstrip("/")
+    keys, clients, api = etc / "keys", etc / "clients", etc / "api-keys"
+    for d in (keys, clients, api):
+        d.mkdir(parents=True, exist_ok=True)
+    (etc / "batcher.toml").write_text(find("ConfigMap", "batcher-config")["data"]["batcher.toml"])
+    for name in ("broker", "gateway"):
+        subprocess.run(
+            [sys.executable, "-m", "batcher", "keygen", "--name", name, str(keys)],
+            check=True,
+            capture_output=True,
+            env=child_environment(),
+            timeout=60,
+        )
+    (clients / "gateway.key").write_bytes((keys / "gateway.key").read_bytes())
+    (api / "api-keys").write_text(API_KEY + "\n")
+    return etc
+
+
+def on_node(argv: tuple[str, ...] | list[str], root: Path) -> list[str]:
+    """A manifest's command line with the pod's mount paths under `root` (nothing else
+    changed)."""
+    prefix = str(root / POD_ETC.lstrip("/"))
+    return [prefix + a[len(POD_ETC) :] if a.startswith(POD_ETC + "/") else a for a in argv]
+
+
+def _container(deployment: str) -> dict[str, Any]:
+    (container,) = find("Deployment", deployment)["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def cell_argv(root: Path) -> list[str]:
+    """The GPU cell's `batcher serve` command line, on a node."""
+    return on_node(_container("batcher-cell")["args"], root)
+
+
+def cell_ready_argv(root: Path) -> list[str]:
+    """The cell's readiness probe (`batcher ready ...`), on a node."""
+    return on_node(_container("batcher-cell")["readinessProbe"]["exec"]["command"][1:], root)
+
+
+def gateway_argv(root: Path, *, discover_file: Path | None = None, connect: str | None = None) -> list[str]:
+    """The gateway's command line, on a node: its DNS discovery (a headless Service, which
+    the simulated cluster has no DNS for) replaced by `--discover file:PATH`, the same
+    gateway's other source; or, for a gateway without discovery yet (before issue 31
+    item 1), by `--connect ADDRESS` and no interval."""
+    argv = list(_container("batcher-gateway")["args"])
+    i = argv.index("--discover")
+    if discover_file is not None:
+        argv[i + 1] = f"file:{discover_file}"
+    else:
+        assert connect is not None
+        j = argv.index("--discover-interval-s")
+        for k in sorted((i, i + 1, j, j + 1), reverse=True):
+            del argv[k]
+        argv[1:1] = ["--connect", connect]
+    return on_node(argv, root)
+
+
+def discover_interval_s() -> float:
+    """The gateway's --discover-interval-s in its manifest."""
+    argv = _container("batcher-gateway")["args"]
+    return float(argv[argv.index("--discover-interval-s") + 1])
+
+
+def http_port(deployment: str = "batcher-gateway") -> int:
+    """The gateway's HTTP port (its container's `http` port)."""
+    ports = {p["name"]: p["containerPort"] for p in _container(deployment)["ports"]}
+    return int(ports["http"])
+
+
+def frontend_port() -> int:
+    """The cell's frontend port (its container's `frontend` port)."""
+    ports = {p["name"]: p["containerPort"] for p in _container("batcher-cell")["ports"]}
+    return int(ports["frontend"])
