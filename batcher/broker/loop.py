@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from batcher.broker.autoscale import Autoscale
 from batcher.broker.backend import Backend
 from batcher.broker.control import Controls
 from batcher.broker.frontend import Frontend
@@ -30,6 +31,7 @@ from batcher.broker.stats import BrokerStats, gauges
 from batcher.core.admission import SHUTTING_DOWN_MESSAGE
 from batcher.core.drain import Drain, DrainVerdict
 from batcher.core.pool import WorkerPool
+from batcher.core.scaling import DEFAULT_TARGET_UTILIZATION, SCALING_TICK_S, check_target_utilization
 from batcher.core.scheduler import BatchSettings, Scheduler
 from batcher.core.streams import Streams
 from batcher.errors import BindError as BindError  # its older home
@@ -133,6 +135,12 @@ class BrokerSettings:
     )
     #: OpenTelemetry traces (docs/tracing.md): off unless an endpoint is given.
     trace: TraceSettings = field(default_factory=TraceSettings)
+    #: The share of the full-batch capacity the autoscaling signal lets the load take
+    #: (batcher.core.scaling): batcher_desired_workers is sized for it.
+    target_utilization: float = DEFAULT_TARGET_UTILIZATION
+    #: Workers of each model in this cell (serve knows them; a plain broker does not, and
+    #: then exports no batcher_desired_cells).
+    cell_workers: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -141,6 +149,11 @@ class BrokerSettings:
             if not name:
                 raise SettingsError("model names must be non-empty")
         check(self)
+        if problem := check_target_utilization(self.target_utilization):
+            raise SettingsError(problem)
+        for name, count in self.cell_workers.items():
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise SettingsError(f"cell_workers of model {name!r} must be an int >= 0, got {count!r}")
 
     @property
     def default_model(self) -> str:
@@ -192,6 +205,7 @@ class Broker:
         self.streams = Streams(first_seq_id=random.getrandbits(62))
         self.pool = WorkerPool(self.scheduler, settings.heartbeat, settings.max_retries, now, self.streams)
         self.stats = BrokerStats()
+        self.stats.autoscale = Autoscale(settings.target_utilization, settings.cell_workers)
         self._configured = frozenset([*settings.models, *settings.per_model])
         self._drain: Drain | None = None  # set at the first stop signal
         self.signals = StopSignals()
@@ -209,9 +223,8 @@ class Broker:
             bind(self.frontend, settings.frontend)
             bind(self.backend, settings.backend)
             if settings.metrics_port is not None:
-                self.stats.metrics = serve_metrics(
-                    settings.metrics_host, settings.metrics_port, self.scheduler, self.streams
-                )
+                where = (settings.metrics_host, settings.metrics_port)
+                self.stats.metrics = serve_metrics(*where, self.scheduler, self.streams, self.stats.autoscale)
         except BaseException:
             self.close()
             raise
@@ -247,9 +260,16 @@ class Broker:
         clients.end_stream = self.workers.end_stream
         clients.on_stop = self._note_stop
         self.tracer = clients.tracer = self.workers.tracer = start_broker_tracing(settings)
-        self.call_every(settings.heartbeat.interval_s, self.workers.heartbeat)
         self._limit_s = None if settings.batch_timeout_ms is None else settings.batch_timeout_ms / 1000.0
         self._limits_armed = False  # whether the time-limit check is on the timer heap
+        self._start_timers()
+
+    def _start_timers(self) -> None:
+        """The loop's periodic work: heartbeats, the autoscaling signal's samples and, where
+        the allocator allows, giving freed memory back."""
+        self.call_every(self.settings.heartbeat.interval_s, self.workers.heartbeat)
+        autoscale, scheduler = self.stats.autoscale, self.scheduler
+        self.call_every(SCALING_TICK_S, lambda now: autoscale.tick(now, scheduler.views()))
         if (trim := heap_trimmer()) is not None:
             keep_freed_memory()
             self.call_every(TRIM_INTERVAL_S, lambda now: trim())
@@ -492,7 +512,9 @@ def bind(sock: zmq.Socket[Any], address: str) -> None:
         raise BindError(f"cannot bind {address}: {exc.strerror}") from None
 
 
-def serve_metrics(host: str, port: int, scheduler: Scheduler, streams: Streams) -> PrometheusMetrics:
+def serve_metrics(
+    host: str, port: int, scheduler: Scheduler, streams: Streams, autoscale: Autoscale | None = None
+) -> PrometheusMetrics:
     """Prometheus metrics on `host`:`port`, gauges read from the scheduler's views at
     scrape time (from prometheus_client's thread: retried if the loop changed a dict
     under it)."""
@@ -500,7 +522,7 @@ def serve_metrics(host: str, port: int, scheduler: Scheduler, streams: Streams) 
     def read_gauges() -> dict[str, dict[str, float]]:
         for _ in range(5):
             try:
-                return gauges(scheduler.views(), streams)
+                return gauges(scheduler.views(), streams, autoscale)
             except (RuntimeError, KeyError):
                 continue
         return {}

@@ -167,6 +167,22 @@ class PrometheusMetrics(NoMetrics):
                     for model, values in snapshot.items():
                         family.add_metric([model], values[name])
                     yield family
+                for name, help_text in (
+                    (
+                        "desired_workers",
+                        "Workers the offered load needs at --target-utilization (docs/kubernetes.md)",
+                    ),
+                    (
+                        "workers_needed",
+                        "desired_workers before rounding up: sum() it over cells to scale a deployment",
+                    ),
+                    ("desired_cells", "Cells (serve processes) the offered load needs at that target"),
+                ):
+                    family = GaugeMetricFamily(f"batcher_{name}", help_text, labels=["model"])
+                    for model, values in snapshot.items():
+                        if name in values:
+                            family.add_metric([model], values[name])
+                    yield family
 
         self.registry.register(Gauges())
 

@@ -11,8 +11,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from batcher.broker.autoscale import Autoscale
 from batcher.broker.metrics import NoMetrics, Recent, percentile
 from batcher.core.pool import WorkerPool
+from batcher.core.scaling import DEFAULT_TARGET_UTILIZATION
 from batcher.core.scheduler import ModelView
 from batcher.core.streams import Streams
 from batcher.wire.protocol import ErrorCode
@@ -141,6 +143,8 @@ class BrokerStats:
     workers_lost: int = 0
     batches_retried: int = 0
     batches_timed_out: int = 0  # batches that ran past their time limit (their worker is stopped)
+    #: The autoscaling signal (its target and the cell's worker counts come from the settings).
+    autoscale: Autoscale = field(default_factory=lambda: Autoscale(DEFAULT_TARGET_UTILIZATION, {}))
 
     def model(self, name: str) -> ModelStats:
         st = self.models.get(name)
@@ -328,13 +332,17 @@ class BrokerStats:
             "first_chunk_ms_p99": percentile(recent.first_chunk_ms, 99),
             "sequences_cancelled": dict(st.sequences_cancelled),
             "totals": st.totals.wire(now),
+            "scaling": self.autoscale.wire(name),
         }
 
 
-def gauges(views: dict[str, ModelView], streams: Streams) -> dict[str, dict[str, float]]:
+def gauges(
+    views: dict[str, ModelView], streams: Streams, autoscale: Autoscale | None = None
+) -> dict[str, dict[str, float]]:
     """Queue depth, workers, batches in flight and active sequences per model, for
-    Prometheus at scrape time."""
-    return {
+    Prometheus at scrape time; with `autoscale`, the desired workers (and cells, where the
+    cell's worker count is known) of each model whose batch time is learned."""
+    out: dict[str, dict[str, float]] = {
         name: {
             "queue_depth": v.queued,
             "workers": len(v.workers),
@@ -343,3 +351,12 @@ def gauges(views: dict[str, ModelView], streams: Streams) -> dict[str, dict[str,
         }
         for name, v in views.items()
     }
+    if autoscale is not None:
+        for name, d in autoscale.desires.items():  # one dict, replaced whole at each tick
+            if name in out and d.workers is not None:
+                out[name]["desired_workers"] = d.workers
+                if d.needed is not None:
+                    out[name]["workers_needed"] = d.needed
+                if d.cells is not None:
+                    out[name]["desired_cells"] = d.cells
+    return out

@@ -274,6 +274,7 @@ class BrokerOptions:
     metrics_port: int | None
     metrics_host: str
     batch_timeout_ms: float | None
+    target_utilization: float
 
 
 BROKER_FLAGS = (
@@ -289,6 +290,14 @@ BROKER_FLAGS = (
         default=BrokerSettings().metrics_host,
         help="The address the metrics endpoint listens on: 0.0.0.0 (or ::) for every "
         "interface. It has no authentication, so expose it only where that is fine.",
+    ),
+    option(
+        "--target-utilization",
+        type=float_range(0, 1, min_open=True),
+        default=BrokerSettings().target_utilization,
+        help="The share of its workers' full-batch capacity the offered load should take: "
+        "batcher_desired_workers (and stats' desired_workers) is the workers the measured "
+        "arrival rate needs at it (docs/kubernetes.md, Scaling).",
     ),
 )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import Counter
 
 import click
 
@@ -96,6 +97,7 @@ def broker_settings(
             metrics_host=broker_opts.metrics_host,
             batch_timeout_ms=broker_opts.batch_timeout_ms,
             no_worker_timeout_ms=broker_opts.no_worker_timeout_ms,
+            target_utilization=broker_opts.target_utilization,
         )
     except (ValueError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
@@ -339,6 +341,9 @@ def serve(
         pin_cpus=pin_cpus,
         max_padded_elements=max_padded_elements,
     )
+    # The cell's worker count of each model: what batcher_desired_cells divides by.
+    counts = Counter(ModelSpec.parse(spec).name for spec, _ in pool.placement())
+    settings = dataclasses.replace(settings, cell_workers=dict(counts))
     ctx = click.get_current_context()
     reread = None if config is None else functools.partial(reread_batching, ctx, config, settings.models)
     gateway = _serve_gateway(settings, http_port, grpc_port, host, processes, gateway_access, logs)

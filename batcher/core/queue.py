@@ -122,6 +122,7 @@ class ModelQueue:
     workers: dict[bytes, None] = field(default_factory=dict)  # an ordered set
     cost: CostModel = field(default_factory=CostModel)
     rate: ArrivalRate = field(default_factory=ArrivalRate)
+    offered: int = 0  # requests offered to the model (queued or refused for a full queue), ever
     recheck_at: float = math.inf  # adaptive: when a decision to wait is reconsidered
     # Since when the model has had no worker (stamped at the first turn that finds it so,
     # cleared when one joins); None while it has one.

@@ -109,6 +109,7 @@ class ModelView(NamedTuple):
     cost: tuple[float, float] | None  # the learned (a, b) of t(n) = a + b*n in seconds
     no_worker_since: float | None
     cost_basis: str = "count"  # what t() is learned over: "count", or "cost" when that predicts better
+    offered: int = 0  # requests offered to the model, ever (the autoscaling signal's rate)
 
     @property
     def batches_in_flight(self) -> int:
@@ -222,6 +223,7 @@ class Scheduler:
         model_queue = self._models.get(model)
         if model_queue is None:
             raise NoSuchModel(model)
+        model_queue.offered += 1
         if model_queue.total() >= model_queue.settings.max_queue:
             raise QueueFull(model)
         model_queue.bucket_queue(request.bucket).put(request, next(self._seq))
@@ -425,4 +427,4 @@ def _view(mq: ModelQueue, workers: dict[bytes, WorkerState]) -> ModelView:
     held = tuple(WorkerView(w, len(workers[w].in_flight)) for w in mq.workers)
     cost = mq.cost.coefficients() if mq.cost.known else None
     basis = "cost" if mq.cost.by_cost else "count"
-    return ModelView(mq.total(), held, mq.settings, cost, mq.no_worker_since, basis)
+    return ModelView(mq.total(), held, mq.settings, cost, mq.no_worker_since, basis, mq.offered)
