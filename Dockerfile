@@ -42,8 +42,9 @@ WORKDIR /tmp
 # 5555 the broker's frontend, 9090 its metrics; 8000 and 8001 the gateway's HTTP and gRPC.
 EXPOSE 5555 8000 8001 9090
 # A cell is healthy once every configured model has a worker (`batcher ready` asks the
-# broker on its default frontend, tcp://127.0.0.1:5555). Kubernetes ignores HEALTHCHECK
-# and uses the pods' probes instead; a gateway container run alone overrides it.
+# broker on its default frontend, tcp://127.0.0.1:5555, in plaintext: the default CMD's
+# cell). Kubernetes ignores HEALTHCHECK and uses the pods' probes instead (with the
+# cell's CurveZMQ keys); a gateway or a CurveZMQ cell run alone overrides it.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
   CMD ["batcher", "ready", "--timeout-s", "3"]
 ENTRYPOINT ["batcher"]

@@ -19,7 +19,7 @@ front; the load is HTTP from a separate process (aiohttp, JSON requests of 8 row
 Needs the gateway over many brokers (issue 31 item 1: `batcher gateway` with --connect
 repeatable).
 
-    python benchmarks/cluster.py [--quick]
+    python benchmarks/cluster.py [--quick] [--baseline-source DIR] [--only-latency]
 """
 
 from __future__ import annotations
@@ -28,12 +28,15 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import multiprocessing
+import os
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -72,24 +75,14 @@ def cells(worker_counts: list[int], model: str = "sim") -> Iterator[list[ServePr
 
 
 @contextlib.contextmanager
-def gateway(brokers: list[ServeProcess]) -> Iterator[int]:
-    """`batcher gateway --connect A --connect B ...` on a free port, once ready."""
+def gateway(brokers: list[ServeProcess], source: Path | None = None) -> Iterator[int]:
+    """`batcher gateway --connect A --connect B ...` on a free port, once ready (run from
+    another source tree `source` when given: a same-run baseline)."""
     port = free_port()
     connects = [a for b in brokers for a in ("--connect", b.frontend)]
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "batcher",
-            "gateway",
-            *connects,
-            "--http-port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        start_new_session=True,
-    )
+    env = None if source is None else {**os.environ, "PYTHONPATH": str(source)}
+    argv = [sys.executable, "-m", "batcher", "gateway", *connects, "--http-port", str(port)]
+    proc = subprocess.Popen([*argv, "--log-level", "warning"], start_new_session=True, env=env, cwd=source)
     try:
         wait_http_200(f"http://127.0.0.1:{port}/v2/health/ready", timeout_s=60)
         yield port
@@ -196,39 +189,55 @@ def throughput(counts: list[int], concurrency: int, warmup_s: float, seconds: fl
         return rows_per_s(port, concurrency, warmup_s, seconds)
 
 
-def latency(rounds: int, burst_s: float) -> tuple[float, float, float]:
-    """Median over `rounds` of each path's p50 in bursts of `burst_s`, the paths taken in
-    turn (a same-run A/B: the machine's drift hits all three alike): lone requests through
-    a gateway over 1 echo cell, through one over 4 (the first the same), and straight to
-    that first cell. Returns (gateway over 1, gateway over 4, direct) in ms."""
-    with cells([1] * 4, model="echo") as procs, gateway(procs[:1]) as one, gateway(procs) as four:
-        for port in (one, four):
+def latency(rounds: int, burst_s: float, baseline: Path | None) -> dict[str, float]:
+    """Median over `rounds` of each path's p50 (ms) in bursts of `burst_s`, the paths taken
+    in turn (a same-run A/B: the machine's drift hits all alike): lone requests through a
+    gateway over 1 echo cell (`one`), through one over 4, the first the same (`four`),
+    through `baseline`'s gateway over that first cell (`base`, when given), and straight to
+    that cell (`direct`)."""
+    with contextlib.ExitStack() as stack:
+        procs = stack.enter_context(cells([1] * 4, model="echo"))
+        ports = {"one": stack.enter_context(gateway(procs[:1])), "four": stack.enter_context(gateway(procs))}
+        if baseline is not None:
+            ports["base"] = stack.enter_context(gateway(procs[:1], baseline))
+        for port in ports.values():
             in_process(_lone_http, port, 1.0)  # warm each path up
-        runs: dict[str, list[float]] = {"one": [], "four": [], "direct": []}
+        runs: dict[str, list[float]] = {name: [] for name in [*ports, "direct"]}
         for _ in range(rounds):
-            runs["one"].append(in_process(_lone_http, one, burst_s))
-            runs["four"].append(in_process(_lone_http, four, burst_s))
+            for name, port in ports.items():
+                runs[name].append(in_process(_lone_http, port, burst_s))
             runs["direct"].append(in_process(_lone_direct, procs[0].frontend, burst_s))
-    return statistics.median(runs["one"]), statistics.median(runs["four"]), statistics.median(runs["direct"])
+    return {name: statistics.median(values) for name, values in runs.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs (indicative only)")
     parser.add_argument("--concurrency", type=int, default=64, help="requests of 8 rows in flight")
+    parser.add_argument(
+        "--baseline-source",
+        type=Path,
+        default=None,
+        help="another source tree (git archive main | tar -x -C DIR) whose gateway over 1 broker "
+        "is measured in the same turns",
+    )
+    parser.add_argument("--only-latency", action="store_true", help="the latency rows alone")
     args = parser.parse_args()
     handle_sigterm()
     if not many_brokers():
         sys.exit("benchmarks/cluster.py needs the gateway over many brokers (issue 31 item 1)")
     warmup_s, seconds = (1.0, 3.0) if args.quick else (2.0, 8.0)
     c = args.concurrency
-    one = throughput([2], c, warmup_s, seconds)
-    two = throughput([2, 2], c, warmup_s, seconds)
-    small = throughput([1], c, warmup_s, seconds)
-    big = throughput([3], c, warmup_s, seconds)
-    both = throughput([1, 3], c, warmup_s, seconds)
+    one = two = small = big = both = math.nan
+    if not args.only_latency:
+        one = throughput([2], c, warmup_s, seconds)
+        two = throughput([2, 2], c, warmup_s, seconds)
+        small = throughput([1], c, warmup_s, seconds)
+        big = throughput([3], c, warmup_s, seconds)
+        both = throughput([1, 3], c, warmup_s, seconds)
     rounds = 3 if args.quick else 7
-    p50_1, p50_4, direct = latency(rounds, 1.0 if args.quick else 2.0)
+    p50 = latency(rounds, 1.0 if args.quick else 2.0, args.baseline_source)
+    p50_1, p50_4, direct = p50["one"], p50["four"], p50["direct"]
     added_1, added_4 = p50_1 - direct, p50_4 - direct
     measured = f"{added_4:.3f} - {added_1:.3f} ms (p50 {p50_4:.3f} and {p50_1:.3f}, direct {direct:.3f})"
     rows = [
@@ -251,15 +260,26 @@ def main() -> None:
             f"<= {ADDED_P50_SLACK_MS} ms",
         ],
     ]
+    if "base" in p50:
+        base = p50["base"] - direct
+        rows.append(
+            [
+                "gateway's added p50, 1 broker - the baseline's",
+                f"{added_1:.3f} - {base:.3f} ms (baseline {args.baseline_source})",
+                f"{added_1 - base:+.3f} ms",
+                "stays where it is",
+            ]
+        )
     table = md_table(["case", "measured", "ratio", "target"], rows)
     print(table)
     data = {
         "rows_per_s": {"one": one, "two": two, "one_worker": small, "three_workers": big, "unequal": both},
-        "p50_ms": {"gateway_1": p50_1, "gateway_4": p50_4, "direct": direct, "rounds": rounds},
+        "p50_ms": {**p50, "rounds": rounds},
         "concurrency": c,
         "rows_per_request": ROWS,
     }
-    write_results("cluster", "Cells behind one gateway", table, data, args.quick)
+    if not args.only_latency:  # a partial run does not replace the published one
+        write_results("cluster", "Cells behind one gateway", table, data, args.quick)
 
 
 if __name__ == "__main__":
