@@ -5,6 +5,9 @@ exporting to a collector in this process that takes OTLP/HTTP bodies and answers
 without decoding them (its own CPU is the benchmark's, not the broker's; it shares the
 machine's cores all the same).
 
+A fourth serve runs sampling 1 with the SDK in the broker's process
+(BATCHER_TRACE_IN_PROCESS=1), the design the exporter process replaced, for comparison.
+
 Two loads: small messages (the `echo` model, max batch 32, wait 0: the broker's own
 cost dominates) and `sim` at saturation (2 workers of the simulated GPU, 20 ms + 1 ms an
 item, max batch 32: the model's time dominates). Reported per round and as the median of
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -66,12 +70,16 @@ def measure(load: str, args: argparse.Namespace, collector: Collector) -> dict[s
         "off": base,
         "0": [*base, "--trace-endpoint", collector.endpoint, "--trace-sample-ratio", "0"],
         "1": [*base, "--trace-endpoint", collector.endpoint, "--trace-sample-ratio", "1"],
+        "1, SDK in the broker": [*base, "--trace-endpoint", collector.endpoint, "--trace-sample-ratio", "1"],
     }
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
     with contextlib.ExitStack() as stack:
-        addresses = {
-            name: stack.enter_context(running_serve(a, workers)).frontend for name, a in configs.items()
-        }
+        addresses = {}
+        for name, a in configs.items():
+            if "SDK" in name:  # the earlier design: spans made and exported in the broker's process
+                os.environ["BATCHER_TRACE_IN_PROCESS"] = "1"
+            addresses[name] = stack.enter_context(running_serve(a, workers)).frontend
+            os.environ.pop("BATCHER_TRACE_IN_PROCESS", None)
         for i in range(args.runs):
             for name, addr in addresses.items():
                 result = summarize(closed_loop(addr, concurrency, args.duration, args.warmup))
@@ -95,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         for load in [x.strip() for x in args.loads.split(",") if x.strip()]:
             rounds = measure(load, args, collector)
             results[load] = rounds
-            for name in ("off", "0", "1"):
+            for name in rounds:
                 ratios = [
                     r["throughput_rps"] / b["throughput_rps"]
                     for r, b in zip(rounds[name], rounds["off"], strict=True)
