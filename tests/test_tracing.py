@@ -178,7 +178,8 @@ def test_durations_match_the_replys_queue_and_infer_ms_from_a_raw_client(
     serve: Callable[..., ServeProcess], collector: Callable[..., Collector], zctx: zmq.Context[Any]
 ) -> None:
     c = collector()
-    sp = serve(*SIM, "--trace-endpoint", c.endpoint, workers=1)
+    metrics_port = free_port()
+    sp = serve(*SIM, "--trace-endpoint", c.endpoint, "--metrics-port", str(metrics_port), workers=1)
     traceparent, trace_id, caller_span = new_traceparent()
     sock = zctx.socket(zmq.DEALER)
     sock.connect(sp.frontend)
@@ -192,6 +193,16 @@ def test_durations_match_the_replys_queue_and_infer_ms_from_a_raw_client(
     assert queue.duration_ms <= reply["queue_ms"] + 1.0
     assert abs(model.duration_ms - reply["infer_ms"]) < 5.0, (model.duration_ms, reply["infer_ms"])
     assert model.attributes["batcher.infer_ms"] == reply["infer_ms"]
+    # The queue-wait histogram's exemplar leads to this trace (OpenMetrics exposition).
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{metrics_port}/metrics", headers={"Accept": "application/openmetrics-text"}
+    )
+    with urllib.request.urlopen(request, timeout=5) as r:
+        text = r.read().decode()
+    lines = [
+        ln for ln in text.splitlines() if ln.startswith("batcher_queue_wait_seconds_bucket") and "#" in ln
+    ]
+    assert any(f'trace_id="{trace_id}"' in ln and f'span_id="{queue.span_id}"' in ln for ln in lines), lines
 
 
 def test_ratio_zero_exports_nothing_and_an_unsampled_parent_is_respected(
