@@ -286,3 +286,15 @@ def test_bad_context_is_ignored_never_an_error(
     assert ids["4"].trace_id == good_trace and ids["4"].trace_state == ""  # the huge tracestate dropped
     for rid in ("1", "2", "3"):
         assert ids[rid].parent_id == ""  # a new trace (ratio 1), the bad context ignored
+
+
+@pytest.mark.parametrize("command", ["serve", "broker", "worker", "gateway"])
+def test_every_process_command_takes_the_trace_options_and_refuses_bad_ones(
+    cli: Callable[..., Any], command: str
+) -> None:
+    helped = cli(command, "--help")
+    assert "--trace-endpoint" in helped.stdout and "--trace-sample-ratio" in helped.stdout
+    bad = cli(command, "--trace-endpoint", "collector:4318")
+    assert bad.returncode == 2 and "trace_endpoint must be an http:// or https:// URL" in bad.stderr
+    ratio = cli(command, "--trace-endpoint", "http://127.0.0.1:4318", "--trace-sample-ratio", "2")
+    assert ratio.returncode == 2 and "--trace-sample-ratio" in ratio.stderr
