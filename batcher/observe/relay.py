@@ -37,6 +37,9 @@ log = logging.getLogger("batcher.tracing")
 INTERNAL, SERVER = 0, 1
 #: Record messages the relay socket holds before the loop drops (counted) instead.
 RELAY_HWM = 1000
+#: The exporter process's niceness (os.nice): it yields the CPU to serving, on a machine
+#: without a core to spare, at the price of spans dropped (counted) when it falls behind.
+EXPORTER_NICE = int(os.environ.get("BATCHER_TRACE_EXPORTER_NICE", "10"))
 #: Open batch spans kept at most (a worker that never answers cannot grow the table).
 MAX_OPEN_BATCHES = 100_000
 
@@ -84,7 +87,14 @@ class RelaySpans:
         self._sock.setsockopt(zmq.SNDHWM, RELAY_HWM)
         self._sock.setsockopt(zmq.LINGER, 2000)
         self._sock.bind(address)
-        config = json.dumps({"settings": asdict(settings), "service": service, "attributes": attributes})
+        config = json.dumps(
+            {
+                "settings": asdict(settings),
+                "service": service,
+                "attributes": attributes,
+                "nice": EXPORTER_NICE,
+            }
+        )
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "batcher.observe.relay_exporter", address, config], stdin=subprocess.PIPE
         )
