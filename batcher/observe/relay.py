@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import msgpack
@@ -160,11 +161,10 @@ class RelaySpans:
     def refused(self, rt: RelayTrace, req_id: object, model: str | None, code: str, now: float) -> None:
         """A traced request refused at the door: a queue span of no length, with its code."""
 
-        class _Refused:
-            priority, attempts, deadline_at, arrived_at, trace = 0.0, 0, None, now, rt
-            id = req_id
-
-        self.queue_ended(_Refused, model or "", "refused", now, code)
+        refused = SimpleNamespace(
+            id=req_id, priority=0.0, attempts=0, deadline_at=None, arrived_at=now, trace=rt
+        )
+        self.queue_ended(refused, model or "", "refused", now, code)
 
     def batch_started(self, batch: Any, worker: str, cost: float, now: float) -> str | None:
         """The batch's span begins (its record is made when it ends); its traceparent for
