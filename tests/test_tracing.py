@@ -298,3 +298,43 @@ def test_every_process_command_takes_the_trace_options_and_refuses_bad_ones(
     assert bad.returncode == 2 and "trace_endpoint must be an http:// or https:// URL" in bad.stderr
     ratio = cli(command, "--trace-endpoint", "http://127.0.0.1:4318", "--trace-sample-ratio", "2")
     assert ratio.returncode == 2 and "--trace-sample-ratio" in ratio.stderr
+
+
+def test_a_lost_workers_batch_span_ends_with_an_event_and_its_retry_is_a_new_linked_batch(
+    serve: Callable[..., ServeProcess], collector: Callable[..., Collector], zctx: zmq.Context[Any]
+) -> None:
+    import os
+    import signal
+
+    import psutil
+
+    from tests.helpers import model_stats
+
+    c = collector()
+    sp = serve(
+        "--model", "sim", "--workers", "2", "--sim-base-ms", "1500", "--sim-per-item-ms", "0",
+        "--max-retries", "2", "--trace-endpoint", c.endpoint, workers=2, timeout_s=30.0,
+    )  # fmt: skip
+    traceparent, trace_id, _ = new_traceparent()
+    sock = zctx.socket(zmq.DEALER)
+    sock.connect(sp.frontend)
+    sock.send_multipart([b"", pack({"id": 1, "input": 1.0, "traceparent": traceparent})])
+    wait_until(
+        lambda: model_stats(sp.frontend, zctx, "sim").get("batches_in_flight") == 1, 10.0, "the batch sent"
+    )
+    assert sp.process is not None
+    workers = [p for p in psutil.Process(sp.process.pid).children() if "worker" in " ".join(p.cmdline())]
+    for p in workers:  # the batch's worker among them: its batch is lost, its request retried
+        os.kill(p.pid, signal.SIGKILL)
+    reply = recv_reply(sock, timeout_s=40.0)
+    assert reply["ok"], reply
+    spans = c.wait_for(
+        lambda s: len([x for x in by_name(s, "batcher.batch") if x.trace_id == trace_id]) >= 2, 30.0
+    )
+    first, second = sorted(
+        (x for x in by_name(spans, "batcher.batch") if x.trace_id == trace_id), key=lambda x: x.start_ns
+    )
+    assert "batcher.worker_lost" in first.events and first.status_code == 2  # STATUS_CODE_ERROR
+    assert second.attributes["batcher.attempt"] == 2 and "batcher.redispatch" in second.events
+    queue = one([x for x in spans if x.trace_id == trace_id], "batcher.queue")
+    assert first.parent_id == second.parent_id == queue.span_id  # both batches lead back to the request
