@@ -338,3 +338,36 @@ def test_a_lost_workers_batch_span_ends_with_an_event_and_its_retry_is_a_new_lin
     assert second.attributes["batcher.attempt"] == 2 and "batcher.redispatch" in second.events
     queue = one([x for x in spans if x.trace_id == trace_id], "batcher.queue")
     assert first.parent_id == second.parent_id == queue.span_id  # both batches lead back to the request
+
+
+def test_a_grpc_call_is_traced_from_its_metadata(
+    serve: Callable[..., ServeProcess], collector: Callable[..., Collector]
+) -> None:
+    import numpy as np
+    import tritonclient.grpc as tgrpc
+
+    c = collector()
+    grpc_port = free_port()
+    serve(*SIM, "--grpc-port", str(grpc_port), "--trace-endpoint", c.endpoint, workers=1)
+    client = tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    try:
+        wait_until(lambda: _grpc_live(client), 20.0, "the gateway's gRPC port")
+        traceparent, trace_id, caller_span = new_traceparent()
+        inp = tgrpc.InferInput("x", [1], "FP32")
+        inp.set_data_from_numpy(np.array([1.0], dtype=np.float32))
+        client.infer("sim", [inp], headers={"traceparent": traceparent})
+    finally:
+        client.close()
+    spans = c.wait_for(has_worker_spans(trace_id))
+    mine = [s for s in spans if s.trace_id == trace_id]
+    server = c.wait_for(lambda s: [x for x in s if x.trace_id == trace_id and x.name.endswith("/ModelInfer")])
+    rpc = one([x for x in server if x.trace_id == trace_id], "inference.GRPCInferenceService/ModelInfer")
+    assert rpc.parent_id == caller_span and rpc.kind == SERVER and rpc.attributes["rpc.grpc.status"] == "OK"
+    assert one(mine, "batcher.queue").parent_id == one(server, "batcher.gateway.broker").span_id
+
+
+def _grpc_live(client: Any) -> bool:
+    try:
+        return bool(client.is_server_live())
+    except Exception:
+        return False

@@ -4,7 +4,9 @@ records at a time, to an exporter process of its own (batcher.observe.relay_expo
 over an ipc:// PAIR socket; that process builds the SDK's spans and exports them over
 OTLP. What moved the benchmark: the SDK's span start and end (about 35 and 26 us) and
 the OTLP encode (about 78 us a span) ran under the broker's GIL; a record costs the loop
-a few microseconds (docs/benchmarks.md, "Tracing").
+a few microseconds (docs/benchmarks.md, "Tracing"). Records the exporter cannot take yet
+(it is starting, or its socket is full) are kept, up to the export queue's size, and
+sent at the next flush (a batch's end, or the heartbeat tick); past that, dropped, counted.
 
 Same face as batcher.observe.broker_spans.BrokerSpans (the in-process SDK, kept for
 comparison: BATCHER_TRACE_IN_PROCESS=1). A relay socket that is full (the exporter
@@ -80,6 +82,8 @@ class RelaySpans:
         self._bits = random.getrandbits
         self._random = random.random
         self._records: list[tuple[Any, ...]] = []
+        #: Records kept while the exporter process cannot take them (it starts, or lags).
+        self._max_kept = settings.max_queue_size
         self._open: dict[int, list[Any]] = {}
         self._dir = tempfile.mkdtemp(prefix="batcher-trace-")
         address = f"ipc://{os.path.join(self._dir, 'relay')}"
@@ -241,11 +245,13 @@ class RelaySpans:
         its socket is full), and take the drop counts it sent back."""
         records = self._records
         if records:
-            self._records = []
             try:
                 self._sock.send(msgpack.packb(records), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                count_dropped(len(records))
+                self._records = []
+            except zmq.ZMQError:  # the exporter not connected yet, or behind: kept, up to a bound
+                if len(records) > self._max_kept:
+                    count_dropped(len(records) - self._max_kept)
+                    self._records = records[-self._max_kept :]
         try:
             while True:
                 said = msgpack.unpackb(self._sock.recv(zmq.NOBLOCK))
