@@ -5,6 +5,9 @@ exporting to a collector in this process that takes OTLP/HTTP bodies and answers
 without decoding them (its own CPU is the benchmark's, not the broker's; it shares the
 machine's cores all the same).
 
+A fourth serve runs sampling 1 with the SDK in the broker's process
+(BATCHER_TRACE_IN_PROCESS=1), the design the exporter process replaced, for comparison.
+
 Two loads: small messages (the `echo` model, max batch 32, wait 0: the broker's own
 cost dominates) and `sim` at saturation (2 workers of the simulated GPU, 20 ms + 1 ms an
 item, max batch 32: the model's time dominates). Reported per round and as the median of
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -27,6 +31,8 @@ from typing import Any
 from common import closed_loop, handle_sigterm, md_table, running_serve, serve_args, summarize, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from batcher.serve.launcher import free_tcp_address
+from tests.helpers import sample, scrape
 from tests.otlp_collector import Collector
 
 LOADS = {
@@ -60,18 +66,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def measure(load: str, args: argparse.Namespace, collector: Collector) -> dict[str, list[dict[str, Any]]]:
+def measure(
+    load: str, args: argparse.Namespace, collector: Collector, dropped: dict[str, float]
+) -> dict[str, list[dict[str, Any]]]:
     base, workers, concurrency = LOADS[load]
     configs = {
         "off": base,
         "0": [*base, "--trace-endpoint", collector.endpoint, "--trace-sample-ratio", "0"],
         "1": [*base, "--trace-endpoint", collector.endpoint, "--trace-sample-ratio", "1"],
+        "1, exporter not niced": [*base, "--trace-endpoint", collector.endpoint, "--trace-sample-ratio", "1"],
+        "1, SDK in the broker": [*base, "--trace-endpoint", collector.endpoint, "--trace-sample-ratio", "1"],
     }
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+    ports = {name: int(free_tcp_address().rsplit(":", 1)[1]) for name in configs}
     with contextlib.ExitStack() as stack:
-        addresses = {
-            name: stack.enter_context(running_serve(a, workers)).frontend for name, a in configs.items()
-        }
+        addresses = {}
+        for name, a in configs.items():
+            a = [*a, "--metrics-port", str(ports[name])]
+            if "SDK" in name:  # the earlier design: spans made and exported in the broker's process
+                os.environ["BATCHER_TRACE_IN_PROCESS"] = "1"
+            if "not niced" in name:  # the exporter process at the broker's own priority
+                os.environ["BATCHER_TRACE_EXPORTER_NICE"] = "0"
+            addresses[name] = stack.enter_context(running_serve(a, workers)).frontend
+            os.environ.pop("BATCHER_TRACE_IN_PROCESS", None)
+            os.environ.pop("BATCHER_TRACE_EXPORTER_NICE", None)
         for i in range(args.runs):
             for name, addr in addresses.items():
                 result = summarize(closed_loop(addr, concurrency, args.duration, args.warmup))
@@ -82,6 +100,8 @@ def measure(load: str, args: argparse.Namespace, collector: Collector) -> dict[s
                     f"p50 {result['p50_ms']:.2f} ms, mean batch {result['mean_batch_size']}",
                     flush=True,
                 )
+        for name in configs:  # the spans each broker dropped (its exporter fell behind, or failed)
+            dropped[name] = sample(scrape(ports[name]), "batcher_trace_spans_dropped_total")
     return rounds
 
 
@@ -93,9 +113,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     try:
         for load in [x.strip() for x in args.loads.split(",") if x.strip()]:
-            rounds = measure(load, args, collector)
-            results[load] = rounds
-            for name in ("off", "0", "1"):
+            dropped: dict[str, float] = {}
+            rounds = measure(load, args, collector, dropped)
+            results[load] = {"rounds": rounds, "spans_dropped": dropped}
+            for name in rounds:
                 ratios = [
                     r["throughput_rps"] / b["throughput_rps"]
                     for r, b in zip(rounds[name], rounds["off"], strict=True)
@@ -111,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"{statistics.median(r['p50_ms'] for r in rounds[name]):.2f}",
                         f"{ratio:.3f}",
                         ", ".join(f"{x:.3f}" for x in ratios),
+                        f"{dropped.get(name, 0):.0f}",
                         "" if target is None else f">= {target} ({met})",
                     ]
                 )
@@ -118,7 +140,17 @@ def main(argv: list[str] | None = None) -> None:
         spans_posts = collector.posts
         collector.close()
     table = md_table(
-        ["load", "tracing", "req/s (median)", "p50 ms", "ratio to off", "per round", "target"], rows
+        [
+            "load",
+            "tracing",
+            "req/s (median)",
+            "p50 ms",
+            "ratio to off",
+            "per round",
+            "spans dropped",
+            "target",
+        ],
+        rows,
     )
     body = (
         "The broker and its worker(s), tracing off, on at sampling 0 and on at sampling 1, up at once and "

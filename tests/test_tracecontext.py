@@ -159,3 +159,31 @@ def test_bad_trace_settings_are_refused_with_a_precise_message() -> None:
         trace_settings(
             "http://x:4318", None, {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "half"}
         )
+
+
+def test_json_log_lines_carry_the_trace_and_request_ids() -> None:
+    import json
+    import logging
+
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from batcher.logs import JsonFormatter
+
+    formatter = JsonFormatter()
+
+    def line(**extra: object) -> dict[str, object]:
+        record = logging.LogRecord("batcher.worker", logging.WARNING, __file__, 1, "model raised", (), None)
+        record.__dict__.update(extra)
+        entry: dict[str, object] = json.loads(formatter.format(record))
+        return entry
+
+    given = line(
+        trace_id="4bf92f3577b34da6a3ce929d0e0e4736", span_id="00f067aa0ba902b7", request_id=7, model="sim"
+    )
+    assert given["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736" and given["span_id"] == "00f067aa0ba902b7"
+    assert (given["request_id"], given["model"], given["message"]) == (7, "sim", "model raised")
+    assert "trace_id" not in line()  # no span, no ids
+    with TracerProvider().get_tracer("t").start_as_current_span("s") as span:
+        ctx = span.get_span_context()
+        current = line()
+    assert (current["trace_id"], current["span_id"]) == (f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}")

@@ -178,7 +178,8 @@ def test_durations_match_the_replys_queue_and_infer_ms_from_a_raw_client(
     serve: Callable[..., ServeProcess], collector: Callable[..., Collector], zctx: zmq.Context[Any]
 ) -> None:
     c = collector()
-    sp = serve(*SIM, "--trace-endpoint", c.endpoint, workers=1)
+    metrics_port = free_port()
+    sp = serve(*SIM, "--trace-endpoint", c.endpoint, "--metrics-port", str(metrics_port), workers=1)
     traceparent, trace_id, caller_span = new_traceparent()
     sock = zctx.socket(zmq.DEALER)
     sock.connect(sp.frontend)
@@ -192,6 +193,16 @@ def test_durations_match_the_replys_queue_and_infer_ms_from_a_raw_client(
     assert queue.duration_ms <= reply["queue_ms"] + 1.0
     assert abs(model.duration_ms - reply["infer_ms"]) < 5.0, (model.duration_ms, reply["infer_ms"])
     assert model.attributes["batcher.infer_ms"] == reply["infer_ms"]
+    # The queue-wait histogram's exemplar leads to this trace (OpenMetrics exposition).
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{metrics_port}/metrics", headers={"Accept": "application/openmetrics-text"}
+    )
+    with urllib.request.urlopen(request, timeout=5) as r:
+        text = r.read().decode()
+    lines = [
+        ln for ln in text.splitlines() if ln.startswith("batcher_queue_wait_seconds_bucket") and "#" in ln
+    ]
+    assert any(f'trace_id="{trace_id}"' in ln and f'span_id="{queue.span_id}"' in ln for ln in lines), lines
 
 
 def test_ratio_zero_exports_nothing_and_an_unsampled_parent_is_respected(
@@ -275,3 +286,88 @@ def test_bad_context_is_ignored_never_an_error(
     assert ids["4"].trace_id == good_trace and ids["4"].trace_state == ""  # the huge tracestate dropped
     for rid in ("1", "2", "3"):
         assert ids[rid].parent_id == ""  # a new trace (ratio 1), the bad context ignored
+
+
+@pytest.mark.parametrize("command", ["serve", "broker", "worker", "gateway"])
+def test_every_process_command_takes_the_trace_options_and_refuses_bad_ones(
+    cli: Callable[..., Any], command: str
+) -> None:
+    helped = cli(command, "--help")
+    assert "--trace-endpoint" in helped.stdout and "--trace-sample-ratio" in helped.stdout
+    bad = cli(command, "--trace-endpoint", "collector:4318")
+    assert bad.returncode == 2 and "trace_endpoint must be an http:// or https:// URL" in bad.stderr
+    ratio = cli(command, "--trace-endpoint", "http://127.0.0.1:4318", "--trace-sample-ratio", "2")
+    assert ratio.returncode == 2 and "--trace-sample-ratio" in ratio.stderr
+
+
+def test_a_lost_workers_batch_span_ends_with_an_event_and_its_retry_is_a_new_linked_batch(
+    serve: Callable[..., ServeProcess], collector: Callable[..., Collector], zctx: zmq.Context[Any]
+) -> None:
+    import os
+    import signal
+
+    import psutil
+
+    from tests.helpers import model_stats
+
+    c = collector()
+    sp = serve(
+        "--model", "sim", "--workers", "2", "--sim-base-ms", "1500", "--sim-per-item-ms", "0",
+        "--max-retries", "2", "--trace-endpoint", c.endpoint, workers=2, timeout_s=30.0,
+    )  # fmt: skip
+    traceparent, trace_id, _ = new_traceparent()
+    sock = zctx.socket(zmq.DEALER)
+    sock.connect(sp.frontend)
+    sock.send_multipart([b"", pack({"id": 1, "input": 1.0, "traceparent": traceparent})])
+    wait_until(
+        lambda: model_stats(sp.frontend, zctx, "sim").get("batches_in_flight") == 1, 10.0, "the batch sent"
+    )
+    assert sp.process is not None
+    workers = [p for p in psutil.Process(sp.process.pid).children() if "worker" in " ".join(p.cmdline())]
+    for p in workers:  # the batch's worker among them: its batch is lost, its request retried
+        os.kill(p.pid, signal.SIGKILL)
+    reply = recv_reply(sock, timeout_s=40.0)
+    assert reply["ok"], reply
+    spans = c.wait_for(
+        lambda s: len([x for x in by_name(s, "batcher.batch") if x.trace_id == trace_id]) >= 2, 30.0
+    )
+    first, second = sorted(
+        (x for x in by_name(spans, "batcher.batch") if x.trace_id == trace_id), key=lambda x: x.start_ns
+    )
+    assert "batcher.worker_lost" in first.events and first.status_code == 2  # STATUS_CODE_ERROR
+    assert second.attributes["batcher.attempt"] == 2 and "batcher.redispatch" in second.events
+    queue = one([x for x in spans if x.trace_id == trace_id], "batcher.queue")
+    assert first.parent_id == second.parent_id == queue.span_id  # both batches lead back to the request
+
+
+def test_a_grpc_call_is_traced_from_its_metadata(
+    serve: Callable[..., ServeProcess], collector: Callable[..., Collector]
+) -> None:
+    import numpy as np
+    import tritonclient.grpc as tgrpc
+
+    c = collector()
+    grpc_port = free_port()
+    serve(*SIM, "--grpc-port", str(grpc_port), "--trace-endpoint", c.endpoint, workers=1)
+    client = tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    try:
+        wait_until(lambda: _grpc_live(client), 20.0, "the gateway's gRPC port")
+        traceparent, trace_id, caller_span = new_traceparent()
+        inp = tgrpc.InferInput("x", [1], "FP32")
+        inp.set_data_from_numpy(np.array([1.0], dtype=np.float32))
+        client.infer("sim", [inp], headers={"traceparent": traceparent})
+    finally:
+        client.close()
+    spans = c.wait_for(has_worker_spans(trace_id))
+    mine = [s for s in spans if s.trace_id == trace_id]
+    server = c.wait_for(lambda s: [x for x in s if x.trace_id == trace_id and x.name.endswith("/ModelInfer")])
+    rpc = one([x for x in server if x.trace_id == trace_id], "inference.GRPCInferenceService/ModelInfer")
+    assert rpc.parent_id == caller_span and rpc.kind == SERVER and rpc.attributes["rpc.grpc.status"] == "OK"
+    assert one(mine, "batcher.queue").parent_id == one(server, "batcher.gateway.broker").span_id
+
+
+def _grpc_live(client: Any) -> bool:
+    try:
+        return bool(client.is_server_live())
+    except Exception:
+        return False

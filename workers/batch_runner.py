@@ -213,6 +213,12 @@ def _trace_of(header_frame: bytes) -> Any:
     return None if parent is None or not parent.sampled else span_context(parent)
 
 
+def _log_ids(batch: PreparedBatch) -> dict[str, str]:
+    """The trace and span id of a traced batch's span, for its log lines (JSON format)."""
+    ctx = batch.trace
+    return {} if ctx is None else {"trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}"}
+
+
 def _record_spans(batch: PreparedBatch, outcome: ModelOutcome, encode_begun: float) -> None:
     """The worker's spans of a traced batch, children of its batch span: decode, model,
     encode (a failed model call's span says why)."""
@@ -277,7 +283,7 @@ def _finish_batch(batch: PreparedBatch, outcome: ModelOutcome, worker_name: str)
     if outcome.error is not None:
         exc = outcome.error
         message = f"{type(exc).__name__}: {exc}"
-        log.warning("model raised on a batch of %d: %s", len(live), message)
+        log.warning("model raised on a batch of %d: %s", len(live), message, extra=_log_ids(batch))
         log.debug("batch %d: the model's traceback", batch.batch_id, exc_info=exc)
         for i in live:
             replies[i] = protocol.error_reply(
@@ -303,7 +309,15 @@ def _finish_batch(batch: PreparedBatch, outcome: ModelOutcome, worker_name: str)
             model_errors += 1
             message = f"{type(out).__name__}: {out}"
             trace = out if out.__traceback__ is not None else None
-            log.debug("batch %d: the model failed item %d: %s", batch.batch_id, i, message, exc_info=trace)
+            ids = {**_log_ids(batch), "request_id": req_id}
+            log.debug(
+                "batch %d: the model failed item %d: %s",
+                batch.batch_id,
+                i,
+                message,
+                exc_info=trace,
+                extra=ids,
+            )
             replies[i] = protocol.error_reply(req_id, ErrorCode.MODEL_ERROR, message, stream)
             continue
         q = batch.queue_ms[i]

@@ -323,8 +323,9 @@ class Broker:
     def close(self) -> None:
         """Close the sockets (and the context, when the broker made it); the spans still
         queued are exported (within the export timeout)."""
-        if self.tracer is not None:
-            self.tracer.shutdown()
+        tracer = getattr(self, "tracer", None)  # (none yet when a bind failed)
+        if tracer is not None:
+            tracer.shutdown()
         if self._auth is not None:
             self._auth.stop()
         if self._handshakes is not None:

@@ -30,6 +30,7 @@ from batcher.cli.options import (
 )
 from batcher.client.sync import Client
 from batcher.core.scheduler import BUCKET_BY, POLICIES, BatchSettings
+from batcher.extras import install_command, missing_module
 from batcher.observe.settings import TraceSettings
 from batcher.observe.tracer import settings_from
 from batcher.transport.security import CurveServerKeys
@@ -346,8 +347,14 @@ step_options = option_group(
 
 
 def _trace(trace_endpoint: str | None, trace_sample_ratio: float | None) -> TraceSettings:
-    """The process's trace settings: these options over the standard OTEL_* variables."""
-    return settings_from(trace_endpoint, trace_sample_ratio)
+    """The process's trace settings: these options over the standard OTEL_* variables; a
+    usage error naming the pip install when tracing is asked for without its extra."""
+    settings = settings_from(trace_endpoint, trace_sample_ratio)
+    if settings.enabled:
+        extra = "tracing-grpc" if settings.protocol == "grpc" else "tracing"
+        if missing_module(extra) is not None:
+            raise click.UsageError(f"tracing (--trace-endpoint, OTEL_*) needs {install_command(extra)}")
+    return settings
 
 
 #: --trace-endpoint and --trace-sample-ratio (serve, broker, worker, gateway): OpenTelemetry

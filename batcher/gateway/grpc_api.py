@@ -131,7 +131,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 trace.end({"rpc.grpc.status": oip.grpc_status(exc.code)}, exc.message)
             await _abort(context, exc)
         except Exception as exc:  # a bug of ours: the client still gets a status
-            log.exception("ModelInfer failed")
+            log.exception("ModelInfer failed", extra={"model": request.model_name, "request_id": request.id})
             if trace is not None:
                 trace.end({"rpc.grpc.status": "INTERNAL"}, f"{type(exc).__name__}: {exc}")
             await _abort(context, oip.OipError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))

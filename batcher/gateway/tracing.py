@@ -7,6 +7,7 @@ says so)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -22,6 +23,11 @@ class GatewayTrace:
         self.span = span
         self.forward = forward
         self._trip: Any = None
+        self._token: Any = None
+        if span is not None:  # the current span of this request's task: its log lines carry its ids
+            from opentelemetry import context, trace
+
+            self._token = context.attach(trace.set_span_in_context(span))
 
     def parsed(self, begun: float, ended: float) -> None:
         """The request's parse, from `begun` to `ended` (monotonic)."""
@@ -64,6 +70,12 @@ class GatewayTrace:
         for key, value in attributes.items():
             self.span.set_attribute(key, value)
         self.tracer.end(self.span, time.monotonic(), error)
+        if self._token is not None:
+            from opentelemetry import context
+
+            with contextlib.suppress(Exception):  # a context left in another task: nothing to undo
+                context.detach(self._token)
+            self._token = None
 
 
 def begin(

@@ -4,7 +4,9 @@ records at a time, to an exporter process of its own (batcher.observe.relay_expo
 over an ipc:// PAIR socket; that process builds the SDK's spans and exports them over
 OTLP. What moved the benchmark: the SDK's span start and end (about 35 and 26 us) and
 the OTLP encode (about 78 us a span) ran under the broker's GIL; a record costs the loop
-a few microseconds (docs/benchmarks.md, "Tracing").
+a few microseconds (docs/benchmarks.md, "Tracing"). Records the exporter cannot take yet
+(it is starting, or its socket is full) are kept, up to the export queue's size, and
+sent at the next flush (a batch's end, or the heartbeat tick); past that, dropped, counted.
 
 Same face as batcher.observe.broker_spans.BrokerSpans (the in-process SDK, kept for
 comparison: BATCHER_TRACE_IN_PROCESS=1). A relay socket that is full (the exporter
@@ -22,6 +24,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import msgpack
@@ -37,6 +40,9 @@ log = logging.getLogger("batcher.tracing")
 INTERNAL, SERVER = 0, 1
 #: Record messages the relay socket holds before the loop drops (counted) instead.
 RELAY_HWM = 1000
+#: The exporter process's niceness (os.nice): it yields the CPU to serving, on a machine
+#: without a core to spare, at the price of spans dropped (counted) when it falls behind.
+EXPORTER_NICE = int(os.environ.get("BATCHER_TRACE_EXPORTER_NICE", "10"))
 #: Open batch spans kept at most (a worker that never answers cannot grow the table).
 MAX_OPEN_BATCHES = 100_000
 
@@ -76,6 +82,8 @@ class RelaySpans:
         self._bits = random.getrandbits
         self._random = random.random
         self._records: list[tuple[Any, ...]] = []
+        #: Records kept while the exporter process cannot take them (it starts, or lags).
+        self._max_kept = settings.max_queue_size
         self._open: dict[int, list[Any]] = {}
         self._dir = tempfile.mkdtemp(prefix="batcher-trace-")
         address = f"ipc://{os.path.join(self._dir, 'relay')}"
@@ -84,7 +92,14 @@ class RelaySpans:
         self._sock.setsockopt(zmq.SNDHWM, RELAY_HWM)
         self._sock.setsockopt(zmq.LINGER, 2000)
         self._sock.bind(address)
-        config = json.dumps({"settings": asdict(settings), "service": service, "attributes": attributes})
+        config = json.dumps(
+            {
+                "settings": asdict(settings),
+                "service": service,
+                "attributes": attributes,
+                "nice": EXPORTER_NICE,
+            }
+        )
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "batcher.observe.relay_exporter", address, config], stdin=subprocess.PIPE
         )
@@ -150,11 +165,10 @@ class RelaySpans:
     def refused(self, rt: RelayTrace, req_id: object, model: str | None, code: str, now: float) -> None:
         """A traced request refused at the door: a queue span of no length, with its code."""
 
-        class _Refused:
-            priority, attempts, deadline_at, arrived_at, trace = 0.0, 0, None, now, rt
-            id = req_id
-
-        self.queue_ended(_Refused, model or "", "refused", now, code)
+        refused = SimpleNamespace(
+            id=req_id, priority=0.0, attempts=0, deadline_at=None, arrived_at=now, trace=rt
+        )
+        self.queue_ended(refused, model or "", "refused", now, code)
 
     def batch_started(self, batch: Any, worker: str, cost: float, now: float) -> str | None:
         """The batch's span begins (its record is made when it ends); its traceparent for
@@ -231,11 +245,13 @@ class RelaySpans:
         its socket is full), and take the drop counts it sent back."""
         records = self._records
         if records:
-            self._records = []
             try:
                 self._sock.send(msgpack.packb(records), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                count_dropped(len(records))
+                self._records = []
+            except zmq.ZMQError:  # the exporter not connected yet, or behind: kept, up to a bound
+                if len(records) > self._max_kept:
+                    count_dropped(len(records) - self._max_kept)
+                    self._records = records[-self._max_kept :]
         try:
             while True:
                 said = msgpack.unpackb(self._sock.recv(zmq.NOBLOCK))
