@@ -170,3 +170,22 @@ def test_a_bad_target_is_refused_with_its_value(target: object) -> None:
 def test_bad_cell_workers_are_refused() -> None:
     with pytest.raises(SettingsError, match="cell_workers of model 'm' must be an int >= 0, got -1"):
         BrokerSettings(cell_workers={"m": -1})
+
+
+def test_the_stats_table_shows_the_signal_once_there_is_one() -> None:
+    from batcher.cli.stats_table import format_stats
+
+    entry = {
+        "target_utilization": 0.7, "offered_per_s": 640.0, "scaling_batch_size": 32,
+        "desired_workers": 3, "workers_needed": 2.857, "desired_cells": 2, "cell_workers": 2,
+    }  # fmt: skip
+    snapshot = {"models": {"m": {"scaling": entry}}}
+    lines = format_stats(snapshot).splitlines()
+    assert (
+        "m: scaling: 640.0 req/s offered needs 3 workers (2.86 before rounding up) "
+        "at target 0.7: 2 cells of 2" in lines
+    )
+    quiet = {"models": {"m": {"scaling": {**entry, "desired_workers": None}}}}
+    assert not any("scaling" in line for line in format_stats(quiet).splitlines())
+    odd = {"models": {"m": {"scaling": {**entry, "target_utilization": "x", "desired_cells": True}}}}
+    assert "at target -" in format_stats(odd)  # a value of the wrong type is shown as none

@@ -193,6 +193,9 @@ def format_stats(snapshot: Mapping[str, Any], rates: Mapping[str, Rates] | None 
         streams = _streams(m)
         if streams:
             lines.append(f"{name}: {streams}")
+        scaling = _scaling(m)
+        if scaling:
+            lines.append(f"{name}: {scaling}")
     if snapshot.get("stopping"):
         lines.append("the broker is draining (shutting down)")
     return "\n".join(lines)
@@ -214,3 +217,18 @@ def _streams(model: Mapping[str, Any]) -> str:
         f"chunks {_count(model.get('chunks'))} ({_rate(_number(model.get('chunks_per_s')))}/s); "
         f"first chunk p50/p99 {first} ms; cancelled: {cancelled_text or 'none'}"
     )
+
+
+def _scaling(model: Mapping[str, Any]) -> str:
+    """The autoscaling signal (docs/kubernetes.md, Scaling), once the broker has one."""
+    entry = model.get("scaling")
+    if not isinstance(entry, dict) or _number(entry.get("desired_workers")) is None:
+        return ""
+    text = (
+        f"scaling: {_rate(_number(entry.get('offered_per_s')))} req/s offered needs "
+        f"{_count(entry.get('desired_workers'))} workers ({_ms(entry.get('workers_needed'))} before "
+        f"rounding up) at target {_count(entry.get('target_utilization'))}"
+    )
+    if _number(entry.get("desired_cells")) is not None:
+        text += f": {_count(entry.get('desired_cells'))} cells of {_count(entry.get('cell_workers'))}"
+    return text
