@@ -8,8 +8,10 @@ from dataclasses import dataclass
 import click
 import zmq
 
-from batcher.cli.option_groups import ClientKeys, connect_option, curve_client_options
+from batcher.broker.loop import BrokerSettings
+from batcher.cli.option_groups import ClientKeys, curve_client_options
 from batcher.cli.options import (
+    CONNECT_ADDRESS,
     MAX_TIMEOUT_MS,
     Decorator,
     LogOptions,
@@ -23,11 +25,12 @@ from batcher.cli.options import (
     require_extra,
     setup,
 )
+from batcher.core.routing import ROUTINGS
 from batcher.gateway import access
-from batcher.gateway.core import MAX_PROCESSES as MAX_GATEWAY_PROCESSES
-from batcher.gateway.core import GatewaySettings
 from batcher.gateway.process import gateway_command
 from batcher.gateway.processes import check_supported as check_processes_supported
+from batcher.gateway.settings import MAX_PROCESSES as MAX_GATEWAY_PROCESSES
+from batcher.gateway.settings import GatewaySettings
 
 HTTP_PORT_OPTION = option(
     "--http-port",
@@ -138,7 +141,33 @@ GATEWAY_HOST_OPTION = option(
 
 
 @click.command()
-@connect_option
+@option(
+    "--connect",
+    type=CONNECT_ADDRESS,
+    multiple=True,
+    help="A broker's frontend address; give it once per broker (default: "
+    f"{BrokerSettings().frontend} when no --discover is given either).",
+)
+@option(
+    "--discover",
+    multiple=True,
+    help="Find brokers by dns+tcp://NAME:PORT (each A/AAAA record of NAME, as a headless "
+    "Service has one per cell) or file:PATH (an address a line), asked again every "
+    "--discover-interval-s; repeatable (docs/gateway.md, 'Many brokers').",
+)
+@option(
+    "--discover-interval-s",
+    type=float_range(0, 3600, min_open=True),
+    default=field_default(GatewaySettings, "discover_interval_s"),
+    help="How often each --discover source is asked again.",
+)
+@option(
+    "--routing",
+    type=click.Choice(ROUTINGS),
+    default=field_default(GatewaySettings, "routing"),
+    help="How each row's broker is chosen among those ready for its model: p2c (the "
+    "power of two choices on outstanding rows) or round-robin.",
+)
 @HTTP_PORT_OPTION
 @GRPC_PORT_OPTION
 @GATEWAY_HOST_OPTION
@@ -162,7 +191,10 @@ GATEWAY_HOST_OPTION = option(
 @curve_client_options
 @logging_options
 def gateway(
-    connect: str,
+    connect: tuple[str, ...],
+    discover: tuple[str, ...],
+    discover_interval_s: float,
+    routing: str,
     http_port: int,
     grpc_port: int,
     host: str,
@@ -180,8 +212,14 @@ def gateway(
     one gateway may be several processes on the same ports (--processes)."""
     setup(logs)
     try:
+        if not connect and not discover:
+            connect = (BrokerSettings().frontend,)
         settings = GatewaySettings(
-            connect=connect,
+            connect=connect[0] if connect else "",
+            extra_connect=tuple(connect[1:]),
+            discover=discover,
+            discover_interval_s=discover_interval_s,
+            routing=routing,
             host=host,
             http_port=http_port,
             grpc_port=grpc_port,
@@ -230,6 +268,7 @@ def gateway(
     except ValueError as exc:  # a key file or TLS pair that changed since the check
         raise click.ClickException(str(exc)) from None
     except zmq.ZMQError as exc:
-        raise click.ClickException(f"the gateway cannot connect to {connect}: {exc}") from None
+        where = ", ".join(settings.addresses() + settings.discover)
+        raise click.ClickException(f"the gateway cannot connect to {where}: {exc}") from None
     except OSError as exc:
         raise click.ClickException(f"the gateway cannot listen: {exc}") from None

@@ -344,6 +344,7 @@ def parse_infer(
         outputs=wanted,
         timeout_ms=oip.timeout_ms_of(params),
         priority=oip.priority_of(params),
+        retry=oip.retry_of(params),
     )
     return infer, params.get("binary_data_output") is True, binary_outputs
 
