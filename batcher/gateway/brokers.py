@@ -286,6 +286,30 @@ class BrokerPool:
             )
         return out
 
+    def metrics_text(self) -> str:
+        """The gateway's own Prometheus metrics (`GET /metrics`): each broker's state and
+        rows, and the rows retried on another broker."""
+        states = self.states()
+        families = [
+            ("batcher_gateway_broker_up", "gauge", "1 while the gateway is connected to the broker.", "up"),
+            ("batcher_gateway_broker_ready", "gauge", "1 while the broker takes new rows.", "ready"),
+            ("batcher_gateway_broker_draining", "gauge", "1 while the broker drains.", "draining"),
+            ("batcher_gateway_broker_outstanding_rows", "gauge", "Requests in flight.", "outstanding"),
+            ("batcher_gateway_broker_rows_total", "counter", "Rows sent to the broker.", "rows_total"),
+        ]
+        lines = []
+        for name, kind, text, key in families:
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+            for st in states:
+                broker = st["broker"].replace("\\", "\\\\").replace('"', '\\"')
+                lines.append(f'{name}{{broker="{broker}"}} {int(st[key])}')
+        lines += [
+            "# HELP batcher_gateway_retried_rows_total Rows sent again to another broker.",
+            "# TYPE batcher_gateway_retried_rows_total counter",
+            f"batcher_gateway_retried_rows_total {self.retried_total}",
+        ]
+        return "\n".join(lines) + "\n"
+
     async def all_stats(self) -> list[tuple[Broker, Any]]:
         """Every connected broker's `stats` now (those that answer in the probe timeout)."""
         wait_s = self.settings.probe_timeout_ms / 1000.0

@@ -112,6 +112,9 @@ class HttpApi:
             refused = self._refusal(scope)  # before routing, and before any body is read
             if refused is not None:
                 return refused
+        if scope["raw_path"] == b"/metrics":
+            text = self.gateway.pool.metrics_text().encode()
+            return Response(body=text, content_type="text/plain; version=0.0.4; charset=utf-8")
         route = match(scope["raw_path"])
         if route is None:
             return _error(404, "no such endpoint")
