@@ -100,10 +100,12 @@ def one_run(routing: str, clients: int, seconds: float) -> dict[str, Any]:
     sim = ["--sim-base-ms", repr(BASE_MS), "--sim-per-item-ms", repr(PER_ITEM_MS)]
     slow_args = serve_args(workers=1, max_batch_size=MAX_BATCH, max_wait_ms=2, extra=sim)
     fast_args = serve_args(workers=3, max_batch_size=MAX_BATCH, max_wait_ms=2, extra=sim)
-    with running_serve(slow_args, 1) as slow, running_serve(fast_args, 3) as fast:
-        with gateway([slow.frontend, fast.frontend], routing) as port:
-            latencies = drive(port, clients, seconds)
-            rows = {name: served_rows(sp.frontend) for name, sp in (("slow", slow), ("fast", fast))}
+    with contextlib.ExitStack() as stack:
+        slow = stack.enter_context(running_serve(slow_args, 1))
+        fast = stack.enter_context(running_serve(fast_args, 3))
+        port = stack.enter_context(gateway([slow.frontend, fast.frontend], routing))
+        latencies = drive(port, clients, seconds)
+        rows = {name: served_rows(sp.frontend) for name, sp in (("slow", slow), ("fast", fast))}
     latencies.sort()
     return {
         "routing": routing,
