@@ -43,6 +43,7 @@ SCRIPTS = (
     "gateway",
     "http_servers",
     "gateway_processes",
+    "gateway_routing",
     "streaming",
 )
 
