@@ -3,7 +3,7 @@ a broker; and the gateway options `serve` shares (ports, host, processes, access
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import click
 import zmq
@@ -132,6 +132,62 @@ def gateway_processes_option(name: str) -> Decorator:
     )
 
 
+@dataclass(frozen=True)
+class BrokerSources:
+    """Where the gateway's brokers are and how rows are routed over them (docs/gateway.md,
+    "Many brokers")."""
+
+    connect: tuple[str, ...]
+    discover: tuple[str, ...]
+    discover_interval_s: float
+    routing: str
+
+    def into(self, settings: GatewaySettings) -> GatewaySettings:
+        """`settings` with these brokers (the default one when none is given at all)."""
+        connect = self.connect or (() if self.discover else (BrokerSettings().frontend,))
+        return replace(
+            settings,
+            connect=connect[0] if connect else "",
+            extra_connect=tuple(connect[1:]),
+            discover=self.discover,
+            discover_interval_s=self.discover_interval_s,
+            routing=self.routing,
+        )
+
+
+_BROKER_SOURCES = option_group(
+    "brokers",
+    BrokerSources,
+    option(
+        "--connect",
+        type=CONNECT_ADDRESS,
+        multiple=True,
+        help="A broker's frontend address; give it once per broker (default: "
+        f"{BrokerSettings().frontend} when no --discover is given either).",
+    ),
+    option(
+        "--discover",
+        multiple=True,
+        help="Find brokers by dns+tcp://NAME:PORT (each A/AAAA record of NAME, as a headless "
+        "Service has one per cell) or file:PATH (an address a line), asked again every "
+        "--discover-interval-s; repeatable (docs/gateway.md, 'Many brokers').",
+    ),
+    option(
+        "--discover-interval-s",
+        type=float_range(0, 3600, min_open=True),
+        default=field_default(GatewaySettings, "discover_interval_s"),
+        help="How often each --discover source is asked again.",
+    ),
+    option(
+        "--routing",
+        type=click.Choice(ROUTINGS),
+        default=field_default(GatewaySettings, "routing"),
+        help="How each row's broker is chosen among those ready for its model: p2c (the "
+        "power of two choices on outstanding rows) or round-robin.",
+    ),
+)
+
+
 GATEWAY_HOST_OPTION = option(
     "--gateway-host",
     "host",
@@ -141,33 +197,7 @@ GATEWAY_HOST_OPTION = option(
 
 
 @click.command()
-@option(
-    "--connect",
-    type=CONNECT_ADDRESS,
-    multiple=True,
-    help="A broker's frontend address; give it once per broker (default: "
-    f"{BrokerSettings().frontend} when no --discover is given either).",
-)
-@option(
-    "--discover",
-    multiple=True,
-    help="Find brokers by dns+tcp://NAME:PORT (each A/AAAA record of NAME, as a headless "
-    "Service has one per cell) or file:PATH (an address a line), asked again every "
-    "--discover-interval-s; repeatable (docs/gateway.md, 'Many brokers').",
-)
-@option(
-    "--discover-interval-s",
-    type=float_range(0, 3600, min_open=True),
-    default=field_default(GatewaySettings, "discover_interval_s"),
-    help="How often each --discover source is asked again.",
-)
-@option(
-    "--routing",
-    type=click.Choice(ROUTINGS),
-    default=field_default(GatewaySettings, "routing"),
-    help="How each row's broker is chosen among those ready for its model: p2c (the "
-    "power of two choices on outstanding rows) or round-robin.",
-)
+@_BROKER_SOURCES
 @HTTP_PORT_OPTION
 @GRPC_PORT_OPTION
 @GATEWAY_HOST_OPTION
@@ -191,10 +221,7 @@ GATEWAY_HOST_OPTION = option(
 @curve_client_options
 @logging_options
 def gateway(
-    connect: tuple[str, ...],
-    discover: tuple[str, ...],
-    discover_interval_s: float,
-    routing: str,
+    brokers: BrokerSources,
     http_port: int,
     grpc_port: int,
     host: str,
@@ -212,14 +239,7 @@ def gateway(
     one gateway may be several processes on the same ports (--processes)."""
     setup(logs)
     try:
-        if not connect and not discover:
-            connect = (BrokerSettings().frontend,)
         settings = GatewaySettings(
-            connect=connect[0] if connect else "",
-            extra_connect=tuple(connect[1:]),
-            discover=discover,
-            discover_interval_s=discover_interval_s,
-            routing=routing,
             host=host,
             http_port=http_port,
             grpc_port=grpc_port,
@@ -231,6 +251,7 @@ def gateway(
             tls_key_file=gateway_access.tls_key_file,
             processes=processes,
         )
+        settings = brokers.into(settings)
         check_processes_supported(processes)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None

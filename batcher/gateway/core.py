@@ -208,7 +208,7 @@ class BrokerLink:
         is known, nothing larger than SAFE_BODY_BYTES is sent. OipError as for `call`."""
         while self.max_message_bytes is None:
             if self._learning is None or self._learning.done():
-                self._learning = self._loop.create_task(self._ask_limits(wait_s))
+                self._learning = self._loop.create_task(_ask_limits(self, wait_s))
             learning = self._learning
             try:
                 return await asyncio.shield(learning)
@@ -217,29 +217,6 @@ class BrokerLink:
                     raise  # we are cancelled, not the question
                 # a new connection came while it was asked: ask it
         return self.max_message_bytes
-
-    async def _ask_limits(self, wait_s: float) -> int:
-        sock = self._sock
-        try:
-            reply = await self.call({"op": "limits"}, wait_s)
-            _raise_if_error(reply)
-            limits = reply.get("output")
-        except oip.OipError as exc:
-            if exc.code != ErrorCode.BAD_REQUEST:
-                raise
-            log.warning(
-                "broker link: the broker at %s does not say its limits (%s); taking its default "
-                "--max-message-bytes %d",
-                self.address,
-                exc,
-                DEFAULT_MAX_MESSAGE_BYTES,
-            )
-            limits = {}
-        value = limits.get("max_message_bytes") if isinstance(limits, dict) else None
-        limit = value if type(value) is int and value > 0 else DEFAULT_MAX_MESSAGE_BYTES
-        if self._sock is sock:  # still the connection it was asked on
-            self.max_message_bytes = limit
-        return limit
 
     def send(self, fields: dict[str, Any]) -> tuple[int, asyncio.Future[dict[str, Any]]]:
         """Send one request now; (its id, the future of its reply). OipError `unavailable`
@@ -375,6 +352,31 @@ class BrokerLink:
         finally:
             if _unanswered(fut):  # a timeout or a cancel cancels the future itself
                 self.forget(req_id, cancel="op" not in fields)
+
+
+async def _ask_limits(self: BrokerLink, wait_s: float) -> int:
+    """The `limits` question of BrokerLink.learn_limits, on the connection of now."""
+    sock = self._sock
+    try:
+        reply = await self.call({"op": "limits"}, wait_s)
+        _raise_if_error(reply)
+        limits = reply.get("output")
+    except oip.OipError as exc:
+        if exc.code != ErrorCode.BAD_REQUEST:
+            raise
+        log.warning(
+            "broker link: the broker at %s does not say its limits (%s); taking its default "
+            "--max-message-bytes %d",
+            self.address,
+            exc,
+            DEFAULT_MAX_MESSAGE_BYTES,
+        )
+        limits = {}
+    value = limits.get("max_message_bytes") if isinstance(limits, dict) else None
+    limit = value if type(value) is int and value > 0 else DEFAULT_MAX_MESSAGE_BYTES
+    if self._sock is sock:  # still the connection it was asked on
+        self.max_message_bytes = limit
+    return limit
 
 
 def _unanswered(fut: asyncio.Future[Any]) -> bool:
