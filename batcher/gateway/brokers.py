@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Coroutine
 from typing import Any
 
 from batcher.core.routing import BrokerHealth, choose_round_robin, choose_two, eligible, membership_change
@@ -133,18 +134,23 @@ class BrokerPool:
         self._random = random.Random()
         self._loop = asyncio.get_running_loop()
         self._discoverers = [Discoverer(spec) for spec in settings.discover]
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak ones
         for address in settings.addresses():
             self._add(address, discovered=False)  # raises: a key file that does not load
 
     def start(self) -> None:
         """Start the heartbeat and the discovery (once the loop runs)."""
-        self._tasks.append(self._loop.create_task(self._heartbeat()))
+        self._spawn(self._heartbeat())
         if self._discoverers:
-            self._tasks.append(self._loop.create_task(self._discover()))
+            self._spawn(self._discover())
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = self._loop.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def close(self) -> None:
-        for task in self._tasks:
+        for task in list(self._tasks):
             task.cancel()
         for broker in self.brokers.values():
             broker.link.close()
@@ -182,6 +188,10 @@ class BrokerPool:
     def choose(self, model: str) -> Broker:
         """The broker for a new row of `model`; OipError `unavailable` when none is connected."""
         names = self.candidates(model)
+        if not names:  # a handshake may be done with its event not yet read
+            for broker in self.brokers.values():
+                broker.link.poll_monitor()
+            names = self.candidates(model)
         if names:
             return self.brokers[names[0]]
         if len(self.brokers) == 1:  # as one broker's gateway has always said
@@ -214,7 +224,7 @@ class BrokerPool:
                     continue
                 if self.health(name).connected and not broker.asking:
                     broker.asking = True
-                    self._loop.create_task(self._ask(broker))
+                    self._spawn(self._ask(broker))
             await asyncio.sleep(HEARTBEAT_S)
 
     async def _ask(self, broker: Broker) -> None:

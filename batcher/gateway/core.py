@@ -172,6 +172,10 @@ class BrokerLink:
             if not events:
                 break
 
+    def poll_monitor(self) -> None:
+        """Read the connection's events now (a handshake done but not yet seen)."""
+        self._on_monitor()
+
     @property
     def up(self) -> bool:
         """Connected, its handshake done: a row sent now leaves."""
