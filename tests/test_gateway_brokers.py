@@ -272,3 +272,19 @@ def test_file_discovery_adds_and_retires_brokers(
     check_answers(answers)
     assert rows_of(a.frontend) == served, "rows sent to a broker no longer discovered"
     assert rows_of(a.frontend) + rows_of(b.frontend) + rows_of(c.frontend) == len(answers)
+
+
+def test_dns_discovery_finds_a_broker_by_name(
+    serve: Callable[..., ServeProcess], spawn: Callable[..., Spawned]
+) -> None:
+    """--discover dns+tcp://localhost:PORT: the name's records (127.0.0.1, and ::1 where
+    the hosts file has it, where nothing listens) give the gateway its broker."""
+    a = serve(*SIM, workers=2)
+    port_of_a = a.frontend.rsplit(":", 1)[1]
+    port = start_gateway(spawn, "--discover", f"dns+tcp://localhost:{port_of_a}", interval_s=1.0)
+    load = Load(port, threads=2).start()
+    wait_count(load, 50)
+    answers = load.stop()
+    check_answers(answers)
+    assert rows_of(a.frontend) == len(answers)
+    assert sample(scrape(port), "batcher_gateway_broker_up", broker=a.frontend) == 1
