@@ -125,22 +125,33 @@ def test_a_silent_broker_takes_no_row_from_a_heartbeat_on(make_broker: Any) -> N
     run([a, b], test)
 
 
-def test_a_row_refused_by_a_draining_broker_is_retried_once_unless_retry_false(make_broker: Any) -> None:
+def test_a_row_refused_by_a_draining_broker_goes_to_another_whatever_retry_says(make_broker: Any) -> None:
+    """A `shutting_down` refusal was never queued: the row goes to the other broker, even
+    with `retry` false (as MultiClient does), and the refusing broker takes no more rows."""
     refusing, good = make_broker(broker(refuse=True)), make_broker(broker())
 
     async def test(pool: BrokerPool) -> None:
-        row = Row(pool, "m", {"model": "m", "input": 7}, retry=True)
-        row.start(pool.brokers[refusing.address], now=True)
-        assert await row.future == {"id": row.req_id, "ok": True, "output": 7}
-        assert row.tried == [refusing.address, good.address] and pool.retried_total == 1
-        assert pool.brokers[refusing.address].health.draining  # no more rows for it
-        pool.brokers[refusing.address].health.draining = False
-        once = Row(pool, "m", {"model": "m", "input": 8}, retry=False)
-        once.start(pool.brokers[refusing.address], now=True)
-        reply = await once.future
-        assert reply["error"]["code"] == "shutting_down" and pool.retried_total == 1
+        for retry, value in ((True, 7), (False, 8)):
+            pool.brokers[refusing.address].health.draining = False
+            row = Row(pool, "m", {"model": "m", "input": value}, retry=retry)
+            row.start(pool.brokers[refusing.address], now=True)
+            assert (await row.future)["output"] == value
+            assert row.tried == [refusing.address, good.address]
+            assert pool.brokers[refusing.address].health.draining  # no more rows for it
+        assert pool.retried_total == 2
 
     run([refusing, good], test)
+
+
+def test_a_refusal_with_no_other_broker_is_answered_as_it_came(make_broker: Any) -> None:
+    refusing = make_broker(broker(refuse=True))
+
+    async def test(pool: BrokerPool) -> None:
+        row = Row(pool, "m", {"model": "m", "input": 1}, retry=True)
+        row.start(pool.choose("m"), now=True)
+        assert (await row.future)["error"]["code"] == "shutting_down" and pool.retried_total == 0
+
+    run([refusing], test)
 
 
 def test_no_broker_for_the_row_is_unavailable_at_once() -> None:

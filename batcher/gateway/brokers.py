@@ -7,8 +7,9 @@ row from that moment; one draining, or silent (asked and not answered within a
 heartbeat: a paused process, a partition), from the next heartbeat. Each row goes to one
 of the brokers ready for its model (core.routing.eligible), by the power of two choices
 on outstanding rows (core.routing.choose_two). A row whose broker is lost while it is in
-flight, or which a draining broker refused, is sent once more to another broker, unless
-its request said `"retry": false` (docs/gateway.md, "Many brokers").
+flight is sent once more to another broker, unless its request said `"retry": false`;
+one a draining broker refused (never queued) goes to another whatever it said
+(docs/gateway.md, "Many brokers").
 """
 
 from __future__ import annotations
@@ -88,7 +89,10 @@ class Row:
             reply = inner.result()
             if not reply.get("ok"):
                 code = (reply.get("error") or {}).get("code")
-        if code in RETRIED_CODES and self.retries_left > 0 and self._retry(code):
+        # A refusal (shutting_down) was never queued: sent on whatever `retry` says, as
+        # MultiClient does, to each broker at most once; a lost row once, if allowed.
+        refused = code == ErrorCode.SHUTTING_DOWN
+        if (refused or (code in RETRIED_CODES and self.retries_left > 0)) and self._retry(code):
             return
         if exc is not None:
             self.future.set_exception(exc)
@@ -106,7 +110,8 @@ class Row:
             except oip.OipError:
                 self.tried.append(name)
                 continue
-            self.retries_left -= 1
+            if code != ErrorCode.SHUTTING_DOWN:
+                self.retries_left -= 1
             self.pool.retried_total += 1
             return True
         return False
