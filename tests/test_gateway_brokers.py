@@ -238,6 +238,8 @@ def test_a_paused_broker_costs_no_hang_and_serves_again(
         stopped_at = time.monotonic()
         time.sleep(1.5)  # a heartbeat (0.5 s) and more: the claim is about what follows
         silent = gateway_rows(port, b.frontend)
+        asked_at = time.monotonic()  # the gateway stays ready on the other, and says so at once
+        assert http_status(port, "/v2/health/ready") == 200 and time.monotonic() - asked_at < 1.0
         time.sleep(max(0.0, stopped_at + 4.0 - time.monotonic()))  # the pause itself
         assert gateway_rows(port, b.frontend) == silent, "rows routed to the paused broker"
     finally:

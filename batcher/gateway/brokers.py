@@ -326,7 +326,8 @@ class BrokerPool:
         return "\n".join(lines) + "\n"
 
     async def all_stats(self) -> list[tuple[Broker, Any]]:
-        """Every connected broker's `stats` now (those that answer in the probe timeout)."""
+        """Every connected broker's `stats` now (those that answer in the probe timeout;
+        a draining one says which models it has configured), a silent one aside."""
         wait_s = self.settings.probe_timeout_ms / 1000.0
 
         async def one(broker: Broker) -> tuple[Broker, Any]:
@@ -337,5 +338,11 @@ class BrokerPool:
                     return broker, reply.get("output")
             return broker, None
 
-        live = [b for n, b in self.brokers.items() if self.health(n).connected]
+        now = self._loop.time()  # a silent broker is not waited for: it would hold the probe
+        healths = {n: self.health(n) for n in self.brokers}
+        live = [
+            b
+            for n, b in self.brokers.items()
+            if healths[n].connected and not healths[n].silent(now, HEARTBEAT_S)
+        ]
         return list(await asyncio.gather(*(one(b) for b in live)))
