@@ -67,6 +67,7 @@ class Row:
         self.broker: Broker | None = None
         self.req_id = 0
         self.cancelled = False  # cancelled at its broker past its deadline
+        self.sent_at: float | None = None  # when it first left
 
     def start(self, broker: Broker, now: bool) -> None:
         """Send it to `broker` (OipError, as BrokerLink.pack and send_packed raise)."""
@@ -75,6 +76,8 @@ class Row:
     def send_packed(self, broker: Broker, req_id: int, body: bytes, now: bool) -> None:
         """Send it to `broker` as packed by its link (OipError as BrokerLink.send_packed)."""
         _, inner = broker.link.send_packed(req_id, body, now=now)
+        if self.sent_at is None:
+            self.sent_at = asyncio.get_running_loop().time()
         self.broker, self.req_id = broker, req_id
         self.tried.append(broker.address)
         broker.rows_total += 1
@@ -103,6 +106,11 @@ class Row:
         """Send it to another broker; False when there is none (or it cannot leave)."""
         if code == ErrorCode.SHUTTING_DOWN and self.broker is not None:
             self.broker.health.draining = True  # no more rows until it says otherwise
+        timeout_ms = self.fields.get("timeout_ms")
+        if isinstance(timeout_ms, int | float) and self.sent_at is not None:  # the same deadline
+            spent_ms = (asyncio.get_running_loop().time() - self.sent_at) * 1000.0
+            self.fields = {**self.fields, "timeout_ms": max(1.0, timeout_ms - spent_ms)}
+            self.sent_at = asyncio.get_running_loop().time()
         for name in self.pool.candidates(self.model, exclude=self.tried):
             broker = self.pool.brokers[name]
             try:
