@@ -160,6 +160,8 @@ _BROKER_SOURCES = option_group(
     BrokerSources,
     option(
         "--connect",
+        envvar="BATCHER_GATEWAY_CONNECT",
+        old_envvar="BATCHER_CONNECT",
         type=CONNECT_ADDRESS,
         multiple=True,
         help="A broker's frontend address; give it once per broker (default: "
