@@ -44,6 +44,7 @@ SCRIPTS = (
     "http_servers",
     "gateway_processes",
     "cluster",
+    "gateway_routing",
     "streaming",
     "tracing",
 )

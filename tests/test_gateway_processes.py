@@ -25,8 +25,8 @@ import pytest
 
 from batcher.gateway import inference_pb2 as pb
 from batcher.gateway import inference_pb2_grpc as pb_grpc
-from batcher.gateway.core import MAX_PROCESSES, GatewaySettings
 from batcher.gateway.processes import foreign_listeners
+from batcher.gateway.settings import MAX_PROCESSES, GatewaySettings
 from batcher.serve.launcher import ServeProcess, free_tcp_address
 from tests.conftest import Spawned
 from tests.helpers import wait_until

@@ -168,6 +168,7 @@ def test_each_variable_means_one_thing_on_every_command():
         ("serve", "curve_secret_key"): "BATCHER_BROKER_CURVE_SECRET_KEY",
         ("broker", "curve_secret_key"): "BATCHER_BROKER_CURVE_SECRET_KEY",
         ("send", "connect"): "BATCHER_CONNECT",
+        ("gateway", "connect"): "BATCHER_GATEWAY_CONNECT",
         ("send", "model"): "BATCHER_REQUEST_MODEL",
         ("send", "curve_secret_key"): "BATCHER_CURVE_SECRET_KEY",
         ("bench", "curve_secret_key"): "BATCHER_CURVE_SECRET_KEY",
@@ -181,6 +182,7 @@ def test_each_variable_means_one_thing_on_every_command():
     deprecated = {(c, p.name, p.old_envvar) for c, p in env_options() if p.old_envvar}
     assert deprecated == {
         ("worker", "connect", "BATCHER_CONNECT"),
+        ("gateway", "connect", "BATCHER_CONNECT"),
         ("worker", "model", "BATCHER_MODEL"),
         ("worker", "curve_secret_key", "BATCHER_CURVE_SECRET_KEY"),
         ("serve", "curve_secret_key", "BATCHER_CURVE_SECRET_KEY"),

@@ -3,19 +3,20 @@ a broker; and the gateway options `serve` shares (ports, host, processes, access
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import click
 import zmq
 
+from batcher.broker.loop import BrokerSettings
 from batcher.cli.option_groups import (
     ClientKeys,
-    connect_option,
     curve_client_options,
     pass_trace_to_children,
     trace_options,
 )
 from batcher.cli.options import (
+    CONNECT_ADDRESS,
     Decorator,
     LogOptions,
     field_default,
@@ -27,10 +28,11 @@ from batcher.cli.options import (
     setting_option,
     setup,
 )
+from batcher.core.routing import ROUTINGS
 from batcher.gateway import access
-from batcher.gateway.core import GatewaySettings
 from batcher.gateway.process import gateway_command
 from batcher.gateway.processes import check_supported as check_processes_supported
+from batcher.gateway.settings import GatewaySettings
 from batcher.observe.settings import TraceSettings
 
 HTTP_PORT_OPTION = setting_option("--http-port", cls=GatewaySettings, field="http_port")
@@ -117,6 +119,59 @@ def gateway_processes_option(name: str) -> Decorator:
     )
 
 
+@dataclass(frozen=True)
+class BrokerSources:
+    """Where the gateway's brokers are and how rows are routed over them (docs/gateway.md,
+    "Many brokers")."""
+
+    connect: tuple[str, ...]
+    discover: tuple[str, ...]
+    discover_interval_s: float
+    routing: str
+
+    def into(self, settings: GatewaySettings) -> GatewaySettings:
+        """`settings` with these brokers (the default one when none is given at all)."""
+        connect = self.connect or (() if self.discover else (BrokerSettings().frontend,))
+        return replace(
+            settings,
+            connect=connect[0] if connect else "",
+            extra_connect=tuple(connect[1:]),
+            discover=self.discover,
+            discover_interval_s=self.discover_interval_s,
+            routing=self.routing,
+        )
+
+
+_BROKER_SOURCES = option_group(
+    "brokers",
+    BrokerSources,
+    option(
+        "--connect",
+        envvar="BATCHER_GATEWAY_CONNECT",
+        old_envvar="BATCHER_CONNECT",
+        type=CONNECT_ADDRESS,
+        multiple=True,
+        help="A broker's frontend address; give it once per broker (default: "
+        f"{BrokerSettings().frontend} when no --discover is given either).",
+    ),
+    option(
+        "--discover",
+        multiple=True,
+        help="Find brokers by dns+tcp://NAME:PORT (each A/AAAA record of NAME, as a headless "
+        "Service has one per cell) or file:PATH (an address a line), asked again every "
+        "--discover-interval-s; repeatable (docs/gateway.md, 'Many brokers').",
+    ),
+    setting_option("--discover-interval-s", cls=GatewaySettings, field="discover_interval_s"),
+    option(
+        "--routing",
+        type=click.Choice(ROUTINGS),
+        default=field_default(GatewaySettings, "routing"),
+        help="How each row's broker is chosen among those ready for its model: p2c (the "
+        "power of two choices on outstanding rows) or round-robin.",
+    ),
+)
+
+
 GATEWAY_HOST_OPTION = option(
     "--gateway-host",
     "host",
@@ -126,7 +181,7 @@ GATEWAY_HOST_OPTION = option(
 
 
 @click.command()
-@connect_option
+@_BROKER_SOURCES
 @HTTP_PORT_OPTION
 @GRPC_PORT_OPTION
 @GATEWAY_HOST_OPTION
@@ -146,7 +201,7 @@ GATEWAY_HOST_OPTION = option(
 @trace_options
 @logging_options
 def gateway(
-    connect: str,
+    brokers: BrokerSources,
     http_port: int,
     grpc_port: int,
     host: str,
@@ -166,7 +221,6 @@ def gateway(
     setup(logs)
     try:
         settings = GatewaySettings(
-            connect=connect,
             host=host,
             http_port=http_port,
             grpc_port=grpc_port,
@@ -179,6 +233,7 @@ def gateway(
             processes=processes,
             trace=trace,
         )
+        settings = brokers.into(settings)
         check_processes_supported(processes)
         pass_trace_to_children(trace)
     except ValueError as exc:
@@ -217,6 +272,7 @@ def gateway(
     except ValueError as exc:  # a key file or TLS pair that changed since the check
         raise click.ClickException(str(exc)) from None
     except zmq.ZMQError as exc:
-        raise click.ClickException(f"the gateway cannot connect to {connect}: {exc}") from None
+        where = ", ".join(settings.addresses() + settings.discover)
+        raise click.ClickException(f"the gateway cannot connect to {where}: {exc}") from None
     except OSError as exc:
         raise click.ClickException(f"the gateway cannot listen: {exc}") from None

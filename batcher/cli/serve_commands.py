@@ -50,9 +50,9 @@ from batcher.cli.options import (
     text_callback,
 )
 from batcher.core.scheduler import BatchSettings
-from batcher.gateway.core import GatewaySettings
 from batcher.gateway.process import GatewayProcess, gateway_command, local_address
 from batcher.gateway.processes import check_supported as check_processes_supported
+from batcher.gateway.settings import GatewaySettings
 from batcher.observe.settings import TraceSettings
 from batcher.serve.serving import ModelLoadFailed, run_serve
 from batcher.transport.security import CurveServerKeys, KeyFileError

@@ -14,7 +14,6 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -22,11 +21,9 @@ import zmq
 from batcher import __version__
 from batcher.client.sync import cancel_body, open_dealer
 from batcher.core.link import Backoff, Drop, PeerLink
-from batcher.errors import SettingsError
 from batcher.gateway import oip
 from batcher.gateway.bodies import pack_request
-from batcher.observe.settings import TraceSettings
-from batcher.settings import MAX_TIMEOUT_MS, check, port, setting
+from batcher.gateway.settings import GatewaySettings as GatewaySettings  # its old home
 from batcher.transport.connection_watch import ConnectionWatch
 from batcher.transport.zmqio import readable, recv_frames, send_frames
 from batcher.wire import protocol, tensor
@@ -58,59 +55,6 @@ SAFE_BODY_BYTES = 4 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 #: What `GET /v2` and ServerMetadata say the gateway supports.
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
-#: The most gateway processes one gateway runs (`--processes`): each is a Python process
-#: of some 50 MB with a link of its own to the broker; more than the host's cores only
-#: adds memory and broker connections.
-MAX_PROCESSES = 256
-
-
-@dataclass(frozen=True)
-class GatewaySettings:
-    """Where the broker is and where the gateway listens; a port of 0 is not served."""
-
-    connect: str = "tcp://127.0.0.1:5555"
-    host: str = "127.0.0.1"
-    http_port: int = port("Serve the Open Inference Protocol (KServe v2) over HTTP on this port (0: not).")
-    grpc_port: int = port("Serve the Open Inference Protocol (KServe v2) over gRPC on this port (0: not).")
-    #: How long the gateway waits for the broker's reply to a request without a timeout.
-    request_timeout_ms: float = setting(
-        30_000.0,
-        min=0,
-        min_exclusive=True,
-        max=MAX_TIMEOUT_MS,
-        help="Longest wait for the broker's reply to a request that sets no timeout of its own.",
-    )
-    #: How long a health or metadata question waits for the broker.
-    probe_timeout_ms: float = setting(2_000.0, min=0, min_exclusive=True)
-    #: The most bytes of outputs one response may hold (HTTP body, gRPC message).
-    max_response_bytes: int = 256 * 1024 * 1024
-    curve_server_key: str | None = None
-    curve_secret_key: str | None = None
-    #: The accepted API keys, one a line (docs/gateway.md, "Access control"); None: none asked.
-    api_keys_file: str | None = None
-    #: The HTTPS / gRPC TLS pair (PEM): both or neither.
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    #: How many processes serve the ports, sharing them (SO_REUSEPORT; docs/gateway.md,
-    #: "Several processes"): 1 is one process, exclusive on its ports.
-    processes: int = setting(
-        1,
-        kind=int,
-        min=1,
-        max=MAX_PROCESSES,
-        message="processes (the gateway's --processes) must be an integer in {min}..{max}, got {value!r}",
-        help="Gateway processes sharing the HTTP and gRPC ports (SO_REUSEPORT, Linux), each "
-        "with its own link to the broker: up to one a core for HTTP/gRPC parsing (docs/gateway.md).",
-    )
-    #: OpenTelemetry traces (docs/tracing.md): off unless an endpoint is given.
-    trace: TraceSettings = field(default_factory=TraceSettings)
-
-    def __post_init__(self) -> None:
-        check(self)
-        if not self.http_port and not self.grpc_port:
-            raise SettingsError("give --http-port or --grpc-port (or both): the gateway serves neither")
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise SettingsError("--tls-cert-file and --tls-key-file go together: give both or neither")
 
 
 def _keep_view(value: dict[Any, Any]) -> dict[Any, Any]:
@@ -132,8 +76,10 @@ class BrokerLink:
     do the first with less code: libzmq then drops a reply that arrived just before the
     connection closed (the last reply of a draining broker) unless it had been read."""
 
-    def __init__(self, settings: GatewaySettings) -> None:
-        self.address = settings.connect
+    def __init__(self, settings: GatewaySettings, address: str | None = None) -> None:
+        self.address = settings.connect if address is None else address
+        #: Handshakes so far: a new one is a new connection (maybe a restarted broker).
+        self.generation = 0
         self._settings = settings
         self._ctx: zmq.Context[Any] = zmq.Context()
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
@@ -158,7 +104,7 @@ class BrokerLink:
     def _open(self) -> None:
         s = self._settings
         self._reopen = None
-        sock, watch = open_dealer(self._ctx, s.connect, s.curve_server_key, s.curve_secret_key)
+        sock, watch = open_dealer(self._ctx, self.address, s.curve_server_key, s.curve_secret_key)
         sock.setsockopt(zmq.SNDHWM, LINK_HWM)
         sock.setsockopt(zmq.RCVHWM, LINK_HWM)
         self._sock, self._watch = sock, watch
@@ -195,7 +141,8 @@ class BrokerLink:
         watch.close()
         sock.close(0)  # linger 0: what was not sent yet is dropped with it
 
-    def _why_unavailable(self) -> str:
+    def why_unavailable(self) -> str:
+        """Why a row cannot leave now (for its 503)."""
         refusal = self._watch.refusal() if self._watch is not None else self._why_down
         return f"the broker at {self.address} is not connected" + (f": {refusal}" if refusal else "")
 
@@ -208,6 +155,7 @@ class BrokerLink:
             events = watch.poll()
             if any(event == zmq.EVENT_HANDSHAKE_SUCCEEDED for event, _ in events):
                 self._link.heard(self._loop.time())
+                self.generation += 1
                 self._forget_limits()  # a broker (re)connected: its limits may differ
             lost = any(event == zmq.EVENT_DISCONNECTED for event, _ in events)
             if lost:
@@ -223,6 +171,20 @@ class BrokerLink:
                 return
             if not events:
                 break
+
+    def poll_monitor(self) -> None:
+        """Read the connection's events now (a handshake done but not yet seen)."""
+        self._on_monitor()
+
+    @property
+    def up(self) -> bool:
+        """Connected, its handshake done: a row sent now leaves."""
+        return self._watch is not None and self._watch.handshake_ok
+
+    @property
+    def outstanding(self) -> int:
+        """Requests sent and not answered yet (rows and questions)."""
+        return len(self._pending)
 
     def _fail_pending(self, error: oip.OipError) -> None:
         pending, self._pending = self._pending, {}
@@ -250,7 +212,7 @@ class BrokerLink:
         is known, nothing larger than SAFE_BODY_BYTES is sent. OipError as for `call`."""
         while self.max_message_bytes is None:
             if self._learning is None or self._learning.done():
-                self._learning = self._loop.create_task(self._ask_limits(wait_s))
+                self._learning = self._loop.create_task(_ask_limits(self, wait_s))
             learning = self._learning
             try:
                 return await asyncio.shield(learning)
@@ -259,29 +221,6 @@ class BrokerLink:
                     raise  # we are cancelled, not the question
                 # a new connection came while it was asked: ask it
         return self.max_message_bytes
-
-    async def _ask_limits(self, wait_s: float) -> int:
-        sock = self._sock
-        try:
-            reply = await self.call({"op": "limits"}, wait_s)
-            _raise_if_error(reply)
-            limits = reply.get("output")
-        except oip.OipError as exc:
-            if exc.code != ErrorCode.BAD_REQUEST:
-                raise
-            log.warning(
-                "broker link: the broker at %s does not say its limits (%s); taking its default "
-                "--max-message-bytes %d",
-                self.address,
-                exc,
-                DEFAULT_MAX_MESSAGE_BYTES,
-            )
-            limits = {}
-        value = limits.get("max_message_bytes") if isinstance(limits, dict) else None
-        limit = value if type(value) is int and value > 0 else DEFAULT_MAX_MESSAGE_BYTES
-        if self._sock is sock:  # still the connection it was asked on
-            self.max_message_bytes = limit
-        return limit
 
     def send(self, fields: dict[str, Any]) -> tuple[int, asyncio.Future[dict[str, Any]]]:
         """Send one request now; (its id, the future of its reply). OipError `unavailable`
@@ -315,7 +254,7 @@ class BrokerLink:
             self._on_monitor()  # the handshake may be done with its event not yet read
             sock, watch = self._sock, self._watch
             if sock is None or watch is None or not watch.handshake_ok:
-                raise oip.OipError(ErrorCode.UNAVAILABLE, self._why_unavailable())
+                raise oip.OipError(ErrorCode.UNAVAILABLE, self.why_unavailable())
         fut = self._pending[req_id] = self._loop.create_future()
         if not now:
             self._unsent[req_id] = body
@@ -328,7 +267,7 @@ class BrokerLink:
             send_frames(sock, [b"", body])
         except zmq.Again:
             del self._pending[req_id]
-            raise oip.OipError(ErrorCode.UNAVAILABLE, self._why_unavailable()) from None
+            raise oip.OipError(ErrorCode.UNAVAILABLE, self.why_unavailable()) from None
         except BaseException:
             self._pending.pop(req_id, None)
             raise
@@ -356,7 +295,7 @@ class BrokerLink:
                     send_frames(sock, [b"", body])
                 except zmq.Again:
                     del self._pending[req_id]
-                    fut.set_exception(oip.OipError(ErrorCode.UNAVAILABLE, self._why_unavailable()))
+                    fut.set_exception(oip.OipError(ErrorCode.UNAVAILABLE, self.why_unavailable()))
                 except Exception as exc:  # as `send_packed` would have raised it to its caller
                     del self._pending[req_id]
                     fut.set_exception(exc)
@@ -419,6 +358,31 @@ class BrokerLink:
                 self.forget(req_id, cancel="op" not in fields)
 
 
+async def _ask_limits(self: BrokerLink, wait_s: float) -> int:
+    """The `limits` question of BrokerLink.learn_limits, on the connection of now."""
+    sock = self._sock
+    try:
+        reply = await self.call({"op": "limits"}, wait_s)
+        _raise_if_error(reply)
+        limits = reply.get("output")
+    except oip.OipError as exc:
+        if exc.code != ErrorCode.BAD_REQUEST:
+            raise
+        log.warning(
+            "broker link: the broker at %s does not say its limits (%s); taking its default "
+            "--max-message-bytes %d",
+            self.address,
+            exc,
+            DEFAULT_MAX_MESSAGE_BYTES,
+        )
+        limits = {}
+    value = limits.get("max_message_bytes") if isinstance(limits, dict) else None
+    limit = value if type(value) is int and value > 0 else DEFAULT_MAX_MESSAGE_BYTES
+    if self._sock is sock:  # still the connection it was asked on
+        self.max_message_bytes = limit
+    return limit
+
+
 def _unanswered(fut: asyncio.Future[Any]) -> bool:
     """No reply came: still waiting, or cancelled (by a timeout, an error of a sibling
     row, or the client going away)."""
@@ -434,48 +398,70 @@ def _decode_reply(frame: Any) -> dict[str, Any]:
 
 
 class Gateway:
-    """The v2 operations over one broker connection (create inside the event loop)."""
+    """The v2 operations over the gateway's brokers (create inside the event loop): one
+    link each (batcher.gateway.brokers), every row routed to one ready for its model."""
 
     tracer: Any = None  #: the gateway's tracer when tracing is on (set by server.serve)
 
     def __init__(self, settings: GatewaySettings) -> None:
+        from batcher.gateway.brokers import BrokerPool  # it builds on BrokerLink, above
+
         self.settings = settings
         #: model -> (when asked, its input names, its output names); None: no signature.
         self._names: dict[str, tuple[float, list[str] | None, list[str] | None]] = {}
         self._asking: dict[str, asyncio.Task[tuple[list[str] | None, list[str] | None]]] = {}
-        self.link = BrokerLink(settings)
+        self.pool = BrokerPool(settings)
+        self.pool.start()
+
+    @property
+    def link(self) -> BrokerLink:
+        """The link of the first broker (the only one of a gateway given one --connect)."""
+        return self.pool.any_link()
 
     async def close(self) -> None:
-        self.link.close()
+        self.pool.close()
 
     # --- health and metadata ----------------------------------------------------------------
 
-    async def _control(self, op: str, **fields: Any) -> Any:
-        """A control request, waiting at most the probe timeout; OipError on failure."""
+    async def _control(self, op: str, link: BrokerLink | None = None, **fields: Any) -> Any:
+        """A control request to `link` (else an open broker's), waiting at most the probe
+        timeout; OipError on failure."""
+        link = self.pool.any_link() if link is None else link
         wait_s = self.settings.probe_timeout_ms / 1000.0
-        if self.link.max_message_bytes is None:
-            await self.link.learn_limits(wait_s)  # a model's name may be long (gRPC)
-        reply = await self.link.call({"op": op, **fields}, wait_s)
+        if link.max_message_bytes is None:
+            await link.learn_limits(wait_s)  # a model's name may be long (gRPC)
+        reply = await link.call({"op": op, **fields}, wait_s)
         _raise_if_error(reply)
         return reply.get("output")
 
     async def ready(self) -> bool:
-        """Ready when the broker answers and every configured model has a worker (and
-        some model does: a broker with no model serves nothing)."""
-        try:
-            stats = await self._control("stats")
-        except oip.OipError:
-            return False
-        if stats.get("stopping"):  # draining: it refuses new requests
-            return False
-        models = (stats.get("models") or {}).values()
-        configured = [m for m in models if m.get("configured")]
-        return all(m.get("ready") for m in configured) and any(m.get("ready") for m in models)
+        """Ready when some broker answers, and every model some broker has configured is
+        ready (has a worker) on one that is not draining, and some model is (a broker with
+        no model serves nothing): core.routing.gateway_ready over every broker's stats now."""
+        from batcher.core.routing import BrokerHealth, gateway_ready
+
+        healths = []
+        for _, stats in await self.pool.all_stats():
+            if isinstance(stats, dict):
+                health = BrokerHealth(connected=True)
+                health.heard(stats, 0.0)
+                healths.append(health)
+        return gateway_ready(healths, 0.0, 1.0)
 
     async def metadata(self, model: str, version: str = "") -> dict[str, Any]:
-        """The model's v2 metadata; unknown_model (404) for a model or version not served."""
+        """The model's v2 metadata, from every connected broker: ready when one has it
+        ready; unknown_model (404) for a model or version none serves."""
         check_version(model, version)
-        meta = await self._control("metadata", model=model)
+        links = [b.link for b in self.pool.brokers.values() if b.link.up] or [self.pool.any_link()]
+        answers = await asyncio.gather(
+            *(self._control("metadata", link, model=model) for link in links), return_exceptions=True
+        )
+        metas = [m for m in answers if isinstance(m, dict)]
+        if not metas:
+            errors = [e for e in answers if isinstance(e, oip.OipError)]
+            unknown = [e for e in errors if e.code == ErrorCode.UNKNOWN_MODEL]
+            raise (unknown or errors or [oip.OipError(ErrorCode.INTERNAL, repr(answers))])[0]
+        meta = next((m for m in metas if m.get("ready")), metas[0])
         self._names[model] = (time.monotonic(), _names(meta.get("inputs")), _names(meta.get("outputs")))
         return {
             "name": model,
@@ -483,7 +469,7 @@ class Gateway:
             "platform": "batcher",
             "inputs": meta.get("inputs") or [],
             "outputs": meta.get("outputs") or [],
-            "ready": bool(meta.get("ready")),
+            "ready": any(bool(m.get("ready")) for m in metas),
         }
 
     async def model_ready(self, model: str, version: str = "") -> bool:
@@ -498,12 +484,15 @@ class Gateway:
     # --- inference --------------------------------------------------------------------------
 
     async def infer(self, request: oip.InferRequest, trace: Any = None) -> list[oip.OutputTensor]:
-        """The request's rows through the broker, joined; OipError for any failure.
+        """The request's rows through the brokers (each to its own), joined; OipError for
+        any failure.
 
         Every row carries a deadline (the request's timeout, else the gateway's
         --request-timeout-ms), so the broker drops rows whose client was answered 504."""
+        from batcher.gateway.brokers import Row
+
         check_version(request.model, request.version)
-        rows = oip.row_inputs(request.inputs)
+        inputs = oip.row_inputs(request.inputs)
         timeout_ms = request.timeout_ms or self.settings.request_timeout_ms
         # What is asked before the rows go (the broker's limits, the model's input names,
         # each once and cached) comes out of the request's own time, never on top of it.
@@ -520,13 +509,16 @@ class Gateway:
                 input_names = None  # the broker is slow to say: it checks the signature itself
         if input_names is not None:
             check_input_names(request, input_names)
-        if self.link.max_message_bytes is None:
-            await self.link.learn_limits(max(0.001, budget_s - (loop.time() - started)))
+        brokers = [self.pool.choose(request.model) for _ in inputs]
+        for link in {b.link for b in brokers if b.link.max_message_bytes is None}:
+            await link.learn_limits(max(0.001, budget_s - (loop.time() - started)))
         timeout_ms = max(1.0, timeout_ms - (loop.time() - started) * 1000.0)
-        fields = [_row_fields(request, row, timeout_ms) for row in rows]
-        for context in [trace.round_trip(request.model, len(rows))] if trace is not None else ():
+        model, retry = request.model, request.retry
+        fields = [_row_fields(request, r, timeout_ms) for r in inputs]
+        for context in [trace.round_trip(model, len(inputs))] if trace is not None else ():
             fields = [{**f, **context} for f in fields]  # each row a child of the round trip
-        sent: list[tuple[int, asyncio.Future[dict[str, Any]]]] = []
+        rows = [Row(self.pool, model, f, retry) for f in fields]
+        sent: list[Row] = []
         # Rows still unanswered CANCEL_AFTER_S past their deadline (which the broker
         # enforces itself unless it is paused or swamped) are dropped at the broker before
         # their client is given up on, so the cancels have left well before a 504 tells
@@ -534,26 +526,23 @@ class Gateway:
         # The broker answers by the deadline; REPLY_GRACE_S more for the trip back, then
         # the rows still waiting fail `timeout`. One timer a request does both (a timer
         # costs about 5 us here, asyncio.timeout twice that).
-        cancelled: set[int] = set()
         timer: list[asyncio.TimerHandle] = []  # the one pending
-        timer.append(
-            asyncio.get_running_loop().call_later(
-                timeout_ms / 1000.0 + CANCEL_AFTER_S, self._cancel_late, sent, cancelled, timer
-            )
-        )
+        timer.append(loop.call_later(timeout_ms / 1000.0 + CANCEL_AFTER_S, self._cancel_late, sent, timer))
         try:
-            for req_id, body in [self.link.pack(f) for f in fields]:
-                sent.append(self.link.send_packed(req_id, body, now=False))
+            packed = [(row, b, *b.link.pack(row.fields)) for row, b in zip(rows, brokers, strict=True)]
+            for row, broker, req_id, body in packed:
+                row.send_packed(broker, req_id, body, now=False)
+                sent.append(row)
             if len(sent) == 1:
-                replies = [await sent[0][1]]
+                replies = [await sent[0].future]
                 _raise_if_error(replies[0])
             else:
-                replies = await _all_or_first_error([fut for _, fut in sent])
+                replies = await _all_or_first_error([row.future for row in sent])
         finally:  # rows not answered (an error, a timeout, a client gone): dropped at the broker
             timer[0].cancel()
-            for req_id, fut in sent:
-                if _unanswered(fut):
-                    self.link.forget(req_id, cancel=req_id not in cancelled)
+            for row in sent:
+                if _unanswered(row.future):
+                    row.forget(cancel=not row.cancelled)
         values = [r.get("output") for r in replies]
         if oip.named_outputs(values[0]):
             names = None
@@ -568,27 +557,22 @@ class Gateway:
             )
         return outputs
 
-    def _cancel_late(
-        self,
-        sent: list[tuple[int, asyncio.Future[dict[str, Any]]]],
-        cancelled: set[int],
-        timer: list[asyncio.TimerHandle],
-    ) -> None:
-        """CANCEL_AFTER_S past the deadline: cancel the rows still unanswered at the broker,
-        and fail them `timeout` at REPLY_GRACE_S."""
-        for req_id, fut in sent:
-            if not fut.done():
-                self.link.cancel(req_id)
-                cancelled.add(req_id)
+    def _cancel_late(self, sent: list[Any], timer: list[asyncio.TimerHandle]) -> None:
+        """CANCEL_AFTER_S past the deadline: cancel the rows still unanswered at their
+        broker, and fail them `timeout` at REPLY_GRACE_S."""
+        for row in sent:
+            if not row.future.done():
+                row.cancel_at_broker()
         loop = asyncio.get_running_loop()
         timer[0] = loop.call_later(REPLY_GRACE_S - CANCEL_AFTER_S, self._time_out, sent)
 
-    def _time_out(self, sent: list[tuple[int, asyncio.Future[dict[str, Any]]]]) -> None:
-        error = oip.OipError("timeout", f"no reply from the broker at {self.link.address} in time")
-        for req_id, fut in sent:
-            if not fut.done():
-                fut.set_exception(error)
-                self.link.forget(req_id, cancel=False)  # cancelled already
+    def _time_out(self, sent: list[Any]) -> None:
+        for row in sent:
+            if not row.future.done():
+                where = row.broker.address if row.broker is not None else "?"
+                error = oip.OipError("timeout", f"no reply from the broker at {where} in time")
+                row.future.set_exception(error)
+                row.forget(cancel=False)  # cancelled already
 
     def _fresh_names(self, model: str) -> tuple[list[str] | None, list[str] | None] | None:
         """The model's input and output names if asked less than NAMES_TTL_S ago, else None."""

@@ -198,6 +198,7 @@ def parse_infer(request: Any, time_remaining_s: float | None) -> oip.InferReques
         outputs=[o.name for o in request.outputs] or None,
         timeout_ms=timeout_ms,
         priority=oip.priority_of(params),
+        retry=oip.retry_of(params),
     )
 
 

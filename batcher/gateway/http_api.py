@@ -113,6 +113,9 @@ class HttpApi:
             refused = self._refusal(scope)  # before routing, and before any body is read
             if refused is not None:
                 return refused
+        if scope["raw_path"] == b"/metrics":
+            text = self.gateway.pool.metrics_text().encode()
+            return Response(body=text, content_type="text/plain; version=0.0.4; charset=utf-8")
         route = match(scope["raw_path"])
         if route is None:
             return _error(404, "no such endpoint")
@@ -372,6 +375,7 @@ def parse_infer(
         outputs=wanted,
         timeout_ms=oip.timeout_ms_of(params),
         priority=oip.priority_of(params),
+        retry=oip.retry_of(params),
     )
     return infer, params.get("binary_data_output") is True, binary_outputs
 

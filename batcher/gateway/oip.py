@@ -78,6 +78,9 @@ class InferRequest:
     outputs: list[str] | None = None
     timeout_ms: float | None = None
     priority: float | None = None
+    #: Whether a row whose broker is lost in flight may be sent once more to another
+    #: (the `retry` parameter; docs/gateway.md, "Many brokers").
+    retry: bool = True
 
 
 # --- inputs -----------------------------------------------------------------------------------
@@ -472,6 +475,15 @@ def priority_of(parameters: dict[str, Any]) -> float | None:
     if type(value) is not int or value < 0:
         raise bad_request(f"parameter 'priority' must be an integer >= 0, got {value!r}")
     return 1.0 / value if value else None
+
+
+def retry_of(parameters: dict[str, Any]) -> bool:
+    """The request's `retry` parameter: false keeps each row on the one broker it went to
+    (a row whose broker is lost is answered 503, never run twice); true or absent: once more."""
+    value = parameters.get("retry", True)
+    if type(value) is not bool:
+        raise bad_request(f"parameter 'retry' must be true or false, got {value!r}")
+    return value
 
 
 # --- errors -----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from batcher.gateway.core import GatewaySettings
+from batcher.gateway.settings import GatewaySettings
 
 
 def local_address(frontend: str) -> str:
@@ -27,8 +27,12 @@ def gateway_command(
         "-m",
         "batcher",
         "gateway",
-        "--connect",
-        settings.connect,
+        *[arg for address in settings.addresses() for arg in ("--connect", address)],
+        *[arg for source in settings.discover for arg in ("--discover", source)],
+        "--discover-interval-s",
+        repr(settings.discover_interval_s),
+        "--routing",
+        settings.routing,
         "--http-port",
         str(settings.http_port),
         "--grpc-port",

@@ -52,8 +52,8 @@ from pathlib import Path
 
 from batcher.errors import BatcherError, BindError, SettingsError
 from batcher.gateway import access
-from batcher.gateway.core import GatewaySettings
 from batcher.gateway.server import GRACE_S, SIBLINGS_UP
+from batcher.gateway.settings import GatewaySettings
 from batcher.transport.stopping import ignore_stop_signals, stop_signals_blocked
 
 log = logging.getLogger("batcher.gateway")
@@ -363,7 +363,7 @@ async def _serve(gateway: _Gateway, ports: list[tuple[int, str]], api_keys: bool
             "s" if tls else "",
             settings.http_port or "off",
             settings.grpc_port or "off",
-            settings.connect,
+            " ".join(settings.addresses() + settings.discover),
             "API keys required" if api_keys else "no API keys",
         )
         await gateway.wait_for(lambda: gateway.stop_asked or bool(gateway.exited()))

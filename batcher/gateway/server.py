@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 from batcher.errors import BindError, SettingsError
 from batcher.gateway import access
-from batcher.gateway.core import Gateway, GatewaySettings
+from batcher.gateway.core import Gateway
+from batcher.gateway.settings import GatewaySettings
 from batcher.observe.tracer import start_tracing
 from batcher.transport.stopping import ignore_stop_signals
 
@@ -89,7 +90,7 @@ async def serve(
             "s" if tls else "",
             settings.http_port or "off",
             settings.grpc_port or "off",
-            settings.connect,
+            " ".join(settings.addresses() + settings.discover),
             "API keys required" if api_keys else "no API keys",
         )
         if on_listening is not None:
