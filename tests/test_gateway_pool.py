@@ -25,13 +25,20 @@ def make_broker() -> Iterator[Any]:
         yield make
 
 
-def broker(stopping: bool = False, models: tuple[str, ...] = ("m",), refuse: bool = False) -> Answer:
-    """A broker's answers: its stats (each model ready; `stopping`), and every row echoed
-    (or, `refuse`, refused `shutting_down` as a draining broker does)."""
+def broker(
+    stopping: bool = False,
+    models: tuple[str, ...] = ("m",),
+    refuse: bool = False,
+    needed: float | None = None,
+) -> Answer:
+    """A broker's answers: its stats (each model ready; `stopping`; `needed`: each model's
+    scaling entry says so many workers needed), and every row echoed (or, `refuse`,
+    refused `shutting_down` as a draining broker does)."""
 
     def answer(body: dict[str, Any]) -> dict[str, Any] | None:
         if body.get("op") == "stats":
-            stats = {"stopping": stopping, "models": {m: {"ready": True, "configured": True} for m in models}}
+            entry = {"ready": True, "configured": True, "scaling": {"workers_needed": needed}}
+            stats = {"stopping": stopping, "models": {m: entry for m in models}}
             return {"id": body["id"], "ok": True, "output": stats}
         if body.get("op"):
             return {"id": body["id"], "ok": True, "output": {}}
@@ -179,3 +186,24 @@ def test_no_broker_for_the_row_is_unavailable_at_once() -> None:
             pool.close()
 
     asyncio.run(main())
+
+
+def test_the_gateway_exports_the_workers_its_brokers_need_summed_then_rounded_up(make_broker: Any) -> None:
+    """Two cells needing 1.2 and 1.3 workers of model m: the deployment needs 2.5, so 3
+    workers are desired (a sum of each cell's rounded-up 2 + 2 would never scale in); a
+    model only one broker has counts that broker alone, and a broker without a figure
+    (before its first tick) adds nothing."""
+    fbs = [
+        make_broker(broker(needed=1.2)),
+        make_broker(broker(models=("m", "n"), needed=1.3)),
+        make_broker(broker(needed=None)),
+    ]
+
+    async def check(pool: BrokerPool) -> None:
+        text = pool.metrics_text()
+        assert 'batcher_workers_needed{model="m"} 2.5' in text
+        assert 'batcher_desired_workers{model="m"} 3' in text
+        assert 'batcher_workers_needed{model="n"} 1.3' in text
+        assert 'batcher_desired_workers{model="n"} 2' in text
+
+    run(fbs, check)

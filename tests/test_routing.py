@@ -19,6 +19,7 @@ from batcher.core.routing import (
     eligible,
     gateway_ready,
     membership_change,
+    workers_needed_total,
 )
 from batcher.errors import SettingsError
 from batcher.gateway.discovery import (
@@ -182,3 +183,26 @@ def test_dns_resolves_a_name_without_blocking() -> None:
     found = asyncio.run(d.resolve())
     assert found is not None and "tcp://127.0.0.1:5555" in found
     assert asyncio.run(Discoverer("dns+tcp://no-such-host.invalid:1").resolve()) is None
+
+
+def test_a_brokers_workers_needed_come_from_its_stats_and_go_with_its_connection() -> None:
+    h = BrokerHealth(connected=True)
+    scaling = {"workers_needed": 1.5}
+    stats = {
+        "models": {
+            "a": {"ready": True, "scaling": scaling},
+            "b": {"scaling": {"workers_needed": None}},  # before the first tick
+            "c": {"scaling": {"workers_needed": True}},  # no number
+            "d": {"scaling": {"workers_needed": float("inf")}},
+            "e": {"scaling": "?"},
+            "f": {"scaling": {"workers_needed": 0}},
+        }
+    }
+    h.heard(stats, 1.0)
+    assert h.workers_needed == {"a": 1.5, "f": 0.0}
+    other = BrokerHealth(connected=True)
+    other.heard({"models": {"a": {"scaling": {"workers_needed": 2.25}}}}, 1.0)
+    gone = BrokerHealth(connected=False, workers_needed={"a": 100.0})
+    assert workers_needed_total([h, other, gone]) == {"a": 3.75, "f": 0.0}
+    h.lost()
+    assert h.workers_needed == {} and workers_needed_total([h, other]) == {"a": 2.25}

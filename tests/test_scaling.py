@@ -18,6 +18,7 @@ from batcher.core.scaling import (
     desire,
     desired_cells,
     desired_workers,
+    round_up_workers,
     scaling_batch_size,
     workers_needed,
 )
@@ -189,3 +190,15 @@ def test_the_stats_table_shows_the_signal_once_there_is_one() -> None:
     assert not any("scaling" in line for line in format_stats(quiet).splitlines())
     odd = {"models": {"m": {"scaling": {**entry, "target_utilization": "x", "desired_cells": True}}}}
     assert "at target -" in format_stats(odd)  # a value of the wrong type is shown as none
+
+
+def test_a_load_in_workers_rounds_up_to_whole_workers_and_none_to_none() -> None:
+    assert [round_up_workers(x) for x in (0.0, -1.0, 1e-12, 0.4, 2.0, 2.0000000001, 2.01)] == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+        3,
+    ]

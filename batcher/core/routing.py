@@ -12,9 +12,10 @@ round robin in benchmarks/gateway_routing.py (docs/gateway.md, "Many brokers").
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -71,6 +72,9 @@ class BrokerHealth:
     draining: bool = False
     ready_models: frozenset[str] = field(default_factory=frozenset)
     configured_models: frozenset[str] = field(default_factory=frozenset)
+    #: Per model, the workers its offered load needs at the broker's target utilization
+    #: (its `stats` scaling entry, before rounding up: batcher.core.scaling).
+    workers_needed: dict[str, float] = field(default_factory=dict)
 
     def silent(self, now: float, heartbeat_s: float) -> bool:
         """Asked more than `heartbeat_s` ago and not answered since."""
@@ -101,11 +105,33 @@ class BrokerHealth:
         self.draining = bool(stats.get("stopping")) if isinstance(stats, dict) else False
         self.ready_models = frozenset(m for m, e in entries.items() if e.get("ready"))
         self.configured_models = frozenset(m for m, e in entries.items() if e.get("configured"))
+        self.workers_needed = {m: n for m, e in entries.items() if (n := _workers_needed(e)) is not None}
 
     def lost(self) -> None:
         """The connection went: nothing it said before holds for the next one."""
         self.connected, self.heard_at, self.asked_at = False, None, None
         self.ready_models = self.configured_models = frozenset()
+        self.workers_needed = {}
+
+
+def _workers_needed(entry: dict[Any, Any]) -> float | None:
+    """A model entry's `scaling.workers_needed`, when it is a finite number >= 0."""
+    scaling = entry.get("scaling")
+    needed = scaling.get("workers_needed") if isinstance(scaling, dict) else None
+    if isinstance(needed, bool) or not isinstance(needed, int | float) or not 0 <= needed < math.inf:
+        return None
+    return float(needed)
+
+
+def workers_needed_total(healths: Iterable[BrokerHealth]) -> dict[str, float]:
+    """Per model, the workers needed summed over the brokers still connected: the load of a
+    whole deployment in workers (rounded up only after the sum, batcher.core.scaling)."""
+    total: dict[str, float] = {}
+    for h in healths:
+        if h.connected:
+            for model, needed in h.workers_needed.items():
+                total[model] = total.get(model, 0.0) + needed
+    return total
 
 
 def eligible(

@@ -50,6 +50,7 @@ __all__ = [
     "desire",
     "desired_cells",
     "desired_workers",
+    "round_up_workers",
     "scaling_batch_size",
     "workers_needed",
 ]
@@ -77,7 +78,12 @@ def workers_needed(rate_per_s: float, a_s: float, b_s: float, batch_size: int, t
 
 def desired_workers(rate_per_s: float, a_s: float, b_s: float, batch_size: int, target: float) -> int:
     """ceil(rate * t(n) / (n * target)) (module docstring); 0 for no load, else >= 1."""
-    needed = workers_needed(rate_per_s, a_s, b_s, batch_size, target)
+    return round_up_workers(workers_needed(rate_per_s, a_s, b_s, batch_size, target))
+
+
+def round_up_workers(needed: float) -> int:
+    """Workers for a load of `needed` workers (a broker's, or a deployment's sum): 0 for
+    none, else at least 1, and 3.0000000001 is 3."""
     return 0 if needed <= 0 else max(1, math.ceil(needed - _EPSILON))
 
 

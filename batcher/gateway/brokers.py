@@ -21,7 +21,15 @@ import random
 from collections.abc import Coroutine
 from typing import Any
 
-from batcher.core.routing import BrokerHealth, choose_round_robin, choose_two, eligible, membership_change
+from batcher.core.routing import (
+    BrokerHealth,
+    choose_round_robin,
+    choose_two,
+    eligible,
+    membership_change,
+    workers_needed_total,
+)
+from batcher.core.scaling import round_up_workers
 from batcher.gateway import oip
 from batcher.gateway.core import BrokerLink
 from batcher.gateway.discovery import Discoverer
@@ -324,9 +332,20 @@ class BrokerPool:
         for name, kind, text, key in families:
             lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
             for st in states:
-                broker = st["broker"].replace("\\", "\\\\").replace('"', '\\"')
-                lines.append(f'{name}{{broker="{broker}"}} {int(st[key])}')
+                lines.append(f'{name}{{broker="{_label(st["broker"])}"}} {int(st[key])}')
+        needed = workers_needed_total(self.health(n) for n in self.brokers)
         lines += [
+            "# HELP batcher_workers_needed Workers the load offered to all the gateway's brokers "
+            "needs at their target utilization, summed before rounding up (batcher.core.scaling).",
+            "# TYPE batcher_workers_needed gauge",
+            *(f'batcher_workers_needed{{model="{_label(m)}"}} {n}' for m, n in sorted(needed.items())),
+            "# HELP batcher_desired_workers The workers all the gateway's brokers need: "
+            "batcher_workers_needed rounded up, the autoscaler's signal for the whole deployment.",
+            "# TYPE batcher_desired_workers gauge",
+            *(
+                f'batcher_desired_workers{{model="{_label(m)}"}} {round_up_workers(n)}'
+                for m, n in sorted(needed.items())
+            ),
             "# HELP batcher_gateway_retried_rows_total Rows sent again to another broker.",
             "# TYPE batcher_gateway_retried_rows_total counter",
             f"batcher_gateway_retried_rows_total {self.retried_total}",
@@ -354,3 +373,8 @@ class BrokerPool:
             if healths[n].connected and not healths[n].silent(now, HEARTBEAT_S)
         ]
         return list(await asyncio.gather(*(one(b) for b in live)))
+
+
+def _label(value: str) -> str:
+    """A Prometheus label value, escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
