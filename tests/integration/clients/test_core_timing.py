@@ -19,7 +19,9 @@ from batcher.client.sync import (
     ClientTimeout,
     InternalError,
 )
-from tests.unit.client.test_core import received
+from tests.unit.client.test_core import received, router
+
+__all__ = ["router"]  # the fixtures, shared with tests/unit/client/test_core.py
 
 
 @pytest.mark.integration  # bounds the time the retries take

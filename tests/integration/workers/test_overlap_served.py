@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,19 @@ import zmq
 from batcher.wire import protocol
 from tests.helpers import FakeBackend, pack, wait_until
 from tests.unit.workers.test_overlap import NOGIL, batch, reply_of, runs
+
+
+@pytest.fixture
+def nogil_worker(spawn: Any, zctx: zmq.Context[Any], tmp_path: Path) -> tuple[Any, FakeBackend, bytes, Path]:
+    """A worker of the NoGil model on a scripted backend: (worker, backend, its identity,
+    the file where the model notes what it runs)."""
+    fb = FakeBackend(zctx)
+    log = tmp_path / "runs"
+    worker = spawn(
+        "worker", "--connect", fb.address, "--model", NOGIL, "--heartbeat-ms", "10000",
+        env={"BATCHER_TEST_RUNS": str(log)},
+    )  # fmt: skip
+    return worker, fb, fb.next(protocol.CMD_READY, 20)[0], log
 
 
 @pytest.mark.integration

@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import zmq
 
 from batcher.wire import protocol
-from tests.helpers import FakeBackend, pack, unpack, wait_until
+from tests.helpers import pack, unpack, wait_until
 from workers.overlap import ModelThread
 
 NOGIL = "nogil=tests.fixture_models:NoGil"
@@ -112,19 +111,6 @@ def reply_of(frames: list[bytes]) -> tuple[int, list[dict[str, Any]]]:
 
 def runs(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
-
-
-@pytest.fixture
-def nogil_worker(spawn: Any, zctx: zmq.Context[Any], tmp_path: Path) -> tuple[Any, FakeBackend, bytes, Path]:
-    """A worker of the NoGil model on a scripted backend: (worker, backend, its identity,
-    the file where the model notes what it runs)."""
-    fb = FakeBackend(zctx)
-    log = tmp_path / "runs"
-    worker = spawn(
-        "worker", "--connect", fb.address, "--model", NOGIL, "--heartbeat-ms", "10000",
-        env={"BATCHER_TEST_RUNS": str(log)},
-    )  # fmt: skip
-    return worker, fb, fb.next(protocol.CMD_READY, 20)[0], log
 
 
 def test_a_job_is_not_kept_once_it_is_done() -> None:
