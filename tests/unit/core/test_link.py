@@ -106,6 +106,7 @@ def test_a_peer_unheard_for_expiry_s_is_dropped_and_reconnected_after_the_back_o
     assert link.due(4.4) == Beat()  # 4.4 - 1.5 < 3: not expired yet
     drop = link.due(4.5)
     assert isinstance(drop, Drop) and drop.retry_in_s == 0.25 and drop.failures == 1
+    assert drop.why == "no word from the peer in 3s"  # what the worker logs
     assert not link.up and link.next_wakeup() == 4.75
     assert link.due(4.7) is None
     assert link.due(4.75) == Reconnect()
@@ -144,6 +145,26 @@ def test_a_shorter_heartbeat_said_by_the_peer_is_due_within_its_interval() -> No
     assert link.next_wakeup() == 2.5
 
 
+def test_a_fresh_link_is_down_and_waits_until_it_is_connected_or_heard() -> None:
+    link = PeerLink(WORKER, beat_s=1.0, expiry_s=3.0)
+    assert link.up is False and link.given_up is False and link.failures == 0
+    assert link.next_wakeup() is None and link.due(100.0) is None
+    link.heard(5.0)  # a peer that speaks first is up: its beats and expiry count from then
+    assert link.up is True and link.next_wakeup() == 6.0
+    assert link.due(6.0) == Beat()
+    assert isinstance(link.due(8.0), Drop)  # 3 s after the word heard at 5.0
+
+
+def test_heartbeats_turned_off_and_on_by_the_peer() -> None:
+    link = worker_link()
+    link.retime(None, 3.0, 0.5)  # no beats: only the expiry wakes it
+    assert link.next_wakeup() == 3.0 and link.due(2.9) is None
+    link.heard(2.9)
+    link.retime(1.0, 3.0, 4.0)  # beats again: the first within beat_s of now
+    assert link.next_wakeup() == 5.0
+    assert link.due(5.0) == Beat()
+
+
 def test_a_link_without_heartbeats_never_wakes_by_itself_while_up() -> None:
     link = PeerLink(WORKER)
     link.connected(0.0)
@@ -157,6 +178,24 @@ def test_bad_link_settings_are_refused() -> None:
         PeerLink(WORKER, stable_s=-1)
     with pytest.raises(ValueError, match="give_up_after must be an int >= 1 or None, got 0"):
         PeerLink(WORKER, give_up_after=0)
+    with pytest.raises(ValueError, match=r"^expiry_s must be > 0 or None, got 0$"):
+        PeerLink(WORKER, expiry_s=0)
+    link = worker_link()
+    with pytest.raises(ValueError, match=r"^beat_s must be > 0 or None, got 0$"):
+        link.retime(0, 3.0, 1.0)
+    with pytest.raises(ValueError, match=r"^expiry_s must be > 0 or None, got -1.0$"):
+        link.retime(1.0, -1.0, 1.0)
+
+
+def test_a_link_that_gives_up_after_one_failure_gives_up_at_the_first() -> None:
+    link = PeerLink(WORKER, give_up_after=1)
+    assert link.refused("refused", 0.0) == GiveUp("refused", 1)
+    assert link.given_up and link.next_wakeup() is None and link.due(1e9) is None
+
+
+def test_without_a_source_of_draws_a_jittered_wait_is_exact() -> None:
+    link = PeerLink(Backoff(1.0, 10.0, jitter=0.5))
+    assert link.refused("x", 0.0) == Drop("x", 1.0, 1)
 
 
 def test_jitter_is_drawn_from_the_injected_source() -> None:
