@@ -1937,6 +1937,8 @@ def test_bucket_settings_are_checked() -> None:
         BatchSettings(bucket_by="length", length_buckets=(0, 16))
     with pytest.raises(ValueError, match="bucket_by must be one of length, got 'shape'"):
         BatchSettings(bucket_by="shape", length_buckets=(16,))
+    ones = BatchSettings(bucket_by="length", length_buckets=(1, 4))  # a bound of 1 is the least allowed
+    assert [ones.bucket(n) for n in (0, 1, 2, 4, 5)] == [0, 0, 1, 1, 2]
 
 
 @given(
