@@ -180,6 +180,9 @@ def test_bad_link_settings_are_refused() -> None:
         PeerLink(WORKER, give_up_after=0)
     with pytest.raises(ValueError, match=r"^expiry_s must be > 0 or None, got 0$"):
         PeerLink(WORKER, expiry_s=0)
+
+
+def test_heartbeat_settings_a_peer_says_are_checked_as_at_the_start() -> None:
     link = worker_link()
     with pytest.raises(ValueError, match=r"^beat_s must be > 0 or None, got 0$"):
         link.retime(0, 3.0, 1.0)

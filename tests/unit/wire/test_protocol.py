@@ -929,6 +929,8 @@ def test_reply_errors_as_a_count_or_a_map_of_codes(errors: Any, counted: tuple[i
         (memoryview(b"x"), True),
         ({"a": b"x", "b": b"y"}, True),
         ([b"x", b"y"], True),
+        ([bytearray(b"x"), memoryview(b"y")], True),
+        ({"a": memoryview(b"x"), "b": bytearray(b"y")}, True),
         ({}, True),
         ([], True),
         ("text", False),
