@@ -717,7 +717,7 @@ def test_cost_model_with_one_batch_size_is_the_mean_and_no_slope() -> None:
     assert b == 0.0
 
 
-@pytest.mark.parametrize("n", [1, 5, 11])
+@pytest.mark.parametrize("n", [1, 5, 11, 1000, 4096])  # large: a summed cost (tokens)
 def test_cost_model_with_one_batch_size_has_no_slope_despite_rounding(n: int) -> None:
     """With n = 5 the decayed sums leave a variance of about 4e-15 instead of 0 (rounding);
     a slope fitted to that noise would be nonsense, so the mean is used."""
@@ -750,6 +750,17 @@ def test_cost_model_learns_over_cost_when_time_follows_the_requests_sizes() -> N
     assert cm.predict(3, 500.0) == pytest.approx(0.002 + 0.05)
     a, b = cm.coefficients()  # per request: b at the recent mean cost of a request
     assert a == pytest.approx(0.002) and 0.0001 * 1 < b < 0.0001 * 200
+
+
+def test_cost_model_judges_its_cost_fit_after_eight_batches_counting_those_without_costs() -> None:
+    cm = CostModel()
+    for n in (1, 2, 3):  # batches without costs: the count fit alone
+        cm.observe(n, 0.01 + 0.001 * n)
+    for cost in (6.0, 12.0, 2.0, 9.0, 5.0):  # batches 4 to 8: four requests whose cost sets the time
+        assert not cm.by_cost  # fewer than MIN_BATCHES (8) batches seen
+        cm.observe(4, 0.01 + 0.001 * cost, cost)
+    assert cm.by_cost
+    assert cm.predict(4, 10.0) == pytest.approx(0.02)
 
 
 def test_cost_model_keeps_the_count_when_time_follows_the_count() -> None:
