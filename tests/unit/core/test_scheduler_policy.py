@@ -763,6 +763,22 @@ def test_cost_model_judges_its_cost_fit_after_eight_batches_counting_those_witho
     assert cm.predict(4, 10.0) == pytest.approx(0.02)
 
 
+def test_cost_model_scales_its_cost_slope_by_the_recent_mean_cost_of_a_request() -> None:
+    """Costs from the very first batch: the mean starts at that batch's own cost per
+    request, then decays towards the later ones."""
+    cm = CostModel()
+    d = CostModel.DECAY
+    mean = None
+    for k in range(10):
+        cost = 4.0 if k % 2 == 0 else 8.0  # two requests each: 2 or 4 per request
+        cm.observe(2, 0.010 + 0.001 * cost, cost)
+        mean = cost / 2 if mean is None else mean * d + (1 - d) * cost / 2
+    assert cm.by_cost
+    a, b = cm.coefficients()
+    assert a == pytest.approx(0.010)
+    assert b == pytest.approx(0.001 * mean)
+
+
 def test_cost_model_keeps_the_count_when_time_follows_the_count() -> None:
     cm = CostModel()
     for n, cost in _batches_of_varied_size(2):
