@@ -756,11 +756,14 @@ def test_cost_model_judges_its_cost_fit_after_eight_batches_counting_those_witho
     cm = CostModel()
     for n in (1, 2, 3):  # batches without costs: the count fit alone
         cm.observe(n, 0.01 + 0.001 * n)
+    mean = 1.0  # a request without a cost costs 1
     for cost in (6.0, 12.0, 2.0, 9.0, 5.0):  # batches 4 to 8: four requests whose cost sets the time
         assert not cm.by_cost  # fewer than MIN_BATCHES (8) batches seen
         cm.observe(4, 0.01 + 0.001 * cost, cost)
+        mean = mean * CostModel.DECAY + (1 - CostModel.DECAY) * cost / 4
     assert cm.by_cost
     assert cm.predict(4, 10.0) == pytest.approx(0.02)
+    assert cm.coefficients()[1] == pytest.approx(0.001 * mean)  # the slope at the recent mean cost
 
 
 def test_cost_model_scales_its_cost_slope_by_the_recent_mean_cost_of_a_request() -> None:
