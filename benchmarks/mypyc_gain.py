@@ -106,14 +106,14 @@ WITH_STRUCTS = ["protocol", "tensor", "signature"]
 BUILTIN_NAMES = {"object", "memoryview", "bytearray", "type", "complex", "range", "slice", "frozenset"}
 #: The unit tests of the compiled modules (no process started): run with --tests.
 UNIT_TESTS = [
-    "tests/test_protocol.py",
-    "tests/test_tensor.py",
-    "tests/test_aligned.py",
-    "tests/test_scheduler.py",
-    "tests/test_scheduler_policy.py",
-    "tests/test_buckets.py",
-    "tests/test_pool.py",
-    "tests/test_streams.py",
+    "tests/unit/wire/test_protocol.py",
+    "tests/unit/wire/test_tensor.py",
+    "tests/unit/wire/test_aligned.py",
+    "tests/unit/core/test_scheduler.py",
+    "tests/unit/core/test_scheduler_policy.py",
+    "tests/integration/batching/test_buckets.py",
+    "tests/unit/core/test_pool.py",
+    "tests/unit/core/test_streams.py",
 ]
 
 

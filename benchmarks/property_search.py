@@ -21,11 +21,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = [
-    "tests/test_scheduler_policy.py",
-    "tests/test_scheduler.py",
-    "tests/test_queue.py",
-    "tests/test_policy.py",
-    "tests/test_protocol.py",
+    "tests/unit/core/test_scheduler_policy.py",
+    "tests/unit/core/test_scheduler.py",
+    "tests/unit/core/test_queue.py",
+    "tests/unit/core/test_policy.py",
+    "tests/unit/wire/test_protocol.py",
 ]
 
 

@@ -1,7 +1,8 @@
-"""Builders and checks shared by tests/test_scheduler.py and tests/test_scheduler_policy.py.
+"""Builders and checks shared by tests/unit/core/test_scheduler.py and
+tests/unit/core/test_scheduler_policy.py.
 
 Requests, schedulers for one model "m", a batch cost taught through ordinary replies, and
-the checks that the random-sequence harness (test_scheduler_policy.py's Run) makes after
+the checks that the random-sequence harness (tests/unit/core/test_scheduler_policy.py's Run) makes after
 each loop turn. Every `now` is a plain float:
 the scheduler never reads a clock.
 

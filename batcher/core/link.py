@@ -197,8 +197,8 @@ class PeerLink:
         `beat_s` of `now`; the expiry counts from the last word heard."""
         _check_timing(beat_s, expiry_s)
         self.beat_s, self.expiry_s = beat_s, expiry_s
-        if not self.up or beat_s is None:
-            self._next_beat = None if beat_s is None or not self.up else now + beat_s
+        if not self.up or beat_s is None:  # a down link's beats start at its next connection
+            self._next_beat = None
             return
         self._next_beat = now + beat_s if self._next_beat is None else min(self._next_beat, now + beat_s)
 

@@ -10,7 +10,7 @@ workers and the time (the broker passes `now`; nothing here reads a clock).
   waiting.
 
 A new policy is a value of `Policy` (batcher.core.limits) and its rule here; its property
-tests go in tests/test_scheduler_policy.py.
+tests go in tests/unit/core/test_scheduler_policy.py.
 """
 
 from __future__ import annotations

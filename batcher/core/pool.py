@@ -1,5 +1,5 @@
 """The broker's rules about workers, apart from any socket: a sans-I/O core beside the
-scheduler (no zmq, the time passed in), tested on a float clock (tests/test_pool.py).
+scheduler (no zmq, the time passed in), tested on a float clock (tests/unit/core/test_pool.py).
 
 - **Liveness.** A worker is alive while it has been heard from within its heartbeat
   expiry, counted up to the last time the broker read its backend to the end: a worker

@@ -4,7 +4,7 @@ The broker feeds it events (a request arrived or was cancelled, a worker joined,
 finished a batch or left) together with the current time, and asks it which
 requests expired, which batches are due and when to wake up next. Nothing here
 imports zmq or reads a clock, so every rule is tested with a fake clock
-(tests/test_scheduler.py, tests/test_scheduler_policy.py).
+(tests/unit/core/test_scheduler.py, tests/unit/core/test_scheduler_policy.py).
 
 Its parts are modules of their own: the settings (batcher.core.limits), the queues
 (batcher.core.queue), the learned cost (batcher.core.cost_model) and when a batch is due

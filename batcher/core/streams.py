@@ -1,6 +1,6 @@
 """Step-level (generative) workers as the broker sees them, apart from any socket: a
 sans-I/O core beside the scheduler (no zmq, the time passed in), tested on a float
-clock and by property tests (tests/test_streams.py).
+clock and by property tests (tests/unit/core/test_streams.py).
 
 Rules:
 - **Credit.** A step-level worker announces how many sequences it holds at once
