@@ -1,6 +1,7 @@
-"""What tests/test_deploy.py and tests/test_cluster.py read of the Dockerfile and of
-deploy/kubernetes/: the manifests' documents, the commands their containers and probes
-run, and the same commands rewritten for a simulated node (tests/netns.py)."""
+"""What tests/unit/cli/test_deploy.py and tests/integration/cluster/test_cluster.py read
+of the Dockerfile and of deploy/kubernetes/: the manifests' documents, the commands their
+containers and probes run, and the same commands rewritten for a simulated node
+(tests/netns.py)."""
 
 from __future__ import annotations
 
@@ -164,7 +165,7 @@ def mounts(container: dict[str, Any]) -> list[str]:
     return [m["mountPath"] for m in container.get("volumeMounts", [])]
 
 
-# --- the manifests' commands on a simulated node (tests/test_cluster.py) ------------------
+# --- the manifests' commands on a simulated node (tests/integration/cluster/test_cluster.py) ---
 
 #: The API key the simulated gateways accept.
 API_KEY = "cluster-test-token"

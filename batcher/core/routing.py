@@ -3,7 +3,7 @@ which brokers may take a row of a model, and which of those a row goes to.
 
 Pure: no sockets, no event loop, no clock (times are arguments) and no random source of
 its own (the chooser takes one), so that every rule here is tested with a fake clock and
-hypothesis (tests/test_routing.py). batcher/gateway/brokers.py acts on them.
+hypothesis (tests/unit/core/test_routing.py). batcher/gateway/brokers.py acts on them.
 
 Routing is the power of two choices on outstanding rows: two brokers drawn at random among
 those ready for the model, the row to the one with fewer rows in flight. Measured against

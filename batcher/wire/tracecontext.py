@@ -2,7 +2,7 @@
 read or refused, a `tracestate` kept or dropped, and the sampling rule every batcher
 process applies. Pure: no OpenTelemetry, no clock, no randomness of its own (the caller
 passes its random draw), so the broker reads a request's context without the SDK and the
-rules are tested with property tests (tests/test_tracecontext.py).
+rules are tested with property tests (tests/unit/wire/test_tracecontext.py).
 
 Bad context is never an error: a malformed `traceparent` reads as None (the request
 starts a new trace where sampling says so), a `tracestate` over MAX_TRACESTATE_CHARS or

@@ -23,7 +23,7 @@ import zmq
 from batcher.serve.launcher import ServeProcess
 from tests.conftest import Spawned
 from tests.helpers import model_stats, sample, scrape, wait_until
-from tests.test_gateway import free_port, http_status, wait_gateway
+from tests.integration.gateway.test_gateway import free_port, http_status, wait_gateway
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
