@@ -21,6 +21,7 @@ import zmq
 from batcher import __version__
 from batcher.client.sync import cancel_body, open_dealer
 from batcher.core.link import Backoff, Drop, PeerLink
+from batcher.core.row_deadline import RowDeadline, RowStep
 from batcher.gateway import oip
 from batcher.gateway.bodies import pack_request
 from batcher.gateway.settings import GatewaySettings as GatewaySettings  # its old home
@@ -42,11 +43,6 @@ LINK_HWM = 100_000
 #: How long a model's input and output names (from its signature) are taken as known;
 #: past it they are asked again while the old ones still serve.
 NAMES_TTL_S = 1.0
-#: How long past a row's deadline the gateway waits for the broker's answer (a 504 then).
-REPLY_GRACE_S = 1.0
-#: When, past a row's deadline, the gateway cancels it at the broker if still unanswered:
-#: after the broker's own deadline_exceeded would have come, before the 504.
-CANCEL_AFTER_S = 0.5
 #: The largest body the link sends before it knows the broker's limits (the `limits`
 #: control op): the hard frame limit of the smallest --max-message-bytes a broker takes
 #: (1024, x4), so no message can make libzmq drop the link.
@@ -519,15 +515,14 @@ class Gateway:
             fields = [{**f, **context} for f in fields]  # each row a child of the round trip
         rows = [Row(self.pool, model, f, retry) for f in fields]
         sent: list[Row] = []
-        # Rows still unanswered CANCEL_AFTER_S past their deadline (which the broker
-        # enforces itself unless it is paused or swamped) are dropped at the broker before
-        # their client is given up on, so the cancels have left well before a 504 tells
-        # anyone, and a broker that resumes reads them before it could run those rows.
-        # The broker answers by the deadline; REPLY_GRACE_S more for the trip back, then
-        # the rows still waiting fail `timeout`. One timer a request does both (a timer
-        # costs about 5 us here, asyncio.timeout twice that).
+        # Rows still unanswered past their deadline are cancelled at the broker, then given
+        # up on (batcher.core.row_deadline), so the cancels have left well before a 504
+        # tells anyone, and a broker that resumes reads them before it could run those
+        # rows. One timer a request does both (a timer costs about 5 us here,
+        # asyncio.timeout twice that).
+        timeline = RowDeadline(loop.time() + timeout_ms / 1000.0)
         timer: list[asyncio.TimerHandle] = []  # the one pending
-        timer.append(loop.call_later(timeout_ms / 1000.0 + CANCEL_AFTER_S, self._cancel_late, sent, timer))
+        timer.append(loop.call_at(timeline.cancel_at, self._row_timer, sent, timer, timeline))
         try:
             packed = [(row, b, *b.link.pack(row.fields)) for row, b in zip(rows, brokers, strict=True)]
             for row, broker, req_id, body in packed:
@@ -557,16 +552,20 @@ class Gateway:
             )
         return outputs
 
-    def _cancel_late(self, sent: list[Any], timer: list[asyncio.TimerHandle]) -> None:
-        """CANCEL_AFTER_S past the deadline: cancel the rows still unanswered at their
-        broker, and fail them `timeout` at REPLY_GRACE_S."""
-        for row in sent:
-            if not row.future.done():
-                row.cancel_at_broker()
+    def _row_timer(self, sent: list[Any], timer: list[asyncio.TimerHandle], timeline: RowDeadline) -> None:
+        """Do what `timeline` says is due for the rows still unanswered: cancel them at
+        their broker (and wake again to give up), or fail them `timeout`."""
         loop = asyncio.get_running_loop()
-        timer[0] = loop.call_later(REPLY_GRACE_S - CANCEL_AFTER_S, self._time_out, sent)
-
-    def _time_out(self, sent: list[Any]) -> None:
+        step = timeline.step(loop.time())
+        if step is RowStep.WAIT:  # a timer that fired early: wait for the step
+            timer[0] = loop.call_at(timeline.next_wakeup(loop.time()), self._row_timer, sent, timer, timeline)
+            return
+        if step is RowStep.CANCEL_AT_BROKER:
+            for row in sent:
+                if not row.future.done():
+                    row.cancel_at_broker()
+            timer[0] = loop.call_at(timeline.give_up_at, self._row_timer, sent, timer, timeline)
+            return
         for row in sent:
             if not row.future.done():
                 where = row.broker.address if row.broker is not None else "?"
