@@ -152,6 +152,7 @@ class RequestHeader(NamedTuple):
     op: str
     cost: float = 1.0  # its share of the model's max_batch_cost
     stream: bool = False  # one reply per chunk, each but the last with "more": true
+    version: int | str | None = None  # a repository model's version (None: its newest or split)
 
 
 class _Header(msgspec.Struct):
@@ -165,6 +166,7 @@ class _Header(msgspec.Struct):
     op: str = "infer"
     cost: int | float = 1.0
     stream: bool = False
+    version: int | str | None = None
     input: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
 
 
@@ -193,7 +195,7 @@ def read_header(body: Any) -> RequestHeader:
         or not 0 < cost <= MAX_COST
     ):
         return parse_request(bytes(body))[0]  # raises with the precise message
-    return RequestHeader(h.id, h.model, timeout_ms, priority, h.op, cost, h.stream)
+    return RequestHeader(h.id, h.model, timeout_ms, priority, h.op, cost, h.stream, h.version)
 
 
 class _TensorHeader(msgspec.Struct):
@@ -398,4 +400,7 @@ def parse_request(body: bytes) -> tuple[RequestHeader, dict[str, Any]]:
     stream = msg.get("stream", False)
     if not isinstance(stream, bool):
         raise bad(f"stream must be true or false, got {_type_name(stream)}")
-    return RequestHeader(req_id, model, timeout_ms, priority, op, cost, stream), msg
+    version = msg.get("version")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int | str)):
+        raise bad(f"version must be an int or a str, got {_type_name(version)}")
+    return RequestHeader(req_id, model, timeout_ms, priority, op, cost, stream, version), msg
