@@ -4,6 +4,10 @@ versions copied in while it runs, canary splits, load and unload."""
 
 from __future__ import annotations
 
+import math
+import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +117,161 @@ def test_latest_1_serves_only_the_newest_and_a_version_that_does_not_load_is_ski
     index = {(m["name"], m["version"]): m for m in c.control("repository_index")["models"]}
     assert index[("bad", "1")]["state"] == "UNAVAILABLE" and "loaded" in index[("bad", "1")]["reason"]
     assert s.process is not None and s.process.poll() is None  # serve goes on
+
+
+def which(outputs: list[Any], by_version: dict[int, np.ndarray]) -> list[int]:
+    """The version that computed each output (each version's weights give another row)."""
+    found = []
+    for out in outputs:
+        matches = [v for v, e in by_version.items() if np.allclose(out, e)]
+        assert len(matches) == 1, out
+        found.append(matches[0])
+    return found
+
+
+@pytest.mark.integration
+def test_a_canary_split_routes_by_weight_and_a_split_changed_under_load_loses_nothing(
+    serve, client, cli, tmp_path: Path
+) -> None:
+    root = tmp_path / "models"
+    paths = {1: version(root, "lin", 1, seed=1), 2: version(root, "lin", 2, seed=2)}
+    config(root, "lin", 'version_policy = "all"\nworkers = 1\ntraffic = {"1" = 90, "2" = 10}\n')
+    s = serve("--model-repository", str(root), workers=2)
+    c = client(s.frontend, timeout_s=30)
+    by_version = {v: expected(p) for v, p in paths.items()}
+    n = 2000
+    outputs = c.request_many([ROW] * n, model="lin")
+    got = which(outputs, by_version)
+    sigma = math.sqrt(n * 0.1 * 0.9)
+    assert abs(got.count(2) - n * 0.1) <= 4 * sigma, got.count(2)
+    share = c.control("stats")["versions"]["lin"]["share"]
+    assert abs(share["2"] - 0.1) <= 4 * sigma / n and abs(share["1"] - 0.9) <= 4 * sigma / n
+
+    replies: list[Any] = []
+    stop = threading.Event()
+
+    def load() -> None:  # requests without a version, while the split changes
+        with client(s.frontend, timeout_s=30) as lc:
+            while not stop.is_set():
+                replies.extend(lc.request_many([ROW] * 20, model="lin", return_exceptions=True))
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        wait_until(lambda: len(replies) >= 100, 20, "load running")
+        result = cli("split", "lin", "1=50", "2=50", "--connect", s.frontend)
+        assert result.returncode == 0, result.stderr
+        assert '"traffic"' in result.stdout
+        wait_until(lambda: sum(c.control("stats")["versions"]["lin"]["routed"].values()) >= 400, 30, "after")
+    finally:
+        stop.set()
+        thread.join(30)
+    assert replies and all(isinstance(r, np.ndarray) for r in replies), [
+        r for r in replies if not isinstance(r, np.ndarray)
+    ][:3]
+    routed = c.control("stats")["versions"]["lin"]["routed"]  # since the split changed
+    total = routed["1"] + routed["2"]
+    assert abs(routed["1"] - total / 2) <= 4 * math.sqrt(total * 0.25)
+    refused = cli("split", "lin", "3=10", "--connect", s.frontend)
+    assert refused.returncode == 1 and "does not serve version 3" in refused.stderr
+
+
+@pytest.mark.integration
+def test_a_version_copied_in_joins_then_retires_the_old_and_a_removed_model_stops(
+    serve, client, tmp_path: Path
+) -> None:
+    root = tmp_path / "models"
+    paths = {1: version(root, "lin", 1, seed=1), 2: version(root, "lin", 2, seed=2)}
+    config(root, "lin", "workers = 1\n")  # latest:1: version 2
+    version(root, "other", 1, seed=7)
+    poll_s = 0.5
+    s = serve("--model-repository", str(root), "--repository-poll-s", str(poll_s), workers=2)
+    c = client(s.frontend, timeout_s=30)
+    replies: list[Any] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        with client(s.frontend, timeout_s=30) as lc:
+            while not stop.is_set():
+                replies.extend(lc.request_many([ROW] * 10, model="lin", return_exceptions=True))
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        wait_until(lambda: len(replies) >= 50, 20, "load running")
+        paths[3] = version(root, "lin", 3, seed=3)
+        copied = time.monotonic()
+
+        def state(name: str, v: str) -> str | None:
+            index = c.control("repository_index")["models"]
+            return next((m["state"] for m in index if (m["name"], m["version"]) == (name, v)), None)
+
+        wait_until(lambda: state("lin", "3") in ("LOADING", "READY"), poll_s + 1.0, "version 3 noticed")
+        assert time.monotonic() - copied <= poll_s + 1.0
+        wait_until(lambda: c.control("stats")["versions"]["lin"]["served"] == [3], 60, "version 3 serving")
+        wait_until(lambda: c.control("stats")["models"]["lin/2"]["workers"] == 0, 30, "version 2 retired")
+        count_at_switch = len(replies)
+        wait_until(lambda: len(replies) >= count_at_switch + 50, 20, "load after the switch")
+        shutil.rmtree(root / "other")
+        wait_until(lambda: "other" not in c.control("stats").get("versions", {}), 30, "other removed")
+        assert c.control("stats")["models"]["other/1"]["workers"] == 0
+    finally:
+        stop.set()
+        thread.join(30)
+    bad = [r for r in replies if not isinstance(r, np.ndarray)]
+    assert not bad, bad[:3]
+    got = which(replies, {v: expected(p) for v, p in paths.items()})
+    assert set(got) <= {2, 3} and got[-1] == 3
+    assert got == sorted(got)  # 2 until the switch, 3 after: never back
+    assert ask(c, "other")["code"] == "unknown_model"
+
+
+@pytest.mark.integration
+def test_tritonclient_lists_unloads_and_loads_models_through_the_gateway(serve, cli, tmp_path: Path) -> None:
+    import tritonclient.http as thttp
+    from tritonclient.utils import InferenceServerException
+
+    from batcher.serve.launcher import free_tcp_address
+
+    root = tmp_path / "models"
+    v1 = version(root, "lin", 1, seed=1)
+    v2 = version(root, "lin", 2, seed=2)
+    config(root, "lin", 'version_policy = "all"\nworkers = 1\n')
+    http_port = int(free_tcp_address().rsplit(":", 1)[1])
+    s = serve("--model-repository", str(root), "--http-port", str(http_port), workers=2)
+    tc = thttp.InferenceServerClient(f"127.0.0.1:{http_port}")
+    wait_until(lambda: _live(tc), 20, "the gateway's port")
+
+    def infer(v: str = "") -> np.ndarray:
+        x = thttp.InferInput("x", [1, 4], "FP32")
+        x.set_data_from_numpy(ROW[None])
+        return tc.infer("lin", [x], model_version=v).as_numpy("y")[0]  # type: ignore[no-any-return]
+
+    assert np.allclose(infer("1"), expected(v1)) and np.allclose(infer("2"), expected(v2))
+    assert np.allclose(infer(), expected(v2))
+    assert tc.get_model_metadata("lin", "1")["versions"] == ["1", "2"]
+    index = tc.get_model_repository_index()
+    assert {(m["name"], m["version"], m["state"]) for m in index} == {
+        ("lin", "1", "READY"),
+        ("lin", "2", "READY"),
+    }
+    tc.unload_model("lin")
+    assert tc.get_model_repository_index() and all(
+        m["state"] == "UNAVAILABLE" for m in tc.get_model_repository_index()
+    )
+    with pytest.raises(InferenceServerException, match="lin"):
+        infer()
+    tc.load_model("lin")
+    assert np.allclose(infer("1"), expected(v1)) and np.allclose(infer(), expected(v2))
+    with pytest.raises(InferenceServerException, match="missing"):
+        tc.load_model("missing")
+    result = cli("unload", "lin", "--connect", s.frontend)
+    assert result.returncode == 0, result.stderr
+    assert '"versions": []' in result.stdout
+
+
+def _live(tc: Any) -> bool:
+    try:
+        return bool(tc.is_server_live())
+    except Exception:  # not listening yet
+        return False

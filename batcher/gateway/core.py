@@ -466,11 +466,12 @@ class Gateway:
     async def metadata(self, model: str, version: str = "") -> dict[str, Any]:
         """The model's v2 metadata; unknown_model (404) for a model or version not served."""
         check_version(model, version)
-        meta = await self._control("metadata", model=model)
-        self._names[model] = (time.monotonic(), _names(meta.get("inputs")), _names(meta.get("outputs")))
+        meta = await self._control("metadata", model=model, **({"version": version} if version else {}))
+        if not version:  # a repository's newest version: the names a request without one gets
+            self._names[model] = (time.monotonic(), _names(meta.get("inputs")), _names(meta.get("outputs")))
         return {
             "name": model,
-            "versions": [oip.MODEL_VERSION],
+            "versions": meta.get("versions") or [oip.MODEL_VERSION],
             "platform": "batcher",
             "inputs": meta.get("inputs") or [],
             "outputs": meta.get("outputs") or [],
@@ -626,6 +627,8 @@ def check_input_names(request: oip.InferRequest, known: list[str]) -> None:
 
 def _row_fields(request: oip.InferRequest, row: Any, timeout_ms: float) -> dict[str, Any]:
     fields: dict[str, Any] = {"model": request.model, "timeout_ms": timeout_ms}
+    if request.version:  # a repository's version (docs/models.md); none: its newest or split
+        fields["version"] = request.version
     if request.priority is not None:
         fields["priority"] = request.priority
     fields["input"] = row  # last: `pack_request` writes its tensors after the rest
@@ -637,11 +640,10 @@ def _names(outputs: list[dict[str, Any]] | None) -> list[str] | None:
 
 
 def check_version(model: str, version: str) -> None:
-    if version not in ("", oip.MODEL_VERSION):
-        raise oip.OipError(
-            ErrorCode.UNKNOWN_MODEL,
-            f"model '{model}' has no version '{version}' (batcher serves one version: {oip.MODEL_VERSION})",
-        )
+    """A version is a number (the broker says whether the model serves it: a repository's
+    model its versions, any other model version 1 alone)."""
+    if version and not version.isdigit():
+        raise oip.OipError(ErrorCode.UNKNOWN_MODEL, f"model '{model}' has no version '{version}'")
 
 
 def _raise_if_error(reply: dict[str, Any]) -> None:

@@ -128,7 +128,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             await _abort(context, oip.OipError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
         return pb.ModelInferResponse(
             model_name=infer.model,
-            model_version=oip.MODEL_VERSION,
+            model_version=infer.version or oip.MODEL_VERSION,
             id=infer.id,
             outputs=[
                 pb.ModelInferResponse.InferOutputTensor(name=o.name, datatype=o.datatype, shape=o.shape)

@@ -45,7 +45,8 @@ async def _models(gateway: Gateway) -> dict[str, Any]:
 
 def _entry(models: dict[str, Any], model: str, version: str) -> dict[str, Any]:
     check_version(model, version)
-    entry = models.get(model)
+    entry = models.get(f"{model}/{version}") if version else None  # a repository's version
+    entry = entry if entry is not None else models.get(model)
     if entry is None:
         served = ", ".join(sorted(models)) or "none"
         raise oip.OipError(ErrorCode.UNKNOWN_MODEL, f"no model {model!r} (models: {served})")
@@ -124,9 +125,12 @@ def statistics_of(model: str, entry: dict[str, Any], now_ms: float) -> dict[str,
     ago = totals.get("last_batch_s_ago")
     success = _duration(totals.get("success"))
     batches = totals.get("by_batch_size") or []
+    name, _, version = model.rpartition("/")  # a repository's version is its own model, NAME/V
+    if not (name and version.isdigit()):
+        name, version = model, oip.MODEL_VERSION
     return {
-        "name": model,
-        "version": oip.MODEL_VERSION,
+        "name": name,
+        "version": version,
         "last_inference": 0 if ago is None else max(0, round(now_ms - float(ago) * 1000.0)),
         "inference_count": success["count"],
         "execution_count": sum(int(b[1]) for b in batches),
