@@ -55,7 +55,7 @@ SAFE_BODY_BYTES = 4 * 1024
 #: The limit taken from a broker too old to answer `limits`: BrokerSettings' default.
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 #: What `GET /v2` and ServerMetadata say the gateway supports.
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics"]
 #: The most gateway processes one gateway runs (`--processes`): each is a Python process
 #: of some 50 MB with a link of its own to the broker; more than the host's cores only
 #: adds memory and broker connections.
