@@ -237,8 +237,16 @@ def test_tritonclient_lists_unloads_and_loads_models_through_the_gateway(serve, 
     v1 = version(root, "lin", 1, seed=1)
     v2 = version(root, "lin", 2, seed=2)
     config(root, "lin", 'version_policy = "all"\nworkers = 1\n')
-    http_port = int(free_tcp_address().rsplit(":", 1)[1])
-    s = serve("--model-repository", str(root), "--http-port", str(http_port), workers=2)
+    http_port, grpc_port = (int(free_tcp_address().rsplit(":", 1)[1]) for _ in range(2))
+    s = serve(
+        "--model-repository",
+        str(root),
+        "--http-port",
+        str(http_port),
+        "--grpc-port",
+        str(grpc_port),
+        workers=2,
+    )
     tc = thttp.InferenceServerClient(f"127.0.0.1:{http_port}")
     wait_until(lambda: _live(tc), 20, "the gateway's port")
 
@@ -268,6 +276,23 @@ def test_tritonclient_lists_unloads_and_loads_models_through_the_gateway(serve, 
     result = cli("unload", "lin", "--connect", s.frontend)
     assert result.returncode == 0, result.stderr
     assert '"versions": []' in result.stdout
+
+    import tritonclient.grpc as tgrpc  # the same calls over gRPC
+
+    gc = tgrpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    assert {m.state for m in gc.get_model_repository_index().models} == {"UNAVAILABLE"}
+    gc.load_model("lin")
+    ready = gc.get_model_repository_index(as_json=True)["models"]
+    assert {(m["name"], m["version"], m["state"]) for m in ready} == {
+        ("lin", "1", "READY"),
+        ("lin", "2", "READY"),
+    }
+    assert np.allclose(infer("1"), expected(v1))
+    gc.unload_model("lin")
+    with pytest.raises(InferenceServerException, match="lin"):
+        infer()
+    with pytest.raises(InferenceServerException, match="missing"):
+        gc.load_model("missing")
 
 
 def _live(tc: Any) -> bool:
