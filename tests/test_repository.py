@@ -41,7 +41,7 @@ def expected(path: Path, row: np.ndarray = ROW) -> np.ndarray:
     return session.run(None, {"x": row[None]})[0][0]  # type: ignore[no-any-return]
 
 
-def ask(c: Any, model: str, v: int | str | None = None, row: np.ndarray = ROW) -> dict[str, Any]:
+def ask(c: Any, model: str, v: int | str | None = None, row: Any = ROW) -> dict[str, Any]:
     """The whole reply to one request for `model`, naming version `v` when given."""
     fields: dict[str, Any] = {"input": row, "model": model}
     if v is not None:
@@ -300,3 +300,32 @@ def _live(tc: Any) -> bool:
         return bool(tc.is_server_live())
     except Exception:  # not listening yet
         return False
+
+
+PY_MODEL = '''
+FACTOR = {factor}
+
+
+def model(inputs):
+    """Version {factor}: each input times {factor}."""
+    return [x * FACTOR for x in inputs]
+'''
+
+
+@pytest.mark.integration
+def test_python_model_versions_and_metrics_per_version(serve, client, tmp_path: Path) -> None:
+    from batcher.serve.launcher import free_tcp_address
+    from tests.helpers import sample, scrape
+
+    root = tmp_path / "models"
+    for v in (1, 2):
+        (root / "py" / str(v)).mkdir(parents=True)
+        (root / "py" / str(v) / "model.py").write_text(PY_MODEL.format(factor=10 * v))
+    config(root, "py", 'kind = "python"\nversion_policy = "specific:1,2"\nworkers = 1\n')
+    metrics_port = int(free_tcp_address().rsplit(":", 1)[1])
+    s = serve("--model-repository", str(root), "--metrics-port", str(metrics_port), workers=2)
+    c = client(s.frontend)
+    assert [ask(c, "py", v, row=3)["output"] for v in (1, 2, None)] == [30, 60, 60]
+    samples = scrape(metrics_port)
+    assert sample(samples, "batcher_requests_total", model="py/1", outcome="ok") == 1
+    assert sample(samples, "batcher_requests_total", model="py/2", outcome="ok") == 2
