@@ -146,6 +146,8 @@ def test_a_canary_split_routes_by_weight_and_a_split_changed_under_load_loses_no
     assert abs(got.count(2) - n * 0.1) <= 4 * sigma, got.count(2)
     share = c.control("stats")["versions"]["lin"]["share"]
     assert abs(share["2"] - 0.1) <= 4 * sigma / n and abs(share["1"] - 0.9) <= 4 * sigma / n
+    table = cli("stats", "--connect", s.frontend)
+    assert table.returncode == 0 and "lin: versions 1, 2; split 1=90 2=10; routed 1: " in table.stdout
 
     replies: list[Any] = []
     stop = threading.Event()
