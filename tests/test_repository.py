@@ -180,7 +180,7 @@ def test_a_canary_split_routes_by_weight_and_a_split_changed_under_load_loses_no
 
 @pytest.mark.integration
 def test_a_version_copied_in_joins_then_retires_the_old_and_a_removed_model_stops(
-    serve, client, tmp_path: Path
+    serve, client, cli, tmp_path: Path
 ) -> None:
     root = tmp_path / "models"
     paths = {1: version(root, "lin", 1, seed=1), 2: version(root, "lin", 2, seed=2)}
@@ -214,6 +214,11 @@ def test_a_version_copied_in_joins_then_retires_the_old_and_a_removed_model_stop
         wait_until(lambda: c.control("stats")["models"]["lin/2"]["workers"] == 0, 30, "version 2 retired")
         count_at_switch = len(replies)
         wait_until(lambda: len(replies) >= count_at_switch + 50, 20, "load after the switch")
+        ready = cli("ready", "--connect", s.frontend)  # the retired version is not waited for
+        assert ready.returncode == 0 and "ready: lin/3 (1 worker)" in ready.stdout, ready
+        config(root, "other", "max_batch_size = 0\n")  # a bad edit: reported, what runs serves on
+        wait_until(lambda: state("other", "") == "UNAVAILABLE", poll_s + 2.0, "the bad config reported")
+        assert state("other", "1") == "READY" and ask(c, "other")["ok"]
         shutil.rmtree(root / "other")
         wait_until(lambda: "other" not in c.control("stats").get("versions", {}), 30, "other removed")
         assert c.control("stats")["models"]["other/1"]["workers"] == 0

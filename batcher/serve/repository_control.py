@@ -75,6 +75,8 @@ class RepositoryControl:
     def wanted(self, name: str) -> tuple[int, ...]:
         """The versions of `name` its policy serves now (of those not failed, as they are)."""
         m = self.models.get(name)
+        if m is None and name in self.broken and name not in self.unloaded:  # a bad edit, say
+            return tuple(sorted(self.running.get(name, ())))  # what runs serves on, reported
         if m is None or name in self.unloaded:
             return ()
         usable = [v for v in m.versions if self.failed.get((name, v), (None,))[0] != m.stamps.get(v)]
@@ -206,9 +208,13 @@ class RepositoryControl:
     def _carry_out(self, c: Change, step: ReloadStep) -> None:
         assert self.broker is not None and self.supervisor is not None
         table = self.broker.clients.versions
+        controls = self.broker.controls
         if step is ReloadStep.DRAIN_OLD:  # every new worker joined: requests go to the new set
             served = sorted(self.running[c.name] - set(c.old))
             self._serve(c.name, served)
+            # `ready` (and the gateway's readiness) wants the served versions' workers alone.
+            keys = {version_key(c.name, v) for v in c.old}
+            controls.configured = (controls.configured - keys) | {version_key(c.name, v) for v in c.new}
             log.info("model %s: now serving versions %s; draining %s", c.name, served, c.old)
         elif step is ReloadStep.RETIRE_OLD:
             for v in c.old:
@@ -242,6 +248,11 @@ class RepositoryControl:
     def _serve(self, name: str, versions: list[int]) -> None:
         assert self.broker is not None
         table = self.broker.clients.versions
+        if name in table.models:  # a version no longer served is not waited for by `ready`
+            gone = {version_key(name, v) for v in table.models[name].served} - {
+                version_key(name, v) for v in versions
+            }
+            self.broker.controls.configured -= gone
         table.set_served(name, versions)
         m = self.models.get(name)
         if m is not None and m.traffic is not None and table.models[name].traffic is None:
@@ -312,7 +323,12 @@ class RepositoryControl:
         out = []
         for name in sorted(set(self.models) | set(self.running) | set(self.broken)):
             if name in self.broken and name not in self.models:
-                out.append({"name": name, "version": "", "state": "UNAVAILABLE", "reason": self.broken[name]})
+                why = self.broken[name]
+                out.append({"name": name, "version": "", "state": "UNAVAILABLE", "reason": why})
+                for v in sorted(self.running.get(name, ())):  # what ran before serves on
+                    out.append(
+                        {"name": name, "version": str(v), "state": "READY", "reason": f"serving on: {why}"}
+                    )
                 continue
             m = self.models.get(name)
             served = table.models[name].served if table is not None and name in table.models else ()
