@@ -295,7 +295,7 @@ class RepositoryControl:
 
         now = time.monotonic()
         if op == "repository_index":
-            reply(True, {"models": self.index()})
+            reply(True, {"models": repository_index(self)})
             return
         assert model is not None
         if op == "load":
@@ -316,41 +316,42 @@ class RepositoryControl:
     def _summary(self, name: str) -> dict[str, Any]:
         return {"model": name, "versions": sorted(self.running.get(name, set()))}
 
-    def index(self) -> list[dict[str, Any]]:
-        """Every model and version of the repository with its state (READY, LOADING,
-        UNLOADING, UNAVAILABLE) and, when it is not served, why: Triton's index."""
-        table = self.broker.clients.versions if self.broker is not None else None
-        out = []
-        for name in sorted(set(self.models) | set(self.running) | set(self.broken)):
-            if name in self.broken and name not in self.models:
-                why = self.broken[name]
-                out.append({"name": name, "version": "", "state": "UNAVAILABLE", "reason": why})
-                for v in sorted(self.running.get(name, ())):  # what ran before serves on
-                    out.append(
-                        {"name": name, "version": str(v), "state": "READY", "reason": f"serving on: {why}"}
-                    )
-                continue
-            m = self.models.get(name)
-            served = table.models[name].served if table is not None and name in table.models else ()
-            change = self.changes.get(name)
-            versions = sorted(
-                set(m.versions if m else ()) | set(m.problems if m else ()) | self.running.get(name, set())
-            )
-            for v in versions:
-                state, reason = "UNAVAILABLE", "not selected by the version policy"
-                if change is not None and v in change.new:
-                    state, reason = "LOADING", ""
-                elif change is not None and v in change.old:
-                    state, reason = "UNLOADING", ""
-                elif v in served:
-                    state, reason = "READY", ""
-                elif name in self.unloaded:
-                    reason = "unloaded"
-                elif m is not None and v in m.problems:
-                    reason = m.problems[v]
-                elif (name, v) in self.failed:
-                    reason = self.failed[(name, v)][1]
-                elif m is None:
-                    reason = "removed from the repository"
-                out.append({"name": name, "version": str(v), "state": state, "reason": reason})
-        return out
+
+def repository_index(rc: RepositoryControl) -> list[dict[str, Any]]:
+    """Every model and version of the repository with its state (READY, LOADING,
+    UNLOADING, UNAVAILABLE) and, when it is not served, why: Triton's index."""
+    table = rc.broker.clients.versions if rc.broker is not None else None
+    out = []
+    for name in sorted(set(rc.models) | set(rc.running) | set(rc.broken)):
+        if name in rc.broken and name not in rc.models:
+            why = rc.broken[name]
+            out.append({"name": name, "version": "", "state": "UNAVAILABLE", "reason": why})
+            for v in sorted(rc.running.get(name, ())):  # what ran before serves on
+                out.append(
+                    {"name": name, "version": str(v), "state": "READY", "reason": f"serving on: {why}"}
+                )
+            continue
+        m = rc.models.get(name)
+        served = table.models[name].served if table is not None and name in table.models else ()
+        change = rc.changes.get(name)
+        versions = sorted(
+            set(m.versions if m else ()) | set(m.problems if m else ()) | rc.running.get(name, set())
+        )
+        for v in versions:
+            state, reason = "UNAVAILABLE", "not selected by the version policy"
+            if change is not None and v in change.new:
+                state, reason = "LOADING", ""
+            elif change is not None and v in change.old:
+                state, reason = "UNLOADING", ""
+            elif v in served:
+                state, reason = "READY", ""
+            elif name in rc.unloaded:
+                reason = "unloaded"
+            elif m is not None and v in m.problems:
+                reason = m.problems[v]
+            elif (name, v) in rc.failed:
+                reason = rc.failed[(name, v)][1]
+            elif m is None:
+                reason = "removed from the repository"
+            out.append({"name": name, "version": str(v), "state": state, "reason": reason})
+    return out
