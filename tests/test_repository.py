@@ -322,7 +322,7 @@ def model(inputs):
 @pytest.mark.integration
 def test_python_model_versions_and_metrics_per_version(serve, client, tmp_path: Path) -> None:
     from batcher.serve.launcher import free_tcp_address
-    from tests.helpers import sample, scrape
+    from tests.helpers import scrape
 
     root = tmp_path / "models"
     for v in (1, 2):
@@ -333,6 +333,10 @@ def test_python_model_versions_and_metrics_per_version(serve, client, tmp_path: 
     s = serve("--model-repository", str(root), "--metrics-port", str(metrics_port), workers=2)
     c = client(s.frontend)
     assert [ask(c, "py", v, row=3)["output"] for v in (1, 2, None)] == [30, 60, 60]
-    samples = scrape(metrics_port)
-    assert sample(samples, "batcher_requests_total", model="py/1", outcome="ok") == 1
-    assert sample(samples, "batcher_requests_total", model="py/2", outcome="ok") == 2
+
+    def counted() -> tuple[float, ...] | None:
+        samples = scrape(metrics_port)
+        keys = [("batcher_requests_total", (("model", f"py/{v}"), ("outcome", "ok"))) for v in (1, 2)]
+        return tuple(samples[k] for k in keys) if all(k in samples for k in keys) else None
+
+    wait_until(lambda: counted() == (1, 2), 10, "each version's requests counted under its own key")
