@@ -108,3 +108,16 @@ def test_a_split_routes_by_weight_counts_shares_and_follows_what_is_served() -> 
     assert {t.resolve("m", None) for _ in range(5)} == {"m/2"}
     with pytest.raises(SettingsError, match="does not serve version 1"):
         t.set_traffic("m", {1: 1})
+
+
+def test_the_request_header_carries_its_version_and_refuses_a_wrong_type() -> None:
+    import msgpack
+
+    from batcher.wire.protocol import ProtocolError, read_header
+
+    assert read_header(msgpack.packb({"input": 1, "model": "m", "version": 2})).version == 2
+    assert read_header(msgpack.packb({"input": 1, "version": "3"})).version == "3"
+    assert read_header(msgpack.packb({"input": 1})).version is None
+    for wrong in (True, 1.5, [2]):
+        with pytest.raises(ProtocolError, match="version must be an int or a str"):
+            read_header(msgpack.packb({"id": 7, "input": 1, "version": wrong}))
