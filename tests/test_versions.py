@@ -16,6 +16,7 @@ from batcher.core.versions import (
     version_key,
 )
 from batcher.errors import SettingsError
+from batcher.wire.codes import ErrorCode
 
 weights = st.dictionaries(st.integers(1, 9), st.integers(0, 50), min_size=1).filter(lambda w: any(w.values()))
 
@@ -121,3 +122,71 @@ def test_the_request_header_carries_its_version_and_refuses_a_wrong_type() -> No
     for wrong in (True, 1.5, [2]):
         with pytest.raises(ProtocolError, match="version must be an int or a str"):
             read_header(msgpack.packb({"id": 7, "input": 1, "version": wrong}))
+
+
+def test_the_stats_entry_of_a_versioned_model_is_exact() -> None:
+    t = table()
+    assert t.wire() == {"m": {"served": [1, 2], "newest": 2, "traffic": None, "routed": {}, "share": {}}}
+    t.resolve("m", None)
+    t.resolve("m", 1)  # a named version is not part of the split's share
+    assert t.wire()["m"]["routed"] == {"2": 1} and t.wire()["m"]["share"] == {"2": 1.0}
+    t.set_traffic("m", {1: 1, 2: 0})
+    assert t.wire()["m"]["traffic"] == {"1": 1, "2": 0} and t.wire()["m"]["routed"] == {}  # counts anew
+    assert [t.resolve("m", None) for _ in range(3)] == ["m/1"] * 3  # a 0 weight gets nothing
+    t.set_traffic("m", None)
+    assert t.wire()["m"]["traffic"] is None and t.resolve("m", None) == "m/2"
+    t.set_served("m", [])
+    assert t.wire()["m"]["newest"] is None and t.wire()["m"]["served"] == []
+    t.remove("m")
+    assert not t and t.wire() == {}
+
+
+def test_refusals_say_what_is_wrong() -> None:
+    t = table()
+    with pytest.raises(SettingsError, match="no versioned model 'x'"):
+        t.set_traffic("x", {1: 1})
+    assert t.resolve("m", "0") == (ErrorCode.BAD_REQUEST, "version must be an integer >= 1, got 0")
+    assert t.resolve("plain", 3) == (
+        ErrorCode.UNKNOWN_MODEL,
+        "model 'plain' has one version, 1 (it is not in a repository)",
+    )
+    assert t.resolve("m/3", None) == (
+        ErrorCode.UNKNOWN_MODEL,
+        "model 'm' does not serve version 3 (served: 1, 2)",
+    )
+    t.set_served("m", [])
+    assert t.resolve("m", None) == (ErrorCode.UNKNOWN_MODEL, "model 'm' serves no version now")
+    with pytest.raises(SettingsError, match="above 0"):
+        WeightedChooser({1: 0})
+    with pytest.raises(SettingsError, match="latest:N needs N >= 1, got 0"):
+        VersionPolicy("latest", 0)
+    with pytest.raises(SettingsError, match="names no version"):
+        VersionPolicy("specific")
+    with pytest.raises(SettingsError, match="got 'newest'"):
+        VersionPolicy("newest")
+    assert VersionPolicy("all").select([3, 1]) == (1, 3)
+
+
+@pytest.mark.parametrize(("value", "version"), [(1, 1), ("7", 7), (" 12 ", 12)])
+def test_versions_parse(value: object, version: int) -> None:
+    from batcher.core.versions import parse_version
+
+    assert parse_version(value) == version
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "x", 1.0, None])
+def test_a_version_that_is_no_integer_above_0_is_refused(value: object) -> None:
+    from batcher.core.versions import parse_version
+
+    with pytest.raises(SettingsError, match="version must be an integer >= 1"):
+        parse_version(value)
+
+
+def test_traffic_parses_versions_and_bounds_weights() -> None:
+    assert parse_traffic({"2": 90, 3: 10}) == {2: 90, 3: 10}
+    assert parse_traffic({"2": 1_000_000}) == {2: 1_000_000}
+    for weight in (1_000_001, True, 1.5):
+        with pytest.raises(SettingsError, match=r"must be an integer in \[0, 1000000\]"):
+            parse_traffic({"2": weight})
+    with pytest.raises(SettingsError, match="must map versions"):
+        parse_traffic([("2", 1)])
