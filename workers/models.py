@@ -31,6 +31,9 @@ ModelFn = Callable[[list[Any]], list[Any]]
 BUILTIN_MODELS = ("sim", "echo", "simlm")
 #: The `--model` prefix of an ONNX file (workers/onnx_model.py).
 ONNX_PREFIX = "onnx:"
+#: The `--model` prefix of a Python model file, `pyfile:PATH:ATTR` (a model repository's
+#: version directory holds one: batcher/serve/repository.py).
+PYFILE_PREFIX = "pyfile:"
 
 
 @dataclass(frozen=True)
@@ -272,8 +275,12 @@ def load_model(
         from workers.onnx_model import load_onnx
 
         return load_onnx(spec.target[len(ONNX_PREFIX) :], gpu, threads)
-    module_name, _, attr = spec.target.partition(":")
-    module = import_user_module(module_name)
+    if spec.target.startswith(PYFILE_PREFIX):
+        path, _, attr = spec.target[len(PYFILE_PREFIX) :].rpartition(":")
+        module = import_model_file(path)
+    else:
+        module_name, _, attr = spec.target.partition(":")
+        module = import_user_module(module_name)
     obj = module
     for part in attr.split("."):
         obj = getattr(obj, part)
@@ -290,6 +297,21 @@ def load_model(
         assert declared is not None
         return stacking.wrap(obj, declared, max_padded_elements)
     return obj
+
+
+def import_model_file(path: str) -> ModuleType:
+    """Import the Python model module at `path` under a name of its own (two versions'
+    model.py files never share one)."""
+    import importlib.util
+
+    name = "batcher_model_" + "".join(c if c.isalnum() else "_" for c in os.path.abspath(path))
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError(f"cannot import a model module from {path}", name=name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def import_user_module(name: str) -> ModuleType:

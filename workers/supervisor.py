@@ -101,6 +101,14 @@ class PoolSettings:
         if self.pin_cpus:
             self.cpu_plan()  # raises when no core would be left to the broker
 
+    def default_count(self) -> int:
+        """Workers per model when nothing says: --workers, else one per device (times
+        --workers-per-gpu), else 2."""
+        if self.workers_per_model is not None:
+            return self.workers_per_model
+        devices = visible_gpus() if self.gpus is None else self.gpus
+        return len(devices) * self.workers_per_gpu if devices else 2
+
     def threads(self) -> int:
         """Each worker's intra-op threads: --threads-per-worker, or the cores (but the
         broker's one, when pinned) divided among this serve's workers."""
@@ -212,6 +220,16 @@ class WorkerProcess:
     def name(self) -> str:
         """The model name the worker announces (the broker knows models by it)."""
         return ModelSpec.parse(self.model).name
+
+
+def add_model_workers(spec: str, count: int, now: float, gpus: tuple[int, ...] | None) -> list[WorkerProcess]:
+    """`count` worker slots of a model `serve` did not start with (a model repository's new
+    version), spread over `gpus` (None: the visible ones). Like a reload's new workers,
+    one that exits before it joined is given up (its reason kept), never respawned, and
+    does not stop serve."""
+    devices = visible_gpus() if gpus is None else gpus
+    where = [devices[i % len(devices)] if devices else None for i in range(count)]
+    return [WorkerProcess(spec, gpu, None, respawn_at=now, replacing=True) for gpu in where]
 
 
 def _start_failure(code: int | None, load_error: str | None) -> str:

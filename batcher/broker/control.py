@@ -12,6 +12,8 @@ from typing import Any
 from batcher.broker.stats import BrokerStats
 from batcher.core.pool import WorkerPool
 from batcher.core.scheduler import BatchSettings, Scheduler
+from batcher.core.versions import VersionTable, parse_traffic, split_key
+from batcher.errors import SettingsError
 from batcher.wire.protocol import ErrorCode
 
 log = logging.getLogger("batcher.broker")
@@ -21,7 +23,10 @@ Reply = Callable[[bool, Any], None]
 #: The control ops that change the service: with --curve-admins, only an admin's key
 #: (or the broker's own) may send them; any other is answered `forbidden`. `stats` and
 #: `metadata` only read, and `cancel` touches only its sender's own requests.
-MUTATING_OPS = frozenset({"reload"})
+MUTATING_OPS = frozenset({"reload", "split", "load", "unload"})
+#: The control ops of a model repository (`serve --model-repository`), answered by
+#: `serve` through Controls.on_repository.
+REPOSITORY_OPS = frozenset({"load", "unload", "repository_index"})
 
 
 class Controls:
@@ -47,8 +52,20 @@ class Controls:
         #: Set by `serve`: starts a rolling reload of a model and answers through `reply`
         #: when it ends (a plain broker has no workers of its own to replace).
         self.on_reload: Callable[[str, Reply], None] | None = None
+        #: The versioned models (the frontend's table: batcher.core.versions).
+        self.versions = VersionTable()
+        #: Set by `serve --model-repository`: answers `load`, `unload` and
+        #: `repository_index` (op, model, reply).
+        self.on_repository: Callable[[str, str | None, Reply], None] | None = None
 
-    def handle(self, op: str, model: str | None, reply: Reply, admin: bool = True) -> None:
+    def handle(
+        self,
+        op: str,
+        model: str | None,
+        reply: Reply,
+        admin: bool = True,
+        fields: dict[str, Any] | None = None,
+    ) -> None:
         """A control request other than `cancel` (which the loop answers itself); `admin`:
         whether its sender may change the service (always, without --curve-admins). A
         sender that may not is refused MUTATING_OPS and gets `stats` without worker pids."""
@@ -63,6 +80,15 @@ class Controls:
             self._metadata(model, reply)
         elif op == "limits":
             reply(True, self.limits)
+        elif op == "split":
+            self._split(model, (fields or {}).get("traffic"), reply)
+        elif op in REPOSITORY_OPS:
+            if self.on_repository is None:
+                reply(False, (ErrorCode.BAD_REQUEST, f"{op} needs `batcher serve --model-repository`"))
+            elif op != "repository_index" and model is None:
+                reply(False, (ErrorCode.BAD_REQUEST, f"{op} needs a 'model'"))
+            else:
+                self.on_repository(op, model, reply)
         else:
             reply(False, (ErrorCode.BAD_REQUEST, f"unknown op {op!r}"))
 
@@ -78,6 +104,24 @@ class Controls:
         else:
             self.on_reload(model, reply)
 
+    def _split(self, model: str | None, traffic: object, reply: Reply) -> None:
+        """Split the requests naming no version of `model` by `traffic` (`{"2": 90, "3":
+        10}`; null: all to the newest), from the next request on."""
+        if model is None or model not in self.versions.models:
+            names = ", ".join(sorted(self.versions.models)) or "none"
+            reply(
+                False,
+                (ErrorCode.UNKNOWN_MODEL, f"no versioned model {model!r} to split (versioned: {names})"),
+            )
+            return
+        try:
+            self.versions.set_traffic(model, None if traffic is None else parse_traffic(traffic))
+        except SettingsError as exc:
+            reply(False, (ErrorCode.BAD_REQUEST, str(exc)))
+            return
+        log.info("model %s: traffic split now %s", model, traffic)
+        reply(True, {"model": model, **self.versions.wire()[model]})
+
     def _metadata(self, model: str | None, reply: Reply) -> None:
         """A model's name, whether it is ready, and its inputs and outputs (null when no
         worker of it announced a signature): what an HTTP gateway serves as metadata."""
@@ -89,14 +133,22 @@ class Controls:
         else:
             signature = self.pool.signature(model)
             wire = signature.wire() if signature is not None else {"inputs": None, "outputs": None}
-            reply(True, {"name": model, "ready": self.scheduler.has_workers(model), **wire})
+            meta = {"name": model, "ready": self.scheduler.has_workers(model), **wire}
+            parts = split_key(model)
+            if parts is not None and parts[0] in self.versions.models:  # a repository's version
+                meta.update(name=parts[0], version=str(parts[1]), key=model)
+                meta["versions"] = [str(v) for v in self.versions.models[parts[0]].served]
+            reply(True, meta)
 
     def snapshot(self, redacted: bool = False) -> dict[str, Any]:
         """The broker's state for the `stats` control request (`redacted`: without the
         workers' pids, BrokerStats.snapshot)."""
         views = self.scheduler.views()
         now = time.monotonic()
-        return self.stats.snapshot(views, self.pool, self.configured, now, self.loop_state(), redacted)
+        snap = self.stats.snapshot(views, self.pool, self.configured, now, self.loop_state(), redacted)
+        if self.versions:
+            snap["versions"] = self.versions.wire()
+        return snap
 
     def workers_of(self, model: str) -> list[tuple[bytes, object, int]]:
         """(worker id, pid from its READY, batches or sequences it holds) of each live worker

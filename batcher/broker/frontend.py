@@ -20,6 +20,7 @@ from batcher.core.admission import Refusal, admit
 from batcher.core.pool import WorkerPool
 from batcher.core.scheduler import Batch, NoSuchModel, QueuedRequest, QueueFull, Scheduler
 from batcher.core.streams import Sequence, Streams
+from batcher.core.versions import VersionTable
 from batcher.transport.security import CurveGate
 from batcher.transport.stopping import StopSignals
 from batcher.transport.zmqio import readable, recv_bounded, recv_bounded_from, send_replies, send_reply
@@ -33,6 +34,10 @@ log = logging.getLogger("batcher.broker")
 # floods of cancels) can never hold heartbeats, liveness checks and deadlines back.
 #: Frames one client message may have: the routing id, proxy hops, a delimiter, the body.
 MAX_FRAMES = 32
+#: The control ops whose `model` (with its `version`) names one served version.
+VERSIONED_OPS = frozenset({"metadata"})
+#: The control ops that read fields of their own from the body (`split`'s `traffic`).
+FIELD_OPS = frozenset({"split"})
 
 
 class Frontend:
@@ -58,13 +63,15 @@ class Frontend:
         self.streams = streams
         self.stats = stats
         self.signals = signals
-        self._default_model, self._default_timeout_s = defaults
+        self.default_model, self._default_timeout_s = defaults  # the model of a request naming none
         # With --curve-admins the frontend is read keeping each message's first frame, whose
         # User-Id says whether a control request may change the service; without it,
         # nothing of that is paid for.
         self._roles = roles
         self._sender: Frame | None = None  # the first frame of the message being handled
         self._receive = recv_bounded if roles is None else self._recv_noting_sender
+        #: The repository's versioned models (batcher.core.versions): `serve` fills it.
+        self.versions = VersionTable()
         #: Set by the loop once its other sides exist.
         self.controls: Controls | None = None
         self.end_stream: Callable[[Sequence, ErrorCode, str, str], None] = lambda *args: None
@@ -121,9 +128,15 @@ class Frontend:
             self.refuse(envelope, exc.req_id, exc.code, exc.message, None, stream)
             return
         if header.op != "infer":
-            self._control(envelope, header.id, header.op, header.model)
+            self._control(envelope, header, body)
             return
-        model = header.model or self._default_model
+        model = header.model or self.default_model
+        if self.versions or header.version is not None:  # batcher.core.versions
+            resolved = self.versions.resolve(model, header.version)
+            if not isinstance(resolved, str):
+                self.refuse(envelope, header.id, resolved[0], resolved[1], None, header.stream)
+                return
+            model = resolved
         if self.signals.count:  # (a call per request otherwise, for a rare event)
             self.on_stop(now)
         stream = header.stream
@@ -182,7 +195,9 @@ class Frontend:
         self.stats.count(model, code)
         self.send_to_client(envelope, protocol.error_reply(req_id, code, message, stream))
 
-    def _control(self, envelope: list[bytes], req_id: object, op: str, model: str | None) -> None:
+    def _control(self, envelope: list[bytes], header: protocol.RequestHeader, body: bytes) -> None:
+        req_id, op, model = header.id, header.op, header.model
+
         def reply(ok: bool, result: Any) -> None:
             body = protocol.ok_reply(req_id, result) if ok else protocol.error_reply(req_id, *result)
             self.send_to_client(envelope, body)
@@ -198,7 +213,14 @@ class Frontend:
             if roles is not None and sender is not None and not admin and op in MUTATING_OPS:
                 roles.note_forbidden(sender, op)
             assert self.controls is not None  # set by the loop before it reads a request
-            self.controls.handle(op, model, reply, admin)
+            if model is not None and op in VERSIONED_OPS and (self.versions or header.version is not None):
+                resolved = self.versions.resolve(model, header.version, count=False)
+                if not isinstance(resolved, str):
+                    reply(False, resolved)
+                    return
+                model = resolved
+            fields = protocol.parse_request(bytes(body))[1] if op in FIELD_OPS else {}
+            self.controls.handle(op, model, reply, admin, fields)
 
     def send_to_client(self, envelope: list[bytes], body: bytes) -> bool:
         """Send a reply; False when it cannot go: the client is gone (EHOSTUNREACH), or

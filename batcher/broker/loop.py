@@ -256,6 +256,7 @@ class Broker:
             "max_frame_bytes": hard_limit(settings.max_message_bytes),
         }
         self.controls = Controls(self.scheduler, self.pool, self.stats, self._configured, self._state, limits)
+        self.controls.versions = clients.versions
         clients.controls = self.controls
         clients.end_stream = self.workers.end_stream
         clients.on_stop = self._note_stop

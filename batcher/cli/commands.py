@@ -23,7 +23,15 @@ import click
 
 from batcher.cli.bench_command import bench, spawned_broker_options
 from batcher.cli.config_options import BATCH_KEYS, config_option, given_outside_file
-from batcher.cli.control_commands import readiness, ready, reload_model, stats
+from batcher.cli.control_commands import (
+    load_model,
+    readiness,
+    ready,
+    reload_model,
+    split_model,
+    stats,
+    unload_model,
+)
 from batcher.cli.demo_command import demo
 from batcher.cli.gateway_command import GatewayAccess, gateway
 from batcher.cli.keygen_command import keygen
@@ -147,6 +155,7 @@ __all__ = [
     "int_range",
     "jsonable",
     "keygen",
+    "load_model",
     "local_option",
     "logging_options",
     "main",
@@ -165,10 +174,12 @@ __all__ = [
     "setup",
     "sim_options",
     "spawned_broker_options",
+    "split_model",
     "stats",
     "step_options",
     "strict_json",
     "threads_option",
+    "unload_model",
     "worker",
 ]
 
@@ -180,7 +191,22 @@ def main() -> None:
 
 
 # In the order they were defined when they shared one module (main.commands keeps it).
-for _command in (gateway, serve, broker, worker, send, demo, bench, stats, ready, reload_model, keygen):
+for _command in (
+    gateway,
+    serve,
+    broker,
+    worker,
+    send,
+    demo,
+    bench,
+    stats,
+    ready,
+    reload_model,
+    split_model,
+    load_model,
+    unload_model,
+    keygen,
+):
     main.add_command(_command)
 del _command
 

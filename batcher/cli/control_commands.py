@@ -220,3 +220,82 @@ def reload_model(
         except BatcherError as exc:
             raise click.ClickException(f"reload of {model!r} failed: {exc.code}: {exc.message}") from None
     click.echo(strict_json(output, indent=2))
+
+
+def _ask(op: str, model: str, connect: str, timeout_s: float, curve: ClientKeys, **fields: Any) -> None:
+    """Send the control request `op` for `model`, print its answer as JSON; exit 1 with the
+    error code and message if it failed or no answer came within `timeout_s`."""
+    with curve.client(connect, timeout_s) as client:
+        try:
+            output = client.control(op, model=model, **fields)
+        except BatcherError as exc:
+            raise click.ClickException(f"{op} of {model!r} failed: {exc.code}: {exc.message}") from None
+    click.echo(strict_json(output, indent=2))
+
+
+def parse_split(weights: Iterable[str]) -> dict[str, int] | None:
+    """`2=90 3=10` as the `split` op's traffic map; none given: None (all to the newest)."""
+    out: dict[str, int] = {}
+    for text in weights:
+        version, sep, weight = text.partition("=")
+        if not sep or not version.strip().isdigit() or not weight.strip().isdigit():
+            raise click.BadParameter(
+                f"a weight is VERSION=WEIGHT, like 2=90, got {text!r}", param_hint="WEIGHTS"
+            )
+        out[version.strip()] = int(weight)
+    return out or None
+
+
+@click.command("split")
+@click.argument("model")
+@click.argument("weights", nargs=-1)
+@connect_option
+@option(
+    "--timeout-s",
+    envvar="BATCHER_SPLIT_TIMEOUT_S",
+    type=float_range(0.1, MAX_STATS_S),
+    default=5.0,
+    help="How long to wait for the broker.",
+)
+@curve_client_options
+@logging_options
+def split_model(
+    model: str, weights: tuple[str, ...], connect: str, timeout_s: float, curve: ClientKeys, logs: LogOptions
+) -> None:
+    """Split MODEL's requests that name no version between its served versions by weight:
+    `batcher split digits 2=90 3=10`. No weights: all go to the newest again. It takes
+    effect at the next request; `batcher stats` shows each version's share."""
+    setup(logs)
+    _ask("split", model, connect, timeout_s, curve, traffic=parse_split(weights))
+
+
+def _repository_command(op: str, doc: str) -> click.Command:
+    @click.command(op, help=doc)
+    @click.argument("model")
+    @connect_option
+    @option(
+        "--timeout-s",
+        envvar=f"BATCHER_{op.upper()}_TIMEOUT_S",
+        type=float_range(0.1, MAX_STATS_S),
+        default=120.0,
+        help=f"How long to wait for the {op}: new workers loading, or old ones draining.",
+    )
+    @curve_client_options
+    @logging_options
+    def command(model: str, connect: str, timeout_s: float, curve: ClientKeys, logs: LogOptions) -> None:
+        setup(logs)
+        _ask(op, model, connect, timeout_s, curve)
+
+    return command
+
+
+load_model = _repository_command(
+    "load",
+    "Load MODEL from serve's --model-repository (again): the versions its policy picks start, "
+    "warm up and join, then the versions no longer picked drain and stop. Nothing in flight is lost.",
+)
+unload_model = _repository_command(
+    "unload",
+    "Unload MODEL: no new request reaches it, its queued and running requests are answered, then "
+    "its workers stop. A poll of the repository leaves it unloaded until `batcher load MODEL`.",
+)

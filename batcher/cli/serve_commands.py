@@ -41,6 +41,9 @@ from batcher.cli.options import (
     MAX_GPU,
     LogOptions,
     check_models,
+    field_default,
+    float_range,
+    int_range,
     logging_options,
     option,
     parse_gpus,
@@ -54,6 +57,7 @@ from batcher.gateway.process import GatewayProcess, gateway_command, local_addre
 from batcher.gateway.processes import check_supported as check_processes_supported
 from batcher.gateway.settings import GatewaySettings
 from batcher.observe.settings import TraceSettings
+from batcher.serve.repository_control import RepositoryControl
 from batcher.serve.serving import ModelLoadFailed, run_serve
 from batcher.transport.security import CurveServerKeys, KeyFileError
 from batcher.wire.protocol import Heartbeat
@@ -119,6 +123,7 @@ def pool_settings(
     steps: StepOptions | None = None,
     pin_cpus: bool = False,
     max_padded_elements: int = MAX_PADDED_ELEMENTS,
+    repository_workers: dict[str, int] | None = None,
 ) -> PoolSettings:
     """serve's PoolSettings from CLI values. The config file's [models.NAME] tables pin
     models to GPUs (`gpus`) and set their worker counts (`workers`, unless --workers came
@@ -134,6 +139,7 @@ def pool_settings(
             warmup_samples = parsed.model_warmup_samples()
             if not given_outside_file(click.get_current_context(silent=True), ["workers"]):
                 model_workers = parsed.model_workers()
+        model_workers.update(repository_workers or {})  # a repository model's config.toml
         return PoolSettings(
             backend,
             models,
@@ -211,6 +217,31 @@ def _serve_gateway(
     return GatewayProcess(gateway_command(settings, logs.log_level, logs.log_format))
 
 
+def _repository(
+    root: str | None, poll_s: float | None, models: tuple[str, ...], batching: BatchSettings
+) -> tuple[RepositoryControl | None, tuple[str, ...], dict[str, BatchSettings], dict[str, int]]:
+    """serve's model repository (None without --model-repository), the models to serve
+    (--model's, unless left at its default, and each served version's), and the
+    versions' batching settings and worker counts."""
+    if root is None:
+        if poll_s is not None:
+            raise click.UsageError("--repository-poll-s goes with --model-repository")
+        return None, models, {}, {}
+    repository = RepositoryControl(root, batching, poll_s)
+    specs, batch, workers = repository.initial()
+    if any(spec.partition("=")[2].startswith("onnx:") for spec in specs):
+        require_extra("onnx", f"--model-repository {root}")
+    ctx = click.get_current_context(silent=True)
+    source = ctx.get_parameter_source("models") if ctx is not None else None
+    given = source is not None and source is not click.core.ParameterSource.DEFAULT
+    served = (*(models if given else ()), *specs)
+    if not served:
+        raise click.UsageError(
+            f"the model repository {root} holds no model that can be served, and no --model was given"
+        )
+    return repository, served, batch, workers
+
+
 def _warmup_sizes(batch: BatchSettings) -> tuple[int, ...]:
     """The batch sizes a model's warm-up runs: its allowed ones, else 1, 2, 4, ... max."""
     return warmup.warmup_sizes(batch.max_batch_size, batch.batch_sizes)
@@ -260,6 +291,23 @@ def served_name(text: str) -> str:
     "with the broker or another worker (logical CPUs: on SMT hosts, see docs/deployment.md). "
     "Linux only; needs a CPU left for the broker.",
 )
+@option(
+    "--model-repository",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    show_default=False,
+    help="Serve every model of this directory, laid out as Triton's: DIR/NAME/<version>/model.onnx "
+    "(or model.py), an optional DIR/NAME/config.toml (docs/models.md). Combines with --model.",
+)
+@option(
+    "--repository-poll-s",
+    type=float_range(0.1, 86400.0),
+    default=None,
+    show_default=False,
+    help="With --model-repository: look at the directory every this many seconds and apply what "
+    "changed (a new version joins, then the policy retires the old; a removed model drains and "
+    "stops). Default: only `batcher load`/`unload` change what is served.",
+)
 @no_warmup_option
 @max_padded_elements_option
 @HTTP_PORT_OPTION
@@ -285,6 +333,8 @@ def serve(
     models: tuple[str, ...],
     threads_per_worker: int | None,
     pin_cpus: bool,
+    model_repository: str | None,
+    repository_poll_s: float | None,
     no_warmup: bool,
     max_padded_elements: int,
     http_port: int,
@@ -308,11 +358,17 @@ def serve(
 
     `batcher reload MODEL`, or SIGHUP (which re-reads --config's batching settings and
     reloads every model), replaces a model's workers: new ones first, then the old ones
-    drained and stopped."""
+    drained and stopped.
+
+    --model-repository serves a Triton-style model repository, each version side by side
+    (docs/models.md); `batcher split`, `batcher load` and `batcher unload` change it at run time."""
     setup(logs)
     check_models(models)
     if http_port or grpc_port:
         require_extra("gateway", "serve --http-port/--grpc-port (the gateway)")
+    repository, models, repo_batch, repo_workers = _repository(
+        model_repository, repository_poll_s, models, batching
+    )
     settings = broker_settings(
         frontend,
         backend,
@@ -325,6 +381,8 @@ def serve(
     )
     settings = dataclasses.replace(settings, trace=trace)
     pass_trace_to_children(trace)  # its workers and gateway trace as it does
+    if repo_batch:
+        settings = dataclasses.replace(settings, per_model={**settings.per_model, **repo_batch})
     pool = pool_settings(
         backend,
         models,
@@ -340,6 +398,7 @@ def serve(
         steps=steps,
         pin_cpus=pin_cpus,
         max_padded_elements=max_padded_elements,
+        repository_workers=repo_workers,
     )
     # The cell's worker count of each model: what batcher_desired_cells divides by.
     counts = Counter(ModelSpec.parse(spec).name for spec, _ in pool.placement())
@@ -348,7 +407,7 @@ def serve(
     reread = None if config is None else functools.partial(reread_batching, ctx, config, settings.models)
     gateway = _serve_gateway(settings, http_port, grpc_port, host, processes, gateway_access, logs)
     try:
-        run_serve(settings, pool, reread, gateway)
+        run_serve(settings, pool, reread, gateway, repository)
     except (BindError, KeyFileError, ModelLoadFailed) as exc:
         raise click.ClickException(str(exc)) from None
 

@@ -196,9 +196,41 @@ def format_stats(snapshot: Mapping[str, Any], rates: Mapping[str, Rates] | None 
         scaling = _scaling(m)
         if scaling:
             lines.append(f"{name}: {scaling}")
+    lines += _versions(snapshot.get("versions"))
     if snapshot.get("stopping"):
         lines.append("the broker is draining (shutting down)")
     return "\n".join(lines)
+
+
+def _percent(value: Any) -> str:
+    n = _number(value)
+    return "-" if n is None else f"{100 * n:.1f}%"
+
+
+def _versions(value: Any) -> list[str]:
+    """One line per repository model: its served versions, its split and each version's
+    share of the requests that named none (docs/models.md)."""
+    if not isinstance(value, dict):
+        return []
+    lines = []
+    for name, v in sorted(value.items()):
+        if not isinstance(v, dict):
+            continue
+        served = ", ".join(map(str, v.get("served") or [])) or "none"
+        traffic = v.get("traffic")
+        split = (
+            " ".join(f"{k}={w}" for k, w in traffic.items())
+            if isinstance(traffic, dict)
+            else "all to the newest"
+        )
+        routed, share = v.get("routed"), v.get("share")
+        shares = (
+            ", ".join(f"{k}: {_count(n)} ({_percent(share.get(k))})" for k, n in routed.items())
+            if isinstance(routed, dict) and isinstance(share, dict)
+            else ""
+        )
+        lines.append(f"{name}: versions {served}; split {split}; routed {shares or '-'}")
+    return lines
 
 
 def _streams(model: Mapping[str, Any]) -> str:

@@ -50,7 +50,7 @@ SAFE_BODY_BYTES = 4 * 1024
 #: The limit taken from a broker too old to answer `limits`: BrokerSettings' default.
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 #: What `GET /v2` and ServerMetadata say the gateway supports.
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics"]
 
 
 def _keep_view(value: dict[Any, Any]) -> dict[Any, Any]:
@@ -448,9 +448,10 @@ class Gateway:
         """The model's v2 metadata, from every connected broker: ready when one has it
         ready; unknown_model (404) for a model or version none serves."""
         check_version(model, version)
+        asked = {"version": version} if version else {}
         links = [b.link for b in self.pool.brokers.values() if b.link.up] or [self.pool.any_link()]
         answers = await asyncio.gather(
-            *(self._control("metadata", link, model=model) for link in links), return_exceptions=True
+            *(self._control("metadata", link, model=model, **asked) for link in links), return_exceptions=True
         )
         metas = [m for m in answers if isinstance(m, dict)]
         if not metas:
@@ -458,10 +459,11 @@ class Gateway:
             unknown = [e for e in errors if e.code == ErrorCode.UNKNOWN_MODEL]
             raise (unknown or errors or [oip.OipError(ErrorCode.INTERNAL, repr(answers))])[0]
         meta = next((m for m in metas if m.get("ready")), metas[0])
-        self._names[model] = (time.monotonic(), _names(meta.get("inputs")), _names(meta.get("outputs")))
+        if not version:  # a repository's newest version: the names a request without one gets
+            self._names[model] = (time.monotonic(), _names(meta.get("inputs")), _names(meta.get("outputs")))
         return {
             "name": model,
-            "versions": [oip.MODEL_VERSION],
+            "versions": meta.get("versions") or [oip.MODEL_VERSION],
             "platform": "batcher",
             "inputs": meta.get("inputs") or [],
             "outputs": meta.get("outputs") or [],
@@ -620,6 +622,8 @@ def check_input_names(request: oip.InferRequest, known: list[str]) -> None:
 
 def _row_fields(request: oip.InferRequest, row: Any, timeout_ms: float) -> dict[str, Any]:
     fields: dict[str, Any] = {"model": request.model, "timeout_ms": timeout_ms}
+    if request.version:  # a repository's version (docs/models.md); none: its newest or split
+        fields["version"] = request.version
     if request.priority is not None:
         fields["priority"] = request.priority
     fields["input"] = row  # last: `pack_request` writes its tensors after the rest
@@ -631,11 +635,10 @@ def _names(outputs: list[dict[str, Any]] | None) -> list[str] | None:
 
 
 def check_version(model: str, version: str) -> None:
-    if version not in ("", oip.MODEL_VERSION):
-        raise oip.OipError(
-            ErrorCode.UNKNOWN_MODEL,
-            f"model '{model}' has no version '{version}' (batcher serves one version: {oip.MODEL_VERSION})",
-        )
+    """A version is a number (the broker says whether the model serves it: a repository's
+    model its versions, any other model version 1 alone)."""
+    if version and not version.isdigit():
+        raise oip.OipError(ErrorCode.UNKNOWN_MODEL, f"model '{model}' has no version '{version}'")
 
 
 def _raise_if_error(reply: dict[str, Any]) -> None:

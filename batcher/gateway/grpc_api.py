@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from batcher.gateway import access, oip, tracing, triton
+from batcher.gateway import access, oip, repository, tracing, triton
 from batcher.gateway import inference_pb2 as pb
 from batcher.gateway import inference_pb2_grpc as pb_grpc
 from batcher.gateway.core import Gateway
@@ -139,7 +139,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             trace.end({"rpc.grpc.status": "OK"})
         return pb.ModelInferResponse(
             model_name=infer.model,
-            model_version=oip.MODEL_VERSION,
+            model_version=infer.version or oip.MODEL_VERSION,
             id=infer.id,
             outputs=[
                 pb.ModelInferResponse.InferOutputTensor(name=o.name, datatype=o.datatype, shape=o.shape)
@@ -179,6 +179,29 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         except oip.OipError as exc:
             await _abort(context, exc)
         return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
+
+    async def RepositoryIndex(self, request: Any, context: Any) -> Any:
+        """Triton's model repository extension (batcher/gateway/repository.py): the index."""
+        try:
+            models = await repository.index(self.gateway, request.ready)
+        except oip.OipError as exc:
+            await _abort(context, exc)
+        entry = pb.RepositoryIndexResponse.ModelIndex
+        return pb.RepositoryIndexResponse(models=[entry(**m) for m in models])
+
+    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+        try:
+            await repository.load(self.gateway, request.model_name)
+        except oip.OipError as exc:
+            await _abort(context, exc)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+        try:
+            await repository.unload(self.gateway, request.model_name)
+        except oip.OipError as exc:
+            await _abort(context, exc)
+        return pb.RepositoryModelUnloadResponse()
 
 
 def parse_infer(request: Any, time_remaining_s: float | None) -> oip.InferRequest:

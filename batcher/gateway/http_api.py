@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from batcher.errors import BatcherError
-from batcher.gateway import access, oip, tracing, triton
+from batcher.gateway import access, oip, repository, tracing, triton
 from batcher.gateway.core import Gateway
 from batcher.wire.protocol import ErrorCode
 
@@ -121,11 +121,14 @@ class HttpApi:
             return _error(404, "no such endpoint")
         name, model, version = route
         method = scope["method"]
-        allowed = ("POST",) if name == "infer" else ("GET", "HEAD")
+        allowed = ("POST",) if name in ("infer", "repository_load", "repository_unload") else ("GET", "HEAD")
+        allowed = ("GET", "POST") if name == "repository_index" else allowed
         if method not in allowed:
             return _error(405, f"method {method} is not allowed here", {"Allow": ",".join(allowed)})
         if name == "infer":
             return await self.infer(scope, receive, model, version)
+        if name.startswith("repository_"):
+            return await self._repository(scope, receive, name, model)
         if name == "live":
             return _json({"live": True})
         if name == "ready":
@@ -139,6 +142,15 @@ class HttpApi:
         meta = await self.gateway.metadata(model, version)
         meta.pop("ready")
         return _json(meta)
+
+    async def _repository(self, scope: Scope, receive: Receive, name: str, model: str) -> Response:
+        """Triton's model repository extension (batcher/gateway/repository.py)."""
+        body = await read_body(scope, receive, self.max_body_bytes) if scope["method"] == "POST" else b""
+        if name == "repository_index":
+            return _json(await repository.index(self.gateway, repository.ready_only(body)))
+        if name == "repository_load":
+            return _json(await repository.load(self.gateway, model))
+        return _json(await repository.unload(self.gateway, model))
 
     def _refusal(self, scope: Scope) -> Response | None:
         """401 for a request without an accepted API key (docs/gateway.md, "Access
@@ -237,6 +249,10 @@ def match(raw_path: bytes) -> tuple[str, str, str] | None:
         return "server", "", ""
     if len(parts) == 4 and parts[2] == b"health" and parts[3] in (b"live", b"ready"):
         return parts[3].decode(), "", ""
+    if parts[2:] == [b"repository", b"index"]:  # Triton's model repository extension
+        return "repository_index", "", ""
+    if len(parts) == 6 and parts[2:4] == [b"repository", b"models"] and parts[5] in (b"load", b"unload"):
+        return "repository_" + parts[5].decode(), _segment(parts[4]), ""
     if len(parts) < 4 or parts[2] != b"models" or not parts[3]:
         return None
     if len(parts) == 4 and parts[3] == b"stats":  # every model's (Triton's form, as there)
@@ -458,7 +474,7 @@ def infer_response(
         described.append(entry)
     doc: dict[str, Any] = {
         "model_name": infer.model,
-        "model_version": oip.MODEL_VERSION,
+        "model_version": infer.version or oip.MODEL_VERSION,
         "outputs": described,
     }
     if infer.id:

@@ -45,11 +45,21 @@ async def _models(gateway: Gateway) -> dict[str, Any]:
 
 def _entry(models: dict[str, Any], model: str, version: str) -> dict[str, Any]:
     check_version(model, version)
-    entry = models.get(model)
+    entry = models.get(model) if version in ("", oip.MODEL_VERSION) else None
+    if f"{model}/{version or ''}" in models or entry is None:  # a repository's version, NAME/V
+        entry = models.get(f"{model}/{version or _newest(models, model)}")
     if entry is None:
         served = ", ".join(sorted(models)) or "none"
         raise oip.OipError(ErrorCode.UNKNOWN_MODEL, f"no model {model!r} (models: {served})")
     return dict(entry)
+
+
+def _newest(models: dict[str, Any], model: str) -> str:
+    """The newest served version of a repository's model (its stats entries are NAME/V)."""
+    keys = [k.rpartition("/") for k in models]
+    versions = [int(v) for name, _, v in keys if name == model and v.isdigit()]
+    versions = [v for v in versions if models[f"{model}/{v}"].get("workers")] or versions
+    return str(max(versions)) if versions else ""
 
 
 async def model_config(gateway: Gateway, model: str, version: str = "") -> dict[str, Any]:
@@ -124,9 +134,12 @@ def statistics_of(model: str, entry: dict[str, Any], now_ms: float) -> dict[str,
     ago = totals.get("last_batch_s_ago")
     success = _duration(totals.get("success"))
     batches = totals.get("by_batch_size") or []
+    name, _, version = model.rpartition("/")  # a repository's version is its own model, NAME/V
+    if not (name and version.isdigit()):
+        name, version = model, oip.MODEL_VERSION
     return {
-        "name": model,
-        "version": oip.MODEL_VERSION,
+        "name": name,
+        "version": version,
         "last_inference": 0 if ago is None else max(0, round(now_ms - float(ago) * 1000.0)),
         "inference_count": success["count"],
         "execution_count": sum(int(b[1]) for b in batches),

@@ -18,6 +18,7 @@ from batcher.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from batcher.gateway.process import GatewayProcess
+    from batcher.serve.repository_control import RepositoryControl
     from workers.supervisor import PoolSettings
 
 log = logging.getLogger("batcher.serve")
@@ -44,6 +45,7 @@ def run_serve(
     pool: PoolSettings,
     reread_batching: Callable[[], dict[str, BatchSettings]] | None = None,
     gateway: GatewayProcess | None = None,
+    repository: RepositoryControl | None = None,
 ) -> None:
     """Bind, start the workers, serve until SIGINT/SIGTERM, then drain and stop: the
     `batcher serve` body.
@@ -52,8 +54,9 @@ def run_serve(
     the old ones drained and stopped. SIGHUP reloads every model, after applying
     `reread_batching()` (the config file's batching settings, read again; a ValueError
     keeps the current ones). `gateway`, if given, starts once the broker is bound and
-    stops after it; its exit stops serve. Raises BindError or KeyFileError if the broker cannot
-    start, ModelLoadError (once everything has stopped) if a model could not be loaded.
+    stops after it; its exit stops serve; `repository`: a model repository served too.
+    Raises BindError or KeyFileError if the broker cannot start, ModelLoadError (once everything
+    has stopped) if a model could not be loaded.
     """
     from workers.models import ModelSpec
     from workers.placement import pin_to
@@ -70,7 +73,7 @@ def run_serve(
 
     def on_worker_event(model: str, event: str) -> None:
         broker.stats.metrics.worker_event(model, event)
-        if event == "load_failed":  # a configuration error: stop now, say why, exit non-zero
+        if event == "load_failed" and (repository is None or not repository.load_failed(model)):
             fatal.append(f"model {model!r} could not be loaded (the worker's error is above)")
             broker.stop(now=True)
         elif event == "given_up" and supervisor.all_given_up(model):
@@ -96,6 +99,8 @@ def run_serve(
         for name in names:
             rollouts.start(name, None, now)
 
+    if repository is not None:  # its timer on the broker's heap too
+        repository.attach(broker, supervisor, time.monotonic())
     broker.signals.install()
     broker.signals.install_hangup()
     broker.call_every(SUPERVISE_INTERVAL_S, serve_tick(broker.signals, supervisor, rollouts, on_hangup))

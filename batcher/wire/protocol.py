@@ -156,6 +156,7 @@ class RequestHeader(NamedTuple):
     # it, and only when tracing is on): any value, never a reason to refuse a request.
     traceparent: Any = None
     tracestate: Any = None
+    version: int | str | None = None  # a repository model's version (None: its newest or split)
 
 
 class _Header(msgspec.Struct):
@@ -171,6 +172,7 @@ class _Header(msgspec.Struct):
     stream: bool = False
     traceparent: Any = None
     tracestate: Any = None
+    version: int | str | None = None
     input: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
 
 
@@ -200,7 +202,7 @@ def read_header(body: Any) -> RequestHeader:
     ):
         return parse_request(bytes(body))[0]  # raises with the precise message
     return RequestHeader(
-        h.id, h.model, timeout_ms, priority, h.op, cost, h.stream, h.traceparent, h.tracestate
+        h.id, h.model, timeout_ms, priority, h.op, cost, h.stream, h.traceparent, h.tracestate, h.version
     )
 
 
@@ -406,7 +408,19 @@ def parse_request(body: bytes) -> tuple[RequestHeader, dict[str, Any]]:
     stream = msg.get("stream", False)
     if not isinstance(stream, bool):
         raise bad(f"stream must be true or false, got {_type_name(stream)}")
+    version = msg.get("version")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int | str)):
+        raise bad(f"version must be an int or a str, got {_type_name(version)}")
     header = RequestHeader(
-        req_id, model, timeout_ms, priority, op, cost, stream, msg.get("traceparent"), msg.get("tracestate")
+        req_id,
+        model,
+        timeout_ms,
+        priority,
+        op,
+        cost,
+        stream,
+        msg.get("traceparent"),
+        msg.get("tracestate"),
+        version,
     )
     return header, msg

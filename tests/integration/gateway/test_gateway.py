@@ -133,11 +133,12 @@ def test_health_and_metadata_over_both_protocols(gateway: Callable[..., Gateway]
     assert gw.http.get_server_metadata() == {
         "name": "batcher",
         "version": "0.1.0",
-        "extensions": ["binary_tensor_data", "model_configuration", "statistics"],
+        "extensions": ["binary_tensor_data", "model_configuration", "model_repository", "statistics"],
     }
     assert list(gw.grpc.get_server_metadata().extensions) == [
         "binary_tensor_data",
         "model_configuration",
+        "model_repository",
         "statistics",
     ]
     meta = gw.http.get_model_metadata("sp")

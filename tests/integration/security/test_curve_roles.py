@@ -21,7 +21,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from batcher.client.sync import BadRequest, Client, ClientTimeout, Forbidden
+from batcher.client.sync import BadRequest, Client, ClientTimeout, Forbidden, UnknownModel
 from batcher.serve.launcher import free_tcp_address
 from tests.helpers import curve_broker_stats, wait_until
 
@@ -443,3 +443,29 @@ def test_without_curve_admins_every_listed_client_may_reload_and_see_pids(spawn,
         assert alice.control("reload", model="echo")["replaced"] == 1
         (second_pid,) = echo_pids(alice.control("stats"))
     assert second_pid != first_pid
+
+
+def test_split_load_and_unload_are_an_admins_alone(spawn, keys, zctx):
+    """The model repository's ops change the service (docs/models.md): with --curve-admins
+    a non-admin's `split`, `load` and `unload` are `forbidden` before they are judged; an
+    admin's are judged (a plain broker has no repository and no versioned model)."""
+    admins = keys.allow("admins", "alice")
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    spawn(
+        "broker", "--frontend", frontend, "--backend", backend, "--model", "echo",
+        "--curve-secret-key", str(keys.secret_file("broker")), "--curve-admins", str(admins),
+    )  # fmt: skip
+    wait_until(lambda: stats_as(frontend, keys, "stranger", zctx).get("models"), 20, "the broker answering")
+    with (
+        client_as(frontend, keys, "alice", zctx, 10) as alice,
+        client_as(frontend, keys, "stranger", zctx, 10) as stranger,
+    ):
+        for op, fields in (("split", {"traffic": {"2": 1}}), ("load", {}), ("unload", {})):
+            with pytest.raises(Forbidden, match="--curve-admins"):
+                stranger.control(op, model="echo", **fields)
+        with pytest.raises(UnknownModel, match="no versioned model 'echo'"):
+            alice.control("split", model="echo", traffic={"2": 1})
+        with pytest.raises(BadRequest, match="needs `batcher serve --model-repository`"):
+            alice.control("load", model="echo")
+        with pytest.raises(BadRequest, match="needs `batcher serve --model-repository`"):
+            stranger.control("repository_index")  # reading only: anyone's, judged

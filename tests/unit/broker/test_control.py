@@ -37,7 +37,7 @@ def worker_names(c: Controls, admin: bool) -> list[str]:
 
 
 def test_reload_is_the_op_that_changes_the_service() -> None:
-    assert frozenset({"reload"}) == MUTATING_OPS
+    assert frozenset({"reload", "split", "load", "unload"}) == MUTATING_OPS
 
 
 def test_a_sender_that_is_no_admin_is_refused_reload_before_it_is_judged() -> None:
