@@ -361,9 +361,7 @@ def serve(
     --model-repository serves a Triton-style model repository, each version side by side
     (docs/models.md); `batcher split`, `batcher load` and `batcher unload` change it at run time."""
     setup(logs)
-    check_models(models)
-    if http_port or grpc_port:
-        require_extra("gateway", "serve --http-port/--grpc-port (the gateway)")
+    _check_serve(models, http_port, grpc_port)
     repository, models, repo_batch, repo_workers = _repository(
         model_repository, repository_poll_s, models, batching
     )
@@ -377,10 +375,8 @@ def serve(
         curve=curve,
         config=config,
     )
-    settings = dataclasses.replace(settings, trace=trace)
+    settings = dataclasses.replace(settings, trace=trace, per_model={**settings.per_model, **repo_batch})
     pass_trace_to_children(trace)  # its workers and gateway trace as it does
-    if repo_batch:
-        settings = dataclasses.replace(settings, per_model={**settings.per_model, **repo_batch})
     pool = pool_settings(
         backend,
         models,
@@ -398,9 +394,7 @@ def serve(
         max_padded_elements=max_padded_elements,
         repository_workers=repo_workers,
     )
-    # The cell's worker count of each model: what batcher_desired_cells divides by.
-    counts = Counter(ModelSpec.parse(spec).name for spec, _ in pool.placement())
-    settings = dataclasses.replace(settings, cell_workers=dict(counts))
+    settings = _with_cell_workers(settings, pool)
     ctx = click.get_current_context()
     reread = None if config is None else functools.partial(reread_batching, ctx, config, settings.models)
     gateway = _serve_gateway(settings, http_port, grpc_port, host, processes, gateway_access, logs)
@@ -408,6 +402,21 @@ def serve(
         run_serve(settings, pool, reread, gateway, repository)
     except (BindError, KeyFileError, ModelLoadFailed) as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _check_serve(models: tuple[str, ...], http_port: int, grpc_port: int) -> None:
+    """What serve refuses before it starts anything: a bad model spec, a gateway without
+    its extra."""
+    check_models(models)
+    if http_port or grpc_port:
+        require_extra("gateway", "serve --http-port/--grpc-port (the gateway)")
+
+
+def _with_cell_workers(settings: BrokerSettings, pool: PoolSettings) -> BrokerSettings:
+    """The broker's settings with the cell's worker count of each model: what
+    batcher_desired_cells divides by."""
+    counts = Counter(ModelSpec.parse(spec).name for spec, _ in pool.placement())
+    return dataclasses.replace(settings, cell_workers=dict(counts))
 
 
 @click.command()
