@@ -72,7 +72,8 @@ def read_addresses(text: str) -> list[str]:
 
 class Discoverer:
     """One source, asked again and again (`resolve`): the brokers it names now, or None
-    when it cannot say (a DNS failure, an unreadable file), which leaves the last answer."""
+    when it cannot say (a DNS failure, an unreadable or empty file: a writer that
+    truncates before it writes leaves it empty for a moment), which leaves the last answer."""
 
     def __init__(self, spec: str) -> None:
         self.spec = spec
@@ -104,6 +105,8 @@ class Discoverer:
             with open(source.path, encoding="utf-8") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError):
+            return None
+        if not text:  # truncated by a writer that has not written yet: not an empty list
             return None
         self._seen, self._last = seen, sorted(set(read_addresses(text)))
         return self._last

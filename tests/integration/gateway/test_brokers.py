@@ -257,17 +257,29 @@ def test_file_discovery_adds_and_retires_brokers(
     the heartbeat that finds it ready); one removed is sent none after an interval."""
     a, b, c = (serve(*SIM, workers=2) for _ in range(3))
     listing = tmp_path / "brokers.txt"
-    listing.write_text(f"{a.frontend}\n{b.frontend}\n")
+
+    def publish(text: str) -> None:
+        """As a sidecar or a ConfigMap volume does it: a whole new file, renamed in."""
+        staged = tmp_path / "brokers.txt.new"
+        staged.write_text(text)
+        os.replace(staged, listing)
+
+    publish(f"{a.frontend}\n{b.frontend}\n")
     port = start_gateway(spawn, "--discover", f"file:{listing}", interval_s=1.0)
     load = Load(port).start()
     wait_count(load, 100)
     assert rows_of(c.frontend) == 0
-    listing.write_text(f"# three now\n{a.frontend}\n{b.frontend}\n{c.frontend}\n")
+    publish(f"# three now\n{a.frontend}\n{b.frontend}\n{c.frontend}\n")
     added_at = time.monotonic()
     wait_until(lambda: rows_of(c.frontend) > 0, 3, "rows on the added broker")
     assert time.monotonic() - added_at < 1.0 + 0.5 + 0.5  # an interval, a heartbeat, a scrape
-    listing.write_text(f"{b.frontend}\n{c.frontend}\n")
-    time.sleep(1.0 + 0.5)  # an interval and the rows in flight on it
+    publish(f"{b.frontend}\n{c.frontend}\n")
+    # Retired: the gateway sends it no new row, and drops it once its rows are answered.
+    wait_until(
+        lambda: ("batcher_gateway_broker_up", (("broker", a.frontend),)) not in scrape(port),
+        5,
+        "the removed broker dropped by the gateway",
+    )
     served = rows_of(a.frontend)
     wait_count(load, load.count() + 200)
     answers = load.stop()

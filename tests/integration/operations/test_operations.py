@@ -110,9 +110,10 @@ def test_stats_command_prints_a_table_and_json(serve, client, cli):
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
     assert lines[0].split()[:3] == ["model", "queued", "workers"], table.stdout
-    rows = {
-        line.split()[0]: line.split() for line in lines[2:] if line and not line.startswith("workers lost")
-    }
+    # The model rows: between the rule and the totals line (the lines after it, such as each
+    # model's scaling line once the signal has ticked, are no rows).
+    end = next(i for i, line in enumerate(lines) if line.startswith("workers lost"))
+    rows = {line.split()[0]: line.split() for line in lines[2:end] if line}
     assert set(rows) == {"echo", "sim"}, table.stdout
     assert rows["echo"][1:3] == ["0", "1"] and rows["echo"][5] == "20", rows[
         "echo"

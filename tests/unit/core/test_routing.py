@@ -176,6 +176,10 @@ def test_a_file_is_read_again_when_it_changes(tmp_path: Path) -> None:
     assert asyncio.run(d.resolve()) == ["tcp://a:1", "tcp://b:1"]
     path.write_text("tcp://c:1\n")
     assert asyncio.run(d.resolve()) == ["tcp://c:1"]
+    path.write_text("")  # truncated by a writer about to write: not "no broker"
+    assert asyncio.run(d.resolve()) is None
+    path.write_text("# every broker gone\n")  # said on purpose: none
+    assert asyncio.run(d.resolve()) == []
 
 
 def test_dns_resolves_a_name_without_blocking() -> None:
