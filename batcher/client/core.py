@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Generic, Protocol, TypeVar
 
 from batcher.core.expiry import Resend, check_retries, expire
@@ -120,6 +120,51 @@ def collect(pendings: Iterable[_Awaited], return_exceptions: bool) -> list[Any]:
                 raise
             out.append(exc)
     return out
+
+
+class BlockingRequests:
+    """The blocking faces' request calls, written once over their `submit` (Client and
+    MultiClient): the same names, arguments and error rule on both (and, awaited, on
+    AsyncClient)."""
+
+    #: Send a request without waiting: (input, model, timeout_ms, priority, cost).
+    submit: Callable[..., _Awaited]
+
+    def request(
+        self,
+        input: Any,
+        model: str | None = None,
+        timeout_ms: float | None = None,
+        priority: float | None = None,
+        cost: float | None = None,
+    ) -> Any:
+        """Send one request and return its output, or raise its typed error."""
+        return self.submit(input, model, timeout_ms, priority, cost).result()
+
+    def request_reply(
+        self,
+        input: Any,
+        model: str | None = None,
+        timeout_ms: float | None = None,
+        priority: float | None = None,
+        cost: float | None = None,
+    ) -> dict[str, Any]:
+        """Send one request and return the whole reply map (output or error, with
+        metadata such as batch_size and worker); an error is data here, never raised, and
+        no reply in time is one with code `timeout` (or `unreachable`)."""
+        return self.submit(input, model, timeout_ms, priority, cost).wait()
+
+    def request_many(
+        self,
+        inputs: Iterable[Any],
+        model: str | None = None,
+        timeout_ms: float | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Send all inputs at once (so the broker can batch them) and return the outputs
+        in order, once every one has its reply. With return_exceptions, errors come back
+        in place; otherwise the first one (in input order) is raised, after all finished."""
+        return collect([self.submit(x, model, timeout_ms) for x in inputs], return_exceptions)
 
 
 class _Awaited:

@@ -14,7 +14,7 @@ from typing import Any
 
 import zmq
 
-from batcher.client.core import _Awaited, collect, reply_wait_s, request_body, timeout_reply
+from batcher.client.core import BlockingRequests, _Awaited, reply_wait_s, request_body, timeout_reply
 from batcher.client.sync import Client, PendingReply, Stream
 from batcher.core.expiry import Attempts, Resend, check_retries, expire
 from batcher.core.link import Backoff, Drop, PeerLink
@@ -88,7 +88,7 @@ class MultiPending(_Awaited):
             self._frontend.client.send_cancel(self._inner.request_id)
 
 
-class MultiClient:
+class MultiClient(BlockingRequests):
     """Spreads requests round-robin over several broker frontends (one Client each,
     driven through its public methods: start, receive_ready, forget, send_cancel).
 
@@ -210,41 +210,6 @@ class MultiClient:
         pending = MultiPending(self, body, wait_s)
         self._send(pending, time.monotonic())
         return pending
-
-    def request(
-        self,
-        input: Any,
-        model: str | None = None,
-        timeout_ms: float | None = None,
-        priority: float | None = None,
-        cost: float | None = None,
-    ) -> Any:
-        """Send one request and return its output, or raise its typed error."""
-        return self.submit(input, model, timeout_ms, priority, cost).result()
-
-    def request_reply(
-        self,
-        input: Any,
-        model: str | None = None,
-        timeout_ms: float | None = None,
-        priority: float | None = None,
-        cost: float | None = None,
-    ) -> dict[str, Any]:
-        """Send one request and return the whole reply map (output or error, with
-        metadata such as batch_size and worker), as every client's request_reply does."""
-        return self.submit(input, model, timeout_ms, priority, cost).wait()
-
-    def request_many(
-        self,
-        inputs: Iterable[Any],
-        model: str | None = None,
-        timeout_ms: float | None = None,
-        return_exceptions: bool = False,
-    ) -> list[Any]:
-        """Send all inputs at once, spread over the frontends, and return the outputs in
-        order, once every one has its reply. With return_exceptions, errors come back in
-        place; otherwise the first one (in input order) is raised, after all finished."""
-        return collect([self.submit(x, model, timeout_ms) for x in inputs], return_exceptions)
 
     def control(self, op: str, address: str | None = None, **fields: Any) -> Any:
         """Send a control request (`stats`; `reload` with model=NAME), with `fields` as

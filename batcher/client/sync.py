@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -25,6 +25,7 @@ import zmq
 from batcher.client.core import (
     CONNECT_TIMEOUT_S,
     BaseClient,
+    BlockingRequests,
     _Awaited,
     cancel_body,
     collect,
@@ -168,7 +169,7 @@ class PendingReply(_Awaited):
             self._client.send_cancel(self.request_id)
 
 
-class Client(BaseClient[PendingReply]):
+class Client(BaseClient[PendingReply], BlockingRequests):
     """Talks to a broker's frontend over one DEALER socket. Not thread-safe.
 
     `timeout_s` bounds the wait for each reply (None: wait forever). With `retries`,
@@ -244,41 +245,6 @@ class Client(BaseClient[PendingReply]):
         """Send a request without waiting; many can be in flight over the one socket."""
         body = request_body(input, model, timeout_ms, priority, cost)
         return self.start(body, reply_wait_s(self.timeout_s, timeout_ms))
-
-    def request(
-        self,
-        input: Any,
-        model: str | None = None,
-        timeout_ms: float | None = None,
-        priority: float | None = None,
-        cost: float | None = None,
-    ) -> Any:
-        """Send one request and return its output, or raise its typed error."""
-        return self.submit(input, model, timeout_ms, priority, cost).result()
-
-    def request_reply(
-        self,
-        input: Any,
-        model: str | None = None,
-        timeout_ms: float | None = None,
-        priority: float | None = None,
-        cost: float | None = None,
-    ) -> dict[str, Any]:
-        """Send one request and return the whole reply map (output or error, with
-        metadata such as batch_size and worker); an error is data here, never raised."""
-        return self.submit(input, model, timeout_ms, priority, cost).wait()
-
-    def request_many(
-        self,
-        inputs: Iterable[Any],
-        model: str | None = None,
-        timeout_ms: float | None = None,
-        return_exceptions: bool = False,
-    ) -> list[Any]:
-        """Send all inputs at once (so the broker can batch them) and return the outputs
-        in order, once every one has its reply. With return_exceptions, errors come back
-        in place; otherwise the first one (in input order) is raised, after all finished."""
-        return collect([self.submit(x, model, timeout_ms) for x in inputs], return_exceptions)
 
     def control(self, op: str, **fields: Any) -> Any:
         """Send a control request (`stats`; `reload` with model=NAME) and return its output."""
