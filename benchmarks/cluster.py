@@ -12,9 +12,10 @@ front; the load is HTTP from a separate process (aiohttp, JSON requests of 8 row
 - unequal: cells of 1 and of 3 workers, each alone, then both: both / (sum alone)
   (target >= 0.9);
 - latency: lone requests (http.client, one at a time, 1 row) to echo cells: p50 through
-  a gateway over 1 broker and through one over 4, less the p50 of the same request sent
-  straight to the broker over ZeroMQ, the three paths measured in turn in short bursts
-  (medians over the rounds): the added p50 of 4 brokers within 0.1 ms of 1's.
+  a gateway over 1 broker and through one over 4, each less the p50 of the same request
+  sent straight to the same brokers over ZeroMQ (to the 4 in turn, as the gateway spreads
+  them), the paths measured in turn in short bursts (medians over the rounds): the added
+  p50 of 4 brokers within 0.1 ms of 1's.
 
 Needs the gateway over many brokers (issue 31 item 1: `batcher gateway` with --connect
 repeatable).
@@ -155,21 +156,30 @@ def _lone_http(port: int, seconds: float, out: Any) -> None:
     out.put(statistics.median(times[len(times) // 10 :]) * 1000)
 
 
-def _lone_direct(address: str, seconds: float, out: Any) -> None:
+def _lone_direct(addresses: list[str], seconds: float, out: Any) -> None:
+    """Lone requests straight to the brokers over ZeroMQ, one DEALER each, taken in turn: the
+    same spread over the same processes as a gateway over them gives, without the gateway."""
     import msgpack
 
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(address)
+    socks = []
+    for address in addresses:
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(address)
+        socks.append(sock)
     body = msgpack.packb({"id": 1, "model": "echo", "input": [1.0, 2.0, 3.0, 4.0]})
     times = []
     stop = time.perf_counter() + seconds
+    turn = 0
     while time.perf_counter() < stop:
+        sock = socks[turn % len(socks)]
+        turn += 1
         t0 = time.perf_counter()
         sock.send_multipart([b"", body])
         sock.recv_multipart()
         times.append(time.perf_counter() - t0)
-    sock.close(0)
+    for sock in socks:
+        sock.close(0)
     ctx.term()
     out.put(statistics.median(times[len(times) // 10 :]) * 1000)
 
@@ -193,8 +203,9 @@ def latency(rounds: int, burst_s: float, baseline: Path | None) -> dict[str, flo
     """Median over `rounds` of each path's p50 (ms) in bursts of `burst_s`, the paths taken
     in turn (a same-run A/B: the machine's drift hits all alike): lone requests through a
     gateway over 1 echo cell (`one`), through one over 4, the first the same (`four`),
-    through `baseline`'s gateway over that first cell (`base`, when given), and straight to
-    that cell (`direct`)."""
+    through `baseline`'s gateway over that first cell (`base`, when given), straight to
+    that cell (`direct`), and straight to the 4 in turn (`direct_four`: what reaching 4
+    broker processes, 3 of them idle between requests, costs without a gateway)."""
     with contextlib.ExitStack() as stack:
         procs = stack.enter_context(cells([1] * 4, model="echo"))
         ports = {"one": stack.enter_context(gateway(procs[:1])), "four": stack.enter_context(gateway(procs))}
@@ -202,11 +213,12 @@ def latency(rounds: int, burst_s: float, baseline: Path | None) -> dict[str, flo
             ports["base"] = stack.enter_context(gateway(procs[:1], baseline))
         for port in ports.values():
             in_process(_lone_http, port, 1.0)  # warm each path up
-        runs: dict[str, list[float]] = {name: [] for name in [*ports, "direct"]}
+        runs: dict[str, list[float]] = {name: [] for name in [*ports, "direct", "direct_four"]}
         for _ in range(rounds):
             for name, port in ports.items():
                 runs[name].append(in_process(_lone_http, port, burst_s))
-            runs["direct"].append(in_process(_lone_direct, procs[0].frontend, burst_s))
+            runs["direct"].append(in_process(_lone_direct, [procs[0].frontend], burst_s))
+            runs["direct_four"].append(in_process(_lone_direct, [p.frontend for p in procs], burst_s))
     return {name: statistics.median(values) for name, values in runs.items()}
 
 
@@ -237,9 +249,14 @@ def main() -> None:
         both = throughput([1, 3], c, warmup_s, seconds)
     rounds = 3 if args.quick else 7
     p50 = latency(rounds, 1.0 if args.quick else 2.0, args.baseline_source)
-    p50_1, p50_4, direct = p50["one"], p50["four"], p50["direct"]
-    added_1, added_4 = p50_1 - direct, p50_4 - direct
-    measured = f"{added_4:.3f} - {added_1:.3f} ms (p50 {p50_4:.3f} and {p50_1:.3f}, direct {direct:.3f})"
+    p50_1, p50_4, direct, direct_4 = p50["one"], p50["four"], p50["direct"], p50["direct_four"]
+    # What the gateway adds: its p50 over the brokers less the same brokers' p50 reached
+    # straight (over 4, in turn as the gateway spreads lone requests).
+    added_1, added_4 = p50_1 - direct, p50_4 - direct_4
+    measured = (
+        f"{added_4:.3f} - {added_1:.3f} ms (p50 {p50_4:.3f} and {p50_1:.3f}, "
+        f"direct over 4 {direct_4:.3f} and over 1 {direct:.3f})"
+    )
     rows = [
         [
             "two equal cells (2 + 2 workers) / one",
