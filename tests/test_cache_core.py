@@ -23,8 +23,10 @@ def test_never_exceeds_its_bytes(max_bytes: int, steps: list[tuple[str, int, int
             cache.put(key, b"x" * size)
         else:
             cache.get(key)
-        assert cache.bytes <= max_bytes
-        assert cache.bytes == sum(len(cache._entries[k]) + ENTRY_OVERHEAD_BYTES for k in cache.lru_order())
+        assert cache.used_bytes <= max_bytes
+        assert cache.used_bytes == sum(
+            len(cache._entries[k]) + ENTRY_OVERHEAD_BYTES for k in cache.lru_order()
+        )
 
 
 @given(ops)
@@ -72,7 +74,7 @@ def test_models_and_versions_never_share_entries() -> None:
 def test_an_entry_over_the_bound_is_never_kept() -> None:
     cache = ResponseCache(100)
     cache.put(("m", b"k"), b"x" * 100)
-    assert len(cache) == 0 and cache.bytes == 0
+    assert len(cache) == 0 and cache.used_bytes == 0
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])

@@ -59,6 +59,9 @@ class Backend:
         self.on_hung: Callable[[int], None] = lambda pid: None
         #: Set by `serve`: the worker process of this pid announced itself (READY).
         self.on_joined: Callable[[int], None] = lambda pid: None
+        self.cache: Any = (
+            None  #: the response cache when --cache-bytes is set (batcher.broker.response_cache)
+        )
         self.tracer: Any = None  #: the broker's spans when tracing is on (batcher.observe), else None
 
     def drain(self, now: float) -> bool:
@@ -129,6 +132,8 @@ class Backend:
         if worker_id in self.pool:  # announced again: whatever it held is lost
             self.lost(worker_id, "worker restarted during the batch")
         self.pool.joined(worker_id, info, raw.get("slots"), now)
+        if self.cache is not None:
+            self.cache.worker_said(info.model, raw)
         self.stats.metrics.worker_event(info.model, "joined")
         log.info("worker joined: %s", self.pool.name(worker_id))
         if info.warmup_error is not None:
@@ -174,6 +179,8 @@ class Backend:
             return
         # The replies first, back to back; the batch's counts after.
         self.deliver_batch(requests, replies)
+        if self.cache is not None and not errors:
+            self.cache.store(requests, replies)
         if self.tracer is not None:
             self.tracer.batch_answered(batch_id, now, infer_ms, wait_ms, padding, errors)
         arrivals = [r.arrived_at for r in requests]

@@ -71,6 +71,8 @@ class Frontend:
         self.on_stop: Callable[[float], None] = lambda now: None
         #: The broker's spans when tracing is on (batcher.observe.broker_spans), else None.
         self.tracer: Any = None
+        #: The response cache (batcher.broker.response_cache) when --cache-bytes is set, else None.
+        self.cache: Any = None
 
     def drain(self, now: float) -> None:
         """Handle every request waiting on the frontend socket, within one budget."""
@@ -146,7 +148,15 @@ class Frontend:
                 tracer.refused(trace, verdict.req_id, model, str(verdict.code), now)
             self.refuse(envelope, verdict.req_id, verdict.code, verdict.message, model, stream)
             return
+        cache_key = None
+        if self.cache is not None and not stream and self.cache.caches(model):
+            hit, cache_key = self.cache.lookup(model, body, header.id)
+            if hit is not None:
+                self.stats.count(model, "ok")
+                self.send_to_client(envelope, hit)
+                return
         request = QueuedRequest(envelope, body, header.id, now, header.priority, verdict.deadline)
+        request.cache_key = cache_key
         request.trace = trace
         request.cost = header.cost
         request.stream = stream

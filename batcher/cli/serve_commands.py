@@ -98,6 +98,8 @@ def broker_settings(
             batch_timeout_ms=broker_opts.batch_timeout_ms,
             no_worker_timeout_ms=broker_opts.no_worker_timeout_ms,
             target_utilization=broker_opts.target_utilization,
+            cache_bytes=broker_opts.cache_bytes,
+            cache_models=tuple(map(served_name, broker_opts.cache_model)),
         )
     except (ValueError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None

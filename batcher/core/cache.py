@@ -34,7 +34,7 @@ class ResponseCache:
     """An LRU bounded by `max_bytes` (0: off); an entry bigger than the bound is never kept."""
 
     max_bytes: int
-    bytes: int = 0
+    used_bytes: int = 0
     _entries: OrderedDict[tuple[str, bytes], bytes] = field(default_factory=OrderedDict)
     counts: dict[str, ModelCounts] = field(default_factory=dict)
     evictions: int = 0
@@ -63,13 +63,13 @@ class ResponseCache:
             return
         old = self._entries.pop(key, None)
         if old is not None:
-            self.bytes -= len(old) + ENTRY_OVERHEAD_BYTES
-        while self.bytes + size > self.max_bytes:
+            self.used_bytes -= len(old) + ENTRY_OVERHEAD_BYTES
+        while self.used_bytes + size > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)
-            self.bytes -= len(evicted) + ENTRY_OVERHEAD_BYTES
+            self.used_bytes -= len(evicted) + ENTRY_OVERHEAD_BYTES
             self.evictions += 1
         self._entries[key] = body
-        self.bytes += size
+        self.used_bytes += size
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -89,7 +89,7 @@ class ResponseCache:
             for name, c in self.counts.items()
         }
         return {
-            "bytes": self.bytes,
+            "bytes": self.used_bytes,
             "max_bytes": self.max_bytes,
             "entries": len(self._entries),
             "evictions": self.evictions,
