@@ -87,3 +87,15 @@ def test_different_models_never_share_entries(served: ServeProcess) -> None:
         assert client.request_reply("shared", model="echo")["cached"] is True
         other = [client.request_reply("shared", model="other") for _ in range(2)]
     assert all(r["ok"] and "cached" not in r for r in other)  # other has no cache = true
+
+
+def test_the_config_files_cache_key_turns_it_on(tmp_path: Any) -> None:
+    config = tmp_path / "batcher.toml"
+    config.write_text("cache-bytes = 100000\n[models.echo]\ncache = true\n")
+    args = ["--config", str(config), "--model", ECHO, "--workers", "1"]
+    with ServeProcess(args) as serve:
+        serve.wait_ready(1)
+        with Client(serve.frontend, timeout_s=10) as client:
+            client.request("again", model="echo")
+            reply = client.request_reply("again", model="echo")
+    assert reply["cached"] is True and reply["output"] == "again"

@@ -221,9 +221,12 @@ class Frontend:
             log.debug("reply to a vanished client dropped: %s", exc)
             return False
 
-    def send_batch_replies(self, requests: list[QueuedRequest], replies: list[Any]) -> None:
-        """Send a batch's replies, each to its client (one gone or not reading is counted)."""
+    def send_batch_replies(self, requests: list[QueuedRequest], replies: list[Any], errors: Any = 0) -> None:
+        """Send a batch's replies, each to its client (one gone or not reading is counted);
+        the response cache keeps those of a batch that counts no error."""
         failed = send_replies(self.sock, requests, replies)
+        if self.cache is not None and not errors:
+            self.cache.store(requests, replies)
         if failed:
             self.stats.undeliverable += failed
             log.debug("%d replies to vanished clients dropped", failed)

@@ -271,10 +271,7 @@ class Broker:
         clients.end_stream = self.workers.end_stream
         clients.on_stop = self._note_stop
         self.tracer = clients.tracer = self.workers.tracer = start_broker_tracing(settings)
-        self.cache = None
-        if settings.cache_bytes and settings.cache_models:
-            self.cache = BrokerCache(settings.cache_bytes, frozenset(settings.cache_models))
-            clients.cache = self.workers.cache = self.cache
+        self.cache = clients.cache = self.workers.cache = response_cache(settings)
         self._limit_s = None if settings.batch_timeout_ms is None else settings.batch_timeout_ms / 1000.0
         self._limits_armed = False  # whether the time-limit check is on the timer heap
         self._start_timers()
@@ -506,6 +503,13 @@ def traced_batch(
     ]
     stats.metrics.queue_waits_ms(batch.model, queue_ms, exemplars)
     return protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests], traceparent)
+
+
+def response_cache(settings: BrokerSettings) -> BrokerCache | None:
+    """The response cache, when --cache-bytes bounds one and a model asks for it."""
+    if settings.cache_bytes and settings.cache_models:
+        return BrokerCache(settings.cache_bytes, frozenset(settings.cache_models))
+    return None
 
 
 def router(ctx: zmq.Context[Any], max_message_bytes: int) -> zmq.Socket[Any]:

@@ -80,7 +80,9 @@ def broker_settings(
     names = tuple(dict.fromkeys(map(served_name, models))) if models else BrokerSettings().models
     fixed = given_outside_file(click.get_current_context(silent=True), BATCH_KEYS)
     try:
-        per_model = load_config(config).model_settings(batching, fixed) if config else {}
+        file = load_config(config) if config else None
+        per_model = file.model_settings(batching, fixed) if file else {}
+        cached = (*map(served_name, broker_opts.cache_model), *(file.cached_models() if file else ()))
         return BrokerSettings(
             frontend=frontend,
             backend=backend,
@@ -99,7 +101,7 @@ def broker_settings(
             no_worker_timeout_ms=broker_opts.no_worker_timeout_ms,
             target_utilization=broker_opts.target_utilization,
             cache_bytes=broker_opts.cache_bytes,
-            cache_models=tuple(map(served_name, broker_opts.cache_model)),
+            cache_models=tuple(dict.fromkeys(cached)),
         )
     except (ValueError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
