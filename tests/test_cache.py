@@ -99,3 +99,21 @@ def test_the_config_files_cache_key_turns_it_on(tmp_path: Any) -> None:
             client.request("again", model="echo")
             reply = client.request_reply("again", model="echo")
     assert reply["cached"] is True and reply["output"] == "again"
+
+
+def test_the_cache_metrics() -> None:
+    import urllib.request
+
+    from batcher.serve.launcher import free_tcp_address
+
+    port = free_tcp_address().rsplit(":", 1)[1]
+    args = ["--model", ECHO, "--workers", "1", "--cache-bytes", "100000", "--cache-model", "echo"]
+    with ServeProcess([*args, "--metrics-port", port]) as serve:
+        serve.wait_ready(1)
+        with Client(serve.frontend, timeout_s=10) as client:
+            for _ in range(3):
+                client.request("m", model="echo")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'batcher_cache_hits_total{model="echo"} 2.0' in text
+    assert 'batcher_cache_misses_total{model="echo"} 1.0' in text
+    assert "batcher_cache_bytes " in text and "batcher_cache_bytes 0.0" not in text

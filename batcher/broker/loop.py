@@ -27,7 +27,7 @@ from batcher.broker.backend import Backend
 from batcher.broker.control import Controls
 from batcher.broker.frontend import Frontend
 from batcher.broker.metrics import PrometheusMetrics
-from batcher.broker.response_cache import BrokerCache
+from batcher.broker.response_cache import BrokerCache, CacheCollector
 from batcher.broker.stats import BrokerStats, gauges
 from batcher.core.admission import SHUTTING_DOWN_MESSAGE
 from batcher.core.drain import Drain, DrainVerdict
@@ -271,7 +271,7 @@ class Broker:
         clients.end_stream = self.workers.end_stream
         clients.on_stop = self._note_stop
         self.tracer = clients.tracer = self.workers.tracer = start_broker_tracing(settings)
-        self.cache = clients.cache = self.workers.cache = response_cache(settings)
+        self.cache = clients.cache = self.workers.cache = response_cache(settings, self.stats.metrics)
         self._limit_s = None if settings.batch_timeout_ms is None else settings.batch_timeout_ms / 1000.0
         self._limits_armed = False  # whether the time-limit check is on the timer heap
         self._start_timers()
@@ -505,11 +505,15 @@ def traced_batch(
     return protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests], traceparent)
 
 
-def response_cache(settings: BrokerSettings) -> BrokerCache | None:
-    """The response cache, when --cache-bytes bounds one and a model asks for it."""
-    if settings.cache_bytes and settings.cache_models:
-        return BrokerCache(settings.cache_bytes, frozenset(settings.cache_models))
-    return None
+def response_cache(settings: BrokerSettings, metrics: Any) -> BrokerCache | None:
+    """The response cache, when --cache-bytes bounds one and a model asks for it (its
+    metrics on the Prometheus endpoint when there is one)."""
+    if not (settings.cache_bytes and settings.cache_models):
+        return None
+    cache = BrokerCache(settings.cache_bytes, frozenset(settings.cache_models))
+    if isinstance(metrics, PrometheusMetrics):
+        metrics.registry.register(CacheCollector(cache))
+    return cache
 
 
 def router(ctx: zmq.Context[Any], max_message_bytes: int) -> zmq.Socket[Any]:

@@ -66,3 +66,39 @@ class BrokerCache:
         """A READY's `deterministic: false` takes its model out of the cache for good."""
         if isinstance(info, dict) and info.get("deterministic") is False:
             self.nondeterministic.add(model)
+
+
+class CacheCollector:
+    """The cache's Prometheus metrics, read at scrape time (from prometheus_client's thread:
+    a table the loop changed under it is read again): batcher_cache_hits_total{model},
+    batcher_cache_misses_total{model}, batcher_cache_bytes."""
+
+    def __init__(self, cache: BrokerCache) -> None:
+        self.cache = cache
+
+    def collect(self) -> Any:
+        """The three families."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        for _ in range(5):
+            try:
+                counts = [(name, c.hits, c.misses) for name, c in list(self.cache.lru.counts.items())]
+                break
+            except RuntimeError:
+                continue
+        else:
+            counts = []
+        hits = CounterMetricFamily(
+            "batcher_cache_hits", "Requests answered from the response cache", labels=["model"]
+        )
+        misses = CounterMetricFamily(
+            "batcher_cache_misses", "Requests of a cached model not found in the cache", labels=["model"]
+        )
+        for name, hit, miss in counts:
+            hits.add_metric([name], hit)
+            misses.add_metric([name], miss)
+        yield hits
+        yield misses
+        yield GaugeMetricFamily(
+            "batcher_cache_bytes", "Bytes the response cache holds", value=self.cache.lru.used_bytes
+        )
