@@ -181,3 +181,22 @@ class SampledTripleWidth(TripleWidth):
         import numpy as np
 
         return np.ones(3, np.float32)
+
+
+class Counting:
+    """Not deterministic (it says so: `deterministic = False`): each output is a new count."""
+
+    deterministic = False
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, inputs: list[Any]) -> list[Any]:
+        out = []
+        for _ in inputs:
+            self.n += 1
+            out.append(self.n)
+        return out
+
+
+counting = Counting()

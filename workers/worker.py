@@ -357,6 +357,7 @@ class Worker(BatchRunner):
             cost_ms=self.cost_ms,
             max_active=max_active,
             warmup_error=self.warmup_error,
+            deterministic=getattr(self.model, "deterministic", True) is not False,
         )
 
 

@@ -45,7 +45,7 @@ class Backend:
         deliver: Callable[[list[bytes], bytes], bool],
         reply_error: Callable[[QueuedRequest, str, ErrorCode, str], None],
         fail_batch: Callable[[Batch, ErrorCode, str], None],
-        deliver_batch: Callable[[list[QueuedRequest], list[Any]], None],
+        deliver_batch: Callable[[list[QueuedRequest], list[Any], Any], None],
     ) -> None:
         self.sock = sock
         self.scheduler = scheduler
@@ -59,6 +59,7 @@ class Backend:
         self.on_hung: Callable[[int], None] = lambda pid: None
         #: Set by `serve`: the worker process of this pid announced itself (READY).
         self.on_joined: Callable[[int], None] = lambda pid: None
+        self.cache: Any = None  #: the response cache (batcher.broker.response_cache), or None
         self.tracer: Any = None  #: the broker's spans when tracing is on (batcher.observe), else None
 
     def drain(self, now: float) -> bool:
@@ -129,6 +130,8 @@ class Backend:
         if worker_id in self.pool:  # announced again: whatever it held is lost
             self.lost(worker_id, "worker restarted during the batch")
         self.pool.joined(worker_id, info, raw.get("slots"), now)
+        if self.cache is not None:
+            self.cache.worker_said(info.model, raw)
         self.stats.metrics.worker_event(info.model, "joined")
         log.info("worker joined: %s", self.pool.name(worker_id))
         if info.warmup_error is not None:
@@ -155,12 +158,9 @@ class Backend:
             self.stats.dropped_backend += 1
             log.warning("dropped a reply for unknown batch %r from %s", batch_id, self.pool.name(worker_id))
             return
-        # Queue time as the client lives it: in the broker's queue, then in the worker's
-        # prefetch until the model began (the worker's wait also kept on its own).
-        # The worker's own count starts when it read the batch, and it reads its socket only
-        # between batches: one that arrived while the model ran waited unseen. From here,
-        # the time since dispatch less the model time bounds that wait from above (it also
-        # holds the trips to the worker and back).
+        # Queue time as the client lives it: in the broker's queue, then in the worker's prefetch
+        # until the model began. The worker counts from when it read the batch (it reads only
+        # between batches), so the time since dispatch less the model time bounds it from above.
         sent_at = batch.dispatched_at
         in_worker_ms = max(wait_ms or 0.0, (now - sent_at) * 1000.0 - infer_ms)
         requests = batch.requests
@@ -173,7 +173,7 @@ class Backend:
             self.fail_batch(batch, ErrorCode.WORKER_FAILED, f"the worker sent a malformed reply: {exc}")
             return
         # The replies first, back to back; the batch's counts after.
-        self.deliver_batch(requests, replies)
+        self.deliver_batch(requests, replies, errors)  # (kept by the response cache when none failed)
         if self.tracer is not None:
             self.tracer.batch_answered(batch_id, now, infer_ms, wait_ms, padding, errors)
         arrivals = [r.arrived_at for r in requests]

@@ -78,6 +78,8 @@ class Frontend:
         self.on_stop: Callable[[float], None] = lambda now: None
         #: The broker's spans when tracing is on (batcher.observe.broker_spans), else None.
         self.tracer: Any = None
+        #: The response cache (batcher.broker.response_cache) when --cache-bytes is set, else None.
+        self.cache: Any = None
 
     def drain(self, now: float) -> None:
         """Handle every request waiting on the frontend socket, within one budget."""
@@ -159,7 +161,15 @@ class Frontend:
                 tracer.refused(trace, verdict.req_id, model, str(verdict.code), now)
             self.refuse(envelope, verdict.req_id, verdict.code, verdict.message, model, stream)
             return
+        cache_key = None
+        if self.cache is not None and not stream and self.cache.caches(model):
+            hit, cache_key = self.cache.lookup(model, body, header.id)
+            if hit is not None:
+                self.stats.count(model, "ok")
+                self.send_to_client(envelope, hit)
+                return
         request = QueuedRequest(envelope, body, header.id, now, header.priority, verdict.deadline)
+        request.cache_key = cache_key
         request.trace = trace
         request.cost = header.cost
         request.stream = stream
@@ -233,9 +243,12 @@ class Frontend:
             log.debug("reply to a vanished client dropped: %s", exc)
             return False
 
-    def send_batch_replies(self, requests: list[QueuedRequest], replies: list[Any]) -> None:
-        """Send a batch's replies, each to its client (one gone or not reading is counted)."""
+    def send_batch_replies(self, requests: list[QueuedRequest], replies: list[Any], errors: Any = 0) -> None:
+        """Send a batch's replies, each to its client (one gone or not reading is counted);
+        the response cache keeps those of a batch that counts no error."""
         failed = send_replies(self.sock, requests, replies)
+        if self.cache is not None and not errors:
+            self.cache.store(requests, replies)
         if failed:
             self.stats.undeliverable += failed
             log.debug("%d replies to vanished clients dropped", failed)

@@ -27,6 +27,7 @@ from batcher.broker.backend import Backend
 from batcher.broker.control import Controls
 from batcher.broker.frontend import Frontend
 from batcher.broker.metrics import PrometheusMetrics
+from batcher.broker.response_cache import BrokerCache, CacheCollector
 from batcher.broker.stats import BrokerStats, gauges
 from batcher.core.admission import SHUTTING_DOWN_MESSAGE
 from batcher.core.drain import Drain, DrainVerdict
@@ -141,6 +142,16 @@ class BrokerSettings:
     #: Workers of each model in this cell (serve knows them; a plain broker does not, and
     #: then exports no batcher_desired_cells).
     cell_workers: dict[str, int] = field(default_factory=dict)
+    #: The response cache's bound (docs/operations.md, "Response cache"): 0 keeps none.
+    cache_bytes: int = setting(
+        0,
+        kind=int,
+        min=0,
+        max=MAX_MESSAGE_BYTES * 64,
+        help="Bytes of replies the broker keeps for models with cache = true (0: no cache).",
+    )
+    #: The models whose ok replies are cached (`cache = true`, --cache-model).
+    cache_models: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -261,6 +272,7 @@ class Broker:
         clients.end_stream = self.workers.end_stream
         clients.on_stop = self._note_stop
         self.tracer = clients.tracer = self.workers.tracer = start_broker_tracing(settings)
+        self.cache = clients.cache = self.workers.cache = response_cache(settings, self.stats.metrics)
         self._limit_s = None if settings.batch_timeout_ms is None else settings.batch_timeout_ms / 1000.0
         self._limits_armed = False  # whether the time-limit check is on the timer heap
         self._start_timers()
@@ -288,6 +300,7 @@ class Broker:
         return {
             "handshakes_refused": dict(watch.refused) if watch else {},
             "stopping": self._drain is not None,
+            "cache": None if self.cache is None else self.cache.lru.stats(),
         }
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -492,6 +505,17 @@ def traced_batch(
     ]
     stats.metrics.queue_waits_ms(batch.model, queue_ms, exemplars)
     return protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests], traceparent)
+
+
+def response_cache(settings: BrokerSettings, metrics: Any) -> BrokerCache | None:
+    """The response cache, when --cache-bytes bounds one and a model asks for it (its
+    metrics on the Prometheus endpoint when there is one)."""
+    if not (settings.cache_bytes and settings.cache_models):
+        return None
+    cache = BrokerCache(settings.cache_bytes, frozenset(settings.cache_models))
+    if isinstance(metrics, PrometheusMetrics):
+        metrics.registry.register(CacheCollector(cache))
+    return cache
 
 
 def router(ctx: zmq.Context[Any], max_message_bytes: int) -> zmq.Socket[Any]:

@@ -28,7 +28,7 @@ from batcher.errors import BatcherError
 #: Keys of a [models.NAME] table for the model's workers (`serve` only): the devices it
 #: is pinned to, how many workers it gets, and the file of the input its warm-up runs
 #: on (workers/warmup.py). Not batching settings.
-PLACEMENT_KEYS = ("gpus", "workers", "warmup_sample")
+PLACEMENT_KEYS = ("gpus", "workers", "warmup_sample", "cache")
 #: Keys a [models.NAME] table may hold: the fields of BatchSettings, then placement.
 MODEL_KEYS = (*(f.name for f in dataclasses.fields(BatchSettings)), *PLACEMENT_KEYS)
 
@@ -66,6 +66,7 @@ MODEL_KINDS = {
     "gpus": Kind.INT_LIST,
     "workers": Kind.INT,
     "warmup_sample": Kind.STR,
+    "cache": Kind.BOOL,
 }
 
 
@@ -173,6 +174,10 @@ class Config:
             for name, t in self.models.items()
             if "warmup_sample" in t
         }
+
+    def cached_models(self) -> tuple[str, ...]:
+        """The models whose table says `cache = true` (their ok replies are cached)."""
+        return tuple(name for name, t in self.models.items() if t.get("cache") is True)
 
     def model_workers(self) -> dict[str, int]:
         """The workers of each model whose table says (`workers = N`)."""

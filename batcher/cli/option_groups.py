@@ -276,6 +276,8 @@ class BrokerOptions:
     metrics_host: str
     batch_timeout_ms: float | None
     target_utilization: float
+    cache_bytes: int = 0
+    cache_model: tuple[str, ...] = ()
 
 
 BROKER_FLAGS = (
@@ -286,6 +288,14 @@ BROKER_FLAGS = (
     setting_option("--no-worker-timeout-ms", cls=BrokerSettings, field="no_worker_timeout_ms"),
     setting_option("--metrics-port", cls=BrokerSettings, field="metrics_port"),
     setting_option("--batch-timeout-ms", cls=BrokerSettings, field="batch_timeout_ms"),
+    setting_option("--cache-bytes", cls=BrokerSettings, field="cache_bytes"),
+    option(
+        "--cache-model",
+        multiple=True,
+        default=(),
+        help="A model whose ok replies are cached (repeatable; needs --cache-bytes; the config "
+        "file's [models.NAME] cache = true too). docs/operations.md, Response cache.",
+    ),
     option(
         "--metrics-host",
         default=BrokerSettings().metrics_host,

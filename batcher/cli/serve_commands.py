@@ -82,7 +82,9 @@ def broker_settings(
     names = tuple(dict.fromkeys(map(served_name, models))) if models else BrokerSettings().models
     fixed = given_outside_file(click.get_current_context(silent=True), BATCH_KEYS)
     try:
-        per_model = load_config(config).model_settings(batching, fixed) if config else {}
+        file = load_config(config) if config else None
+        per_model = file.model_settings(batching, fixed) if file else {}
+        cached = (*map(served_name, broker_opts.cache_model), *(file.cached_models() if file else ()))
         return BrokerSettings(
             frontend=frontend,
             backend=backend,
@@ -100,6 +102,8 @@ def broker_settings(
             batch_timeout_ms=broker_opts.batch_timeout_ms,
             no_worker_timeout_ms=broker_opts.no_worker_timeout_ms,
             target_utilization=broker_opts.target_utilization,
+            cache_bytes=broker_opts.cache_bytes,
+            cache_models=tuple(dict.fromkeys(cached)),
         )
     except (ValueError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None

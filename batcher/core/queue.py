@@ -56,6 +56,7 @@ class QueuedRequest:
     stream: bool = False  # answered chunk by chunk; its error reply says "more": false
     bucket: int | None = None  # its length bucket, with --bucket-by: batches never mix buckets
     trace: Any = None  # its trace at the broker when it is traced (batcher.observe), opaque here
+    cache_key: Any = None  # its response cache key when its reply may be cached (batcher.core.cache)
 
 
 @dataclass(slots=True, eq=False)

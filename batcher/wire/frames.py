@@ -278,6 +278,7 @@ def ready_frames(
     cost_ms: list[float] | None = None,
     max_active: int | None = None,
     warmup_error: str | None = None,
+    deterministic: bool = True,
 ) -> list[bytes]:
     """Backend READY message, a worker's first words: what it serves (and, optionally, how
     many batches it accepts at once, the broker's --worker-prefetch applying otherwise,
@@ -295,6 +296,8 @@ def ready_frames(
         info["max_active"] = max_active
     if warmup_error is not None:
         info["warmup_error"] = warmup_error[:MAX_WARMUP_ERROR_CHARS]
+    if not deterministic:  # its replies are never cached (docs/protocol.md)
+        info["deterministic"] = False
     return [WORKER_PROTOCOL, CMD_READY, _packer_pack(info)]
 
 

@@ -242,9 +242,13 @@ def test_example_config_sets_every_option(command):
     assert s.heartbeat.interval_ms == example["heartbeat_ms"]
     assert s.heartbeat.liveness == example["heartbeat_liveness"]
     assert s.metrics_port is None  # commented out in the example
+    assert s.cache_bytes == example["cache_bytes"]
+    assert s.cache_models == tuple(n for n, t in example["models"].items() if t.get("cache"))
     assert set(s.per_model) == set(example["models"]) == {"sim", "echo"}
     for name, table in example["models"].items():
         for key, value in table.items():
+            if key == "cache":  # not a batching setting: cache_models, above
+                continue
             got = getattr(s.per_model[name], key)
             assert got == (tuple(value) if key == "batch_sizes" else value), (name, key, got)
     # What the tables leave out comes from the top level.

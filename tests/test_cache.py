@@ -1,0 +1,119 @@
+"""The response cache against real processes (issue 33, item 6)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from batcher.client import Client, ModelError
+from batcher.serve.launcher import ServeProcess
+
+pytestmark = pytest.mark.timeout(90)
+
+ECHO = "echo=tests.fixture_models:flaky"
+OTHER = "other=tests.fixture_models:flaky"
+COUNTING = "counting=tests.fixture_models:counting"
+CACHE_BYTES = 20_000
+
+
+def batches(stats: dict[str, Any], model: str) -> int:
+    return int(stats["models"][model]["batches"])
+
+
+@pytest.fixture
+def served() -> Any:
+    args = [
+        "--model",
+        ECHO,
+        "--model",
+        OTHER,
+        "--model",
+        COUNTING,
+        "--cache-bytes",
+        str(CACHE_BYTES),
+        "--workers",
+        "1",
+    ]
+    for name in ("echo", "counting"):
+        args += ["--cache-model", name]
+    with ServeProcess(args) as serve:
+        serve.wait_ready(3)
+        yield serve
+
+
+def test_a_repeated_input_is_answered_from_the_cache_without_a_batch(served: ServeProcess) -> None:
+    with Client(served.frontend, timeout_s=10) as client:
+        first = client.request_reply([1, 2, 3], model="echo")
+        assert first["ok"] and "cached" not in first
+        before = client.control("stats")
+        again = client.request_reply([1, 2, 3], model="echo")
+        after = client.control("stats")
+    assert again["ok"] and again["cached"] is True
+    assert again["output"] == first["output"] == [1, 2, 3]
+    assert batches(after, "echo") == batches(before, "echo")
+    assert after["cache"]["models"]["echo"]["hits"] >= 1
+
+
+def test_the_cache_never_exceeds_its_bytes(served: ServeProcess) -> None:
+    with Client(served.frontend, timeout_s=10) as client:
+        outputs = client.request_many([f"input {i} " + "x" * 200 for i in range(400)], model="echo")
+        stats = client.control("stats")
+    assert outputs[7] == "input 7 " + "x" * 200
+    cache = stats["cache"]
+    assert 0 < cache["bytes"] <= CACHE_BYTES
+    assert cache["evictions"] > 0
+
+
+def test_a_model_that_is_not_deterministic_is_never_cached(served: ServeProcess) -> None:
+    with Client(served.frontend, timeout_s=10) as client:
+        replies = [client.request_reply("same", model="counting") for _ in range(3)]
+    assert all("cached" not in r for r in replies)
+    assert len({r["output"] for r in replies}) == 3
+
+
+def test_an_error_reply_is_never_cached(served: ServeProcess) -> None:
+    with Client(served.frontend, timeout_s=10) as client:
+        for _ in range(2):
+            with pytest.raises(ModelError):
+                client.request("boom", model="echo")
+        reply = client.request_reply("boom", model="echo")
+    assert not reply["ok"] and "cached" not in reply
+
+
+def test_different_models_never_share_entries(served: ServeProcess) -> None:
+    with Client(served.frontend, timeout_s=10) as client:
+        client.request("shared", model="echo")
+        assert client.request_reply("shared", model="echo")["cached"] is True
+        other = [client.request_reply("shared", model="other") for _ in range(2)]
+    assert all(r["ok"] and "cached" not in r for r in other)  # other has no cache = true
+
+
+def test_the_config_files_cache_key_turns_it_on(tmp_path: Any) -> None:
+    config = tmp_path / "batcher.toml"
+    config.write_text("cache-bytes = 100000\n[models.echo]\ncache = true\n")
+    args = ["--config", str(config), "--model", ECHO, "--workers", "1"]
+    with ServeProcess(args) as serve:
+        serve.wait_ready(1)
+        with Client(serve.frontend, timeout_s=10) as client:
+            client.request("again", model="echo")
+            reply = client.request_reply("again", model="echo")
+    assert reply["cached"] is True and reply["output"] == "again"
+
+
+def test_the_cache_metrics() -> None:
+    import urllib.request
+
+    from batcher.serve.launcher import free_tcp_address
+
+    port = free_tcp_address().rsplit(":", 1)[1]
+    args = ["--model", ECHO, "--workers", "1", "--cache-bytes", "100000", "--cache-model", "echo"]
+    with ServeProcess([*args, "--metrics-port", port]) as serve:
+        serve.wait_ready(1)
+        with Client(serve.frontend, timeout_s=10) as client:
+            for _ in range(3):
+                client.request("m", model="echo")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'batcher_cache_hits_total{model="echo"} 2.0' in text
+    assert 'batcher_cache_misses_total{model="echo"} 1.0' in text
+    assert "batcher_cache_bytes " in text and "batcher_cache_bytes 0.0" not in text

@@ -1,0 +1,83 @@
+"""The response cache's pure rule: bounded bytes, LRU order, per-model keys."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batcher.core.cache import ENTRY_OVERHEAD_BYTES, ResponseCache, input_key
+from batcher.errors import SettingsError
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["get", "put"]), st.integers(0, 20), st.integers(0, 300)), max_size=200
+)
+
+
+@given(st.integers(0, 2000), ops)
+def test_never_exceeds_its_bytes(max_bytes: int, steps: list[tuple[str, int, int]]) -> None:
+    cache = ResponseCache(max_bytes)
+    for op, k, size in steps:
+        key = ("m", bytes([k]))
+        if op == "put":
+            cache.put(key, b"x" * size)
+        else:
+            cache.get(key)
+        assert cache.used_bytes <= max_bytes
+        assert cache.used_bytes == sum(
+            len(cache._entries[k]) + ENTRY_OVERHEAD_BYTES for k in cache.lru_order()
+        )
+
+
+@given(ops)
+def test_lru_order_matches_a_model(steps: list[tuple[str, int, int]]) -> None:
+    cache = ResponseCache(10**9)  # never full: the order alone
+    model: list[int] = []
+    for op, k, size in steps:
+        key = ("m", bytes([k]))
+        if op == "put":
+            cache.put(key, b"x" * size)
+            if k in model:
+                model.remove(k)
+            model.append(k)
+        elif cache.get(key) is not None:
+            model.remove(k)
+            model.append(k)
+    assert [key[1][0] for key in cache.lru_order()] == model
+
+
+def test_evicts_the_least_recently_used() -> None:
+    size = 100 + ENTRY_OVERHEAD_BYTES
+    cache = ResponseCache(3 * size)
+    for k in b"abc":
+        cache.put(("m", bytes([k])), b"x" * 100)
+    assert cache.get(("m", b"a")) is not None  # a is now the most recent
+    cache.put(("m", b"d"), b"x" * 100)
+    assert [k[1] for k in cache.lru_order()] == [b"c", b"a", b"d"]
+    assert cache.evictions == 1
+
+
+def test_models_and_versions_never_share_entries() -> None:
+    cache = ResponseCache(10_000)
+    cache.put(input_key("m", b"in"), b"one")
+    assert cache.get(input_key("m/2", b"in")) is None
+    assert cache.get(input_key("other", b"in")) is None
+    assert cache.get(input_key("m", b"in")) == b"one"
+    stats = cache.stats()["models"]
+    assert stats == {
+        "m/2": {"hits": 0, "misses": 1, "hit_ratio": 0.0},
+        "other": {"hits": 0, "misses": 1, "hit_ratio": 0.0},
+        "m": {"hits": 1, "misses": 0, "hit_ratio": 1.0},
+    }
+
+
+def test_an_entry_over_the_bound_is_never_kept() -> None:
+    cache = ResponseCache(100)
+    cache.put(("m", b"k"), b"x" * 100)
+    assert len(cache) == 0 and cache.used_bytes == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])
+def test_bad_bounds_are_refused(bad: object) -> None:
+    with pytest.raises(SettingsError, match="cache_bytes must be an int >= 0"):
+        ResponseCache(bad)  # type: ignore[arg-type]
