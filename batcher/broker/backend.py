@@ -325,6 +325,8 @@ class Backend:
         info = self.pool.info(worker_id)
         if info is not None:
             self.stats.metrics.worker_event(info.model, "died" if failed else "left")
+            if self.cache is not None:
+                self.cache.worker_left(info.model)
         self.stats.workers_lost += failed
         end_lost_spans(self.tracer, self.scheduler, worker_id, why, blame)
         lost = self.pool.lose(worker_id, failed, blame)

@@ -63,9 +63,16 @@ class BrokerCache:
                 self.lru.put(req.cache_key, bytes(reply))
 
     def worker_said(self, model: str, info: Any) -> None:
-        """A READY's `deterministic: false` takes its model out of the cache for good."""
+        """A worker of `model` joined: its entries go (it may run other weights, as in a
+        reload), and a READY's `deterministic: false` takes the model out for good."""
+        self.lru.drop_model(model)
         if isinstance(info, dict) and info.get("deterministic") is False:
             self.nondeterministic.add(model)
+
+    def worker_left(self, model: str) -> None:
+        """A worker of `model` left or died: its entries go, so that once a reload's old
+        workers are gone no reply of their weights is served again."""
+        self.lru.drop_model(model)
 
 
 class CacheCollector:

@@ -71,6 +71,14 @@ class ResponseCache:
         self._entries[key] = body
         self.used_bytes += size
 
+    def drop_model(self, model: str) -> int:
+        """Forget every entry of `model` (its workers changed: a new one may run other
+        weights, as after a reload); returns how many there were."""
+        keys = [key for key in self._entries if key[0] == model]
+        for key in keys:
+            self.used_bytes -= len(self._entries.pop(key)) + ENTRY_OVERHEAD_BYTES
+        return len(keys)
+
     def __len__(self) -> int:
         return len(self._entries)
 

@@ -142,6 +142,7 @@ def test_server_metadata_names_the_extensions(gateway: Callable[..., Gateway]) -
     assert gw.http.get_server_metadata()["extensions"] == [
         "binary_tensor_data",
         "model_configuration",
+        "model_repository",
         "statistics",
     ]
 

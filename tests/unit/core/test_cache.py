@@ -81,3 +81,31 @@ def test_an_entry_over_the_bound_is_never_kept() -> None:
 def test_bad_bounds_are_refused(bad: object) -> None:
     with pytest.raises(SettingsError, match="cache_bytes must be an int >= 0"):
         ResponseCache(bad)  # type: ignore[arg-type]
+
+
+def test_a_models_entries_are_dropped_together_and_their_bytes_freed() -> None:
+    cache = ResponseCache(10_000)
+    for i in range(3):
+        cache.put(input_key("m", b"%d" % i), b"x" * 10)
+    cache.put(input_key("m/2", b"0"), b"y" * 10)
+    cache.put(input_key("other", b"0"), b"z" * 10)
+    assert cache.drop_model("m") == 3
+    assert cache.used_bytes == 2 * (10 + ENTRY_OVERHEAD_BYTES) and len(cache) == 2
+    assert cache.get(input_key("m", b"0")) is None
+    assert cache.get(input_key("m/2", b"0")) == b"y" * 10  # another version keeps its own
+    assert cache.drop_model("m") == 0 and cache.drop_model("nothing") == 0
+
+
+@given(ops, st.sampled_from([str(i) for i in range(5)]))
+def test_dropping_a_model_leaves_exactly_the_others(steps: list[tuple[str, int, int]], dropped: str) -> None:
+    cache = ResponseCache(2_000)
+    for op, k, size in steps:
+        key = input_key(str(k % 5), b"%d" % k)
+        if op == "put":
+            cache.put(key, b"v" * size)
+        else:
+            cache.get(key)
+    kept = [key for key in cache.lru_order() if key[0] != dropped]
+    cache.drop_model(dropped)
+    assert cache.lru_order() == kept
+    assert cache.used_bytes == sum(len(cache.get(k) or b"") + ENTRY_OVERHEAD_BYTES for k in kept)

@@ -8,8 +8,9 @@ import pytest
 
 from batcher.client import Client, ModelError
 from batcher.serve.launcher import ServeProcess
+from tests.helpers import wait_until
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 ECHO = "echo=tests.fixture_models:flaky"
 OTHER = "other=tests.fixture_models:flaky"
@@ -117,3 +118,22 @@ def test_the_cache_metrics() -> None:
     assert 'batcher_cache_hits_total{model="echo"} 2.0' in text
     assert 'batcher_cache_misses_total{model="echo"} 1.0' in text
     assert "batcher_cache_bytes " in text and "batcher_cache_bytes 0.0" not in text
+
+
+def test_a_reload_drops_the_models_entries(served: ServeProcess) -> None:
+    """New workers may run new weights: once a reload has replaced the model's workers, a
+    repeated input is answered by them (a miss), then from the cache again."""
+    with Client(served.frontend, timeout_s=30) as client:
+        client.request("before", model="echo")
+        assert client.request_reply("before", model="echo").get("cached") is True
+        old = {w["worker"] for w in client.control("stats")["models"]["echo"]["worker_list"]}
+        assert client.control("reload", model="echo")["replaced"] == 1
+        wait_until(
+            lambda: not old & {w["worker"] for w in client.control("stats")["models"]["echo"]["worker_list"]},
+            20,
+            "the old worker gone",
+        )
+        first = client.request_reply("before", model="echo")
+        again = client.request_reply("before", model="echo")
+    assert first["ok"] and "cached" not in first, first
+    assert again["cached"] is True
