@@ -21,6 +21,8 @@ import time
 from collections import deque
 from typing import Any
 
+from common import md_table, write_results
+
 from batcher.client import Client
 from batcher.serve.launcher import ServeProcess
 
@@ -76,6 +78,23 @@ def main() -> None:
             stats = client.control("stats")["cache"]["models"]["sim"]
             print(f"sim at saturation: all misses {misses:.0f}/s, half hits {half:.0f}/s, "
                   f"ratio {half / misses:.2f} (target: about 2); cache {stats}")  # fmt: skip
+    rows = [
+        [
+            f"cache hit p50 - `unknown_model` refusal p50, one at a time, {rounds} rounds of {n} in turns",
+            f"median {statistics.median(diffs):+.3f} ms (rounds {', '.join(f'{d:+.3f}' for d in diffs)})",
+            "within 0.05 ms",
+        ],
+        [
+            "`sim` at saturation (64 in flight): half hits / all misses",
+            f"{half:.0f}/s / {misses:.0f}/s = {half / misses:.2f}x",
+            "about 2x",
+        ],
+    ]
+    table = md_table(["measure", "result", "target"], rows)
+    print(table)
+    data = {"hit_minus_refusal_ms": diffs, "served_per_s": {"all_misses": misses, "half_hits": half}}
+    body = f"`serve {' '.join(serve_args)}`.\n\n{table}"
+    write_results("cache", "Response cache", body, data, args.quick)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ SCRIPTS = (
     "gateway_routing",
     "streaming",
     "tracing",
+    "cache",
 )
 
 INTRO_START = "<!-- intro -->"
