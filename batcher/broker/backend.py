@@ -324,15 +324,21 @@ class Backend:
         and which have used up their retries (answered worker_failed)."""
         info = self.pool.info(worker_id)
         if info is not None:
-            self.stats.metrics.worker_event(info.model, "died" if failed else "left")
-            if self.cache is not None:
-                self.cache.worker_left(info.model)
+            worker_gone(self.stats, self.cache, info.model, failed)
         self.stats.workers_lost += failed
         end_lost_spans(self.tracer, self.scheduler, worker_id, why, blame)
         lost = self.pool.lose(worker_id, failed, blame)
         self.stats.batches_retried += lost.batches_requeued
         for model, req in lost.failed:
             self.reply_error(req, model, ErrorCode.WORKER_FAILED, why)
+
+
+def worker_gone(stats: Any, cache: Any, model: str, failed: bool) -> None:
+    """A worker of `model` died or left: counted, and the model's cached replies dropped
+    (batcher.broker.response_cache: a reload's old weights answer no more)."""
+    stats.metrics.worker_event(model, "died" if failed else "left")
+    if cache is not None:
+        cache.worker_left(model)
 
 
 def end_lost_spans(tracer: Any, scheduler: Scheduler, worker_id: bytes, why: str, blame: int | None) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from opentelemetry.trace import Link, SpanKind
 
+from batcher.observe.attributes import batch_attributes
 from batcher.observe.spans import RequestTrace, Tracer, parent_of, span_context, traceparent_of
 
 #: Open batch spans kept at most (a worker that never answers cannot grow the table).
@@ -85,16 +86,7 @@ class BrokerSpans:
         first = traced[0]
         if first.trace.queue is None:
             self.queue_ended(first, batch.model, "batched", now)
-        attempt = 1 + max(r.attempts + r.handbacks for r in batch.requests)
-        attributes = {
-            "batcher.model": batch.model,
-            "batcher.batch_id": str(batch.batch_id),
-            "batcher.batch_size": len(batch.requests),
-            "batcher.batch_cost": float(cost),
-            "batcher.worker": worker,
-            "batcher.attempt": attempt,
-            "batcher.traced_requests": len(traced),
-        }
+        attempt, attributes = batch_attributes(batch, cost, worker, len(traced))
         link = Link(first.trace.queue, {"batcher.request_id": str(first.id)})
         span = self.tracer.start("batcher.batch", first.trace.queue, now, attributes, [link])
         batch_ctx = span.get_span_context()

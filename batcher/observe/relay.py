@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import msgpack
 import zmq
 
+from batcher.observe.attributes import batch_attributes
 from batcher.observe.counters import count_dropped
 from batcher.observe.settings import TraceSettings
 from batcher.wire.tracecontext import format_traceparent, parse_traceparent, parse_tracestate, should_sample
@@ -187,16 +188,7 @@ class RelaySpans:
                 self.queue_ended(r, batch.model, "batched", now, batch=ctx)
             q = r.trace.queue
             links.append((_b(q.trace_id), q.span_id, {"batcher.request_id": str(r.id)}))
-        attempt = 1 + max(r.attempts + r.handbacks for r in batch.requests)
-        attributes = {
-            "batcher.model": batch.model,
-            "batcher.batch_id": str(batch.batch_id),
-            "batcher.batch_size": len(batch.requests),
-            "batcher.batch_cost": float(cost),
-            "batcher.worker": worker,
-            "batcher.attempt": attempt,
-            "batcher.traced_requests": len(traced),
-        }
+        attempt, attributes = batch_attributes(batch, cost, worker, len(traced))
         events = [("batcher.redispatch", self.ns(now), {"batcher.attempt": attempt})] if attempt > 1 else []
         if len(self._open) >= MAX_OPEN_BATCHES:
             self._open.pop(next(iter(self._open)))
