@@ -92,7 +92,8 @@ class ResponseCache:
             name: {
                 "hits": c.hits,
                 "misses": c.misses,
-                "hit_ratio": round(c.hits / (c.hits + c.misses), 4) if c.hits + c.misses else 0.0,
+                # (a model's counts are made by its first `get`: never both 0)
+                "hit_ratio": round(c.hits / (c.hits + c.misses), 4),
             }
             for name, c in self.counts.items()
         }

@@ -109,3 +109,39 @@ def test_dropping_a_model_leaves_exactly_the_others(steps: list[tuple[str, int, 
     cache.drop_model(dropped)
     assert cache.lru_order() == kept
     assert cache.used_bytes == sum(len(cache.get(k) or b"") + ENTRY_OVERHEAD_BYTES for k in kept)
+
+
+def test_a_key_is_the_model_and_a_16_byte_digest_of_the_input() -> None:
+    model, digest = input_key("m/2", b"input bytes")
+    assert model == "m/2" and len(digest) == 16
+    assert input_key("m/2", b"input bytes") == (model, digest)
+    assert input_key("m/2", b"other bytes")[1] != digest
+
+
+def test_an_entry_of_exactly_the_bound_is_kept() -> None:
+    cache = ResponseCache(100 + ENTRY_OVERHEAD_BYTES)
+    cache.put(("m", b"k"), b"x" * 100)
+    assert len(cache) == 1 and cache.used_bytes == cache.max_bytes
+
+
+def test_stats_count_every_hit_miss_and_eviction_per_model() -> None:
+    size = 10 + ENTRY_OVERHEAD_BYTES
+    cache = ResponseCache(2 * size)
+    a, b, c = (input_key("m", x) for x in (b"a", b"b", b"c"))
+    assert cache.get(a) is None and cache.get(a) is None  # two misses
+    cache.put(a, b"x" * 10)
+    assert cache.get(a) == b"x" * 10  # a hit
+    assert cache.get(input_key("n", b"a")) is None  # another model's miss
+    cache.put(b, b"y" * 10)
+    cache.put(c, b"z" * 10)  # evicts a
+    cache.put(input_key("n", b"a"), b"w" * 10)  # evicts b
+    assert cache.stats() == {
+        "bytes": 2 * size,
+        "max_bytes": 2 * size,
+        "entries": 2,
+        "evictions": 2,
+        "models": {
+            "m": {"hits": 1, "misses": 2, "hit_ratio": 0.3333},
+            "n": {"hits": 0, "misses": 1, "hit_ratio": 0.0},
+        },
+    }

@@ -73,8 +73,10 @@ def test_choose_two_never_takes_the_busier_of_its_two(loads: list[int], rnd: ran
 def test_choose_two_prefers_the_first_drawn_on_a_tie_and_refuses_none() -> None:
     assert choose_two(["a", "b"], lambda _: 3, lambda n: 0) == "a"
     assert choose_two(["a", "b"], lambda _: 3, lambda n: n - 1) == "b"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^no broker to choose from$"):
         choose_two([], lambda _: 0, lambda n: 0)
+    with pytest.raises(ValueError, match=r"^no broker to choose from$"):
+        choose_round_robin([], 3)
 
 
 def test_choose_two_spreads_equal_loads_evenly() -> None:
@@ -210,3 +212,35 @@ def test_a_brokers_workers_needed_come_from_its_stats_and_go_with_its_connection
     assert workers_needed_total([h, other, gone]) == {"a": 3.75, "f": 0.0}
     h.lost()
     assert h.workers_needed == {} and workers_needed_total([h, other]) == {"a": 2.25}
+
+
+def test_a_silent_broker_leaves_the_ready_and_open_tiers_and_readiness() -> None:
+    """A broker asked and not answered within a heartbeat is passed over by the first two
+    tiers (and by readiness) until it answers; one asked just now is not silent yet."""
+    healths = {"silent": ready_health("m", now=0.0), "slow": ready_health("m", now=0.0)}
+    healths["silent"].asked_at = 1.0
+    healths["slow"].asked_at = 1.4
+    order = list(healths)
+    assert eligible(order, healths.__getitem__, "m", 1.6, 0.5) == ["slow"]
+    assert eligible(order, healths.__getitem__, "n", 1.6, 0.5) == ["slow"]  # open: answering
+    assert eligible(["silent"], healths.__getitem__, "m", 1.6, 0.5) == ["silent"]  # connected
+    assert gateway_ready([healths["silent"]], 1.4, 0.5)
+    assert not gateway_ready([healths["silent"]], 1.6, 0.5)
+
+
+def test_readiness_counts_every_brokers_configured_models() -> None:
+    """A model configured on one broker and ready on none keeps the gateway not ready,
+    whichever broker comes last."""
+    stuck = BrokerHealth(connected=True)
+    stuck.heard({"models": {"c": {"configured": True}}}, 0.0)
+    assert not gateway_ready([stuck, ready_health("a")], 0.0, 0.5)
+    assert not gateway_ready([ready_health("a"), stuck], 0.0, 0.5)
+
+
+def test_a_lost_broker_forgets_its_models_and_a_junk_answer_is_not_draining() -> None:
+    h = ready_health("a")
+    h.heard(None, 1.0)
+    assert not h.draining and h.heard_at == 1.0
+    h.lost()
+    assert h.ready_models == frozenset() and h.configured_models == frozenset()
+    assert gateway_ready([h, ready_health("b")], 2.0, 0.5)  # a lost broker's models are none

@@ -15,6 +15,7 @@ from batcher.broker.loop import BrokerSettings
 from batcher.core.limits import BatchSettings
 from batcher.core.scaling import (
     ArrivalWindow,
+    Desire,
     desire,
     desired_cells,
     desired_workers,
@@ -202,3 +203,55 @@ def test_a_load_in_workers_rounds_up_to_whole_workers_and_none_to_none() -> None
         2,
         3,
     ]
+
+
+def test_the_signal_of_a_learned_cost_uses_both_coefficients() -> None:
+    settings = BatchSettings(max_batch_size=32)
+    signal = desire(640.0, (A_S, B_S), settings, 0.7, 2)
+    assert signal.workers == 3 and signal.cells == 2
+    assert signal.needed == pytest.approx(640 * (A_S + 32 * B_S) / (32 * 0.7))
+    # With no cost learned, only no load at all says something: none needed.
+    assert desire(0.5, None, settings, 0.7, 2).workers is None
+    quiet = desire(0.0, None, settings, 0.7, 2)
+    assert quiet.workers == 0 and quiet.needed == 0.0 and quiet.cells == 0
+
+
+def test_the_signal_on_the_wire_names_and_rounds_every_field() -> None:
+    assert Desire(640.12345, 32, 3, 2.857142857, 2).wire() == {
+        "offered_per_s": 640.123,
+        "scaling_batch_size": 32,
+        "desired_workers": 3,
+        "workers_needed": 2.8571,
+        "desired_cells": 2,
+    }
+    assert Desire(0.0, 8, None, None, None).wire()["workers_needed"] is None
+
+
+def test_bad_counts_and_windows_are_refused_with_their_values() -> None:
+    with pytest.raises(ValueError, match=r"^workers_per_cell must be >= 1, got 0$"):
+        desired_cells(3, 0)
+    with pytest.raises(ValueError, match=r"^batch_size must be >= 1, got 0$"):
+        workers_needed(1.0, A_S, B_S, 0, 0.7)
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match=f"^window_s must be a finite number > 0, got {bad}$"):
+            ArrivalWindow(bad)
+    assert ArrivalWindow(0.5).window_s == 0.5  # under a second is a window too
+
+
+def test_the_window_keeps_one_sample_at_or_before_its_start() -> None:
+    w = ArrivalWindow(10.0)
+    w.observe(0.0, 0)
+    w.observe(1.0, 10)
+    assert w.per_second() == pytest.approx(10.0)  # two samples are enough
+    w.observe(5.0, 50)
+    w.observe(20.0, 100)  # (0, 0) and (1, 10) fall out; (5, 50) is the one before the start
+    assert w.per_second() == pytest.approx(50 / 15)
+
+
+def test_a_sample_at_the_same_time_is_kept_and_spans_no_time() -> None:
+    w = ArrivalWindow(10.0)
+    w.observe(1.0, 5)
+    w.observe(1.0, 7)  # the same instant, a higher count: not a clock gone back
+    assert w.per_second() == 0.0
+    w.observe(2.0, 17)
+    assert w.per_second() == pytest.approx(12.0)  # from the first sample, kept

@@ -11,7 +11,9 @@ from batcher.errors import SettingsError
 from batcher.observe.settings import TraceSettings, trace_settings
 from batcher.wire import protocol
 from batcher.wire.tracecontext import (
+    MAX_TRACEPARENT_CHARS,
     MAX_TRACESTATE_CHARS,
+    MAX_TRACESTATE_MEMBERS,
     TraceParent,
     format_traceparent,
     parse_traceparent,
@@ -187,3 +189,27 @@ def test_json_log_lines_carry_the_trace_and_request_ids() -> None:
         ctx = span.get_span_context()
         current = line()
     assert (current["trace_id"], current["span_id"]) == (f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}")
+
+
+@pytest.mark.parametrize("dash", [2, 35, 52])
+def test_each_dash_of_a_traceparent_is_checked(dash: int) -> None:
+    assert parse_traceparent(GOOD[:dash] + "a" + GOOD[dash + 1 :]) is None
+
+
+def test_a_later_version_is_read_up_to_the_longest_traceparent() -> None:
+    longest = "01" + GOOD[2:] + "-" + "x" * (MAX_TRACEPARENT_CHARS - len(GOOD) - 1)
+    assert len(longest) == MAX_TRACEPARENT_CHARS
+    assert parse_traceparent(longest) == parse_traceparent(GOOD)
+    assert parse_traceparent(longest + "x") is None
+
+
+def test_tracestate_at_its_limits_is_kept() -> None:
+    most = ",".join(f"k{i}=v" for i in range(MAX_TRACESTATE_MEMBERS))
+    assert parse_tracestate(most) == most
+    longest = "a=" + "x" * 254 + ",b=" + "y" * (MAX_TRACESTATE_CHARS - 259)  # a value is <= 256
+    assert len(longest) == MAX_TRACESTATE_CHARS and parse_tracestate(longest) == longest
+
+
+def test_tracestate_members_are_trimmed_of_spaces_and_tabs_only() -> None:
+    assert parse_tracestate(" a=X\t, b=Y ") == "a=X,b=Y"
+    assert parse_tracestate("a=1\n") is None  # a newline is no optional white space
