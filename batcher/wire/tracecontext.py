@@ -26,7 +26,7 @@ _INVALID_TRACE_ID = "0" * 32
 _INVALID_SPAN_ID = "0" * 16
 #: One list member, to its very end (`\Z`: `$` would also take a member ending in a newline).
 _MEMBER = re.compile(
-    r"^(?:[a-z0-9][_0-9a-z\-*/]{0,255}|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})"
+    r"^(?P<key>[a-z0-9][_0-9a-z\-*/]{0,255}|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})"
     r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]\Z"
 )
 
@@ -102,9 +102,10 @@ def parse_tracestate(value: object) -> str | None:
         return None
     keys = set()
     for member in members:
-        if _MEMBER.match(member) is None:
+        match = _MEMBER.match(member)
+        if match is None:
             return None
-        key = member.partition("=")[0]
+        key = match["key"]
         if key in keys:
             return None
         keys.add(key)

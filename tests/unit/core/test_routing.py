@@ -75,8 +75,6 @@ def test_choose_two_prefers_the_first_drawn_on_a_tie_and_refuses_none() -> None:
     assert choose_two(["a", "b"], lambda _: 3, lambda n: n - 1) == "b"
     with pytest.raises(ValueError, match=r"^no broker to choose from$"):
         choose_two([], lambda _: 0, lambda n: 0)
-    with pytest.raises(ValueError, match=r"^no broker to choose from$"):
-        choose_round_robin([], 3)
 
 
 def test_choose_two_spreads_equal_loads_evenly() -> None:
@@ -90,6 +88,11 @@ def test_choose_two_sends_most_rows_to_the_idle_one() -> None:
     loads = {"busy": 10, "idle": 0, "mid": 5}
     counts = Counter(choose_two(list(loads), loads.__getitem__, rnd.randrange) for _ in range(3000))
     assert counts["busy"] == 0 and counts["idle"] > counts["mid"]
+
+
+def test_round_robin_refuses_no_candidates() -> None:
+    with pytest.raises(ValueError, match=r"^no broker to choose from$"):
+        choose_round_robin([], 3)
 
 
 @given(st.lists(st.text(min_size=1), min_size=1, max_size=5), st.integers(0, 100))

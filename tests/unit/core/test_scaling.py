@@ -210,6 +210,7 @@ def test_the_signal_of_a_learned_cost_uses_both_coefficients() -> None:
     signal = desire(640.0, (A_S, B_S), settings, 0.7, 2)
     assert signal.workers == 3 and signal.cells == 2
     assert signal.needed == pytest.approx(640 * (A_S + 32 * B_S) / (32 * 0.7))
+    assert desire(1000.0, (A_S, B_S), settings, 0.7, 2).workers == 5  # ceil(4.46): a counts
     # With no cost learned, only no load at all says something: none needed.
     assert desire(0.5, None, settings, 0.7, 2).workers is None
     quiet = desire(0.0, None, settings, 0.7, 2)
