@@ -14,6 +14,7 @@ from batcher.cli.options import (
     MAX_REFRESHES,
     MAX_STATS_S,
     READY_POLL_S,
+    Decorator,
     LogOptions,
     float_range,
     int_range,
@@ -189,16 +190,21 @@ def ready(
     raise click.ClickException(f"not ready after {timeout_s}s: {'; '.join(problems)}")
 
 
+def _timeout_option(op: str, default_s: float, waited_for: str) -> Decorator:
+    """`--timeout-s` of a control command (`BATCHER_<OP>_TIMEOUT_S`): how long it waits."""
+    return option(
+        "--timeout-s",
+        envvar=f"BATCHER_{op.upper()}_TIMEOUT_S",
+        type=float_range(0.1, MAX_STATS_S),
+        default=default_s,
+        help=f"How long to wait for {waited_for}.",
+    )
+
+
 @click.command("reload")
 @click.argument("model")
 @connect_option
-@option(
-    "--timeout-s",
-    envvar="BATCHER_RELOAD_TIMEOUT_S",
-    type=float_range(0.1, MAX_STATS_S),
-    default=120.0,
-    help="How long to wait for the reload: new workers loading the model, then the old draining.",
-)
+@_timeout_option("reload", 120.0, "the reload: new workers loading the model, then the old draining")
 @curve_client_options
 @logging_options
 def reload_model(
@@ -214,12 +220,7 @@ def reload_model(
     Prints the broker's answer as JSON; exits 1 with its error code and message if the
     reload failed or no answer came within --timeout-s."""
     setup(logs)
-    with curve.client(connect, timeout_s) as client:
-        try:
-            output = client.control("reload", model=model)
-        except BatcherError as exc:
-            raise click.ClickException(f"reload of {model!r} failed: {exc.code}: {exc.message}") from None
-    click.echo(strict_json(output, indent=2))
+    _ask("reload", model, connect, timeout_s, curve)
 
 
 def _ask(op: str, model: str, connect: str, timeout_s: float, curve: ClientKeys, **fields: Any) -> None:
@@ -250,13 +251,7 @@ def parse_split(weights: Iterable[str]) -> dict[str, int] | None:
 @click.argument("model")
 @click.argument("weights", nargs=-1)
 @connect_option
-@option(
-    "--timeout-s",
-    envvar="BATCHER_SPLIT_TIMEOUT_S",
-    type=float_range(0.1, MAX_STATS_S),
-    default=5.0,
-    help="How long to wait for the broker.",
-)
+@_timeout_option("split", 5.0, "the broker")
 @curve_client_options
 @logging_options
 def split_model(
@@ -273,13 +268,7 @@ def _repository_command(op: str, doc: str) -> click.Command:
     @click.command(op, help=doc)
     @click.argument("model")
     @connect_option
-    @option(
-        "--timeout-s",
-        envvar=f"BATCHER_{op.upper()}_TIMEOUT_S",
-        type=float_range(0.1, MAX_STATS_S),
-        default=120.0,
-        help=f"How long to wait for the {op}: new workers loading, or old ones draining.",
-    )
+    @_timeout_option(op, 120.0, f"the {op}: new workers loading, or old ones draining")
     @curve_client_options
     @logging_options
     def command(model: str, connect: str, timeout_s: float, curve: ClientKeys, logs: LogOptions) -> None:
