@@ -175,7 +175,7 @@ async def _start_grpc(
         ],
     )
     add_service(server, gateway)
-    where = f"{settings.host}:{settings.grpc_port}"
+    where = grpc_address(settings.host, settings.grpc_port)
     try:
         if tls is None:
             port = server.add_insecure_port(where)
@@ -188,6 +188,14 @@ async def _start_grpc(
         raise BindError(f"cannot listen for gRPC on {where}")
     await server.start()
     return server
+
+
+def grpc_address(host: str, port: int) -> str:
+    """`host:port` as grpcio reads it: an IPv6 address in brackets (`[::1]:8001`), which
+    it would otherwise take for a host name ending in a port."""
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
 
 
 def run(

@@ -76,3 +76,13 @@ def test_rows_of_tensors_take_the_fast_path(monkeypatch: Any) -> None:
 
     monkeypatch.setattr(protocol, "pack_carrying", refuse)
     assert [pack_request({"id": 7, "model": "m", "input": row}) for row in rows] == expected
+
+
+def test_the_grpc_address_brackets_an_ipv6_host() -> None:
+    from batcher.gateway.server import grpc_address
+
+    assert grpc_address("127.0.0.1", 8001) == "127.0.0.1:8001"
+    assert grpc_address("localhost", 8001) == "localhost:8001"
+    assert grpc_address("::1", 8001) == "[::1]:8001"
+    assert grpc_address("::", 0) == "[::]:0"
+    assert grpc_address("[::1]", 8001) == "[::1]:8001"  # already bracketed
