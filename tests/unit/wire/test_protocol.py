@@ -955,3 +955,31 @@ def test_arrays_are_plain_payloads_alone_and_in_flat_maps_and_lists() -> None:
     a = np.zeros(3, np.float32)
     assert all(codec._plain_payload(p) for p in (a, {"x": a}, [a, b"raw"]))
     assert not codec._plain_payload({"x": {"y": a}})
+
+
+# --- protocol: `stream` ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_stream_true_or_false_is_read(value: bool) -> None:
+    body = protocol.pack({"id": 1, "input": 1, "stream": value})
+    assert protocol.read_header(body).stream is value
+    assert protocol.parse_request(body)[0].stream is value
+    assert protocol.read_header(protocol.pack({"id": 1, "input": 1})).stream is False
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", "true", None, [True], 1.0])
+def test_stream_must_be_a_bool(value: Any) -> None:
+    body = protocol.pack({"id": 9, "input": 1, "stream": value})
+    for read in (protocol.read_header, lambda b: protocol.parse_request(b)[0]):
+        with pytest.raises(ProtocolError) as info:
+            read(body)
+        assert info.value.code == ErrorCode.BAD_REQUEST
+        assert info.value.message.startswith("stream must be true or false")
+        assert info.value.req_id == 9
+
+
+def test_an_error_reply_ending_a_stream_says_more_false() -> None:
+    reply = protocol.unpack(protocol.error_reply(3, ErrorCode.CANCELLED, "gone", stream=True))
+    assert reply == {"id": 3, "ok": False, "error": {"code": "cancelled", "message": "gone"}, "more": False}
+    assert "more" not in protocol.unpack(protocol.error_reply(3, ErrorCode.CANCELLED, "gone"))

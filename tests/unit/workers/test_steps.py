@@ -1,6 +1,7 @@
 """A step-level worker's runner without sockets (workers/steps.py StepRunner, with the
-simulated generative model workers/models.py SimLM at zero step time), and the wire
-pieces of step-level workers (batcher/wire/protocol.py: CHUNK headers, `stream`)."""
+simulated generative model workers/models.py SimLM at zero step time). The wire pieces
+of step-level workers are tested with their modules: CHUNK headers in
+tests/unit/wire/test_frames.py, `stream` in tests/unit/wire/test_protocol.py."""
 
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ from batcher.wire.protocol import (
     CHUNK_FINAL,
     CHUNK_MORE,
     ErrorCode,
-    ProtocolError,
-    WorkerProtocolError,
 )
 from workers.models import SimLM, SimSettings, _simlm_input
 from workers.steps import BadInput, BatchingLevel, StepRunner, is_step_model
@@ -407,106 +406,6 @@ def test_simlm_input() -> None:
             _simlm_input(bad)
     verdicts = sim().start([(1, {"tokens": 0}), (2, 2)])
     assert isinstance(verdicts[0], BadInput) and verdicts[1] is None
-
-
-# --- protocol: CHUNK headers ------------------------------------------------------------------
-
-
-def test_chunk_frames_round_trip() -> None:
-    frames = protocol.chunk_frames(
-        [1, 2, 3],
-        [CHUNK_MORE, CHUNK_DROPPED, CHUNK_ERROR],
-        [b"ab", b"", b"cde"],
-        {"active": 2, "step_ms": 1.5},
-    )
-    header = protocol.parse_chunk_header(frames[2])
-    assert header == (
-        [1, 2, 3],
-        [CHUNK_MORE, CHUNK_DROPPED, CHUNK_ERROR],
-        [2, 0, 3],
-        {"active": 2, "step_ms": 1.5},
-    )
-    assert protocol.split_bodies(header.lengths, frames[3:]) == [b"ab", b"", b"cde"]
-
-
-@pytest.mark.parametrize(
-    "header",
-    [
-        [[1], [CHUNK_FINAL], [0], {}],  # an empty final reply
-        [[1], [CHUNK_MORE], [0], {}],
-        [[1], [CHUNK_ERROR], [0], {}],
-        [[1], [CHUNK_DROPPED], [3], {}],  # a dropped entry has no body
-        [[1], [4], [3], {}],
-        [[1], [-1], [3], {}],
-        [[1], [True], [3], {}],
-        [[1], [1.0], [3], {}],
-        [[1], [CHUNK_FINAL, CHUNK_FINAL], [3], {}],  # counts disagree
-        [[1, 2], [CHUNK_FINAL], [3], {}],
-        [[1], [CHUNK_FINAL], [3, 3], {}],
-        [[1], [CHUNK_FINAL], [True], {}],
-        [[1], [CHUNK_FINAL], [3.0], {}],
-        [[-1], [CHUNK_FINAL], [3], {}],
-        [[2**63], [CHUNK_FINAL], [3], {}],
-        [["1"], [CHUNK_FINAL], [3], {}],
-        [[1], [CHUNK_FINAL], [3], {"bogus": 1}],
-        [[1], [CHUNK_FINAL], [3], {"active": -1}],
-        [[1], [CHUNK_FINAL], [3], {"active": True}],
-        [[1], [CHUNK_FINAL], [3], {"active": "x"}],
-        [[1], [CHUNK_FINAL], [3], {"active": float("nan")}],
-        [[1], [CHUNK_FINAL], [3], {"step_ms": 1e16}],
-        [[1], [CHUNK_FINAL], [3], []],
-        [[1], [CHUNK_FINAL], [3]],
-        [[1], [CHUNK_FINAL], [3], {}, 0],
-        {"seq_ids": [1]},
-        5,
-        None,
-        [1, [CHUNK_FINAL], [3], {}],
-        [[1], CHUNK_FINAL, [3], {}],
-        [[1], [CHUNK_FINAL], 3, {}],
-    ],
-)
-def test_parse_chunk_header_rejects(header: Any) -> None:
-    with pytest.raises(WorkerProtocolError, match="CHUNK"):
-        protocol.parse_chunk_header(protocol.pack(header))
-
-
-def test_parse_chunk_header_rejects_broken_msgpack() -> None:
-    with pytest.raises(WorkerProtocolError, match="not valid msgpack"):
-        protocol.parse_chunk_header(b"\xc1")
-
-
-@pytest.mark.parametrize("flag", [CHUNK_FINAL, CHUNK_MORE, CHUNK_ERROR])
-def test_parse_chunk_header_rejects_a_negative_length(flag: int) -> None:
-    with pytest.raises(WorkerProtocolError):
-        protocol.parse_chunk_header(protocol.pack([[1], [flag], [-1], {}]))
-
-
-# --- protocol: `stream` ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("value", [True, False])
-def test_stream_true_or_false_is_read(value: bool) -> None:
-    body = protocol.pack({"id": 1, "input": 1, "stream": value})
-    assert protocol.read_header(body).stream is value
-    assert protocol.parse_request(body)[0].stream is value
-    assert protocol.read_header(protocol.pack({"id": 1, "input": 1})).stream is False
-
-
-@pytest.mark.parametrize("value", [1, 0, "yes", "true", None, [True], 1.0])
-def test_stream_must_be_a_bool(value: Any) -> None:
-    body = protocol.pack({"id": 9, "input": 1, "stream": value})
-    for read in (protocol.read_header, lambda b: protocol.parse_request(b)[0]):
-        with pytest.raises(ProtocolError) as info:
-            read(body)
-        assert info.value.code == ErrorCode.BAD_REQUEST
-        assert info.value.message.startswith("stream must be true or false")
-        assert info.value.req_id == 9
-
-
-def test_an_error_reply_ending_a_stream_says_more_false() -> None:
-    reply = protocol.unpack(protocol.error_reply(3, ErrorCode.CANCELLED, "gone", stream=True))
-    assert reply == {"id": 3, "ok": False, "error": {"code": "cancelled", "message": "gone"}, "more": False}
-    assert "more" not in protocol.unpack(protocol.error_reply(3, ErrorCode.CANCELLED, "gone"))
 
 
 # --- what an outsider's attack found -----------------------------------------------------------

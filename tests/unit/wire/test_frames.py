@@ -1,0 +1,137 @@
+"""The backend messages' frames (batcher/wire/frames.py): READY, START, CANCEL, CHUNK and
+REPLY headers as the worker writes them and the broker reads them, every number checked."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import zmq
+
+from batcher.wire import protocol
+from batcher.wire.codes import CMD_CANCEL, CMD_READY, CMD_START, WORKER_PROTOCOL
+from batcher.wire.frames import MAX_WARMUP_ERROR_CHARS, parse_reply_header, split_bodies, split_replies
+from batcher.wire.protocol import (
+    CHUNK_DROPPED,
+    CHUNK_ERROR,
+    CHUNK_FINAL,
+    CHUNK_MORE,
+    WorkerProtocolError,
+)
+
+# --- protocol: CHUNK headers ------------------------------------------------------------------
+
+
+def test_chunk_frames_round_trip() -> None:
+    frames = protocol.chunk_frames(
+        [1, 2, 3],
+        [CHUNK_MORE, CHUNK_DROPPED, CHUNK_ERROR],
+        [b"ab", b"", b"cde"],
+        {"active": 2, "step_ms": 1.5},
+    )
+    header = protocol.parse_chunk_header(frames[2])
+    assert header == (
+        [1, 2, 3],
+        [CHUNK_MORE, CHUNK_DROPPED, CHUNK_ERROR],
+        [2, 0, 3],
+        {"active": 2, "step_ms": 1.5},
+    )
+    assert protocol.split_bodies(header.lengths, frames[3:]) == [b"ab", b"", b"cde"]
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        [[1], [CHUNK_FINAL], [0], {}],  # an empty final reply
+        [[1], [CHUNK_MORE], [0], {}],
+        [[1], [CHUNK_ERROR], [0], {}],
+        [[1], [CHUNK_DROPPED], [3], {}],  # a dropped entry has no body
+        [[1], [4], [3], {}],
+        [[1], [-1], [3], {}],
+        [[1], [True], [3], {}],
+        [[1], [1.0], [3], {}],
+        [[1], [CHUNK_FINAL, CHUNK_FINAL], [3], {}],  # counts disagree
+        [[1, 2], [CHUNK_FINAL], [3], {}],
+        [[1], [CHUNK_FINAL], [3, 3], {}],
+        [[1], [CHUNK_FINAL], [True], {}],
+        [[1], [CHUNK_FINAL], [3.0], {}],
+        [[-1], [CHUNK_FINAL], [3], {}],
+        [[2**63], [CHUNK_FINAL], [3], {}],
+        [["1"], [CHUNK_FINAL], [3], {}],
+        [[1], [CHUNK_FINAL], [3], {"bogus": 1}],
+        [[1], [CHUNK_FINAL], [3], {"active": -1}],
+        [[1], [CHUNK_FINAL], [3], {"active": True}],
+        [[1], [CHUNK_FINAL], [3], {"active": "x"}],
+        [[1], [CHUNK_FINAL], [3], {"active": float("nan")}],
+        [[1], [CHUNK_FINAL], [3], {"step_ms": 1e16}],
+        [[1], [CHUNK_FINAL], [3], []],
+        [[1], [CHUNK_FINAL], [3]],
+        [[1], [CHUNK_FINAL], [3], {}, 0],
+        {"seq_ids": [1]},
+        5,
+        None,
+        [1, [CHUNK_FINAL], [3], {}],
+        [[1], CHUNK_FINAL, [3], {}],
+        [[1], [CHUNK_FINAL], 3, {}],
+    ],
+)
+def test_parse_chunk_header_rejects(header: Any) -> None:
+    with pytest.raises(WorkerProtocolError, match="CHUNK"):
+        protocol.parse_chunk_header(protocol.pack(header))
+
+
+def test_parse_chunk_header_rejects_broken_msgpack() -> None:
+    with pytest.raises(WorkerProtocolError, match="not valid msgpack"):
+        protocol.parse_chunk_header(b"\xc1")
+
+
+@pytest.mark.parametrize("flag", [CHUNK_FINAL, CHUNK_MORE, CHUNK_ERROR])
+def test_parse_chunk_header_rejects_a_negative_length(flag: int) -> None:
+    with pytest.raises(WorkerProtocolError):
+        protocol.parse_chunk_header(protocol.pack([[1], [flag], [-1], {}]))
+
+
+# --- READY, START, CANCEL ----------------------------------------------------------------------
+
+
+def test_ready_carries_every_field_it_is_given_and_only_those() -> None:
+    frames = protocol.ready_frames(
+        "m", 1, 42, slots=2, signature={"inputs": []}, cost_ms=[20.0, 2.5], max_active=8,
+        warmup_error="x" * (MAX_WARMUP_ERROR_CHARS + 10), deterministic=False,
+    )  # fmt: skip
+    assert frames[:2] == [WORKER_PROTOCOL, CMD_READY]
+    assert protocol.unpack(frames[2]) == {
+        "model": "m", "gpu": 1, "pid": 42, "slots": 2, "signature": {"inputs": []},
+        "cost_ms": [20.0, 2.5], "max_active": 8, "warmup_error": "x" * MAX_WARMUP_ERROR_CHARS,
+        "deterministic": False,
+    }  # fmt: skip
+    assert protocol.unpack(protocol.ready_frames("m", None, 7)[2]) == {"model": "m", "gpu": None, "pid": 7}
+
+
+def test_start_and_cancel_carry_their_sequences() -> None:
+    frames = protocol.start_frames([4, 5], [None, 12.5], [b"ab", b"cde"])
+    assert frames[:2] == [WORKER_PROTOCOL, CMD_START]
+    assert protocol.unpack(frames[2]) == [[4, 5], [None, 12.5], [2, 3]]
+    assert split_bodies([2, 3], frames[3:]) == [b"ab", b"cde"]
+    assert protocol.cancel_frames([4, 9]) == [WORKER_PROTOCOL, CMD_CANCEL, protocol.pack([4, 9])]
+
+
+# --- REPLY headers and bodies ------------------------------------------------------------------
+
+
+def test_a_reply_header_may_count_zero_of_one_kind_of_error() -> None:
+    header = parse_reply_header(protocol.pack([1, 2.0, [3, 3], {"model_error": 0, "bad_request": 1}]))
+    assert header.errors == 1 and header.refused == 1
+
+
+def test_a_reply_header_takes_large_padding_counts() -> None:
+    header = parse_reply_header(protocol.pack([1, 2.0, [3], 0, None, [10**12, 10**6]]))
+    assert header.padding == (10**12, 10**6)
+    with pytest.raises(WorkerProtocolError, match="padding"):
+        parse_reply_header(protocol.pack([1, 2.0, [3], 0, None, [2**63, 1]]))
+
+
+def test_joined_replies_are_cut_from_a_zmq_frame_too() -> None:
+    for blob in (b"abcdef", zmq.Frame(b"abcdef")):
+        assert split_replies([1, 2, 3], blob) == [b"a", b"bc", b"def"]
+        assert split_bodies([1, 2, 3], [blob]) == [b"a", b"bc", b"def"]
