@@ -519,3 +519,56 @@ def test_a_large_body_msgspec_cannot_read_as_a_map_of_str_keys_decodes_as_usual(
     assert tensor.unpack_arrays(reply) == {1: b"x" * (2 * LARGE), "id": 4}
     with pytest.raises(msgspec.ValidationError):
         tensor.unpack_viewing(reply, "output", tensor.arrays_hook)
+
+
+# --- the survivors of mutation testing -------------------------------------------------------
+
+
+def test_without_numpy_a_tensor_as_an_array_says_what_installs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "numpy", None)  # `import numpy` now fails
+    with pytest.raises(ModuleNotFoundError) as info:
+        tensor.to_array({"datatype": "FP32", "shape": [1], "data": b"\0\0\0\0"})
+    assert str(info.value).startswith("tensors as arrays need numpy: pip install 'batcher[tensors]' (")
+    assert info.value.name == "numpy"
+
+
+def test_bool_data_is_checked_without_numpy_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(__import__("sys").modules, "numpy")  # the broker's case: none loaded
+    tensor.check_bool(b"\x00\x01\x01")
+    tensor.check_bool(memoryview(b"\x01\x00"))
+    for data in (b"\x00\x01\x02", memoryview(b"\x00\x01\x02")):
+        with pytest.raises(TensorError, match="only bytes 0 and 1, got 2 at byte 2"):
+            tensor.check_bool(data)
+    with pytest.raises(TensorError, match="got 88 at byte 0"):
+        tensor.check_bool(b"X\x01")  # a byte of the mark's own letters is no truth value either
+
+
+def test_a_viewed_body_keeps_int_keys_and_views_only_its_key() -> None:
+    body = protocol.ok_reply(1, np.arange(LARGE, dtype=np.float32), {"meta": {1: "a"}})
+    got = tensor.unpack_viewing(body, "output", tensor.arrays_hook)
+    assert got["meta"] == {1: "a"}  # int keys, as protocol.unpack reads them
+    start, end = _address_range(body)
+    assert start <= got["output"].ctypes.data < end
+    other = protocol.pack(
+        {"output": 1, "input": {"datatype": "FP32", "shape": [LARGE], "data": b"\0" * 4 * LARGE}}
+    )
+    kept = tensor.unpack_viewing(other, "output", tensor.arrays_hook)["input"]
+    s, e = _address_range(other)
+    assert not s <= kept.ctypes.data < e  # not the key: decoded the usual way, not viewed
+
+
+def test_a_tensor_the_hook_leaves_a_map_gets_its_data_as_bytes() -> None:
+    body = protocol.ok_reply(1, np.arange(LARGE, dtype=np.float32))
+    got = tensor.unpack_viewing(body, "output", lambda value: value)["output"]
+    assert type(got["data"]) is bytes and len(got["data"]) == 4 * LARGE
+
+
+def test_a_reply_of_exactly_the_view_size_is_viewed() -> None:
+    def reply(n: int) -> bytes:
+        return protocol.ok_reply(1, np.zeros(n, dtype=np.uint8))
+
+    n = tensor.VIEW_BYTES - (len(reply(tensor.VIEW_BYTES)) - tensor.VIEW_BYTES)
+    body = reply(n)
+    assert len(body) == tensor.VIEW_BYTES
+    start, end = _address_range(body)
+    assert start <= tensor.unpack_arrays(body)["output"].ctypes.data < end
