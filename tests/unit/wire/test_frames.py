@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from batcher.wire import protocol
-from batcher.wire.codes import CMD_CANCEL, CMD_READY, CMD_START, WORKER_PROTOCOL
+from batcher.wire.codes import CMD_CANCEL, CMD_READY, CMD_START, MAX_COST, WORKER_PROTOCOL
 from batcher.wire.frames import MAX_WARMUP_ERROR_CHARS, parse_reply_header, split_bodies, split_replies
 from batcher.wire.protocol import (
     CHUNK_DROPPED,
@@ -135,3 +135,27 @@ def test_joined_replies_are_cut_from_a_zmq_frame_too() -> None:
     for blob in (b"abcdef", zmq.Frame(b"abcdef")):
         assert split_replies([1, 2, 3], blob) == [b"a", b"bc", b"def"]
         assert split_bodies([1, 2, 3], [blob]) == [b"a", b"bc", b"def"]
+
+
+def test_chunk_headers_at_their_limits_are_read() -> None:
+    assert protocol.parse_chunk_header(protocol.pack([[], [], [], {}])) == ([], [], [], {})
+    header = [[0, 2**63 - 1], [CHUNK_MORE, CHUNK_FINAL], [1, 1], {"active": 0, "step_ms": MAX_COST}]
+    assert protocol.parse_chunk_header(protocol.pack(header)) == tuple(header)
+
+
+def test_a_bad_chunk_header_says_what_in_200_characters_at_most() -> None:
+    long_ids = list(range(10**6, 10**6 + 100))
+    cases = [
+        ([long_ids], "CHUNK header must be [seq_ids, flags, lengths, counters], got "),
+        ([[-1, *long_ids], [], [], {}], "CHUNK seq_ids must be ints in [0, 2**63), got "),
+        ([long_ids, [9] * 100, [], {}], "CHUNK flags must be 100 of 0, 1, 2 or 3, got "),
+        ([[1], [CHUNK_MORE], [-1, *long_ids], {}], "CHUNK lengths must be 1 ints, 0 for a dropped entry"),
+        ([[1], [CHUNK_MORE], [1], {"bogus": long_ids}], "CHUNK counters must map active, waiting, steps, "),
+    ]
+    for header, start in cases:
+        with pytest.raises(WorkerProtocolError) as info:
+            protocol.parse_chunk_header(protocol.pack(header))
+        assert str(info.value).startswith(start) and len(str(info.value)) == 200, str(info.value)
+    with pytest.raises(WorkerProtocolError, match="not valid msgpack: ") as broken:
+        protocol.parse_chunk_header(b"\xc1")
+    assert "None" not in str(broken.value)  # says what msgpack found wrong
