@@ -128,10 +128,10 @@ def test_stats_count_every_hit_miss_and_eviction_per_model() -> None:
     size = 10 + ENTRY_OVERHEAD_BYTES
     cache = ResponseCache(2 * size)
     a, b, c = (input_key("m", x) for x in (b"a", b"b", b"c"))
-    assert cache.get(a) is None and cache.get(a) is None  # two misses
+    assert cache.get(a) is None  # a miss
     cache.put(a, b"x" * 10)
     assert cache.get(a) == b"x" * 10 and cache.get(a) == b"x" * 10  # two hits
-    assert cache.get(input_key("n", b"a")) is None  # another model's miss
+    assert cache.get(input_key("n", b"a")) is None and cache.get(input_key("n", b"b")) is None
     cache.put(b, b"y" * 10)
     cache.put(c, b"z" * 10)  # evicts a
     cache.put(input_key("n", b"a"), b"w" * 10)  # evicts b
@@ -141,7 +141,7 @@ def test_stats_count_every_hit_miss_and_eviction_per_model() -> None:
         "entries": 2,
         "evictions": 2,
         "models": {
-            "m": {"hits": 2, "misses": 2, "hit_ratio": 0.5},
-            "n": {"hits": 0, "misses": 1, "hit_ratio": 0.0},
+            "m": {"hits": 2, "misses": 1, "hit_ratio": 0.6667},
+            "n": {"hits": 0, "misses": 2, "hit_ratio": 0.0},
         },
     }
