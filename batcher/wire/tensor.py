@@ -220,7 +220,7 @@ def unpack_arrays(data: Any) -> Any:
             return unpack_viewing(data, "output", arrays_hook)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             pass  # not a map of str keys: the plain decode says what is wrong
-    return msgpack.unpackb(data, raw=False, strict_map_key=False, object_hook=arrays_hook)
+    return msgpack.unpackb(data, strict_map_key=False, object_hook=arrays_hook)  # (raw=False: the default)
 
 
 # --- large bodies: tensors read in place -------------------------------------------------------
@@ -249,7 +249,7 @@ def unpack_viewing(body: Any, key: str, object_hook: Callable[[dict[Any, Any]], 
     import msgpack
 
     def plain(raw: msgspec.Raw) -> Any:
-        return msgpack.unpackb(raw, raw=False, strict_map_key=False, object_hook=object_hook)
+        return msgpack.unpackb(raw, strict_map_key=False, object_hook=object_hook)  # (raw=False: the default)
 
     def hook(t: _Tensor) -> Any:
         value = {"datatype": t.datatype, "shape": t.shape, "data": t.data}
