@@ -41,6 +41,7 @@ from batcher.client.sync import (
     timeout_reply,
 )
 from batcher.core.expiry import Attempts, TimedOut, expire
+from batcher.core.versions import parse_version
 from batcher.errors import SettingsError
 from batcher.transport.connection_watch import CLIENT_EVENTS
 from batcher.wire import protocol, tensor
@@ -223,12 +224,13 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         timeout_ms: float | None = None,
         priority: float | None = None,
         cost: float | None = None,
+        version: int | str | None = None,
     ) -> AsyncPendingReply:
         """Send a request without waiting for it (call from the client's event loop);
         returns its AsyncPendingReply, to await (its output) when the answer is wanted."""
         if self._closed:
             raise ClientClosed(f"the client of {self.address} is closed")
-        body = request_body(input, model, timeout_ms, priority, cost)
+        body = request_body(input, model, timeout_ms, priority, cost, version=version)
         return AsyncPendingReply(self, body, reply_wait_s(self.timeout_s, timeout_ms))
 
     async def request_reply(
@@ -238,11 +240,12 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         timeout_ms: float | None = None,
         priority: float | None = None,
         cost: float | None = None,
+        version: int | str | None = None,
     ) -> dict[str, Any]:
         """Send one request and return the whole reply map (output or error, with
         metadata such as batch_size and worker); an error is data here, never raised, and
         no reply in time is one with code `timeout` (or `unreachable`), as on Client."""
-        body = request_body(input, model, timeout_ms, priority, cost)
+        body = request_body(input, model, timeout_ms, priority, cost, version=version)
         try:
             return await self._call(body, reply_wait_s(self.timeout_s, timeout_ms))
         except ClientTimeout as exc:
@@ -255,9 +258,10 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         timeout_ms: float | None = None,
         priority: float | None = None,
         cost: float | None = None,
+        version: int | str | None = None,
     ) -> Any:
         """Send one request and return its output, or raise its typed error."""
-        body = request_body(input, model, timeout_ms, priority, cost)
+        body = request_body(input, model, timeout_ms, priority, cost, version=version)
         reply = await self._call(body, reply_wait_s(self.timeout_s, timeout_ms))
         if reply.get("ok"):
             return reply.get("output")
@@ -269,12 +273,15 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         model: str | None = None,
         timeout_ms: float | None = None,
         return_exceptions: bool = False,
+        version: int | str | None = None,
     ) -> list[Any]:
         """Send all inputs at once (so the broker can batch them) and return the outputs
         in order. With return_exceptions, BatcherErrors come back in place; otherwise
         the first one (in input order) is raised once every request has finished."""
+        if version is not None:
+            parse_version(version)  # a bad one raises, rather than coming back once per input
         results = await asyncio.gather(
-            *(self.request(x, model, timeout_ms) for x in inputs), return_exceptions=True
+            *(self.request(x, model, timeout_ms, version=version) for x in inputs), return_exceptions=True
         )
         for r in results:
             if isinstance(r, BaseException) and not (return_exceptions and isinstance(r, BatcherError)):
@@ -287,6 +294,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         model: str | None = None,
         timeout_ms: float | None = None,
         priority: float | None = None,
+        version: int | str | None = None,
     ) -> AsyncIterator[Any]:
         """Send a streamed request (`"stream": true`) and iterate over its chunks as they
         come: `async for chunk in client.stream(x)`. An error reply raises its typed
@@ -299,7 +307,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         self._ensure_reader()
         self.watch.poll()
         request_id = next(self._ids)
-        fields = request_body(input, model, timeout_ms, priority, stream=True)
+        fields = request_body(input, model, timeout_ms, priority, stream=True, version=version)
         body = protocol.pack_carrying({"id": request_id, **fields}, input)
         wait_s = reply_wait_s(self.timeout_s, timeout_ms)
         chunks = _StreamQueue()
