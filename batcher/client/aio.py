@@ -41,7 +41,6 @@ from batcher.client.sync import (
     timeout_reply,
 )
 from batcher.core.expiry import Attempts, TimedOut, expire
-from batcher.core.versions import parse_version
 from batcher.errors import SettingsError
 from batcher.transport.connection_watch import CLIENT_EVENTS
 from batcher.wire import protocol, tensor
@@ -262,10 +261,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
     ) -> Any:
         """Send one request and return its output, or raise its typed error."""
         body = request_body(input, model, timeout_ms, priority, cost, version=version)
-        reply = await self._call(body, reply_wait_s(self.timeout_s, timeout_ms))
-        if reply.get("ok"):
-            return reply.get("output")
-        raise error_from_reply(reply)
+        return _output(await self._call(body, reply_wait_s(self.timeout_s, timeout_ms)))
 
     async def request_many(
         self,
@@ -278,8 +274,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         """Send all inputs at once (so the broker can batch them) and return the outputs
         in order. With return_exceptions, BatcherErrors come back in place; otherwise
         the first one (in input order) is raised once every request has finished."""
-        if version is not None:
-            parse_version(version)  # a bad one raises, rather than coming back once per input
+        request_body(None, model, None, None, version=version)  # a bad version raises, not per input
         results = await asyncio.gather(
             *(self.request(x, model, timeout_ms, version=version) for x in inputs), return_exceptions=True
         )
@@ -431,6 +426,13 @@ class _StreamQueue:
 
     async def get(self) -> dict[str, Any] | BaseException:
         return await self._queue.get()
+
+
+def _output(reply: dict[str, Any]) -> Any:
+    """A reply's output, or its typed error raised."""
+    if reply.get("ok"):
+        return reply.get("output")
+    raise error_from_reply(reply)
 
 
 def _cancel_soon(client: AsyncClient, request_id: int, answered: bool) -> None:

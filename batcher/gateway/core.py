@@ -549,12 +549,7 @@ class Gateway:
         # The version that answered (the worker's reply says: docs/protocol.md 4.3); rows a
         # split sent to different versions name each, in order: "2,3".
         answered = dict.fromkeys(str(r["version"]) for r in replies if r.get("version") is not None)
-        if oip.named_outputs(values[0]):
-            names = None
-        else:  # a lone output, named after the answering version's one output
-            version = next(iter(answered), request.version) if len(answered) <= 1 else request.version
-            known = self.names.fresh(model, version)
-            names = (known if known is not None else await self.names.get(model, version))[1]
+        names = await self._output_names(model, values[0], list(answered), request.version)
         outputs = oip.select_outputs(oip.join_outputs(values, names), request.outputs)
         size, limit = sum(oip.output_size(o) for o in outputs), self.settings.max_response_bytes
         if size > limit:
@@ -562,6 +557,17 @@ class Gateway:
                 ErrorCode.TOO_LARGE, f"the outputs hold {size} bytes, over the gateway's {limit}"
             )
         return outputs, ",".join(answered)
+
+    async def _output_names(
+        self, model: str, first: Any, answered: list[str], asked: str
+    ) -> list[str] | None:
+        """The output names to name a lone output after (None: the outputs are named): the
+        answering version's (the one asked for, when rows of a split differ)."""
+        if oip.named_outputs(first):
+            return None
+        version = answered[0] if len(answered) == 1 else asked
+        known = self.names.fresh(model, version)
+        return (known if known is not None else await self.names.get(model, version))[1]
 
     def _row_timer(self, sent: list[Any], timer: list[asyncio.TimerHandle], timeline: RowDeadline) -> None:
         """Do what `timeline` says is due for the rows still unanswered: cancel them at
