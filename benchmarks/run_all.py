@@ -48,6 +48,7 @@ SCRIPTS = (
     "streaming",
     "tracing",
     "cache",
+    "versions",
 )
 
 INTRO_START = "<!-- intro -->"

@@ -10,15 +10,16 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 
-def linear(path: Path, inputs: int = 4, outputs: int = 3, seed: int = 0) -> Path:
-    """y = x @ W + b: one input x (batch, inputs), one output y (batch, outputs)."""
+def linear(path: Path, inputs: int = 4, outputs: int = 3, seed: int = 0, input_name: str = "x") -> Path:
+    """y = x @ W + b: one input x (batch, inputs), one output y (batch, outputs); the
+    input named `input_name`."""
     rng = np.random.default_rng(seed)
     w = numpy_helper.from_array(rng.standard_normal((inputs, outputs)).astype(np.float32), "W")
     b = numpy_helper.from_array(rng.standard_normal(outputs).astype(np.float32), "B")
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "W"], ["xw"]), helper.make_node("Add", ["xw", "B"], ["y"])],
+        [helper.make_node("MatMul", [input_name, "W"], ["xw"]), helper.make_node("Add", ["xw", "B"], ["y"])],
         "linear",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", inputs])],
+        [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, ["batch", inputs])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", outputs])],
         initializer=[w, b],
     )

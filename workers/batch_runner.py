@@ -260,12 +260,15 @@ def call_model(model: ModelFn, batch: PreparedBatch) -> ModelOutcome:
     return outcome
 
 
-def finish_batch(batch: PreparedBatch, outcome: ModelOutcome, worker_name: str) -> list[Any]:
-    """The REPLY frames of a batch the model ran (see run_batch); a traced batch's spans."""
+def finish_batch(
+    batch: PreparedBatch, outcome: ModelOutcome, worker_name: str, version: str | None = None
+) -> list[Any]:
+    """The REPLY frames of a batch the model ran (see run_batch); a traced batch's spans.
+    `version`: the repository version this worker serves, named in each ok reply."""
     if batch.trace is None:
-        return _finish_batch(batch, outcome, worker_name)
+        return _finish_batch(batch, outcome, worker_name, version)
     begun = time.monotonic()
-    frames = _finish_batch(batch, outcome, worker_name)
+    frames = _finish_batch(batch, outcome, worker_name, version)
     try:
         _record_spans(batch, outcome, begun)
     except Exception:  # a span is never worth a reply
@@ -273,7 +276,9 @@ def finish_batch(batch: PreparedBatch, outcome: ModelOutcome, worker_name: str) 
     return frames
 
 
-def _finish_batch(batch: PreparedBatch, outcome: ModelOutcome, worker_name: str) -> list[Any]:
+def _finish_batch(
+    batch: PreparedBatch, outcome: ModelOutcome, worker_name: str, version: str | None
+) -> list[Any]:
     everything, live, wait_ms, infer_ms = batch.everything, batch.live, outcome.wait_ms, outcome.infer_ms
     replies: list[bytes | None] = [None] * len(everything)
     for i, why in batch.bad.items():  # a malformed tensor: answered here, never given to the model
@@ -293,9 +298,9 @@ def _finish_batch(batch: PreparedBatch, outcome: ModelOutcome, worker_name: str)
         return protocol.reply_frames(batch.batch_id, infer_ms, _all(replies), errors, wait_ms)
     n = len(live)
     refused, model_errors = len(batch.bad), 0
-    encoder = fastpath.ReplyEncoder(n, worker_name, wait_ms, infer_ms)
+    encoder = fastpath.ReplyEncoder(n, worker_name, wait_ms, infer_ms, version)
     # The batch's metadata once; each reply's copy gets its own queue_ms (key order kept).
-    template = fastpath.reply_meta(n, worker_name, None, wait_ms, infer_ms)
+    template = fastpath.reply_meta(n, worker_name, None, wait_ms, infer_ms, version)
     for i, out in zip(live, outcome.outputs, strict=True):
         r = everything[i]
         req_id = protocol.answer_id(r)
@@ -355,6 +360,7 @@ def run_batch(
     body_frames: list[Any],
     worker_name: str,
     arrived_at: float | None = None,
+    version: str | None = None,
 ) -> list[Any]:
     """Run one BATCH message through the model; returns the REPLY frames.
 
@@ -368,7 +374,7 @@ def run_batch(
     be run (see `_run_safely`).
     """
     batch = prepare_batch(header_frame, body_frames, arrived_at)
-    return finish_batch(batch, call_model(model, batch), worker_name)
+    return finish_batch(batch, call_model(model, batch), worker_name, version)
 
 
 def _prepare_tensors() -> None:
@@ -406,11 +412,16 @@ def _all(replies: list[bytes | None]) -> list[bytes]:
 
 
 def _run_safely(
-    model: ModelFn, header_frame: bytes, body_frames: list[Any], name: str, arrived_at: float | None = None
+    model: ModelFn,
+    header_frame: bytes,
+    body_frames: list[Any],
+    name: str,
+    arrived_at: float | None = None,
+    version: str | None = None,
 ) -> list[Any] | None:
     """run_batch that never raises (see `_failed_batch`)."""
     try:
-        return run_batch(model, header_frame, body_frames, name, arrived_at)
+        return run_batch(model, header_frame, body_frames, name, arrived_at, version)
     except Exception as exc:
         return _failed_batch(exc, header_frame)
 
@@ -446,6 +457,9 @@ class BatchRunner(BrokerConnection):
     connection it came on, the socket left to the heartbeat thread while the model runs."""
 
     model: ModelFn | None
+    #: The repository version this worker serves (its model key is `NAME/V`), named in
+    #: its replies (docs/protocol.md 4.3); None for a model outside a repository.
+    reply_version: str | None = None
 
     def _busy(self) -> bool:
         return bool(self._pending) or (self._model_thread is not None and self._model_thread.in_flight > 0)
@@ -460,7 +474,7 @@ class BatchRunner(BrokerConnection):
 
     def _finished(self, batch: PreparedBatch, outcome: ModelOutcome) -> list[Any]:
         try:
-            return finish_batch(batch, outcome, self.name)
+            return finish_batch(batch, outcome, self.name, self.reply_version)
         except Exception:  # a bug of ours; the worker goes on, and answers if it can
             log.exception("could not answer a batch")
             return protocol.reply_frames(batch.batch_id, 0.0, [])
@@ -519,7 +533,8 @@ class BatchRunner(BrokerConnection):
             self._in_model = True
             self._socket_lock.release()  # the heartbeat thread may use the socket meanwhile
             try:
-                reply = _run_safely(self.model, frames[2], frames[3:], self.name, arrived_at)
+                version = self.reply_version
+                reply = _run_safely(self.model, frames[2], frames[3:], self.name, arrived_at, version)
             finally:
                 self._socket_lock.acquire()
                 self._in_model = False

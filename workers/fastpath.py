@@ -197,8 +197,10 @@ class ReplyEncoder:
     checked twice), so a batch of small binary replies costs the worker about what it
     did in v1."""
 
-    def __init__(self, n: int, worker: str, wait_ms: float | None, infer_ms: float) -> None:
-        self._batch = (n, worker, wait_ms, infer_ms)
+    def __init__(
+        self, n: int, worker: str, wait_ms: float | None, infer_ms: float, version: str | None = None
+    ) -> None:
+        self._batch = (n, worker, wait_ms, infer_ms, version)
         self._parts: tuple[bytes, bytes, bytes, bytes] | None = None  # made at the first array
         # per dtype and shape, and the tensor's offset modulo ALIGN_BYTES: its bytes up to its data
         self._tensor_heads: dict[tuple[tuple[str, tuple[int, ...]], int], bytes] = {}
@@ -208,14 +210,16 @@ class ReplyEncoder:
         """The parts shared by the batch's replies, encoded at its first array or bytes
         output only: a batch of other outputs (lists, str) never pays for them (1.6 us a
         batch)."""
-        n, worker, wait_ms, infer_ms = self._batch
-        keys = 3 + len(reply_meta(n, worker, None, wait_ms, infer_ms))
+        n, worker, wait_ms, infer_ms, version = self._batch
+        keys = 3 + len(reply_meta(n, worker, None, wait_ms, infer_ms, version))
         head = bytes([0x80 | keys]) + _encode("id")  # a fixmap: at most 15 keys
         after_id = _encode("ok") + _encode(True) + _encode("output")
         before_queue = _encode("batch_size") + _encode(n) + _encode("worker") + _encode(worker)
         before_queue += _encode("queue_ms")
-        tail = {"worker_wait_ms": wait_ms} if wait_ms is not None else {}
+        tail: dict[str, Any] = {"worker_wait_ms": wait_ms} if wait_ms is not None else {}
         tail["infer_ms"] = infer_ms
+        if version is not None:
+            tail["version"] = version
         encoded_tail = b"".join(_encode(k) + _encode(v) for k, v in tail.items())
         self._parts = (head, after_id, before_queue, encoded_tail)
         return self._parts
@@ -257,12 +261,20 @@ class ReplyEncoder:
 
 
 def reply_meta(
-    n: int, worker: str, queue_ms: float | None, wait_ms: float | None, infer_ms: float
+    n: int,
+    worker: str,
+    queue_ms: float | None,
+    wait_ms: float | None,
+    infer_ms: float,
+    version: str | None = None,
 ) -> dict[str, Any]:
     """The metadata keys of a success reply from the reference worker (docs/protocol.md
-    4.3), in their order: ReplyEncoder writes the same."""
+    4.3), in their order: ReplyEncoder writes the same. `version`: the repository version
+    the worker serves (its model key `NAME/V`), so the reply says which one answered."""
     meta: dict[str, Any] = {"batch_size": n, "worker": worker, "queue_ms": queue_ms}
     if wait_ms is not None:
         meta["worker_wait_ms"] = wait_ms
     meta["infer_ms"] = infer_ms
+    if version is not None:
+        meta["version"] = version
     return meta

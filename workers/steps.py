@@ -101,11 +101,16 @@ class StepRunner:
         level: BatchingLevel,
         worker_name: str,
         decode: Decode,
+        version: str | None = None,
     ) -> None:
         self.model = model
         self.max_active = max_active
         self.level = BatchingLevel(level)
         self.worker_name = worker_name
+        #: The last reply's `version` (a repository's, else none): docs/protocol.md 4.3.
+        self.final_meta: dict[str, Any] = {"worker": worker_name}
+        if version is not None:
+            self.final_meta["version"] = version
         self.decode = decode
         self.waiting: deque[_Sequence] = deque()
         self.active: dict[int, _Sequence] = {}
@@ -246,12 +251,12 @@ class StepRunner:
             if not seq.stream:
                 seq.collected.append(chunk)
                 if done:
-                    meta = {"chunks": seq.chunks, "worker": self.worker_name}
+                    meta = {"chunks": seq.chunks, **self.final_meta}
                     self._final(key, protocol.ok_reply(seq.req_id, seq.collected, meta), CHUNK_FINAL)
                 return
             reply: dict[str, Any] = {"id": seq.req_id, "ok": True, "output": chunk, "more": not done}
             if done:
-                reply.update(chunks=seq.chunks, worker=self.worker_name)
+                reply.update(chunks=seq.chunks, **self.final_meta)
             self._entry(key, CHUNK_FINAL if done else CHUNK_MORE, protocol.pack_carrying(reply, chunk))
         except (TypeError, ValueError, OverflowError, BufferError, RecursionError) as exc:
             if not done:

@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from batcher.core.versions import split_key
 from batcher.errors import ModelLoadError, SettingsError
 from batcher.extras import extra_of, install_command
 from batcher.observe.settings import TraceSettings
@@ -204,6 +205,8 @@ class Worker(BatchRunner):
         if self.settings.gpu is not None:  # --gpu N means device N, whatever was inherited
             os.environ["CUDA_VISIBLE_DEVICES"] = str(self.settings.gpu)
         s = self.settings
+        parts = split_key(self.spec.name)  # a repository's version: NAME/V (batcher.core.versions)
+        self.reply_version = None if parts is None else str(parts[1])
         self.model = load_model(self.spec, s.gpu, s.sim, s.threads, s.max_padded_elements)
         if is_step_model(self.model):
             s = self.settings
@@ -213,6 +216,7 @@ class Worker(BatchRunner):
                 BatchingLevel(s.batching_level),
                 self.name,
                 _decode_requests,
+                self.reply_version,
             )
             log.info(
                 "model %s loaded (%s, step-level, up to %d sequences)",

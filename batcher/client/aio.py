@@ -223,12 +223,13 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         timeout_ms: float | None = None,
         priority: float | None = None,
         cost: float | None = None,
+        version: int | str | None = None,
     ) -> AsyncPendingReply:
         """Send a request without waiting for it (call from the client's event loop);
         returns its AsyncPendingReply, to await (its output) when the answer is wanted."""
         if self._closed:
             raise ClientClosed(f"the client of {self.address} is closed")
-        body = request_body(input, model, timeout_ms, priority, cost)
+        body = request_body(input, model, timeout_ms, priority, cost, version=version)
         return AsyncPendingReply(self, body, reply_wait_s(self.timeout_s, timeout_ms))
 
     async def request_reply(
@@ -238,11 +239,12 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         timeout_ms: float | None = None,
         priority: float | None = None,
         cost: float | None = None,
+        version: int | str | None = None,
     ) -> dict[str, Any]:
         """Send one request and return the whole reply map (output or error, with
         metadata such as batch_size and worker); an error is data here, never raised, and
         no reply in time is one with code `timeout` (or `unreachable`), as on Client."""
-        body = request_body(input, model, timeout_ms, priority, cost)
+        body = request_body(input, model, timeout_ms, priority, cost, version=version)
         try:
             return await self._call(body, reply_wait_s(self.timeout_s, timeout_ms))
         except ClientTimeout as exc:
@@ -255,13 +257,11 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         timeout_ms: float | None = None,
         priority: float | None = None,
         cost: float | None = None,
+        version: int | str | None = None,
     ) -> Any:
         """Send one request and return its output, or raise its typed error."""
-        body = request_body(input, model, timeout_ms, priority, cost)
-        reply = await self._call(body, reply_wait_s(self.timeout_s, timeout_ms))
-        if reply.get("ok"):
-            return reply.get("output")
-        raise error_from_reply(reply)
+        body = request_body(input, model, timeout_ms, priority, cost, version=version)
+        return _output(await self._call(body, reply_wait_s(self.timeout_s, timeout_ms)))
 
     async def request_many(
         self,
@@ -269,12 +269,14 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         model: str | None = None,
         timeout_ms: float | None = None,
         return_exceptions: bool = False,
+        version: int | str | None = None,
     ) -> list[Any]:
         """Send all inputs at once (so the broker can batch them) and return the outputs
         in order. With return_exceptions, BatcherErrors come back in place; otherwise
         the first one (in input order) is raised once every request has finished."""
+        request_body(None, model, None, None, version=version)  # a bad version raises, not per input
         results = await asyncio.gather(
-            *(self.request(x, model, timeout_ms) for x in inputs), return_exceptions=True
+            *(self.request(x, model, timeout_ms, version=version) for x in inputs), return_exceptions=True
         )
         for r in results:
             if isinstance(r, BaseException) and not (return_exceptions and isinstance(r, BatcherError)):
@@ -287,6 +289,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         model: str | None = None,
         timeout_ms: float | None = None,
         priority: float | None = None,
+        version: int | str | None = None,
     ) -> AsyncIterator[Any]:
         """Send a streamed request (`"stream": true`) and iterate over its chunks as they
         come: `async for chunk in client.stream(x)`. An error reply raises its typed
@@ -299,7 +302,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         self._ensure_reader()
         self.watch.poll()
         request_id = next(self._ids)
-        fields = request_body(input, model, timeout_ms, priority, stream=True)
+        fields = request_body(input, model, timeout_ms, priority, stream=True, version=version)
         body = protocol.pack_carrying({"id": request_id, **fields}, input)
         wait_s = reply_wait_s(self.timeout_s, timeout_ms)
         chunks = _StreamQueue()
@@ -423,6 +426,13 @@ class _StreamQueue:
 
     async def get(self) -> dict[str, Any] | BaseException:
         return await self._queue.get()
+
+
+def _output(reply: dict[str, Any]) -> Any:
+    """A reply's output, or its typed error raised."""
+    if reply.get("ok"):
+        return reply.get("output")
+    raise error_from_reply(reply)
 
 
 def _cancel_soon(client: AsyncClient, request_id: int, answered: bool) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Generic, Protocol, TypeVar
 
 from batcher.core.expiry import Resend, check_retries, expire
+from batcher.core.versions import parse_version
 from batcher.errors import BatcherError, SettingsError
 from batcher.transport.connection_watch import (
     ConnectionWatch,
@@ -48,14 +49,20 @@ def request_body(
     priority: float | None,
     cost: float | None = None,
     stream: bool = False,
+    version: int | str | None = None,
 ) -> dict[str, Any]:
     """A request map with only the fields that were given (protocol.md, 4.2), and the
-    caller's trace context when it runs inside an OpenTelemetry span (docs/tracing.md)."""
+    caller's trace context when it runs inside an OpenTelemetry span (docs/tracing.md).
+    A `version` (a repository model's: docs/models.md) is checked here, as the broker
+    checks it (an int >= 1 or its digits, never a bool): SettingsError before anything
+    is sent."""
     body: dict[str, Any] = {"input": input}
     if stream:
         body["stream"] = True
     if model is not None:
         body["model"] = model
+    if version is not None:
+        body["version"] = parse_version(version)
     if timeout_ms is not None:
         body["timeout_ms"] = timeout_ms
     if priority is not None:
@@ -127,7 +134,7 @@ class BlockingRequests:
     MultiClient): the same names, arguments and error rule on both (and, awaited, on
     AsyncClient)."""
 
-    #: Send a request without waiting: (input, model, timeout_ms, priority, cost).
+    #: Send a request without waiting: (input, model, timeout_ms, priority, cost, version=).
     submit: Callable[..., _Awaited]
 
     def request(
@@ -137,9 +144,11 @@ class BlockingRequests:
         timeout_ms: float | None = None,
         priority: float | None = None,
         cost: float | None = None,
+        version: int | str | None = None,
     ) -> Any:
-        """Send one request and return its output, or raise its typed error."""
-        return self.submit(input, model, timeout_ms, priority, cost).result()
+        """Send one request and return its output, or raise its typed error. `version`:
+        which version of a repository's model runs it (none: its split, else its newest)."""
+        return self.submit(input, model, timeout_ms, priority, cost, version=version).result()
 
     def request_reply(
         self,
@@ -148,11 +157,13 @@ class BlockingRequests:
         timeout_ms: float | None = None,
         priority: float | None = None,
         cost: float | None = None,
+        version: int | str | None = None,
     ) -> dict[str, Any]:
         """Send one request and return the whole reply map (output or error, with
-        metadata such as batch_size and worker); an error is data here, never raised, and
-        no reply in time is one with code `timeout` (or `unreachable`)."""
-        return self.submit(input, model, timeout_ms, priority, cost).wait()
+        metadata such as batch_size, worker and a repository's `version`); an error is
+        data here, never raised, and no reply in time is one with code `timeout` (or
+        `unreachable`)."""
+        return self.submit(input, model, timeout_ms, priority, cost, version=version).wait()
 
     def request_many(
         self,
@@ -160,11 +171,14 @@ class BlockingRequests:
         model: str | None = None,
         timeout_ms: float | None = None,
         return_exceptions: bool = False,
+        version: int | str | None = None,
     ) -> list[Any]:
         """Send all inputs at once (so the broker can batch them) and return the outputs
         in order, once every one has its reply. With return_exceptions, errors come back
         in place; otherwise the first one (in input order) is raised, after all finished."""
-        return collect([self.submit(x, model, timeout_ms) for x in inputs], return_exceptions)
+        return collect(
+            [self.submit(x, model, timeout_ms, version=version) for x in inputs], return_exceptions
+        )
 
 
 class _Awaited:

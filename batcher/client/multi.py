@@ -18,6 +18,7 @@ from batcher.client.core import BlockingRequests, _Awaited, reply_wait_s, reques
 from batcher.client.sync import Client, PendingReply, Stream
 from batcher.core.expiry import Attempts, Resend, check_retries, expire
 from batcher.core.link import Backoff, Drop, PeerLink
+from batcher.core.versions import parse_version
 from batcher.errors import SettingsError
 from batcher.wire.errors import (
     CLOSED,
@@ -201,10 +202,11 @@ class MultiClient(BlockingRequests):
         timeout_ms: float | None = None,
         priority: float | None = None,
         cost: float | None = None,
+        version: int | str | None = None,
     ) -> MultiPending:
         """Send a request to the next frontend that is up, without waiting."""
         self._check_open()
-        body = request_body(input, model, timeout_ms, priority, cost)
+        body = request_body(input, model, timeout_ms, priority, cost, version=version)
         wait_s = reply_wait_s(self.timeout_s, timeout_ms)
         assert wait_s is not None  # a MultiClient always has a timeout: it is how it finds a dead broker
         pending = MultiPending(self, body, wait_s)
@@ -233,14 +235,17 @@ class MultiClient(BlockingRequests):
         model: str | None = None,
         timeout_ms: float | None = None,
         priority: float | None = None,
+        version: int | str | None = None,
     ) -> Stream:
         """Send a streamed request to the next frontend that is up and iterate over its
         chunks, as Client.stream does. A stream is never moved to another frontend: its
         chunks already given cannot be taken back."""
         self._check_open()
+        if version is not None:
+            parse_version(version)  # a bad one raises before a frontend is picked
         fe = self._pick(time.monotonic(), None)
         fe.sent += 1
-        return fe.client.stream(input, model, timeout_ms, priority)
+        return fe.client.stream(input, model, timeout_ms, priority, version)
 
     # --- machinery --------------------------------------------------------------------------
 

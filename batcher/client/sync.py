@@ -241,9 +241,10 @@ class Client(BaseClient[PendingReply], BlockingRequests):
         timeout_ms: float | None = None,
         priority: float | None = None,
         cost: float | None = None,
+        version: int | str | None = None,
     ) -> PendingReply:
         """Send a request without waiting; many can be in flight over the one socket."""
-        body = request_body(input, model, timeout_ms, priority, cost)
+        body = request_body(input, model, timeout_ms, priority, cost, version=version)
         return self.start(body, reply_wait_s(self.timeout_s, timeout_ms))
 
     def control(self, op: str, **fields: Any) -> Any:
@@ -256,6 +257,7 @@ class Client(BaseClient[PendingReply], BlockingRequests):
         model: str | None = None,
         timeout_ms: float | None = None,
         priority: float | None = None,
+        version: int | str | None = None,
     ) -> Stream:
         """Send a streamed request (`"stream": true`) and iterate over its chunks as they
         come: `for chunk in client.stream(x)`. An error reply raises its typed error.
@@ -265,7 +267,7 @@ class Client(BaseClient[PendingReply], BlockingRequests):
         if self._sock.closed:
             raise ClientClosed(f"the client of {self.address} is closed")
         request_id = next(self._ids)
-        fields = request_body(input, model, timeout_ms, priority, stream=True)
+        fields = request_body(input, model, timeout_ms, priority, stream=True, version=version)
         body = protocol.pack_carrying({"id": request_id, **fields}, input)
         stream = Stream(self, request_id, reply_wait_s(self.timeout_s, timeout_ms))
         self._streams[request_id] = stream

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +23,8 @@ from batcher.core.link import Backoff, Drop, PeerLink
 from batcher.core.row_deadline import RowDeadline, RowStep
 from batcher.gateway import oip
 from batcher.gateway.bodies import pack_request
+from batcher.gateway.names import NAMES_TTL_S as NAMES_TTL_S  # its old home
+from batcher.gateway.names import ModelNames
 from batcher.gateway.settings import GatewaySettings as GatewaySettings  # its old home
 from batcher.transport.connection_watch import ConnectionWatch
 from batcher.transport.zmqio import readable, recv_frames, send_frames
@@ -40,9 +41,6 @@ STABLE_S = 1.0
 RECONNECT_BACKOFF = Backoff(initial_s=RECONNECT_MIN_S, cap_s=RECONNECT_MAX_S)
 #: Messages the link may hold each way before a send is refused (`unavailable`).
 LINK_HWM = 100_000
-#: How long a model's input and output names (from its signature) are taken as known;
-#: past it they are asked again while the old ones still serve.
-NAMES_TTL_S = 1.0
 #: The largest body the link sends before it knows the broker's limits (the `limits`
 #: control op): the hard frame limit of the smallest --max-message-bytes a broker takes
 #: (1024, x4), so no message can make libzmq drop the link.
@@ -403,9 +401,8 @@ class Gateway:
         from batcher.gateway.brokers import BrokerPool  # it builds on BrokerLink, above
 
         self.settings = settings
-        #: model -> (when asked, its input names, its output names); None: no signature.
-        self._names: dict[str, tuple[float, list[str] | None, list[str] | None]] = {}
-        self._asking: dict[str, asyncio.Task[tuple[list[str] | None, list[str] | None]]] = {}
+        #: Each (model, version)'s input and output names (batcher.gateway.names).
+        self.names = ModelNames(self._control)
         self.pool = BrokerPool(settings)
         self.pool.start()
 
@@ -459,8 +456,7 @@ class Gateway:
             unknown = [e for e in errors if e.code == ErrorCode.UNKNOWN_MODEL]
             raise (unknown or errors or [oip.OipError(ErrorCode.INTERNAL, repr(answers))])[0]
         meta = next((m for m in metas if m.get("ready")), metas[0])
-        if not version:  # a repository's newest version: the names a request without one gets
-            self._names[model] = (time.monotonic(), _names(meta.get("inputs")), _names(meta.get("outputs")))
+        self.names.learned(model, version, meta)
         return {
             "name": model,
             "versions": meta.get("versions") or [oip.MODEL_VERSION],
@@ -482,8 +478,15 @@ class Gateway:
     # --- inference --------------------------------------------------------------------------
 
     async def infer(self, request: oip.InferRequest, trace: Any = None) -> list[oip.OutputTensor]:
-        """The request's rows through the brokers (each to its own), joined; OipError for
-        any failure.
+        """The request's outputs (see `answer`)."""
+        return (await self.answer(request, trace))[0]
+
+    async def answer(
+        self, request: oip.InferRequest, trace: Any = None
+    ) -> tuple[list[oip.OutputTensor], str]:
+        """The request's rows through the brokers (each to its own), joined, and the
+        version that answered ("" for a model outside a repository); OipError for any
+        failure.
 
         Every row carries a deadline (the request's timeout, else the gateway's
         --request-timeout-ms), so the broker drops rows whose client was answered 504."""
@@ -497,12 +500,14 @@ class Gateway:
         loop = asyncio.get_running_loop()
         started = loop.time()
         budget_s = min(self.settings.probe_timeout_ms, timeout_ms) / 1000.0
-        known = self._fresh_names(request.model)
+        known = self.names.fresh(request.model, request.version)
         if known is not None:
             input_names = known[0]  # no task, no timer: the common case
         else:
             try:
-                input_names, _ = await asyncio.wait_for(self._names_of(request.model), budget_s)
+                input_names, _ = await asyncio.wait_for(
+                    self.names.get(request.model, request.version), budget_s
+                )
             except TimeoutError:
                 input_names = None  # the broker is slow to say: it checks the signature itself
         if input_names is not None:
@@ -541,18 +546,28 @@ class Gateway:
                 if _unanswered(row.future):
                     row.forget(cancel=not row.cancelled)
         values = [r.get("output") for r in replies]
-        if oip.named_outputs(values[0]):
-            names = None
-        else:
-            known = self._fresh_names(request.model)
-            names = (known if known is not None else await self._names_of(request.model))[1]
+        # The version that answered (the worker's reply says: docs/protocol.md 4.3); rows a
+        # split sent to different versions name each, in order: "2,3".
+        answered = dict.fromkeys(str(r["version"]) for r in replies if r.get("version") is not None)
+        names = await self._output_names(model, values[0], list(answered), request.version)
         outputs = oip.select_outputs(oip.join_outputs(values, names), request.outputs)
         size, limit = sum(oip.output_size(o) for o in outputs), self.settings.max_response_bytes
         if size > limit:
             raise oip.OipError(
                 ErrorCode.TOO_LARGE, f"the outputs hold {size} bytes, over the gateway's {limit}"
             )
-        return outputs
+        return outputs, ",".join(answered)
+
+    async def _output_names(
+        self, model: str, first: Any, answered: list[str], asked: str
+    ) -> list[str] | None:
+        """The output names to name a lone output after (None: the outputs are named): the
+        answering version's (the one asked for, when rows of a split differ)."""
+        if oip.named_outputs(first):
+            return None
+        version = answered[0] if len(answered) == 1 else asked
+        known = self.names.fresh(model, version)
+        return (known if known is not None else await self.names.get(model, version))[1]
 
     def _row_timer(self, sent: list[Any], timer: list[asyncio.TimerHandle], timeline: RowDeadline) -> None:
         """Do what `timeline` says is due for the rows still unanswered: cancel them at
@@ -575,40 +590,6 @@ class Gateway:
                 row.future.set_exception(error)
                 row.forget(cancel=False)  # cancelled already
 
-    def _fresh_names(self, model: str) -> tuple[list[str] | None, list[str] | None] | None:
-        """The model's input and output names if asked less than NAMES_TTL_S ago, else None."""
-        cached = self._names.get(model)
-        if cached is not None and time.monotonic() - cached[0] < NAMES_TTL_S:
-            return cached[1], cached[2]
-        return None
-
-    async def _names_of(self, model: str) -> tuple[list[str] | None, list[str] | None]:
-        """A model's input and output names from its signature (None: it has none, or the
-        broker does not say): asked at most once per NAMES_TTL_S, once at a time; past
-        it the names known serve while they are asked again."""
-        fresh = self._fresh_names(model)
-        if fresh is not None:
-            return fresh
-        cached = self._names.get(model)
-        asking = self._asking.get(model)
-        if asking is None:
-            asking = self._asking[model] = asyncio.get_running_loop().create_task(self._ask_names(model))
-            asking.add_done_callback(lambda _: self._asking.pop(model, None))
-        if cached is not None:
-            return cached[1], cached[2]
-        return await asyncio.shield(asking)
-
-    async def _ask_names(self, model: str) -> tuple[list[str] | None, list[str] | None]:
-        try:
-            meta = await self._control("metadata", model=model)
-        except oip.OipError as exc:
-            if exc.code != ErrorCode.UNKNOWN_MODEL:
-                return None, None  # not known now (the broker is away): no names, nothing kept
-            meta = {}
-        names = _names(meta.get("inputs")), _names(meta.get("outputs"))
-        self._names[model] = (time.monotonic(), *names)
-        return names
-
 
 def check_input_names(request: oip.InferRequest, known: list[str]) -> None:
     """Every input must be one of the model's (Triton's check): a model of one input is
@@ -628,10 +609,6 @@ def _row_fields(request: oip.InferRequest, row: Any, timeout_ms: float) -> dict[
         fields["priority"] = request.priority
     fields["input"] = row  # last: `pack_request` writes its tensors after the rest
     return fields
-
-
-def _names(outputs: list[dict[str, Any]] | None) -> list[str] | None:
-    return [str(o["name"]) for o in outputs] if outputs else None
 
 
 def check_version(model: str, version: str) -> None:

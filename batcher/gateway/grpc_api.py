@@ -124,7 +124,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             infer = parse_infer(request, context.time_remaining())
             if trace is not None:
                 trace.parsed(begun, time.monotonic())
-            outputs = await self.gateway.infer(infer, trace)  # a cancelled call cancels this
+            outputs, answered = await self.gateway.answer(infer, trace)  # a cancelled call cancels this
             raw = [bytes(oip.output_raw(o)) for o in outputs]
         except oip.OipError as exc:
             if trace is not None:
@@ -139,7 +139,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             trace.end({"rpc.grpc.status": "OK"})
         return pb.ModelInferResponse(
             model_name=infer.model,
-            model_version=infer.version or oip.MODEL_VERSION,
+            model_version=infer.response_version(answered),
             id=infer.id,
             outputs=[
                 pb.ModelInferResponse.InferOutputTensor(name=o.name, datatype=o.datatype, shape=o.shape)

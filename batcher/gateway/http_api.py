@@ -205,7 +205,7 @@ class HttpApi:
             trace.parsed(begun, time.monotonic())
         scope[HANDLER] = asyncio.current_task()  # cancelled if the client goes: see http_server
         try:
-            outputs = await self.gateway.infer(infer, trace)
+            outputs, answered = await self.gateway.answer(infer, trace)
         except asyncio.CancelledError:
             if scope.get(GONE):
                 raise ClientGone from None
@@ -213,7 +213,7 @@ class HttpApi:
             # (Gateway.infer's cleanup) and the client told so, in v2's form.
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
             raise oip.OipError("closed", "the gateway is closing") from None
-        return infer_response(infer, outputs, binary_default, binary_outputs)
+        return infer_response(infer, outputs, binary_default, binary_outputs, answered)
 
 
 async def write(send: Send, response: Response) -> None:
@@ -451,8 +451,10 @@ def infer_response(
     outputs: list[oip.OutputTensor],
     binary_default: bool,
     binary_outputs: dict[str, bool],
+    answered: str = "",
 ) -> Response:
-    """JSON, or a JSON header and the binary outputs after it when any output is binary."""
+    """JSON, or a JSON header and the binary outputs after it when any output is binary;
+    `model_version` the version that `answered` (else the one asked for, else 1)."""
     described: list[dict[str, Any]] = []
     parts: list[bytes | memoryview] = []
     for out in outputs:
@@ -474,7 +476,7 @@ def infer_response(
         described.append(entry)
     doc: dict[str, Any] = {
         "model_name": infer.model,
-        "model_version": infer.version or oip.MODEL_VERSION,
+        "model_version": infer.response_version(answered),
         "outputs": described,
     }
     if infer.id:

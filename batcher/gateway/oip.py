@@ -82,6 +82,12 @@ class InferRequest:
     #: (the `retry` parameter; docs/gateway.md, "Many brokers").
     retry: bool = True
 
+    def response_version(self, answered: str = "") -> str:
+        """OIP's response `model_version`: the version that `answered` (the replies say:
+        Gateway.answer), else the one asked for, else `1` (a model outside a repository
+        has that one version)."""
+        return answered or self.version or MODEL_VERSION
+
 
 # --- inputs -----------------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from batcher.client.sync import (
     error_from_reply,
     timeout_reply,
 )
+from batcher.errors import SettingsError
 from batcher.wire.protocol import ErrorCode
 from tests.helpers import pack, unpack
 
@@ -328,3 +329,62 @@ def test_a_stream_left_open_when_its_client_closes_ends_with_closed() -> None:
     with pytest.raises(BatcherError, match="was closed") as raised:
         list(stream)
     assert raised.value.code == "closed" and stream.final is not None and stream.final["more"] is False
+
+
+# --- a repository model's version, named on every client's request calls ------------------------------
+
+
+@pytest.mark.parametrize("bad", [True, False, 0, -1, "x", "", 1.5, [2]])
+def test_a_bad_version_is_refused_before_anything_is_sent(router, bad: Any) -> None:
+    ctx, broker, address = router
+    with Client(address, timeout_s=5, context=ctx) as c, MultiClient([address], context=ctx) as m:
+        for call in (c.submit, c.request, c.request_reply, c.stream, m.submit, m.request, m.stream):
+            with pytest.raises(SettingsError, match="version must be an integer >= 1"):
+                call("a", "lin", version=bad)
+        with pytest.raises(SettingsError, match="version must be an integer >= 1"):
+            c.request_many(["a", "b"], "lin", version=bad)
+    assert broker.poll(50, zmq.POLLIN) == 0  # nothing reached the broker
+
+
+def test_a_named_version_is_sent_as_the_protocols_version_key_by_every_call(router) -> None:
+    ctx, broker, address = router
+    with Client(address, timeout_s=5, context=ctx) as c, MultiClient([address], context=ctx) as m:
+        c.submit("a", "lin", version=2)
+        m.submit("b", "lin", version="3")
+        c.submit("c", "lin")
+        c.request_many(["d", "e"], "lin", timeout_ms=500, version="1", return_exceptions=True)
+        c.stream("f", "simlm", version=4)
+        bodies = [received(broker)[1] for _ in range(6)]
+    assert [(b["input"], b.get("version")) for b in bodies] == [
+        ("a", 2), ("b", 3), ("c", None), ("d", 1), ("e", 1), ("f", 4)
+    ]  # fmt: skip
+    assert "version" not in bodies[2] and bodies[5]["stream"] is True
+
+
+def test_the_async_client_sends_a_named_version_and_refuses_a_bad_one(router) -> None:
+    import asyncio
+
+    import zmq.asyncio
+
+    from batcher.client.aio import AsyncClient
+
+    ctx, broker, address = router
+
+    async def main() -> list[dict[str, Any]]:
+        actx = zmq.asyncio.Context.shadow(ctx.underlying)
+        async with AsyncClient(address, timeout_s=5, context=actx) as c:
+            first = c.submit("a", "lin", version=2)
+            with pytest.raises(SettingsError):
+                c.submit("x", "lin", version=True)
+            with pytest.raises(SettingsError):
+                await c.request_many(["x"], "lin", version="two", return_exceptions=True)
+            with pytest.raises(SettingsError):
+                await c.stream("x", "simlm", version=0).__anext__()
+            second = c.submit("b", "lin", version="5")
+            bodies = [(await asyncio.to_thread(received, broker))[1] for _ in range(2)]
+            first.cancel()
+            second.cancel()
+            return bodies
+
+    bodies = asyncio.run(main())
+    assert [(b["input"], b["version"]) for b in bodies[:2]] == [("a", 2), ("b", 5)]

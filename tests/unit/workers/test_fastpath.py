@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 np = pytest.importorskip("numpy")
 
 from batcher.wire import protocol, tensor  # noqa: E402
+from batcher.wire.frames import split_bodies  # noqa: E402
 from workers import fastpath, worker  # noqa: E402
 from workers.fastpath import ReplyEncoder, Rows, decode_plain, decode_uniform, reply_meta  # noqa: E402
 from workers.worker import _decode_requests, run_batch  # noqa: E402
@@ -149,6 +150,28 @@ def test_a_bytes_reply_is_byte_for_byte_ok_reply(req_id: Any, queue_ms: Any, wai
     expected = protocol.ok_reply(req_id, out, reply_meta(27, WORKER, queue_ms, wait_ms, 0.004))
     assert encoder.encode(req_id, out, queue_ms) == expected
     assert encoder.encode(req_id, out, queue_ms) == expected  # the batch's parts, kept
+
+
+@pytest.mark.parametrize("out", [np.arange(6, dtype=np.float32), b"abc"])
+def test_a_repository_version_is_in_the_encoded_reply_as_ok_reply_writes_it(out: Any) -> None:
+    encoder = ReplyEncoder(4, WORKER, 1.5, 2.0, version="2")
+    expected = protocol.ok_reply(9, out, reply_meta(4, WORKER, 0.5, 1.5, 2.0, version="2"))
+    assert encoder.encode(9, out, 0.5) == expected
+    assert protocol.unpack(expected)["version"] == "2"
+    assert "version" not in protocol.unpack(ReplyEncoder(4, WORKER, 1.5, 2.0).encode(9, out, 0.5) or b"")
+
+
+def test_run_batch_names_the_version_on_the_fast_and_the_general_path() -> None:
+    bodies = [protocol.pack({"id": 1, "input": np.ones(2, np.float32)})]
+    bodies.append(protocol.pack({"id": 2, "input": [1]}))  # not a tensor: the general path
+    header, body_frames = frames_of(bodies)
+
+    def replies(version: str | None) -> list[Any]:
+        frames = run_batch(lambda xs: xs, header, body_frames, WORKER, version=version)
+        return [protocol.unpack(bytes(b)) for b in split_bodies(protocol.unpack(frames[2])[2], frames[3:])]
+
+    assert [(r["ok"], r["version"]) for r in replies("3")] == [(True, "3"), (True, "3")]
+    assert ["version" in r for r in replies(None)] == [False, False]
 
 
 def test_a_bytes_reply_with_an_id_msgpack_cannot_hold_is_left_to_ok_reply() -> None:

@@ -124,6 +124,16 @@ class Scripted:
 # --- streaming and collecting ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_repository_versions_runner_names_its_version_in_the_last_reply_alone(stream: bool) -> None:
+    r = StepRunner(sim(), 4, BatchingLevel.STEP, "test-worker", _decode_requests, version="2")
+    start(r, {1: req("v", {"tokens": 3}, stream=stream)})
+    bodies = [body for s in run_all(r) for _, _, body in s]
+    assert bodies[-1]["version"] == "2" and bodies[-1]["ok"] is True
+    assert all("version" not in b for b in bodies[:-1])
+    assert "version" not in runner().final_meta and r.final_meta == {"worker": "test-worker", "version": "2"}
+
+
 @pytest.mark.parametrize("k", [1, 2, 5])
 def test_a_stream_request_of_k_tokens_gets_k_entries_in_order_the_last_final(k: int) -> None:
     r = runner()
