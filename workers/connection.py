@@ -88,6 +88,7 @@ class BrokerConnection:
         # its jobs: (a batch, self.reconnects when it came); at most OVERLAP_BATCHES at once
         self._model_thread: ModelThread[tuple[PreparedBatch, int], ModelOutcome] | None = None
         self._steps: StepRunner | None = None  # a step-level model's sequences
+        self.tracer: Any = None  # this process's tracer when tracing is on (batcher.observe.spans)
         self._inbox: deque[tuple[float, list[Any]]] = deque()  # (arrived at, START or CANCEL) not read yet
         self._outbox: deque[list[Any]] = deque()  # CHUNKs the socket could not take yet
         self._poller = zmq.Poller()

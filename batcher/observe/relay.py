@@ -160,7 +160,7 @@ class RelaySpans:
                 attributes, links, (), code, ctx.state,
             )
         )  # fmt: skip
-        if outcome != "batched":
+        if outcome not in ("batched", "started"):
             self.flush()
 
     def refused(self, rt: RelayTrace, req_id: object, model: str | None, code: str, now: float) -> None:

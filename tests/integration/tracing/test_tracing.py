@@ -371,3 +371,32 @@ def _grpc_live(client: Any) -> bool:
         return bool(client.is_server_live())
     except Exception:
         return False
+
+
+def test_a_stream_is_one_span_at_the_worker_under_its_queue_span(
+    serve: Callable[..., ServeProcess], collector: Callable[..., Collector], zctx: zmq.Context[Any]
+) -> None:
+    c = collector()
+    sp = serve("--model", "simlm", "--workers", "1", "--trace-endpoint", c.endpoint, workers=1)
+    traceparent, trace_id, caller_span = new_traceparent()
+    sock = zctx.socket(zmq.DEALER)
+    sock.connect(sp.frontend)
+    body = {"id": 1, "input": {"tokens": 5}, "stream": True, "traceparent": traceparent}
+    sock.send_multipart([b"", pack(body)])
+    replies = [recv_reply(sock)]
+    while replies[-1].get("more"):
+        replies.append(recv_reply(sock))
+    assert [r["ok"] for r in replies] == [True] * 5, replies
+
+    def both(spans: list[SpanRecord]) -> bool:
+        names = {s.name for s in spans if s.trace_id == trace_id}
+        return {"batcher.queue", "batcher.worker.sequence"} <= names
+
+    mine = [s for s in c.wait_for(both) if s.trace_id == trace_id]
+    queue, seq = one(mine, "batcher.queue"), one(mine, "batcher.worker.sequence")
+    assert queue.parent_id == caller_span and queue.attributes["batcher.outcome"] == "started"
+    assert seq.parent_id == queue.span_id and seq.service == "batcher-worker"
+    assert seq.attributes["batcher.chunks"] == 5 and seq.attributes["batcher.outcome"] == "ok"
+    assert seq.attributes["batcher.steps"] >= 5
+    assert 0 <= seq.attributes["batcher.first_chunk_ms"] <= seq.duration_ms
+    assert seq.events == ["batcher.admitted", "batcher.first_chunk"]
