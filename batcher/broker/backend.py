@@ -13,6 +13,7 @@ from typing import Any
 
 import zmq
 
+from batcher.broker.metrics import exemplar_of
 from batcher.broker.stats import BrokerStats
 from batcher.core.pool import WorkerPool, worker_info
 from batcher.core.scheduler import Batch, QueuedRequest, Scheduler
@@ -174,12 +175,16 @@ class Backend:
             return
         # The replies first, back to back; the batch's counts after.
         self.deliver_batch(requests, replies, errors)  # (kept by the response cache when none failed)
+        exemplar = None
         if self.tracer is not None:
-            self.tracer.batch_answered(batch_id, now, infer_ms, wait_ms, padding, errors)
+            exemplar = exemplar_of(
+                self.tracer.batch_answered(batch_id, now, infer_ms, wait_ms, padding, errors)
+            )
         arrivals = [r.arrived_at for r in requests]
         self.stats.batch_answered(
-            batch.model, arrivals, sent_at, wait_ms, infer_ms, in_worker_ms, errors, refused, padding, now
-        )
+            batch.model, arrivals, sent_at, wait_ms, infer_ms, in_worker_ms, errors, refused, padding, now,
+            exemplar,
+        )  # fmt: skip
 
     def _on_chunk(self, worker_id: bytes, header_frame: bytes, bodies: list[Any], now: float) -> None:
         """A step-level worker's chunks: each forwarded untouched to its client, in order;
@@ -208,7 +213,9 @@ class Backend:
                 )
                 continue
             delivered = deliver(seq.request.envelope, body)
-            stats.chunk(seq.model, seq.chunks == 1, now - seq.request.arrived_at, now)
+            first, rt = seq.chunks == 1, seq.request.trace
+            exemplar = exemplar_of(rt.queue) if first and rt is not None else None
+            stats.chunk(seq.model, first, now - seq.request.arrived_at, now, exemplar)
             if verdict is Verdict.DELIVER_FINAL:
                 stats.count(seq.model, _final_outcome(flag, body))
             elif not delivered:  # the client is gone: nobody reads what comes next

@@ -174,6 +174,22 @@ def _all_queued(spans: list[SpanRecord], trace_ids: set[str]) -> bool:
     return {s.trace_id for s in spans if s.name == "batcher.queue"} >= trace_ids
 
 
+def openmetrics(port: int) -> str:
+    """The /metrics page at `port` in the OpenMetrics exposition (where exemplars show)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/metrics", headers={"Accept": "application/openmetrics-text"}
+    )
+    with urllib.request.urlopen(request, timeout=5) as r:
+        return str(r.read().decode())
+
+
+def exemplars(text: str, family: str) -> str:
+    """The exemplars on `family`'s bucket lines, joined."""
+    return " ".join(
+        ln.split("#", 1)[1] for ln in text.splitlines() if ln.startswith(f"{family}_bucket") and "#" in ln
+    )
+
+
 def test_durations_match_the_replys_queue_and_infer_ms_from_a_raw_client(
     serve: Callable[..., ServeProcess], collector: Callable[..., Collector], zctx: zmq.Context[Any]
 ) -> None:
@@ -203,6 +219,10 @@ def test_durations_match_the_replys_queue_and_infer_ms_from_a_raw_client(
         ln for ln in text.splitlines() if ln.startswith("batcher_queue_wait_seconds_bucket") and "#" in ln
     ]
     assert any(f'trace_id="{trace_id}"' in ln and f'span_id="{queue.span_id}"' in ln for ln in lines), lines
+    # So do the batch's model time and worker wait: their exemplar is the batch span.
+    batch = one(mine, "batcher.batch")
+    for family in ("batcher_inference_seconds", "batcher_worker_wait_seconds"):
+        assert f'span_id="{batch.span_id}",trace_id="{trace_id}"' in exemplars(text, family), family
 
 
 def test_ratio_zero_exports_nothing_and_an_unsampled_parent_is_respected(
@@ -377,7 +397,11 @@ def test_a_stream_is_one_span_at_the_worker_under_its_queue_span(
     serve: Callable[..., ServeProcess], collector: Callable[..., Collector], zctx: zmq.Context[Any]
 ) -> None:
     c = collector()
-    sp = serve("--model", "simlm", "--workers", "1", "--trace-endpoint", c.endpoint, workers=1)
+    metrics_port = free_port()
+    sp = serve(
+        "--model", "simlm", "--workers", "1", "--trace-endpoint", c.endpoint,
+        "--metrics-port", str(metrics_port), workers=1,
+    )  # fmt: skip
     traceparent, trace_id, caller_span = new_traceparent()
     sock = zctx.socket(zmq.DEALER)
     sock.connect(sp.frontend)
@@ -400,3 +424,6 @@ def test_a_stream_is_one_span_at_the_worker_under_its_queue_span(
     assert seq.attributes["batcher.steps"] >= 5
     assert 0 <= seq.attributes["batcher.first_chunk_ms"] <= seq.duration_ms
     assert seq.events == ["batcher.admitted", "batcher.first_chunk"]
+    # The time-to-first-chunk histogram's exemplar leads to this stream's trace.
+    first = exemplars(openmetrics(metrics_port), "batcher_time_to_first_chunk_seconds")
+    assert f'span_id="{queue.span_id}",trace_id="{trace_id}"' in first, first
