@@ -24,6 +24,7 @@ from batcher.core.link import Backoff, Drop, PeerLink
 from batcher.core.row_deadline import RowDeadline, RowStep
 from batcher.gateway import oip
 from batcher.gateway.bodies import pack_request
+from batcher.gateway.metrics import GatewayMetrics
 from batcher.gateway.settings import GatewaySettings as GatewaySettings  # its old home
 from batcher.transport.connection_watch import ConnectionWatch
 from batcher.transport.zmqio import readable, recv_frames, send_frames
@@ -403,6 +404,7 @@ class Gateway:
         from batcher.gateway.brokers import BrokerPool  # it builds on BrokerLink, above
 
         self.settings = settings
+        self.metrics = GatewayMetrics()  # request durations, spans dropped (/metrics)
         #: model -> (when asked, its input names, its output names); None: no signature.
         self._names: dict[str, tuple[float, list[str] | None, list[str] | None]] = {}
         self._asking: dict[str, asyncio.Task[tuple[list[str] | None, list[str] | None]]] = {}

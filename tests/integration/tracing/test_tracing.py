@@ -98,6 +98,9 @@ def test_an_http_request_is_one_trace_from_gateway_to_worker(
     mine = [s for s in spans if s.trace_id == trace_id]
     assert {s.service for s in mine} == {"batcher-gateway", "batcher-broker", "batcher-worker"}
     server = one(mine, "POST /v2/models/{model}/infer")
+    # The gateway's request-duration histogram leads to this request's server span.
+    durations = exemplars(openmetrics(http_port), "batcher_gateway_request_duration_seconds")
+    assert f'span_id="{server.span_id}",trace_id="{trace_id}"' in durations, durations
     assert server.parent_id == caller_span and server.kind == SERVER
     assert server.attributes["http.response.status_code"] == 200
     assert server.attributes["http.request.method"] == "POST"
@@ -256,16 +259,11 @@ def test_a_collector_down_slow_or_erroring_never_touches_serving(
         endpoint = f"http://{free_tcp_address().removeprefix('tcp://')}"  # nothing listens there
     else:
         endpoint = collector(trouble, delay_s=30.0).endpoint
-    metrics_port = free_port()
+    metrics_port, http_port = free_port(), free_port()
     sp = serve(
-        *SIM,
-        "--trace-endpoint",
-        endpoint,
-        "--metrics-port",
-        str(metrics_port),
-        workers=1,
-        stop_timeout_s=15.0,
-    )
+        *SIM, "--trace-endpoint", endpoint, "--metrics-port", str(metrics_port),
+        "--http-port", str(http_port), workers=1, stop_timeout_s=15.0,
+    )  # fmt: skip
     with Client(sp.frontend, timeout_s=10) as client:
         started = time.monotonic()
         replies = client.request_many([float(i) for i in range(64)])
@@ -279,6 +277,15 @@ def test_a_collector_down_slow_or_erroring_never_touches_serving(
             lambda: sample(scrape(metrics_port), "batcher_trace_spans_dropped_total") > 0,
             20.0,
             "the broker's dropped spans counted",
+        )
+        # The gateway's drops are on its own /metrics, the workers' on the broker's.
+        wait_until(lambda: _live(http_port), 20.0, "the gateway's HTTP port")
+        for i in range(4):
+            assert post_infer(http_port, {}, float(i))["outputs"]
+        wait_until(
+            lambda: sample(scrape(http_port), "batcher_trace_spans_dropped_total") > 0,
+            20.0,
+            "the gateway's dropped spans counted",
         )
 
 
