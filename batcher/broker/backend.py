@@ -175,15 +175,11 @@ class Backend:
             return
         # The replies first, back to back; the batch's counts after.
         self.deliver_batch(requests, replies, errors)  # (kept by the response cache when none failed)
-        exemplar = None
-        if self.tracer is not None:
-            exemplar = exemplar_of(
-                self.tracer.batch_answered(batch_id, now, infer_ms, wait_ms, padding, errors)
-            )
-        arrivals = [r.arrived_at for r in requests]
+        tracer, arrivals = self.tracer, [r.arrived_at for r in requests]
+        span = tracer and tracer.batch_answered(batch_id, now, infer_ms, wait_ms, padding, errors)
         self.stats.batch_answered(
             batch.model, arrivals, sent_at, wait_ms, infer_ms, in_worker_ms, errors, refused, padding, now,
-            exemplar,
+            exemplar_of(span),
         )  # fmt: skip
 
     def _on_chunk(self, worker_id: bytes, header_frame: bytes, bodies: list[Any], now: float) -> None:
@@ -213,9 +209,7 @@ class Backend:
                 )
                 continue
             delivered = deliver(seq.request.envelope, body)
-            first, rt = seq.chunks == 1, seq.request.trace
-            exemplar = exemplar_of(rt.queue) if first and rt is not None else None
-            stats.chunk(seq.model, first, now - seq.request.arrived_at, now, exemplar)
+            stats.chunk(seq.model, seq.chunks == 1, now - seq.request.arrived_at, now, first_exemplar(seq))
             if verdict is Verdict.DELIVER_FINAL:
                 stats.count(seq.model, _final_outcome(flag, body))
             elif not delivered:  # the client is gone: nobody reads what comes next
@@ -338,6 +332,12 @@ class Backend:
         self.stats.batches_retried += lost.batches_requeued
         for model, req in lost.failed:
             self.reply_error(req, model, ErrorCode.WORKER_FAILED, why)
+
+
+def first_exemplar(seq: Sequence) -> dict[str, str] | None:
+    """A stream's first chunk's exemplar: its queue span, when it is traced."""
+    rt = seq.request.trace
+    return exemplar_of(rt.queue) if seq.chunks == 1 and rt is not None else None
 
 
 def worker_gone(stats: Any, cache: Any, model: str, failed: bool) -> None:
