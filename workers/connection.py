@@ -156,7 +156,7 @@ class BrokerConnection:
             elif isinstance(action, Beat) and self._sock is not None:
                 if self._watch is not None and not self._watching:
                     self._read_monitor()  # a dropped connection, or a later handshake's outcome
-                self._send([protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
+                self._send(heartbeat(self.tracer))
 
     def _lost(self, drop: Drop | GiveUp) -> None:
         assert isinstance(drop, Drop)  # a worker never gives up on its broker
@@ -336,8 +336,18 @@ class BrokerConnection:
                 continue
             with self._socket_lock:
                 if self._in_model:
-                    self._send([protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
+                    self._send(heartbeat(self.tracer))
                     # Read what came meanwhile: above all an EXIT, if the batch at hand ran
                     # past the broker's time limit (the model may never return).
                     if self._sock is not None and self._sock.poll(0, zmq.POLLIN):
                         self._drain(time.monotonic())
+
+
+def heartbeat(tracer: Any) -> list[bytes]:
+    """A HEARTBEAT; with tracing on, it carries the spans this process dropped (6.6)."""
+    if tracer is None:
+        return [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT]
+    from batcher.observe.counters import spans_dropped
+
+    said = protocol.pack({"trace_spans_dropped": spans_dropped()})
+    return [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT, said]

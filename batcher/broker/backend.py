@@ -64,9 +64,8 @@ class Backend:
         self.tracer: Any = None  #: the broker's spans when tracing is on (batcher.observe), else None
 
     def drain(self, now: float) -> bool:
-        """Handle what the workers sent, within one budget; True once read to the end.
-        Every message read is stamped `now`, the loop's time of this turn; the clock is
-        read again only to keep the turn within its budget."""
+        """Handle what the workers sent, within one budget; True once read to the end. Every
+        message read is stamped `now`, the loop's turn; the clock is read only for the budget."""
         sock = self.sock
         budget_end = now + DRAIN_BUDGET_S
         for i in range(DRAIN_LIMIT):
@@ -116,7 +115,9 @@ class Backend:
         elif command == protocol.CMD_DISCONNECT:
             log.info("worker %s left", self.pool.name(worker_id))
             self.lost(worker_id, "worker left", failed=False)
-        elif command != protocol.CMD_HEARTBEAT:
+        elif command == protocol.CMD_HEARTBEAT:
+            self.stats.worker_said(self.pool.info(worker_id), worker_id, frames[3:])
+        else:
             raise WorkerProtocolError(f"unknown command {command!r} with {len(frames)} frames")
 
     def _on_ready(self, worker_id: bytes, info_frame: bytes, now: float) -> None:
@@ -293,9 +294,8 @@ class Backend:
                 "worker %s: no step ended within its time limit (%.0f ms): taken for hung, told to exit",
                 self.pool.name(w.worker_id), limit_ms,
             )  # fmt: skip
-            self._stop_hung(
-                w.worker_id, f"its step ran past the time limit of {limit_ms:.0f} ms (--batch-timeout-ms)"
-            )
+            why = f"its step ran past the time limit of {limit_ms:.0f} ms (--batch-timeout-ms)"
+            self._stop_hung(w.worker_id, why)
 
     def _stop_hung(self, worker_id: bytes, why: str, blame: int | None = None) -> None:
         """Tell a hung worker to exit (`serve` kills its own too) and take it for lost."""

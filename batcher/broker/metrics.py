@@ -80,6 +80,9 @@ class NoMetrics:
     def sequence_cancelled(self, model: str, reason: str) -> None:
         pass
 
+    def worker_spans_dropped(self, model: str, n: int) -> None:
+        pass
+
 
 class PrometheusMetrics(NoMetrics):
     """Prometheus metrics in a registry of their own, served over HTTP by
@@ -155,6 +158,12 @@ class PrometheusMetrics(NoMetrics):
             "Time from a sequence's arrival at the broker to its first chunk's delivery",
             ["model"],
             buckets=SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self.worker_dropped = Counter(
+            "batcher_worker_trace_spans_dropped",
+            "Trace spans the workers of a model dropped, as their heartbeats report them",
+            ["model"],
             registry=self.registry,
         )
         self.cancelled = Counter(
@@ -258,3 +267,6 @@ class PrometheusMetrics(NoMetrics):
 
     def sequence_cancelled(self, model: str, reason: str) -> None:
         self.cancelled.labels(model, reason).inc()
+
+    def worker_spans_dropped(self, model: str, n: int) -> None:
+        self.worker_dropped.labels(model).inc(n)

@@ -17,10 +17,13 @@ from batcher.core.pool import WorkerPool
 from batcher.core.scaling import DEFAULT_TARGET_UTILIZATION
 from batcher.core.scheduler import ModelView
 from batcher.core.streams import Streams
+from batcher.wire import protocol
 from batcher.wire.protocol import ErrorCode
 
 #: The window over which `stats` reports chunks per second.
 CHUNK_RATE_WINDOW_S = 5.0
+#: Workers whose last dropped-span count is kept (past it the table starts again).
+MAX_WORKERS_COUNTED = 10_000
 
 
 @dataclass
@@ -143,6 +146,10 @@ class BrokerStats:
     workers_lost: int = 0
     batches_retried: int = 0
     batches_timed_out: int = 0  # batches that ran past their time limit (their worker is stopped)
+    #: Trace spans each model's workers dropped (their heartbeats' counts), and each
+    #: worker's last count, so a count said again is added once.
+    worker_spans_dropped: Counter[str] = field(default_factory=Counter)
+    _worker_drops: dict[bytes, int] = field(default_factory=dict)
     #: The autoscaling signal (its target and the cell's worker counts come from the settings).
     autoscale: Autoscale = field(default_factory=lambda: Autoscale(DEFAULT_TARGET_UTILIZATION, {}))
 
@@ -188,6 +195,26 @@ class BrokerStats:
         if first:
             st.recent.first_chunk_ms.append(since_arrival_s * 1000.0)
             self.metrics.first_chunk(model, since_arrival_s, exemplar)
+
+    def worker_said(self, info: Any, worker_id: bytes, frames: list[bytes]) -> None:
+        """A worker's HEARTBEAT with its counters (protocol.md 6.6): the spans it dropped
+        since its last one are added to its model's (a malformed map is ignored)."""
+        if not frames or info is None:
+            return
+        try:
+            n = protocol.unpack(frames[0]).get("trace_spans_dropped")
+        except Exception:  # msgpack raises several unrelated types; not a map
+            return
+        if type(n) is not int or n < 0:
+            return
+        drops = self._worker_drops
+        if len(drops) > MAX_WORKERS_COUNTED and worker_id not in drops:
+            drops.clear()  # workers come and go: the table stays bounded
+        new = n - drops.get(worker_id, 0)
+        drops[worker_id] = n
+        if new > 0:
+            self.worker_spans_dropped[info.model] += new
+            self.metrics.worker_spans_dropped(info.model, new)
 
     def sequence_cancelled(self, model: str, reason: str) -> None:
         """The broker ended a sequence early: `cancel`, `deadline`, `client_gone`, `shutting_down`."""
@@ -269,6 +296,7 @@ class BrokerStats:
             "batches_timed_out": self.batches_timed_out,
             "dropped_backend_messages": self.dropped_backend,
             "undeliverable": self.undeliverable,
+            "worker_trace_spans_dropped": dict(self.worker_spans_dropped),
             **extra,
         }
 

@@ -278,7 +278,18 @@ def test_a_collector_down_slow_or_erroring_never_touches_serving(
             20.0,
             "the broker's dropped spans counted",
         )
-        # The gateway's drops are on its own /metrics, the workers' on the broker's.
+        # The workers' drops reach the broker with their heartbeats: its metrics and stats.
+        wait_until(
+            lambda: (
+                scrape(metrics_port).get(("batcher_worker_trace_spans_dropped_total", (("model", "sim"),)), 0)
+                > 0
+            ),
+            20.0,
+            "the worker's dropped spans counted at the broker",
+        )
+        with Client(sp.frontend, timeout_s=10) as client:
+            assert client.control("stats")["worker_trace_spans_dropped"]["sim"] > 0
+        # The gateway's drops are on its own /metrics.
         wait_until(lambda: _live(http_port), 20.0, "the gateway's HTTP port")
         for i in range(4):
             assert post_infer(http_port, {}, float(i))["outputs"]
