@@ -88,6 +88,7 @@ class BrokerConnection:
         # its jobs: (a batch, self.reconnects when it came); at most OVERLAP_BATCHES at once
         self._model_thread: ModelThread[tuple[PreparedBatch, int], ModelOutcome] | None = None
         self._steps: StepRunner | None = None  # a step-level model's sequences
+        self.tracer: Any = None  # this process's tracer when tracing is on (batcher.observe.spans)
         self._inbox: deque[tuple[float, list[Any]]] = deque()  # (arrived at, START or CANCEL) not read yet
         self._outbox: deque[list[Any]] = deque()  # CHUNKs the socket could not take yet
         self._poller = zmq.Poller()
@@ -155,7 +156,7 @@ class BrokerConnection:
             elif isinstance(action, Beat) and self._sock is not None:
                 if self._watch is not None and not self._watching:
                     self._read_monitor()  # a dropped connection, or a later handshake's outcome
-                self._send([protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
+                self._send(heartbeat(self.tracer))
 
     def _lost(self, drop: Drop | GiveUp) -> None:
         assert isinstance(drop, Drop)  # a worker never gives up on its broker
@@ -335,8 +336,18 @@ class BrokerConnection:
                 continue
             with self._socket_lock:
                 if self._in_model:
-                    self._send([protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT])
+                    self._send(heartbeat(self.tracer))
                     # Read what came meanwhile: above all an EXIT, if the batch at hand ran
                     # past the broker's time limit (the model may never return).
                     if self._sock is not None and self._sock.poll(0, zmq.POLLIN):
                         self._drain(time.monotonic())
+
+
+def heartbeat(tracer: Any) -> list[bytes]:
+    """A HEARTBEAT; with tracing on, it carries the spans this process dropped (6.6)."""
+    if tracer is None:
+        return [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT]
+    from batcher.observe.counters import spans_dropped
+
+    said = protocol.pack({"trace_spans_dropped": spans_dropped()})
+    return [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT, said]

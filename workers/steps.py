@@ -82,6 +82,11 @@ class _Sequence:
     deadline: float | None
     collected: list[Any] = field(default_factory=list)  # a request without "stream": its chunks so far
     chunks: int = 0
+    received_at: float = 0.0  # (monotonic) the times a traced sequence's span is made of
+    admitted_at: float | None = None
+    first_at: float | None = None
+    steps_at: float = 0.0  # the worker's steps counted when it was admitted
+    trace: Any = None  # its parent's SpanContext when traced (workers.step_spans)
 
 
 #: At least this often a stepping worker sends a CHUNK, with entries or not (seconds).
@@ -123,6 +128,7 @@ class StepRunner:
         self._stepped = False  # a step ran since the last CHUNK: one is due, entries or not
         self._sent_at = 0.0  # when the last CHUNK was taken
         self._warned: set[str] = set()  # the kinds of odd step results logged already
+        self.spans: Any = None  # workers.step_spans.StepSpans when tracing is on
 
     # --- what the broker says ---------------------------------------------------------------
 
@@ -131,9 +137,10 @@ class StepRunner:
         (nothing in it can be answered: the broker takes the worker for broken if it
         never hears of those sequences)."""
         header = protocol.unpack(header_frame)
-        if not (isinstance(header, list) and len(header) == 3):
+        if not (isinstance(header, list) and len(header) in (3, 4)):
             raise ValueError(f"START header must be [seq_ids, remaining_ms, lengths], got {header!r}"[:200])
-        seq_ids, remaining_ms, lengths = header
+        seq_ids, remaining_ms, lengths = header[:3]
+        parents = header[3] if len(header) == 4 and isinstance(header[3], list) else None
         if not (
             isinstance(seq_ids, list)
             and isinstance(remaining_ms, list)
@@ -165,7 +172,10 @@ class StepRunner:
                 )
                 continue
             deadline = None if left_ms is None else now + left_ms / 1000.0
-            self.waiting.append(_Sequence(seq_id, req_id, stream, request.get("input"), deadline))
+            seq = _Sequence(seq_id, req_id, stream, request.get("input"), deadline, received_at=now)
+            if self.spans is not None and parents is not None and i < len(parents):
+                self.spans.received(seq, parents[i])
+            self.waiting.append(seq)
 
     def receive_cancel(self, frame: bytes) -> None:
         """Stop the sequences a CANCEL names; each is acknowledged (CHUNK_DROPPED), which
@@ -195,6 +205,8 @@ class StepRunner:
         self.active.clear()
         self.waiting.clear()
         self.take_entries()
+        if self.spans is not None:
+            self.spans.reset(self.counters["steps"])
 
     # --- running ----------------------------------------------------------------------------
 
@@ -244,6 +256,8 @@ class StepRunner:
             self._fail(seq, ErrorCode.MODEL_ERROR, f"{type(chunk).__name__}: {chunk}")
             return
         seq.chunks += 1
+        if seq.chunks == 1:
+            seq.first_at = time.monotonic()
         self.counters["chunks"] += 1
         if done:
             del self.active[key]
@@ -309,7 +323,9 @@ class StepRunner:
             verdicts = [
                 ValueError(f"start returned {type(verdicts).__name__}, not one verdict per item")
             ] * len(new)
+        admitted_at, steps = time.monotonic(), self.counters["steps"]
         for seq, verdict in zip(new, verdicts, strict=True):
+            seq.admitted_at, seq.steps_at = admitted_at, steps
             if verdict is None:
                 self.active[seq.seq_id] = seq
                 continue
@@ -351,6 +367,8 @@ class StepRunner:
         self._entry(seq_id, CHUNK_DROPPED, b"")
 
     def _entry(self, seq_id: int, flag: int, body: bytes) -> None:
+        if self.spans is not None and flag != CHUNK_MORE:
+            self.spans.ended(seq_id, flag, body, self.counters["steps"])
         self._ids.append(seq_id)
         self._flags.append(flag)
         self._bodies.append(body)

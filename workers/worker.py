@@ -218,6 +218,10 @@ class Worker(BatchRunner):
                 _decode_requests,
                 self.reply_version,
             )
+            if self.tracer is not None:  # a span per traced request stream (workers.step_spans)
+                from workers.step_spans import StepSpans
+
+                self._steps.spans = StepSpans(self.tracer)
             log.info(
                 "model %s loaded (%s, step-level, up to %d sequences)",
                 self.spec.name,
@@ -401,6 +405,7 @@ def run_worker(settings: WorkerSettings) -> None:
     }
     tracer = start_tracing(settings.trace, "batcher-worker", attributes)
     set_tracer(tracer)
+    worker.tracer = tracer
     try:
         try:
             worker.check_address()

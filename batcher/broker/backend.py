@@ -13,6 +13,7 @@ from typing import Any
 
 import zmq
 
+from batcher.broker.metrics import exemplar_of
 from batcher.broker.stats import BrokerStats
 from batcher.core.pool import WorkerPool, worker_info
 from batcher.core.scheduler import Batch, QueuedRequest, Scheduler
@@ -63,9 +64,8 @@ class Backend:
         self.tracer: Any = None  #: the broker's spans when tracing is on (batcher.observe), else None
 
     def drain(self, now: float) -> bool:
-        """Handle what the workers sent, within one budget; True once read to the end.
-        Every message read is stamped `now`, the loop's time of this turn; the clock is
-        read again only to keep the turn within its budget."""
+        """Handle what the workers sent, within one budget; True once read to the end. Every
+        message read is stamped `now`, the loop's turn; the clock is read only for the budget."""
         sock = self.sock
         budget_end = now + DRAIN_BUDGET_S
         for i in range(DRAIN_LIMIT):
@@ -115,7 +115,9 @@ class Backend:
         elif command == protocol.CMD_DISCONNECT:
             log.info("worker %s left", self.pool.name(worker_id))
             self.lost(worker_id, "worker left", failed=False)
-        elif command != protocol.CMD_HEARTBEAT:
+        elif command == protocol.CMD_HEARTBEAT:
+            self.stats.worker_said(self.pool.info(worker_id), worker_id, frames[3:])
+        else:
             raise WorkerProtocolError(f"unknown command {command!r} with {len(frames)} frames")
 
     def _on_ready(self, worker_id: bytes, info_frame: bytes, now: float) -> None:
@@ -174,12 +176,12 @@ class Backend:
             return
         # The replies first, back to back; the batch's counts after.
         self.deliver_batch(requests, replies, errors)  # (kept by the response cache when none failed)
-        if self.tracer is not None:
-            self.tracer.batch_answered(batch_id, now, infer_ms, wait_ms, padding, errors)
-        arrivals = [r.arrived_at for r in requests]
+        tracer, arrivals = self.tracer, [r.arrived_at for r in requests]
+        span = tracer and tracer.batch_answered(batch_id, now, infer_ms, wait_ms, padding, errors)
         self.stats.batch_answered(
-            batch.model, arrivals, sent_at, wait_ms, infer_ms, in_worker_ms, errors, refused, padding, now
-        )
+            batch.model, arrivals, sent_at, wait_ms, infer_ms, in_worker_ms, errors, refused, padding, now,
+            exemplar_of(span),
+        )  # fmt: skip
 
     def _on_chunk(self, worker_id: bytes, header_frame: bytes, bodies: list[Any], now: float) -> None:
         """A step-level worker's chunks: each forwarded untouched to its client, in order;
@@ -208,7 +210,7 @@ class Backend:
                 )
                 continue
             delivered = deliver(seq.request.envelope, body)
-            stats.chunk(seq.model, seq.chunks == 1, now - seq.request.arrived_at, now)
+            stats.chunk(seq.model, seq.chunks == 1, now - seq.request.arrived_at, now, first_exemplar(seq))
             if verdict is Verdict.DELIVER_FINAL:
                 stats.count(seq.model, _final_outcome(flag, body))
             elif not delivered:  # the client is gone: nobody reads what comes next
@@ -292,9 +294,8 @@ class Backend:
                 "worker %s: no step ended within its time limit (%.0f ms): taken for hung, told to exit",
                 self.pool.name(w.worker_id), limit_ms,
             )  # fmt: skip
-            self._stop_hung(
-                w.worker_id, f"its step ran past the time limit of {limit_ms:.0f} ms (--batch-timeout-ms)"
-            )
+            why = f"its step ran past the time limit of {limit_ms:.0f} ms (--batch-timeout-ms)"
+            self._stop_hung(w.worker_id, why)
 
     def _stop_hung(self, worker_id: bytes, why: str, blame: int | None = None) -> None:
         """Tell a hung worker to exit (`serve` kills its own too) and take it for lost."""
@@ -331,6 +332,12 @@ class Backend:
         self.stats.batches_retried += lost.batches_requeued
         for model, req in lost.failed:
             self.reply_error(req, model, ErrorCode.WORKER_FAILED, why)
+
+
+def first_exemplar(seq: Sequence) -> dict[str, str] | None:
+    """A stream's first chunk's exemplar: its queue span, when it is traced."""
+    rt = seq.request.trace
+    return exemplar_of(rt.queue) if seq.chunks == 1 and rt is not None else None
 
 
 def worker_gone(stats: Any, cache: Any, model: str, failed: bool) -> None:

@@ -53,6 +53,7 @@ from batcher.transport.security import CurveGate, CurveServerKeys, HandshakeWatc
 from batcher.transport.stopping import StopSignals
 from batcher.wire import protocol
 from batcher.wire.protocol import ErrorCode, Heartbeat
+from batcher.wire.tracecontext import format_traceparent
 
 log = logging.getLogger("batcher.broker")
 
@@ -482,8 +483,9 @@ class Broker:
                 None if r.deadline_at is None else round(max(0.0, r.deadline_at - now) * 1000.0, 3)
                 for r in requests
             ]
+            parents = None if self.tracer is None else traced_start(self.tracer, w.model, requests, now)
             frames = protocol.start_frames(
-                [s.seq_id for s in sequences], remaining_ms, [r.body for r in requests]
+                [s.seq_id for s in sequences], remaining_ms, [r.body for r in requests], parents
             )
             if not self.workers.send(w.worker_id, frames):
                 log.warning("worker %s unreachable; its sequences go to another", self.pool.name(w.worker_id))
@@ -505,6 +507,23 @@ def traced_batch(
     ]
     stats.metrics.queue_waits_ms(batch.model, queue_ms, exemplars)
     return protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests], traceparent)
+
+
+def traced_start(tracer: Any, model: str, requests: list[Any], now: float) -> list[str | None] | None:
+    """The traced requests given to a step-level worker now leave their queue (queue
+    span, outcome `started`); each one's traceparent for the START header (its queue
+    span: the parent of the worker's span of the stream), None when none is traced."""
+    if all(r.trace is None for r in requests):
+        return None
+    out: list[str | None] = []
+    for r in requests:
+        if r.trace is None:
+            out.append(None)
+            continue
+        tracer.queue_ended(r, model, "started", now)
+        q = r.trace.queue
+        out.append(format_traceparent(q.trace_id, q.span_id, 1))
+    return out
 
 
 def response_cache(settings: BrokerSettings, metrics: Any) -> BrokerCache | None:

@@ -13,6 +13,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+#: A traced request's (or batch's) `trace_id` and `span_id` on a histogram's observation
+#: (shown in the OpenMetrics exposition), None for an untraced one.
+Exemplar = dict[str, str] | None
+
+
+def exemplar_of(ctx: Any) -> Exemplar:
+    """The exemplar of a span context the broker keeps (trace_id and span_id as ints)."""
+    return None if ctx is None else {"trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}"}
+
+
 #: Recent samples kept per model for the stats percentiles.
 RECENT = 2048
 
@@ -44,7 +54,7 @@ class NoMetrics:
     def request_done(self, model: str, outcome: str, count: int = 1) -> None:
         pass
 
-    def batch_done(self, model: str, size: int, infer_s: float) -> None:
+    def batch_done(self, model: str, size: int, infer_s: float, exemplar: Exemplar = None) -> None:
         pass
 
     def queue_waits_ms(
@@ -52,7 +62,7 @@ class NoMetrics:
     ) -> None:
         pass
 
-    def worker_wait(self, model: str, wait_s: float) -> None:
+    def worker_wait(self, model: str, wait_s: float, exemplar: Exemplar = None) -> None:
         pass
 
     def worker_event(self, model: str, event: str) -> None:
@@ -64,10 +74,13 @@ class NoMetrics:
     def chunk(self, model: str) -> None:
         pass
 
-    def first_chunk(self, model: str, seconds: float) -> None:
+    def first_chunk(self, model: str, seconds: float, exemplar: Exemplar = None) -> None:
         pass
 
     def sequence_cancelled(self, model: str, reason: str) -> None:
+        pass
+
+    def worker_spans_dropped(self, model: str, n: int) -> None:
         pass
 
 
@@ -147,6 +160,12 @@ class PrometheusMetrics(NoMetrics):
             buckets=SECONDS_BUCKETS,
             registry=self.registry,
         )
+        self.worker_dropped = Counter(
+            "batcher_worker_trace_spans_dropped",
+            "Trace spans the workers of a model dropped, as their heartbeats report them",
+            ["model"],
+            registry=self.registry,
+        )
         self.cancelled = Counter(
             "batcher_sequences_cancelled",
             "Sequences the broker ended early, by reason (cancel, deadline, client_gone, shutting_down)",
@@ -210,9 +229,10 @@ class PrometheusMetrics(NoMetrics):
         if count:
             self.requests.labels(model, outcome).inc(count)
 
-    def batch_done(self, model: str, size: int, infer_s: float) -> None:
+    def batch_done(self, model: str, size: int, infer_s: float, exemplar: Exemplar = None) -> None:
+        """A batch's size, and its model time (with its batch span's trace as an exemplar)."""
         self.batch_size.labels(model).observe(size)
-        self.inference.labels(model).observe(infer_s)
+        self.inference.labels(model).observe(infer_s, exemplar)
 
     def queue_waits_ms(
         self, model: str, waits_ms: list[float], exemplars: list[dict[str, str] | None] | None = None
@@ -227,8 +247,8 @@ class PrometheusMetrics(NoMetrics):
         for w, exemplar in zip(waits_ms, exemplars, strict=True):
             observe(w / 1000.0, exemplar)
 
-    def worker_wait(self, model: str, wait_s: float) -> None:
-        self.worker_wait_hist.labels(model).observe(wait_s)
+    def worker_wait(self, model: str, wait_s: float, exemplar: Exemplar = None) -> None:
+        self.worker_wait_hist.labels(model).observe(wait_s, exemplar)
 
     def worker_event(self, model: str, event: str) -> None:
         self.worker_events.labels(model, event).inc()
@@ -242,8 +262,11 @@ class PrometheusMetrics(NoMetrics):
     def chunk(self, model: str) -> None:
         self.chunks.labels(model).inc()
 
-    def first_chunk(self, model: str, seconds: float) -> None:
-        self.first_chunk_hist.labels(model).observe(seconds)
+    def first_chunk(self, model: str, seconds: float, exemplar: Exemplar = None) -> None:
+        self.first_chunk_hist.labels(model).observe(seconds, exemplar)
 
     def sequence_cancelled(self, model: str, reason: str) -> None:
         self.cancelled.labels(model, reason).inc()
+
+    def worker_spans_dropped(self, model: str, n: int) -> None:
+        self.worker_dropped.labels(model).inc(n)

@@ -12,15 +12,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batcher.broker.autoscale import Autoscale
-from batcher.broker.metrics import NoMetrics, Recent, percentile
+from batcher.broker.metrics import Exemplar, NoMetrics, Recent, percentile
 from batcher.core.pool import WorkerPool
 from batcher.core.scaling import DEFAULT_TARGET_UTILIZATION
 from batcher.core.scheduler import ModelView
 from batcher.core.streams import Streams
+from batcher.wire import protocol
 from batcher.wire.protocol import ErrorCode
 
 #: The window over which `stats` reports chunks per second.
 CHUNK_RATE_WINDOW_S = 5.0
+#: Workers whose last dropped-span count is kept (past it the table starts again).
+MAX_WORKERS_COUNTED = 10_000
 
 
 @dataclass
@@ -143,6 +146,10 @@ class BrokerStats:
     workers_lost: int = 0
     batches_retried: int = 0
     batches_timed_out: int = 0  # batches that ran past their time limit (their worker is stopped)
+    #: Trace spans each model's workers dropped (their heartbeats' counts), and each
+    #: worker's last count, so a count said again is added once.
+    worker_spans_dropped: Counter[str] = field(default_factory=Counter)
+    _worker_drops: dict[bytes, int] = field(default_factory=dict)
     #: The autoscaling signal (its target and the cell's worker counts come from the settings).
     autoscale: Autoscale = field(default_factory=lambda: Autoscale(DEFAULT_TARGET_UTILIZATION, {}))
 
@@ -170,7 +177,9 @@ class BrokerStats:
         st.recent.queue_ms.extend(queue_ms)
         self.metrics.queue_waits_ms(model, queue_ms)
 
-    def chunk(self, model: str, first: bool, since_arrival_s: float, now: float) -> None:
+    def chunk(
+        self, model: str, first: bool, since_arrival_s: float, now: float, exemplar: Exemplar = None
+    ) -> None:
         """A chunk delivered; the first of its sequence, `since_arrival_s` after its request
         arrived, is the time to first chunk."""
         st = self.model(model)
@@ -185,7 +194,27 @@ class BrokerStats:
         self.metrics.chunk(model)
         if first:
             st.recent.first_chunk_ms.append(since_arrival_s * 1000.0)
-            self.metrics.first_chunk(model, since_arrival_s)
+            self.metrics.first_chunk(model, since_arrival_s, exemplar)
+
+    def worker_said(self, info: Any, worker_id: bytes, frames: list[bytes]) -> None:
+        """A worker's HEARTBEAT with its counters (protocol.md 6.6): the spans it dropped
+        since its last one are added to its model's (a malformed map is ignored)."""
+        if not frames or info is None:
+            return
+        try:
+            n = protocol.unpack(frames[0]).get("trace_spans_dropped")
+        except Exception:  # msgpack raises several unrelated types; not a map
+            return
+        if type(n) is not int or n < 0:
+            return
+        drops = self._worker_drops
+        if len(drops) > MAX_WORKERS_COUNTED and worker_id not in drops:
+            drops.clear()  # workers come and go: the table stays bounded
+        new = n - drops.get(worker_id, 0)
+        drops[worker_id] = n
+        if new > 0:
+            self.worker_spans_dropped[info.model] += new
+            self.metrics.worker_spans_dropped(info.model, new)
 
     def sequence_cancelled(self, model: str, reason: str) -> None:
         """The broker ended a sequence early: `cancel`, `deadline`, `client_gone`, `shutting_down`."""
@@ -200,10 +229,11 @@ class BrokerStats:
         wait_ms: float | None,
         size: int,
         padding: tuple[int, int] | None = None,
+        exemplar: Exemplar = None,
     ) -> None:
         """A worker answered a batch: its requests' queue times (broker and worker), the
         worker's wait before the model began, its model time and, for a stacked batch,
-        its (padded, real) input elements."""
+        its (padded, real) input elements; `exemplar`: a traced batch's span."""
         st = self.model(model)
         if padding is not None:
             st.padded_elements += padding[0]
@@ -213,10 +243,10 @@ class BrokerStats:
         st.requests += size
         st.recent.infer_ms.append(infer_ms)
         st.recent.queue_ms.extend(queue_ms)
-        self.metrics.batch_done(model, size, infer_ms / 1000.0)
+        self.metrics.batch_done(model, size, infer_ms / 1000.0, exemplar)
         if wait_ms is not None:
             st.recent.worker_wait_ms.append(wait_ms)
-            self.metrics.worker_wait(model, wait_ms / 1000.0)
+            self.metrics.worker_wait(model, wait_ms / 1000.0, exemplar)
 
     def batch_answered(
         self,
@@ -230,13 +260,14 @@ class BrokerStats:
         refused: int,
         padding: tuple[int, int] | None,
         now: float,
+        exemplar: Exemplar = None,
     ) -> None:
         """A worker answered a batch sent at `sent_at` of requests that arrived at
         `arrivals`, `errors` of its replies errors (`refused` of them bad_request): every
         count of it, once per batch. A request's queue time is as its client lives it: in
         the broker's queue, then `in_worker_ms` in the worker until the model began."""
         queue_ms = [round((sent_at - t) * 1000.0 + in_worker_ms, 3) for t in arrivals]
-        self.batch_done(model, queue_ms, infer_ms, wait_ms, len(arrivals), padding)
+        self.batch_done(model, queue_ms, infer_ms, wait_ms, len(arrivals), padding, exemplar)
         self.model(model).totals.add_batch(arrivals, sent_at, wait_ms, infer_ms, errors, now)
         self.count(model, "ok", len(arrivals) - errors)
         self.count(model, ErrorCode.MODEL_ERROR, errors - refused)
@@ -265,6 +296,7 @@ class BrokerStats:
             "batches_timed_out": self.batches_timed_out,
             "dropped_backend_messages": self.dropped_backend,
             "undeliverable": self.undeliverable,
+            "worker_trace_spans_dropped": dict(self.worker_spans_dropped),
             **extra,
         }
 

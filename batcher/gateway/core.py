@@ -23,6 +23,7 @@ from batcher.core.link import Backoff, Drop, PeerLink
 from batcher.core.row_deadline import RowDeadline, RowStep
 from batcher.gateway import oip
 from batcher.gateway.bodies import pack_request
+from batcher.gateway.metrics import GatewayMetrics
 from batcher.gateway.names import NAMES_TTL_S as NAMES_TTL_S  # its old home
 from batcher.gateway.names import ModelNames
 from batcher.gateway.settings import GatewaySettings as GatewaySettings  # its old home
@@ -403,6 +404,7 @@ class Gateway:
         self.settings = settings
         #: Each (model, version)'s input and output names (batcher.gateway.names).
         self.names = ModelNames(self._control)
+        self.metrics = GatewayMetrics()  # request durations, spans dropped (/metrics)
         self.pool = BrokerPool(settings)
         self.pool.start()
 

@@ -118,7 +118,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         )
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
-        trace = self._trace(context)
+        begun, trace = time.monotonic(), None
+        try:
+            trace = self._trace(context)
+            return await self._infer(request, context, trace)
+        finally:
+            self.gateway.metrics.request_done("grpc", time.monotonic() - begun, trace)
+
+    async def _infer(self, request: Any, context: Any, trace: Any) -> Any:
         try:
             begun = time.monotonic()
             infer = parse_infer(request, context.time_remaining())

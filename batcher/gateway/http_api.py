@@ -114,8 +114,9 @@ class HttpApi:
             if refused is not None:
                 return refused
         if scope["raw_path"] == b"/metrics":
-            text = self.gateway.pool.metrics_text().encode()
-            return Response(body=text, content_type="text/plain; version=0.0.4; charset=utf-8")
+            page = self.gateway.pool.metrics_text()
+            text, content_type = self.gateway.metrics.exposition(page, _header(scope, b"accept"))
+            return Response(body=text, content_type=content_type)
         route = match(scope["raw_path"])
         if route is None:
             return _error(404, "no such endpoint")
@@ -170,14 +171,29 @@ class HttpApi:
 
     async def infer(self, scope: Scope, receive: Receive, model: str, version: str) -> Response:
         """An infer request; traced (an HTTP server span, its caller's `traceparent` header
-        as parent) when tracing is on."""
+        as parent) when tracing is on; its duration observed (a traced one's exemplar)."""
+        begun, trace = time.monotonic(), None
+        try:
+            trace = self._begin_trace(scope)
+            return await self._traced_infer(scope, receive, model, version, trace)
+        finally:
+            self.gateway.metrics.request_done("http", time.monotonic() - begun, trace)
+
+    def _begin_trace(self, scope: Scope) -> Any:
+        """The request's trace (tracing.GatewayTrace), None when off or not sampled."""
         tracer = self.gateway.tracer
         if tracer is None:
-            return await self._infer(scope, receive, model, version, None)
+            return None
         attributes = {"http.request.method": "POST", "http.route": "/v2/models/{model}/infer"}
         attributes["url.path"] = scope.get("path", "")
         traceparent, tracestate = _header(scope, b"traceparent"), _header(scope, b"tracestate")
-        trace = tracing.begin(tracer, traceparent, tracestate, "POST /v2/models/{model}/infer", attributes)
+        return tracing.begin(tracer, traceparent, tracestate, "POST /v2/models/{model}/infer", attributes)
+
+    async def _traced_infer(
+        self, scope: Scope, receive: Receive, model: str, version: str, trace: Any
+    ) -> Response:
+        if trace is None:
+            return await self._infer(scope, receive, model, version, None)
         try:
             response = await self._infer(scope, receive, model, version, trace)
         except oip.OipError as exc:

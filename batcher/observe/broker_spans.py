@@ -103,11 +103,12 @@ class BrokerSpans:
 
     def batch_answered(
         self, batch_id: int, now: float, infer_ms: float, wait_ms: float | None, padding: Any, errors: Any
-    ) -> None:
-        """The worker's REPLY came: the batch span ends, with the worker's figures."""
+    ) -> Any:
+        """The worker's REPLY came: the batch span ends, with the worker's figures; its
+        context (the batch's exemplar on the latency histograms), None when not traced."""
         span = self._open.pop(batch_id, None)
         if span is None:
-            return
+            return None
         span.set_attribute("batcher.infer_ms", float(infer_ms))
         if wait_ms is not None:
             span.set_attribute("batcher.worker_wait_ms", float(wait_ms))
@@ -116,6 +117,7 @@ class BrokerSpans:
             span.set_attribute("batcher.padding_waste", padded / real if real else 0.0)
         failed = errors if isinstance(errors, int) else sum(errors.values())
         self.tracer.end(span, now, f"{failed} requests failed" if failed else None)
+        return span.get_span_context()
 
     def batch_failed(self, batch_id: int, now: float, event: str, why: str) -> None:
         """The batch will not be answered (its worker was lost, hung, or broke the

@@ -160,7 +160,7 @@ class RelaySpans:
                 attributes, links, (), code, ctx.state,
             )
         )  # fmt: skip
-        if outcome != "batched":
+        if outcome not in ("batched", "started"):
             self.flush()
 
     def refused(self, rt: RelayTrace, req_id: object, model: str | None, code: str, now: float) -> None:
@@ -210,11 +210,12 @@ class RelaySpans:
 
     def batch_answered(
         self, batch_id: int, now: float, infer_ms: float, wait_ms: float | None, padding: Any, errors: Any
-    ) -> None:
-        """The worker's REPLY came: the batch span ends, with the worker's figures."""
+    ) -> Ctx | None:
+        """The worker's REPLY came: the batch span ends, with the worker's figures; its
+        context (the batch's exemplar on the latency histograms), None when not traced."""
         held = self._open.get(batch_id)
         if held is None:
-            return
+            return None
         attributes = held[3]
         attributes["batcher.infer_ms"] = float(infer_ms)
         if wait_ms is not None:
@@ -224,6 +225,8 @@ class RelaySpans:
             attributes["batcher.padding_waste"] = padded / real if real else 0.0
         failed = errors if isinstance(errors, int) else sum(errors.values())
         self._end_batch(batch_id, now, f"{failed} requests failed" if failed else None)
+        ctx: Ctx = held[0]
+        return ctx
 
     def batch_failed(self, batch_id: int, now: float, event: str, why: str) -> None:
         """The batch will not be answered: its span ends with `event`."""

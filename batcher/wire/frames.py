@@ -308,10 +308,19 @@ MAX_WARMUP_ERROR_CHARS = 500
 # --- step-level workers (docs/generative.md) ------------------------------------------------
 
 
-def start_frames(seq_ids: list[int], remaining_ms: list[float | None], bodies: list[Any]) -> list[Any]:
+def start_frames(
+    seq_ids: list[int],
+    remaining_ms: list[float | None],
+    bodies: list[Any],
+    traceparents: list[str | None] | None = None,
+) -> list[Any]:
     """Backend START message (after the worker's routing id): each new sequence's id and
-    the time left before its deadline (nil: none), then the request bodies untouched."""
-    header = _packer_pack([seq_ids, remaining_ms, [len(b) for b in bodies]])
+    the time left before its deadline (nil: none), then the request bodies untouched; a
+    4th header element, each sequence's traceparent (nil: not traced), when any is traced."""
+    fields: list[Any] = [seq_ids, remaining_ms, [len(b) for b in bodies]]
+    if traceparents is not None:
+        fields.append(traceparents)
+    header = _packer_pack(fields)
     return [WORKER_PROTOCOL, CMD_START, header, *body_frames(bodies)]
 
 

@@ -98,6 +98,9 @@ def test_an_http_request_is_one_trace_from_gateway_to_worker(
     mine = [s for s in spans if s.trace_id == trace_id]
     assert {s.service for s in mine} == {"batcher-gateway", "batcher-broker", "batcher-worker"}
     server = one(mine, "POST /v2/models/{model}/infer")
+    # The gateway's request-duration histogram leads to this request's server span.
+    durations = exemplars(openmetrics(http_port), "batcher_gateway_request_duration_seconds")
+    assert f'span_id="{server.span_id}",trace_id="{trace_id}"' in durations, durations
     assert server.parent_id == caller_span and server.kind == SERVER
     assert server.attributes["http.response.status_code"] == 200
     assert server.attributes["http.request.method"] == "POST"
@@ -174,6 +177,22 @@ def _all_queued(spans: list[SpanRecord], trace_ids: set[str]) -> bool:
     return {s.trace_id for s in spans if s.name == "batcher.queue"} >= trace_ids
 
 
+def openmetrics(port: int) -> str:
+    """The /metrics page at `port` in the OpenMetrics exposition (where exemplars show)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/metrics", headers={"Accept": "application/openmetrics-text"}
+    )
+    with urllib.request.urlopen(request, timeout=5) as r:
+        return str(r.read().decode())
+
+
+def exemplars(text: str, family: str) -> str:
+    """The exemplars on `family`'s bucket lines, joined."""
+    return " ".join(
+        ln.split("#", 1)[1] for ln in text.splitlines() if ln.startswith(f"{family}_bucket") and "#" in ln
+    )
+
+
 def test_durations_match_the_replys_queue_and_infer_ms_from_a_raw_client(
     serve: Callable[..., ServeProcess], collector: Callable[..., Collector], zctx: zmq.Context[Any]
 ) -> None:
@@ -203,6 +222,10 @@ def test_durations_match_the_replys_queue_and_infer_ms_from_a_raw_client(
         ln for ln in text.splitlines() if ln.startswith("batcher_queue_wait_seconds_bucket") and "#" in ln
     ]
     assert any(f'trace_id="{trace_id}"' in ln and f'span_id="{queue.span_id}"' in ln for ln in lines), lines
+    # So do the batch's model time and worker wait: their exemplar is the batch span.
+    batch = one(mine, "batcher.batch")
+    for family in ("batcher_inference_seconds", "batcher_worker_wait_seconds"):
+        assert f'span_id="{batch.span_id}",trace_id="{trace_id}"' in exemplars(text, family), family
 
 
 def test_ratio_zero_exports_nothing_and_an_unsampled_parent_is_respected(
@@ -236,16 +259,11 @@ def test_a_collector_down_slow_or_erroring_never_touches_serving(
         endpoint = f"http://{free_tcp_address().removeprefix('tcp://')}"  # nothing listens there
     else:
         endpoint = collector(trouble, delay_s=30.0).endpoint
-    metrics_port = free_port()
+    metrics_port, http_port = free_port(), free_port()
     sp = serve(
-        *SIM,
-        "--trace-endpoint",
-        endpoint,
-        "--metrics-port",
-        str(metrics_port),
-        workers=1,
-        stop_timeout_s=15.0,
-    )
+        *SIM, "--trace-endpoint", endpoint, "--metrics-port", str(metrics_port),
+        "--http-port", str(http_port), workers=1, stop_timeout_s=15.0,
+    )  # fmt: skip
     with Client(sp.frontend, timeout_s=10) as client:
         started = time.monotonic()
         replies = client.request_many([float(i) for i in range(64)])
@@ -259,6 +277,26 @@ def test_a_collector_down_slow_or_erroring_never_touches_serving(
             lambda: sample(scrape(metrics_port), "batcher_trace_spans_dropped_total") > 0,
             20.0,
             "the broker's dropped spans counted",
+        )
+        # The workers' drops reach the broker with their heartbeats: its metrics and stats.
+        wait_until(
+            lambda: (
+                scrape(metrics_port).get(("batcher_worker_trace_spans_dropped_total", (("model", "sim"),)), 0)
+                > 0
+            ),
+            20.0,
+            "the worker's dropped spans counted at the broker",
+        )
+        with Client(sp.frontend, timeout_s=10) as client:
+            assert client.control("stats")["worker_trace_spans_dropped"]["sim"] > 0
+        # The gateway's drops are on its own /metrics.
+        wait_until(lambda: _live(http_port), 20.0, "the gateway's HTTP port")
+        for i in range(4):
+            assert post_infer(http_port, {}, float(i))["outputs"]
+        wait_until(
+            lambda: sample(scrape(http_port), "batcher_trace_spans_dropped_total") > 0,
+            20.0,
+            "the gateway's dropped spans counted",
         )
 
 
@@ -371,3 +409,39 @@ def _grpc_live(client: Any) -> bool:
         return bool(client.is_server_live())
     except Exception:
         return False
+
+
+def test_a_stream_is_one_span_at_the_worker_under_its_queue_span(
+    serve: Callable[..., ServeProcess], collector: Callable[..., Collector], zctx: zmq.Context[Any]
+) -> None:
+    c = collector()
+    metrics_port = free_port()
+    sp = serve(
+        "--model", "simlm", "--workers", "1", "--trace-endpoint", c.endpoint,
+        "--metrics-port", str(metrics_port), workers=1,
+    )  # fmt: skip
+    traceparent, trace_id, caller_span = new_traceparent()
+    sock = zctx.socket(zmq.DEALER)
+    sock.connect(sp.frontend)
+    body = {"id": 1, "input": {"tokens": 5}, "stream": True, "traceparent": traceparent}
+    sock.send_multipart([b"", pack(body)])
+    replies = [recv_reply(sock)]
+    while replies[-1].get("more"):
+        replies.append(recv_reply(sock))
+    assert [r["ok"] for r in replies] == [True] * 5, replies
+
+    def both(spans: list[SpanRecord]) -> bool:
+        names = {s.name for s in spans if s.trace_id == trace_id}
+        return {"batcher.queue", "batcher.worker.sequence"} <= names
+
+    mine = [s for s in c.wait_for(both) if s.trace_id == trace_id]
+    queue, seq = one(mine, "batcher.queue"), one(mine, "batcher.worker.sequence")
+    assert queue.parent_id == caller_span and queue.attributes["batcher.outcome"] == "started"
+    assert seq.parent_id == queue.span_id and seq.service == "batcher-worker"
+    assert seq.attributes["batcher.chunks"] == 5 and seq.attributes["batcher.outcome"] == "ok"
+    assert seq.attributes["batcher.steps"] >= 5
+    assert 0 <= seq.attributes["batcher.first_chunk_ms"] <= seq.duration_ms
+    assert seq.events == ["batcher.admitted", "batcher.first_chunk"]
+    # The time-to-first-chunk histogram's exemplar leads to this stream's trace.
+    first = exemplars(openmetrics(metrics_port), "batcher_time_to_first_chunk_seconds")
+    assert f'span_id="{queue.span_id}",trace_id="{trace_id}"' in first, first

@@ -480,3 +480,46 @@ def test_steps_without_entries_still_send_a_chunk_of_counters_now_and_then() -> 
     assert r.take_entries(now=10.0 + PROGRESS_EVERY_S / 2) is None  # not yet
     assert r.take_entries(now=10.0 + PROGRESS_EVERY_S * 1.01) is not None
     assert r.take_entries(now=20.0) is None  # no step ran since: no progress to tell
+
+
+class RecordingTracer:
+    """A tracer that keeps what it was asked to record (workers.step_spans' only call)."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict[str, Any]] = []
+
+    def record(
+        self, name: str, parent: Any, start_s: float, end_s: float, attributes: Any, **kw: Any
+    ) -> None:
+        self.spans.append(
+            {"name": name, "parent": parent, "start": start_s, "end": end_s, **kw, **attributes}
+        )
+
+
+def test_a_traced_sequence_is_one_span_with_its_steps_and_chunks_an_untraced_one_none() -> None:
+    from workers.step_spans import StepSpans
+
+    tracer = RecordingTracer()
+    r = runner()
+    r.spans = StepSpans(tracer)  # type: ignore[arg-type]
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    frames = protocol.start_frames(
+        [1, 2, 3], [None, None, 0.0], [req(1, 3), req(2, 2), req(3, 5)], [parent, None, parent]
+    )
+    r.receive_start(frames[2], frames[3:], 0.0)
+    while r.busy():
+        r.run_step(1.0)
+    take(r)
+    by_seq = {s["batcher.seq_id"]: s for s in tracer.spans}
+    assert set(by_seq) == {"1", "3"}  # sequence 2 carried no traceparent
+    ok, late = by_seq["1"], by_seq["3"]
+    assert ok["name"] == "batcher.worker.sequence" and f"{ok['parent'].trace_id:032x}" == parent[3:35]
+    assert (ok["batcher.outcome"], ok["batcher.chunks"], ok["batcher.steps"], ok["error"]) == (
+        "ok",
+        3,
+        3,
+        None,
+    )
+    assert [e[0] for e in ok["events"]] == ["batcher.admitted", "batcher.first_chunk"]
+    assert late["batcher.outcome"] == "deadline_exceeded" and late["error"]  # its deadline passed at once
+    assert not r.spans.held
