@@ -983,3 +983,57 @@ def test_an_error_reply_ending_a_stream_says_more_false() -> None:
     reply = protocol.unpack(protocol.error_reply(3, ErrorCode.CANCELLED, "gone", stream=True))
     assert reply == {"id": 3, "ok": False, "error": {"code": "cancelled", "message": "gone"}, "more": False}
     assert "more" not in protocol.unpack(protocol.error_reply(3, ErrorCode.CANCELLED, "gone"))
+
+
+# --- the survivors of mutation testing -------------------------------------------------------
+
+
+def test_a_worker_answers_only_int_and_str_ids() -> None:
+    assert protocol.answer_id({"id": 7}) == 7 and protocol.answer_id({"id": "a"}) == "a"
+    for bad in (True, 1.5, None, [1]):
+        assert protocol.answer_id({"id": bad}) is None
+    assert protocol.answer_id({}) is None
+
+
+def test_a_body_that_cannot_be_read_whole_still_says_it_wants_a_stream() -> None:
+    body = protocol.pack({"id": 1, "stream": True})[:-1] + b"\xc1"  # broken after the key
+    assert protocol.wants_stream(protocol.pack({"id": 1, "stream": True, "input": 1}))
+    assert not protocol.wants_stream(protocol.pack({"id": 1, "stream": 1}))  # true only
+    assert not protocol.wants_stream(protocol.pack({"id": 1}))
+    assert not protocol.wants_stream(b"\xc1")
+    assert protocol.wants_stream(protocol.pack({"stream": True}) + b"junk")
+    assert isinstance(protocol.wants_stream(body), bool)
+
+
+def test_a_request_without_a_length_axis_is_refused_in_so_many_words() -> None:
+    with pytest.raises(ProtocolError) as info:
+        protocol.input_length(protocol.pack({"id": 3, "input": "text"}), 3)
+    assert info.value.message == (
+        "this model groups requests by length (--bucket-by length): the input must be a tensor, "
+        "a map of tensors or a list of tensors, each with a first axis (its length)"
+    )
+    assert info.value.code == ErrorCode.BAD_REQUEST and info.value.req_id == 3
+
+
+def test_the_largest_cost_is_a_cost() -> None:
+    body = protocol.pack({"id": 1, "input": 1, "cost": protocol.MAX_COST})
+    assert protocol.read_header(body).cost == protocol.MAX_COST
+    assert protocol.parse_request(body)[0].cost == protocol.MAX_COST
+
+
+def test_a_bad_stream_or_version_names_its_type() -> None:
+    for field, value, message in (
+        ("stream", 1, "stream must be true or false, got int"),
+        ("version", 1.5, "version must be an int or a str, got float"),
+    ):
+        with pytest.raises(ProtocolError, match=f"^{message}"):
+            protocol.parse_request(protocol.pack({"id": 1, "input": 1, field: value}))
+
+
+def test_the_full_decode_keeps_the_trace_state_and_the_version() -> None:
+    body = protocol.pack(
+        {"id": 1, "input": 1, "traceparent": "tp", "tracestate": "a=1", "version": 2, "k": {1: 2}}
+    )  # the int key sends it through parse_request
+    header = protocol.parse_request(body)[0]
+    assert (header.traceparent, header.tracestate, header.version) == ("tp", "a=1", 2)
+    assert protocol.read_header(body) == header
