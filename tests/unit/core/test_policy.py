@@ -107,3 +107,33 @@ def test_a_seeded_cost_is_the_warm_up_line_and_never_overrides_a_learned_one() -
     assert math.isclose(a, 0.002) and math.isclose(b, 0.001)
     cost.seed(1.0, 1.0, 8)
     assert cost.coefficients() == (a, b)
+
+
+# --- the survivors of mutation testing -------------------------------------------------------
+
+
+def test_the_default_limit_bounds_a_batch_by_n_times_one_requests_cost() -> None:
+    cost = CostModel()
+    cost.seed(0.1, 0.05, 32)  # t(1) = 0.15 s, t(2) = 0.2 s
+    requests = [req(0.0) for _ in range(4)]
+    assert math.isclose(policy.default_limit_s(cost, requests), 10.0 * 4 * 0.15)
+
+
+def test_an_idle_worker_before_a_hung_one_is_passed_over() -> None:
+    w = WorkerState(b"w", "m", 1)
+    hung = Batch(1, "m", b"w", [req(0.0)], 0.0, expected_start=0.0)
+    w.in_flight = {1: hung}
+    assert policy.hung_batches([WorkerState(b"idle", "m", 1), w], 5.0, 2.0, lambda b: 100.0) == [(hung, 2.0)]
+
+
+def test_a_suspect_at_the_head_is_due_for_an_idle_worker_only() -> None:
+    mq = queue(req(1.0, suspect=1), max_wait_ms=10.0, policy=Policy.WINDOW)
+    workers = worker(mq, b"idle", slots=2)
+    assert policy.due_at(mq, workers) == 1.010
+    busy = workers[b"idle"]
+    busy.in_flight = {1: Batch(1, "m", b"idle", [req(0.0)], 0.0, expected_start=0.0)}
+    assert policy.due_at(mq, workers) == math.inf  # a free slot, but the worker is busy
+    # A suspect queued behind the head leaves the head free to go to a busy worker's slot.
+    later = queue(req(1.0), req(1.001, suspect=1), max_wait_ms=10.0, policy=Policy.WINDOW)
+    later.workers[b"idle"] = None
+    assert policy.due_at(later, {b"idle": busy}) == 1.010
