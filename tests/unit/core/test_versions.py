@@ -190,3 +190,47 @@ def test_traffic_parses_versions_and_bounds_weights() -> None:
             parse_traffic({"2": weight})
     with pytest.raises(SettingsError, match="must map versions"):
         parse_traffic([("2", 1)])
+
+
+# --- the survivors of mutation testing -------------------------------------------------------
+
+
+def test_a_key_of_a_name_holding_the_separator_splits_at_the_last() -> None:
+    assert split_key("org/model/2") == ("org/model", 2)
+
+
+def test_the_newest_of_three_served_versions_takes_unnamed_requests() -> None:
+    t = VersionTable()
+    assert not t
+    t.set_served("m", [1, 2, 3])
+    assert t
+    assert t.resolve("m", None) == "m/3" and t.resolve("m", None, count=False) == "m/3"
+    assert t.wire()["m"]["newest"] == 3
+
+
+def test_removing_an_unknown_model_is_nothing() -> None:
+    t = table()
+    t.remove("nothing")
+    t.remove("m")
+    assert not t
+
+
+def test_a_zero_weight_version_gets_no_request() -> None:
+    t = table()
+    t.set_traffic("m", {1: 0, 2: 5})
+    assert {t.resolve("m", None) for _ in range(20)} == {"m/2"}
+
+
+def test_refusals_of_splits_and_policies_say_why() -> None:
+    with pytest.raises(SettingsError, match=r"^traffic weights must not all be 0$"):
+        parse_traffic({"1": 0})
+    with pytest.raises(SettingsError, match=r"^version_policy specific: names no version$"):
+        VersionPolicy("specific")
+    with pytest.raises(SettingsError, match=r"^a split needs a version with a weight above 0$"):
+        WeightedChooser({1: 0})
+    t = table()
+    with pytest.raises(SettingsError, match=r"^model 'm' does not serve version 3 \(served: 1, 2\)$"):
+        t.set_traffic("m", {3: 1})
+    t.set_served("m", [])
+    with pytest.raises(SettingsError, match=r"\(served: none\)$"):
+        t.set_traffic("m", {3: 1})
