@@ -24,6 +24,7 @@ from batcher.wire.protocol import ErrorCode
 from workers import fastpath
 from workers.connection import BrokerConnection
 from workers.models import ModelFn
+from workers.multiplexed import Shelf, batch_model, version_of
 from workers.overlap import ModelThread
 from workers.steps import StepRunner
 
@@ -433,6 +434,13 @@ def _prepared_or_error(frames: list[Any], arrived_at: float) -> PreparedBatch | 
         return exc
 
 
+def _batch_id_of(header_frame: bytes) -> int | None:
+    try:
+        return _decode_header(header_frame)[0]
+    except MalformedBatch as exc:
+        return exc.batch_id
+
+
 def _failed_batch(exc: Exception, header_frame: bytes) -> list[Any] | None:
     """The answer to a batch that could not be run: a batch whose body cannot be read gets
     an empty REPLY (the broker fails all its requests); one without a readable batch id
@@ -457,6 +465,8 @@ class BatchRunner(BrokerConnection):
     connection it came on, the socket left to the heartbeat thread while the model runs."""
 
     model: ModelFn | None
+    #: A multiplexed worker's models (workers/multiplexed.py); None for a worker of one model.
+    shelf: Shelf | None = None
     #: The repository version this worker serves (its model key is `NAME/V`), named in
     #: its replies (docs/protocol.md 4.3); None for a model outside a repository.
     reply_version: str | None = None
@@ -525,7 +535,7 @@ class BatchRunner(BrokerConnection):
         batch asks only what the loop's poll just told (`_stop_known`): reading serve's
         empty pipe again raised BlockingIOError between a lone request's BATCH and its
         model (20-25 us of a cold CPU); each later one reads it, as a model may run long."""
-        assert self.model is not None
+        assert self.model is not None or self.shelf is not None
         stopped = self._stop_known
         while self._pending and self._sock is not None and not stopped():
             stopped = self.stop_requested
@@ -533,13 +543,30 @@ class BatchRunner(BrokerConnection):
             self._in_model = True
             self._socket_lock.release()  # the heartbeat thread may use the socket meanwhile
             try:
-                version = self.reply_version
-                reply = _run_safely(self.model, frames[2], frames[3:], self.name, arrived_at, version)
+                if self.shelf is not None:
+                    reply = self._run_multiplexed(self.shelf, frames, arrived_at)
+                else:
+                    assert self.model is not None
+                    version = self.reply_version
+                    reply = _run_safely(self.model, frames[2], frames[3:], self.name, arrived_at, version)
             finally:
                 self._socket_lock.acquire()
                 self._in_model = False
             if reply is not None:
                 self._send_reply(reply)
+
+    def _run_multiplexed(self, shelf: Shelf, frames: list[Any], arrived_at: float) -> list[Any] | None:
+        """A multiplexed worker's batch: run by the model its header names, loaded first
+        when not held (the REPLY then says what that took: docs/protocol.md 6.4)."""
+        key = batch_model(frames[2])
+        if key is None or not shelf.resident.serves(key):
+            why = f"a multiplexed worker's BATCH must name one of its models, got {key!r}"
+            return _failed_batch(MalformedBatch(why, _batch_id_of(frames[2])), frames[2])
+        model, load = shelf.model_for(key)
+        reply = _run_safely(model, frames[2], frames[3:], self.name, arrived_at, version_of(key))
+        if reply is None or load is None:
+            return reply
+        return protocol.with_load(reply, load[0], load[1])
 
     def _run_steps(self, steps: StepRunner) -> None:
         """Read the START and CANCEL messages that came, then run one step, the socket left

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from batcher.core.link import Backoff, Drop, GiveUp, PeerLink
+from batcher.core.multiplex import POOL_NAME
 from batcher.errors import SettingsError
 from batcher.settings import MAX_THREADS, MAX_WORKERS, MAX_WORKERS_PER_GPU, bounds, check, setting
 from batcher.transport.stopping import stop_signals_blocked
@@ -89,6 +90,18 @@ class PoolSettings:
     max_padded_elements: int = max_padded_elements_setting()
     #: By model name, the file of the input its warm-up runs on (a table's warmup_sample).
     warmup_samples: Mapping[str, str] = field(default_factory=dict)
+    #: The pool of multiplexed workers (workers/multiplexed.py): its `--multiplex` JSON
+    #: (None: no pool) and its size (None: default_count()).
+    multiplex: str | None = None
+    multiplex_workers: int | None = setting(
+        None,
+        kind=int,
+        min=1,
+        max=MAX_WORKERS,
+        optional=True,
+        help="Multiplexed workers, each serving any model marked `multiplexed` in the model "
+        "repository. Default: as many as --workers gives a model.",
+    )
 
     def __post_init__(self) -> None:
         check(self)
@@ -137,7 +150,11 @@ class PoolSettings:
             self.model_gpus,
             self.model_workers,
         )
-        return [(specs[name], gpu) for name, gpu in plan]
+        pooled: list[tuple[str, int | None]] = []
+        if self.multiplex is not None:  # on the devices in turn, as a model's workers are
+            count = self.multiplex_workers or self.default_count()
+            pooled = [(POOL_SPEC, devices[i % len(devices)] if devices else None) for i in range(count)]
+        return [(specs[name], gpu) for name, gpu in plan] + pooled
 
 
 def default_max_starting() -> int:
@@ -220,6 +237,10 @@ class WorkerProcess:
     def name(self) -> str:
         """The model name the worker announces (the broker knows models by it)."""
         return ModelSpec.parse(self.model).name
+
+
+#: The `--model` of a multiplexed worker (it loads the models of its --multiplex catalog).
+POOL_SPEC = f"{POOL_NAME}=sim"
 
 
 def add_model_workers(spec: str, count: int, now: float, gpus: tuple[int, ...] | None) -> list[WorkerProcess]:
@@ -331,6 +352,7 @@ class Supervisor:
             *self._warmup_sample_args(model),
             *(["--cpus", ",".join(map(str, cpus))] if cpus else []),
             *(["--load-error-fd", str(load_error_fd)] if load_error_fd is not None else []),
+            *(["--multiplex", s.multiplex] if model == POOL_SPEC and s.multiplex is not None else []),
         ] + (
             ["--curve-server-key", s.curve_secret_key, "--curve-secret-key", s.curve_secret_key]
             if s.curve_secret_key

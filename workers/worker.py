@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from batcher.core.multiplex import POOL_NAME
 from batcher.core.versions import split_key
 from batcher.errors import ModelLoadError, SettingsError
 from batcher.extras import extra_of, install_command
@@ -66,6 +67,7 @@ from workers.models import (
     load_model,
     max_padded_elements_setting,
 )
+from workers.multiplexed import MultiplexSpec, Shelf
 from workers.overlap import ModelThread
 from workers.placement import pin_to
 from workers.steps import BATCHING_LEVELS, BatchingLevel, StepRunner, is_step_model
@@ -116,9 +118,14 @@ class WorkerSettings:
     warmup_sample: str | None = None
     #: OpenTelemetry traces (docs/tracing.md): off unless an endpoint is given.
     trace: TraceSettings = field(default_factory=TraceSettings)
+    #: Many models in one worker (workers/multiplexed.py): the JSON of its catalog and
+    #: budget; `model` is then not loaded. None: a worker of `model` alone.
+    multiplex: str | None = None
 
     def __post_init__(self) -> None:
         ModelSpec.parse(self.model)  # raises with a precise message
+        if self.multiplex is not None:
+            MultiplexSpec.parse(self.multiplex)
         check(self)
         if self.batching_level not in BATCHING_LEVELS:
             raise SettingsError(
@@ -205,6 +212,16 @@ class Worker(BatchRunner):
         if self.settings.gpu is not None:  # --gpu N means device N, whatever was inherited
             os.environ["CUDA_VISIBLE_DEVICES"] = str(self.settings.gpu)
         s = self.settings
+        if s.multiplex is not None:  # its models load on their first batch (workers/multiplexed.py)
+            spec = MultiplexSpec.parse(s.multiplex)
+            self.shelf = Shelf(
+                spec, lambda target: load_model(target, s.gpu, s.sim, s.threads, s.max_padded_elements)
+            )
+            _prepare_tensors()
+            log.info(
+                "multiplexed worker: %d models, a budget of %d MB", len(spec.targets), spec.catalog.budget_mb
+            )
+            return
         parts = split_key(self.spec.name)  # a repository's version: NAME/V (batcher.core.versions)
         self.reply_version = None if parts is None else str(parts[1])
         self.model = load_model(self.spec, s.gpu, s.sim, s.threads, s.max_padded_elements)
@@ -285,7 +302,7 @@ class Worker(BatchRunner):
 
     def run(self) -> None:
         """Serve until told to stop (see the class), finishing the batch at hand first."""
-        if self.model is None:
+        if self.model is None and self.shelf is None:
             self.load()
         beat = threading.Thread(target=self._beat_while_in_model, name="heartbeat", daemon=True)
         try:
@@ -356,6 +373,9 @@ class Worker(BatchRunner):
         self._send([protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
 
     def _ready(self) -> list[bytes]:
+        if self.shelf is not None:
+            catalog = self.shelf.spec.catalog.wire()
+            return protocol.ready_frames(POOL_NAME, self.settings.gpu, os.getpid(), multiplexed=catalog)
         max_active = self.settings.max_active if self._steps is not None else None
         return protocol.ready_frames(
             self.spec.name,

@@ -154,7 +154,7 @@ class Backend:
         except WorkerProtocolError as exc:
             self._bad_reply(worker_id, exc)
             raise
-        batch_id, infer_ms, lengths, errors, wait_ms, padding, refused = header
+        batch_id, infer_ms, lengths, errors, wait_ms, padding, refused, load = header
         batch = self.scheduler.complete(worker_id, batch_id, infer_ms / 1000.0, now)
         if batch is None:
             self.stats.dropped_backend += 1
@@ -182,6 +182,8 @@ class Backend:
             batch.model, arrivals, sent_at, wait_ms, infer_ms, in_worker_ms, errors, refused, padding, now,
             exemplar_of(span),
         )  # fmt: skip
+        if load is not None:  # a multiplexed worker loaded the batch's model first
+            self.stats.model_loaded(batch.model, load[0], load[1], self.pool.info(worker_id))
 
     def _on_chunk(self, worker_id: bytes, header_frame: bytes, bodies: list[Any], now: float) -> None:
         """A step-level worker's chunks: each forwarded untouched to its client, in order;

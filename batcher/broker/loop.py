@@ -454,7 +454,11 @@ class Broker:
             queue_ms = [round((now - r.arrived_at) * 1000.0, 3) for r in batch.requests]
             if tracer is None or all(r.trace is None for r in batch.requests):
                 self.stats.metrics.queue_waits_ms(batch.model, queue_ms)
-                frames = protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests])
+                bodies = [r.body for r in batch.requests]
+                if batch.multiplexed:  # the worker is told which of its models runs it
+                    frames = protocol.batch_frames(batch.batch_id, queue_ms, bodies, None, batch.model)
+                else:
+                    frames = protocol.batch_frames(batch.batch_id, queue_ms, bodies)
             else:
                 frames = traced_batch(tracer, batch, queue_ms, now, self.pool.name(batch.worker), self.stats)
             if not self.workers.send(batch.worker, frames):
@@ -506,7 +510,10 @@ def traced_batch(
         for r in batch.requests
     ]
     stats.metrics.queue_waits_ms(batch.model, queue_ms, exemplars)
-    return protocol.batch_frames(batch.batch_id, queue_ms, [r.body for r in batch.requests], traceparent)
+    bodies = [r.body for r in batch.requests]
+    return protocol.batch_frames(
+        batch.batch_id, queue_ms, bodies, traceparent, batch.model if batch.multiplexed else None
+    )
 
 
 def traced_start(tracer: Any, model: str, requests: list[Any], now: float) -> list[str | None] | None:

@@ -65,6 +65,12 @@ class NoMetrics:
     def worker_wait(self, model: str, wait_s: float, exemplar: Exemplar = None) -> None:
         pass
 
+    def model_loaded(self, model: str, load_s: float) -> None:
+        pass
+
+    def model_unloaded(self, model: str) -> None:
+        pass
+
     def worker_event(self, model: str, event: str) -> None:
         pass
 
@@ -163,6 +169,24 @@ class PrometheusMetrics(NoMetrics):
         self.worker_dropped = Counter(
             "batcher_worker_trace_spans_dropped",
             "Trace spans the workers of a model dropped, as their heartbeats report them",
+            ["model"],
+            registry=self.registry,
+        )
+        self.cold_loads = Counter(
+            "batcher_model_loads",
+            "Loads of a multiplexed model by a worker that did not hold it, before its batch",
+            ["model"],
+            registry=self.registry,
+        )
+        self.cold_load_seconds = Counter(
+            "batcher_model_load_seconds",
+            "Time multiplexed workers spent loading the model before its batches",
+            ["model"],
+            registry=self.registry,
+        )
+        self.unloads = Counter(
+            "batcher_model_unloads",
+            "Unloads of a multiplexed model by a worker making room for another",
             ["model"],
             registry=self.registry,
         )
@@ -270,3 +294,10 @@ class PrometheusMetrics(NoMetrics):
 
     def worker_spans_dropped(self, model: str, n: int) -> None:
         self.worker_dropped.labels(model).inc(n)
+
+    def model_loaded(self, model: str, load_s: float) -> None:
+        self.cold_loads.labels(model).inc()
+        self.cold_load_seconds.labels(model).inc(load_s)
+
+    def model_unloaded(self, model: str) -> None:
+        self.unloads.labels(model).inc()

@@ -120,6 +120,11 @@ class ModelStats:
     sequences_cancelled: Counter[str] = field(default_factory=Counter)  # reason -> sequences
     chunk_times: deque[tuple[float, int]] = field(default_factory=deque)  # (when, chunks) per CHUNK
     totals: Totals = field(default_factory=Totals)
+    #: A multiplexed model's loads before a batch (count, ms), and unloads to make room.
+    cold_loads: int = 0
+    cold_load_ms_total: float = 0.0
+    cold_load_ms_max: float = 0.0
+    unloads: int = 0
 
     def chunks_per_s(self, now: float) -> float:
         """Chunks delivered per second over the last CHUNK_RATE_WINDOW_S."""
@@ -215,6 +220,20 @@ class BrokerStats:
         if new > 0:
             self.worker_spans_dropped[info.model] += new
             self.metrics.worker_spans_dropped(info.model, new)
+
+    def model_loaded(self, model: str, load_ms: float, unloaded: tuple[str, ...], info: Any) -> None:
+        """A multiplexed worker loaded `model` before its batch, in `load_ms`, unloading
+        `unloaded` to make room (names outside the worker's catalog are not counted)."""
+        st = self.model(model)
+        st.cold_loads += 1
+        st.cold_load_ms_total += load_ms
+        st.cold_load_ms_max = max(st.cold_load_ms_max, load_ms)
+        self.metrics.model_loaded(model, load_ms / 1000.0)
+        catalog = getattr(info, "catalog", None)
+        for name in unloaded:
+            if catalog is not None and name in catalog.sizes_mb:
+                self.model(name).unloads += 1
+                self.metrics.model_unloaded(name)
 
     def sequence_cancelled(self, model: str, reason: str) -> None:
         """The broker ended a sequence early: `cancel`, `deadline`, `client_gone`, `shutting_down`."""
@@ -315,6 +334,8 @@ class BrokerStats:
                 "gpu": info.gpu if info else None,
                 "batches_held": w.batches_held,
             }
+            if w.holds is not None:  # a multiplexed worker: whether it holds the model now
+                entry["holds_model"] = w.holds
             step = streams.worker(w.worker_id)
             if step is not None:
                 entry.update(
@@ -364,6 +385,12 @@ class BrokerStats:
             "first_chunk_ms_p99": percentile(recent.first_chunk_ms, 99),
             "sequences_cancelled": dict(st.sequences_cancelled),
             "totals": st.totals.wire(now),
+            "multiplexed": any(w.holds is not None for w in view.workers) or st.cold_loads > 0,
+            "held_by": sum(1 for w in view.workers if w.holds),
+            "cold_loads": st.cold_loads,
+            "cold_load_ms_total": round(st.cold_load_ms_total, 3),
+            "cold_load_ms_max": round(st.cold_load_ms_max, 3),
+            "unloads": st.unloads,
             "scaling": self.autoscale.wire(name),
         }
 

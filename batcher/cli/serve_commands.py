@@ -50,13 +50,16 @@ from batcher.cli.options import (
     setup,
     text_callback,
 )
+from batcher.core.multiplex import MAX_MB
 from batcher.core.scheduler import BatchSettings
+from batcher.errors import SettingsError
 from batcher.gateway.process import GatewayProcess, gateway_command, local_address
 from batcher.gateway.processes import check_supported as check_processes_supported
 from batcher.gateway.settings import GatewaySettings
 from batcher.observe.settings import TraceSettings
 from batcher.serve.repository_control import RepositoryControl
 from batcher.serve.serving import ModelLoadFailed, run_serve
+from batcher.settings import MAX_WORKERS
 from batcher.transport.security import CurveServerKeys, KeyFileError
 from batcher.wire.protocol import Heartbeat
 from workers import warmup
@@ -126,6 +129,8 @@ def pool_settings(
     pin_cpus: bool = False,
     max_padded_elements: int = MAX_PADDED_ELEMENTS,
     repository_workers: dict[str, int] | None = None,
+    multiplex: str | None = None,
+    multiplex_workers: int | None = None,
 ) -> PoolSettings:
     """serve's PoolSettings from CLI values. The config file's [models.NAME] tables pin
     models to GPUs (`gpus`) and set their worker counts (`workers`, unless --workers came
@@ -168,6 +173,8 @@ def pool_settings(
             pin_cpus=pin_cpus,
             max_padded_elements=max_padded_elements,
             warmup_samples=warmup_samples,
+            multiplex=multiplex,
+            multiplex_workers=multiplex_workers,
         )
     except (ValueError, ConfigError) as exc:
         raise click.UsageError(str(exc)) from None
@@ -223,25 +230,48 @@ def _repository(
     root: str | None, poll_s: float | None, models: tuple[str, ...], batching: BatchSettings
 ) -> tuple[RepositoryControl | None, tuple[str, ...], dict[str, BatchSettings], dict[str, int]]:
     """serve's model repository (None without --model-repository), the models to serve
-    (--model's, unless left at its default, and each served version's), and the
-    versions' batching settings and worker counts."""
+    (--model's, unless left at its default, and each served version's but the
+    multiplexed ones: RepositoryControl.pooled), and the versions' batching settings and
+    worker counts."""
     if root is None:
         if poll_s is not None:
             raise click.UsageError("--repository-poll-s goes with --model-repository")
         return None, models, {}, {}
     repository = RepositoryControl(root, batching, poll_s)
     specs, batch, workers = repository.initial()
-    if any(spec.partition("=")[2].startswith("onnx:") for spec in specs):
+    pooled = [e["target"] for e in repository.pooled.values()]
+    if any(spec.partition("=")[2].startswith("onnx:") for spec in specs) or any(
+        t.startswith("onnx:") for t in pooled
+    ):
         require_extra("onnx", f"--model-repository {root}")
     ctx = click.get_current_context(silent=True)
     source = ctx.get_parameter_source("models") if ctx is not None else None
     given = source is not None and source is not click.core.ParameterSource.DEFAULT
     served = (*(models if given else ()), *specs)
-    if not served:
+    if not served and not repository.pooled:
         raise click.UsageError(
             f"the model repository {root} holds no model that can be served, and no --model was given"
         )
     return repository, served, batch, workers
+
+
+def _multiplex(
+    repository: RepositoryControl | None, workers: int | None, memory_mb: int | None
+) -> str | None:
+    """The catalog of serve's multiplexed workers (None: no model is multiplexed); a usage
+    error for options without such a model, or a model without a budget it fits."""
+    catalog = None
+    if repository is not None:
+        try:
+            catalog = repository.multiplex_catalog(memory_mb)
+        except SettingsError as exc:
+            raise click.UsageError(str(exc)) from None
+    if catalog is None and (workers is not None or memory_mb is not None):
+        raise click.UsageError(
+            "--multiplex-workers and --multiplex-memory-mb go with a --model-repository model whose "
+            "config.toml says multiplexed = true"
+        )
+    return catalog
 
 
 def _warmup_sizes(batch: BatchSettings) -> tuple[int, ...]:
@@ -310,6 +340,24 @@ def served_name(text: str) -> str:
     "changed (a new version joins, then the policy retires the old; a removed model drains and "
     "stops). Default: only `batcher load`/`unload` change what is served.",
 )
+@option(
+    "--multiplex-workers",
+    type=click.IntRange(1, MAX_WORKERS),
+    default=None,
+    show_default=False,
+    help="With --model-repository: the workers that serve, between them, every model whose "
+    "config.toml says `multiplexed = true`, each loading a model on first use. Default: as many "
+    "as --workers gives a model.",
+)
+@option(
+    "--multiplex-memory-mb",
+    type=click.IntRange(1, MAX_MB),
+    default=None,
+    show_default=False,
+    help="The memory each multiplexed worker may hold its models in (their config's memory_mb, "
+    "else their file's size): past it, the least recently used is unloaded. Needed when a model "
+    "is multiplexed.",
+)
 @no_warmup_option
 @max_padded_elements_option
 @HTTP_PORT_OPTION
@@ -337,6 +385,8 @@ def serve(
     pin_cpus: bool,
     model_repository: str | None,
     repository_poll_s: float | None,
+    multiplex_workers: int | None,
+    multiplex_memory_mb: int | None,
     no_warmup: bool,
     max_padded_elements: int,
     http_port: int,
@@ -369,10 +419,11 @@ def serve(
     repository, models, repo_batch, repo_workers = _repository(
         model_repository, repository_poll_s, models, batching
     )
+    pooled = tuple(repository.pooled) if repository is not None else ()
     settings = broker_settings(
         frontend,
         backend,
-        models,
+        (*models, *pooled),  # the multiplexed ones too: configured, waited for by `ready`
         batching=batching,
         broker_opts=broker_opts,
         heartbeat=heartbeat,
@@ -380,6 +431,7 @@ def serve(
         config=config,
     )
     settings = dataclasses.replace(settings, trace=trace, per_model={**settings.per_model, **repo_batch})
+    multiplex = _multiplex(repository, multiplex_workers, multiplex_memory_mb)
     pass_trace_to_children(trace)  # its workers and gateway trace as it does
     pool = pool_settings(
         backend,
@@ -397,6 +449,8 @@ def serve(
         pin_cpus=pin_cpus,
         max_padded_elements=max_padded_elements,
         repository_workers=repo_workers,
+        multiplex=multiplex,
+        multiplex_workers=multiplex_workers,
     )
     settings = _with_cell_workers(settings, pool)
     ctx = click.get_current_context()

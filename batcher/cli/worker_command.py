@@ -85,6 +85,15 @@ from workers.worker import ModelLoadError, WorkerSettings, run_worker
     "(serve: a model table's warmup_sample).",
 )
 @max_padded_elements_option
+@option(
+    "--multiplex",
+    "multiplex",
+    default=None,
+    metavar="JSON",
+    help="Serve many models, loading each on first use and unloading the least recently used "
+    'to stay within a budget (docs/models.md): {"budget_mb": MB, "models": {"NAME": '
+    '{"target": SPEC, "memory_mb": MB}}}. --model is then not loaded.',
+)
 @setting_option("--parent-pid", cls=WorkerSettings, field="parent_pid", hidden=True)
 @local_option(
     "--load-error-fd",
@@ -109,6 +118,7 @@ def worker(
     no_warmup: bool,
     warmup_sample: str | None,
     max_padded_elements: int,
+    multiplex: str | None,
     parent_pid: int | None,
     load_error_fd: int | None,
     heartbeat: Heartbeat,
@@ -140,6 +150,7 @@ def worker(
                 max_padded_elements,
                 warmup_sample,
                 trace,
+                multiplex,
             )
         )
     except ModelLoadError as exc:

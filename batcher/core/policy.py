@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 
 from batcher.core.cost_model import CostModel
 from batcher.core.limits import FIRST_BATCH_LIMIT_S, MIN_BATCH_LIMIT_S, Policy
+from batcher.core.multiplex import LOAD_LIMIT_S
 from batcher.core.queue import Batch, ModelQueue, QueuedRequest, WorkerState, oldest_first
 
 #: adaptive: unbatched work must exceed this many times the workers' capacity before the
@@ -48,6 +49,7 @@ __all__ = [
     "next_wakeup",
     "oldest_first",
     "pick_worker",
+    "usable",
     "wait_until",
 ]
 
@@ -76,7 +78,7 @@ def due_at(mq: ModelQueue, workers: dict[bytes, WorkerState]) -> float:
     workers' free slots (inf without one): its window, or a recheck of adaptive's;
     adaptive sends a partial batch to a busy worker's prefetch slot only once that
     worker is expected to be done (pick_worker)."""
-    free = [workers[w] for w in mq.workers if workers[w].free_slots > 0]
+    free = usable(mq, workers)
     if mq.suspects and mq.peek().suspect:  # a suspect goes to an idle worker only
         free = [w for w in free if not w.in_flight]
     if not free:
@@ -103,10 +105,7 @@ def pick_worker(mq: ModelQueue, workers: dict[bytes, WorkerState], now: float) -
     `mq.recheck_at` says until when, at the latest, when adaptive chose to wait)."""
     idle: list[WorkerState] = []
     prefetching: list[WorkerState] = []
-    for wid in mq.workers:
-        w = workers[wid]
-        if w.free_slots <= 0:
-            continue
+    for w in usable(mq, workers):
         if not w.in_flight:
             idle.append(w)
         else:
@@ -120,7 +119,7 @@ def pick_worker(mq: ModelQueue, workers: dict[bytes, WorkerState], now: float) -
     full = mq.full()
     if full or now >= wait_until(mq):
         if idle:
-            return min(idle, key=least_recently_used)
+            return _idle_choice(idle, mq.name)
         first = min(prefetching, key=WorkerState.busy_until)
         if full or s.policy is Policy.WINDOW or now >= first.busy_until() + PREFETCH_GRACE_S:
             return first
@@ -132,9 +131,26 @@ def pick_worker(mq: ModelQueue, workers: dict[bytes, WorkerState], now: float) -
     if gap is None:
         gap = gap_if_waiting_pays(mq, workers, len(idle), now)
     if gap is None or now + gap <= now:  # a wait too short to tell from now is none
-        return min(idle, key=least_recently_used)
+        return _idle_choice(idle, mq.name)
     mq.recheck_at = now + gap  # no arrival by then: the rate estimate has dropped
     return None
+
+
+def usable(mq: ModelQueue, workers: dict[bytes, WorkerState]) -> list[WorkerState]:
+    """The model's workers with a free slot that its next batch may go to. A multiplexed
+    model's (batcher.core.multiplex) are those holding it, while any does: one that
+    would have to load it is taken only when none holds it, or when its queue holds two
+    full batches more than they take (then the model spreads to a worker more)."""
+    free = [workers[w] for w in mq.workers if workers[w].free_slots > 0]
+    if not free or free[0].resident is None:
+        return free
+    holding = [w for w in mq.workers if mq.name in (workers[w].resident or ())]
+    if not holding:
+        return free
+    warm = [w for w in free if mq.name in (w.resident or ())]
+    if warm or mq.size < 2 * mq.settings.max_batch_size:
+        return warm
+    return free
 
 
 def fill_time_if_load_needs_bigger_batches(mq: ModelQueue, now: float) -> float | None:
@@ -234,6 +250,8 @@ def hung_batches(
             continue
         batch = next(iter(w.in_flight.values()))
         limit = limit_s if limit_s is not None else default(batch)
+        if batch.cold:  # its worker loads a model first (batcher.core.multiplex)
+            limit += LOAD_LIMIT_S
         if now > batch.expected_start + limit:
             out.append((batch, limit))
     return out
@@ -255,3 +273,11 @@ def default_limit_s(cost: CostModel, requests: list[QueuedRequest]) -> float:
 
 def least_recently_used(w: WorkerState) -> int:
     return w.last_used
+
+
+def _idle_choice(idle: list[WorkerState], model: str) -> WorkerState:
+    """The least recently used idle worker; for a multiplexed model none of them holds,
+    one with room for it (that unloads nothing) before the others."""
+    if idle[0].resident is None:
+        return min(idle, key=least_recently_used)
+    return min(idle, key=lambda w: (w.resident is not None and not w.resident.room_for(model), w.last_used))

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from batcher.core.multiplex import Catalog
 from batcher.core.queue import Batch, QueuedRequest
 from batcher.core.scheduler import Scheduler
 from batcher.core.streams import Streams
@@ -43,6 +44,7 @@ class WorkerInfo(NamedTuple):
     cost_ms: tuple[float, float] | None = None  # t(n) = a + b*n its warm-up measured
     max_active: int | None = None  # a step-level worker's credit: the sequences it holds at once
     warmup_error: str | None = None  # why its warm-up failed: it announced no cost
+    catalog: Catalog | None = None  # a multiplexed worker's models and budget
 
     @property
     def warmup(self) -> str | None:
@@ -149,14 +151,15 @@ class WorkerPool:
     def joined(self, worker_id: bytes, info: WorkerInfo, slots: int | None, now: float) -> None:
         """READY from a worker not in the pool (one announcing itself again is `lose`t first)."""
         step = info.max_active is not None
-        self.scheduler.add_worker(worker_id, info.model, slots, step=step)
+        self.scheduler.add_worker(worker_id, info.model, slots, step=step, catalog=info.catalog)
         if info.max_active is not None:
             self.streams.add_worker(worker_id, info.model, info.max_active, now)
-        if info.cost_ms is not None:  # its warm-up: the adaptive policy knows the cost at once
+        if info.cost_ms is not None and info.catalog is None:  # its warm-up: the cost is known at once
             self.scheduler.seed_cost(info.model, info.cost_ms[0] / 1000.0, info.cost_ms[1] / 1000.0)
         self._heard_at[worker_id] = now
         self._info[worker_id] = info
-        self._failed_models.pop(info.model, None)
+        for model in (info.model,) if info.catalog is None else info.catalog.sizes_mb:
+            self._failed_models.pop(model, None)
         self._admitted.clear()
 
     def heard(self, worker_id: bytes, now: float) -> None:
@@ -307,4 +310,13 @@ def worker_info(info: Any) -> WorkerInfo:
         raise ValueError(f"bad READY warmup_error: must be a str, got {warmup_error!r}"[:200])
     if warmup_error is not None:
         warmup_error = warmup_error[:MAX_WARMUP_ERROR_CHARS]
-    return WorkerInfo(model, info.get("gpu"), info.get("pid"), signature, cost_ms, max_active, warmup_error)
+    raw_catalog = info.get("multiplexed")
+    try:
+        catalog = None if raw_catalog is None else Catalog.from_wire(raw_catalog)
+    except ValueError as exc:
+        raise ValueError(f"bad READY multiplexed: {exc}"[:300]) from None
+    if catalog is not None and max_active is not None:
+        raise ValueError("bad READY: a step-level worker cannot be multiplexed")
+    return WorkerInfo(
+        model, info.get("gpu"), info.get("pid"), signature, cost_ms, max_active, warmup_error, catalog
+    )

@@ -18,6 +18,7 @@ from typing import Any
 
 from batcher.core.cost_model import ArrivalRate, CostModel
 from batcher.core.limits import BatchSettings
+from batcher.core.multiplex import Resident
 
 
 class RequestState(IntEnum):
@@ -71,6 +72,8 @@ class Batch:
     expected_done_at: float = 0.0
     expected_start: float = 0.0  # when its worker should begin it (after the batches ahead)
     suspect: bool = False  # a suspect run alone: its worker holds nothing else meanwhile
+    multiplexed: bool = False  # its worker serves many models: the BATCH names the model
+    cold: bool = False  # that worker loads the model first (batcher.core.multiplex)
 
 
 @dataclass(slots=True, eq=False)
@@ -83,6 +86,9 @@ class WorkerState:
     in_flight: dict[int, Batch] = field(default_factory=dict)
     last_used: int = 0  # dispatch counter value when it last got a batch (least recent first)
     running_suspect: bool = False  # its one batch is a suspect's (see free_slots)
+    #: A multiplexed worker's models held (batcher.core.multiplex); None for a worker of one model.
+    resident: Resident | None = None
+    models: tuple[str, ...] = ()  # the models it serves: its own, or its catalog's
 
     @property
     def free_slots(self) -> int:
@@ -131,6 +137,7 @@ class ModelQueue:
     # With --bucket-by: a queue per length bucket, sharing this one's workers and cost
     # model; their requests are never batched with this queue's or each other's.
     buckets: dict[int, ModelQueue] = field(default_factory=dict)
+    name: str = ""  # the model's (a multiplexed worker holds some models and not others)
 
     def lanes(self) -> list[ModelQueue]:
         """This queue and its bucket queues: every queue of the model."""
@@ -146,7 +153,9 @@ class ModelQueue:
             return self
         q = self.buckets.get(bucket)
         if q is None:
-            q = self.buckets[bucket] = ModelQueue(self.settings, workers=self.workers, cost=self.cost)
+            q = self.buckets[bucket] = ModelQueue(
+                self.settings, workers=self.workers, cost=self.cost, name=self.name
+            )
         return q
 
     def oldest(self) -> QueuedRequest | None:

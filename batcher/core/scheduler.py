@@ -49,6 +49,7 @@ from batcher.core.limits import (
     BatchSettings,
     Policy,
 )
+from batcher.core.multiplex import Catalog, Resident
 from batcher.core.policy import DEADLINE_MARGIN_S, HEAVY_LOAD, PREFETCH_GRACE_S, TARGET_BUSY
 from batcher.core.queue import (
     DISPATCHED,
@@ -98,6 +99,7 @@ class WorkerView(NamedTuple):
 
     worker_id: bytes
     batches_held: int
+    holds: bool | None = None  # a multiplexed worker: whether it holds the model (None: not one)
 
 
 class ModelView(NamedTuple):
@@ -294,20 +296,28 @@ class Scheduler:
         return without_s if without_s >= self.no_worker_timeout_s else None
 
     def add_worker(
-        self, worker_id: bytes, model: str, slots: int | None = None, step: bool = False
+        self,
+        worker_id: bytes,
+        model: str,
+        slots: int | None = None,
+        step: bool = False,
+        catalog: Catalog | None = None,
     ) -> list[Batch]:
         """A worker announced itself (READY). It may hold `worker_prefetch` batches at once
         (fewer if it asks for fewer `slots`); a `step`-level one holds none: it takes
         requests one by one (`take`), for the sequence slots batcher.core.streams counts. A
-        worker announcing itself again is a fresh one: the batches it held are returned,
-        to be answered or sent elsewhere."""
+        multiplexed one (`catalog`) is a worker of every model of its catalog, holding
+        none of them yet. A worker announcing itself again is a fresh one: the batches it
+        held are returned, to be answered or sent elsewhere."""
         lost = self.remove_worker(worker_id)
-        mq = self._model(model)
         limit = self.worker_prefetch if slots is None else max(1, min(slots, self.worker_prefetch))
         if step:
             limit = 0
-        self._workers[worker_id] = WorkerState(worker_id, model, limit)
-        mq.workers[worker_id] = None
+        models = (model,) if catalog is None else tuple(catalog.sizes_mb)
+        resident = None if catalog is None else Resident(catalog)
+        self._workers[worker_id] = WorkerState(worker_id, model, limit, resident=resident, models=models)
+        for name in models:
+            self._model(name).workers[worker_id] = None
         return lost
 
     def take(self, model: str, n: int) -> list[QueuedRequest]:
@@ -334,7 +344,8 @@ class Scheduler:
         w = self._workers.pop(worker_id, None)
         if w is None:
             return []
-        self._models[w.model].workers.pop(worker_id, None)
+        for name in w.models:
+            self._models[name].workers.pop(worker_id, None)
         return list(w.in_flight.values())
 
     def complete(
@@ -401,7 +412,7 @@ class Scheduler:
     def _model(self, name: str) -> ModelQueue:
         mq = self._models.get(name)
         if mq is None:
-            mq = ModelQueue(self._per_model.get(name, self.default_settings))
+            mq = ModelQueue(self._per_model.get(name, self.default_settings), name=name)
             self._models[name] = mq
         return mq
 
@@ -417,6 +428,9 @@ class Scheduler:
             batch.suspect = worker.running_suspect = True
         batch.expected_start = start
         batch.expected_done_at = start + mq.cost.predict(n, sum(r.cost for r in requests))
+        if worker.resident is not None:  # its worker runs the same rule (batcher.core.multiplex)
+            batch.multiplexed = True
+            batch.cold = worker.resident.use(name).cold
         self._next_batch_id += 1
         worker.in_flight[batch.batch_id] = batch
         worker.last_used = batch.batch_id
@@ -424,7 +438,11 @@ class Scheduler:
 
 
 def _view(mq: ModelQueue, workers: dict[bytes, WorkerState]) -> ModelView:
-    held = tuple(WorkerView(w, len(workers[w].in_flight)) for w in mq.workers)
+    held = tuple(_worker_view(workers[w], mq.name) for w in mq.workers)
     cost = mq.cost.coefficients() if mq.cost.known else None
     basis = "cost" if mq.cost.by_cost else "count"
     return ModelView(mq.total(), held, mq.settings, cost, mq.no_worker_since, basis, mq.offered)
+
+
+def _worker_view(w: WorkerState, model: str) -> WorkerView:
+    return WorkerView(w.worker_id, len(w.in_flight), None if w.resident is None else model in w.resident)

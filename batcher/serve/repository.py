@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batcher.core.limits import BatchSettings
+from batcher.core.multiplex import MAX_MB
 from batcher.core.versions import VersionPolicy, parse_traffic, version_key
 from batcher.errors import SettingsError
 
@@ -27,7 +28,11 @@ CONFIG_FILE = "config.toml"
 MODEL_FILES = {"onnx": "model.onnx", "python": "model.py"}
 BATCH_KEYS = tuple(f.name for f in dataclasses.fields(BatchSettings))
 #: The keys a model's config.toml may hold.
-CONFIG_KEYS = (*BATCH_KEYS, "kind", "callable", "version_policy", "traffic", "workers")
+CONFIG_KEYS = (
+    *BATCH_KEYS, "kind", "callable", "version_policy", "traffic", "workers", "multiplexed", "memory_mb"
+)  # fmt: skip
+#: A multiplexed model's memory_mb when its config gives none: its file's size, at least this.
+MIN_MEMORY_MB = 1
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,14 @@ class RepoModel:
     #: version -> the model file's modification time (a changed file is tried again).
     stamps: dict[int, float] = field(default_factory=dict)
     config_stamp: float | None = None
+    #: Served by the pool of multiplexed workers (batcher.core.multiplex), not workers of its own.
+    multiplexed: bool = False
+    #: version -> what one version holds in memory, in MB (a multiplexed model's budget share).
+    memory_mb: dict[int, int] = field(default_factory=dict)
+
+    def target(self, version: int) -> str:
+        """What a worker loads for this version (`spec` without the name)."""
+        return self.versions[version]
 
     def spec(self, version: int) -> str:
         """The `--model` value of this version's workers: `NAME/V=TARGET`."""
@@ -118,7 +131,30 @@ def read_model(path: str, name: str, default: BatchSettings) -> RepoModel:
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
         raise SettingsError(f"{CONFIG_FILE}: workers must be an int >= 0, got {workers!r}")
     batch = {k: v for k, v in config.items() if k in BATCH_KEYS}
-    model = RepoModel(name, versions, policy, traffic, batch, workers, problems, stamps, config_stamp)
+    multiplexed = config.get("multiplexed", False)
+    if type(multiplexed) is not bool:
+        raise SettingsError(f"{CONFIG_FILE}: multiplexed must be true or false, got {multiplexed!r}")
+    memory = config.get("memory_mb")
+    if memory is not None and (type(memory) is not int or not 1 <= memory <= MAX_MB):
+        raise SettingsError(f"{CONFIG_FILE}: memory_mb must be an int in [1, {MAX_MB}], got {memory!r}")
+    if multiplexed and workers is not None:
+        raise SettingsError(
+            f"{CONFIG_FILE}: a multiplexed model has no workers of its own (--multiplex-workers)"
+        )
+    memory_mb = {v: memory or _file_mb(versions[v]) for v in versions}
+    model = RepoModel(
+        name,
+        versions,
+        policy,
+        traffic,
+        batch,
+        workers,
+        problems,
+        stamps,
+        config_stamp,
+        multiplexed,
+        memory_mb,
+    )
     try:
         model.batch_settings(default)
     except (SettingsError, TypeError, ValueError) as exc:
@@ -150,3 +186,17 @@ def _model_file(vdir: str, kind: str | None) -> tuple[str, str] | None:
         if kind in (None, file_kind) and os.path.isfile(os.path.join(vdir, filename)):
             return file_kind, os.path.abspath(os.path.join(vdir, filename))
     return None
+
+
+def _file_mb(target: str) -> int:
+    """A model file's size in MB, rounded up (at least MIN_MEMORY_MB): what a version
+    without memory_mb is taken to hold."""
+    if target.startswith("pyfile:"):
+        path = target.removeprefix("pyfile:").rpartition(":")[0]
+    else:
+        path = target.removeprefix("onnx:")
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        return MIN_MEMORY_MB
+    return max(MIN_MEMORY_MB, -(-size // 2**20))

@@ -15,14 +15,17 @@ the old ones serve on.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from batcher.core.limits import BatchSettings
+from batcher.core.multiplex import Catalog
 from batcher.core.reload import ReloadFacts, ReloadPhase, ReloadStep, advance, finished
 from batcher.core.versions import split_key, version_key
+from batcher.errors import SettingsError
 from batcher.serve.repository import scan
 from batcher.wire.codes import ErrorCode
 from workers.supervisor import Supervisor, WorkerProcess, add_model_workers
@@ -69,6 +72,9 @@ class RepositoryControl:
         self.next_poll_at: float | None = None
         self.broker: Broker | None = None
         self.supervisor: Supervisor | None = None
+        #: The multiplexed versions serve started with, by key: the pool's catalog, fixed
+        #: for its life (its workers may serve no other).
+        self.pooled: dict[str, dict[str, Any]] = {}
 
     # --- before serve starts ----------------------------------------------------------------
 
@@ -89,12 +95,29 @@ class RepositoryControl:
         for name, m in self.models.items():
             for v in self.wanted(name):
                 key = version_key(name, v)
-                specs.append(m.spec(v))
                 batch[key] = m.batch_settings(self.default)
+                if m.multiplexed:  # the pool's catalog holds it (multiplex_catalog)
+                    self.pooled[key] = {"target": m.target(v), "memory_mb": m.memory_mb[v]}
+                    continue
+                specs.append(m.spec(v))
                 if m.workers is not None:
                     workers[key] = m.workers
             self.running[name] = set(self.wanted(name))
         return specs, batch, workers
+
+    def multiplex_catalog(self, budget_mb: int | None) -> str | None:
+        """The `--multiplex` JSON of the pool of multiplexed workers (workers/multiplexed.py),
+        None when no model is multiplexed; SettingsError without a budget, or for a model
+        that does not fit in it."""
+        if not self.pooled:
+            return None
+        if budget_mb is None:
+            raise SettingsError(
+                f"models {sorted({k.partition('/')[0] for k in self.pooled})} are multiplexed: give "
+                "--multiplex-memory-mb, the memory each multiplexed worker may hold them in"
+            )
+        Catalog(budget_mb, {k: e["memory_mb"] for k, e in self.pooled.items()})  # each must fit
+        return json.dumps({"budget_mb": budget_mb, "models": self.pooled})
 
     def attach(self, broker: Broker, supervisor: Supervisor, now: float) -> None:
         """Serve the initial versions through `broker`'s table; answer its repository ops."""
@@ -163,6 +186,11 @@ class RepositoryControl:
             return
         assert self.supervisor is not None and self.broker is not None
         m = self.models.get(name)
+        if any(version_key(name, v) in self.pooled for v in wanted | have) or (
+            m is not None and m.multiplexed
+        ):
+            self._apply_pooled(name, wanted, have, reply)
+            return
         new: dict[int, list[WorkerProcess]] = {}
         for v in sorted(wanted - have):
             assert m is not None
@@ -175,6 +203,35 @@ class RepositoryControl:
         log.info("model %s: starting versions %s, then retiring %s", name, sorted(new), sorted(have - wanted))
         self.running[name] = have | set(new)
         self.changes[name] = Change(name, now, new, sorted(have - wanted), [reply] if reply else [])
+
+    def _apply_pooled(self, name: str, wanted: set[int], have: set[int], reply: Reply | None) -> None:
+        """A multiplexed model's change: its versions in the pool's catalog are served or
+        not at once (the pool's workers hold the model or unload it as batches come; an
+        unserved version's queued requests are still answered); one outside the catalog
+        cannot join, as the pool's workers serve only what serve started them with."""
+        assert self.broker is not None
+        served = {v for v in wanted if version_key(name, v) in self.pooled}
+        outside = sorted(wanted - served)
+        if served:
+            self.running[name] = served
+            self._serve(name, sorted(served))
+        else:
+            self.running.pop(name, None)
+            self.broker.clients.versions.remove(name)
+        log.info("model %s (multiplexed): serving versions %s", name, sorted(served))
+        if outside:
+            message = (
+                f"model {name!r}: versions {outside} are not in the multiplexed workers' catalog, fixed "
+                "when serve started: restart serve to serve them"
+            )
+            for v in outside:
+                self._mark_failed(name, v, "not in the multiplexed workers' catalog (restart serve)")
+            log.error("%s", message)
+            if reply is not None:
+                reply(False, (ErrorCode.UNAVAILABLE, message))
+            return
+        if reply is not None:
+            reply(True, self._summary(name))
 
     def _step(self, c: Change, now: float) -> None:
         while not finished(c.phase):

@@ -91,16 +91,23 @@ def body_frames(bodies: list[Any]) -> list[Any]:
 
 
 def batch_frames(
-    batch_id: int, queue_ms: list[float], bodies: list[Any], traceparent: str | None = None
+    batch_id: int,
+    queue_ms: list[float],
+    bodies: list[Any],
+    traceparent: str | None = None,
+    model: str | None = None,
 ) -> list[Any]:
     """Backend BATCH message (after the worker's routing id): a header with each body's
     length (and, when the batch is traced, its span's traceparent as a 4th element, the
-    parent of the worker's spans), then the bodies, joined in one frame or one frame each
-    (`body_frames`)."""
+    parent of the worker's spans; for a multiplexed worker, the batch's model as a 5th),
+    then the bodies, joined in one frame or one frame each (`body_frames`)."""
     lengths = [len(b) for b in bodies]
-    fields = (
-        [batch_id, queue_ms, lengths] if traceparent is None else [batch_id, queue_ms, lengths, traceparent]
-    )
+    if model is not None:
+        fields = [batch_id, queue_ms, lengths, traceparent, model]
+    elif traceparent is None:
+        fields = [batch_id, queue_ms, lengths]
+    else:
+        fields = [batch_id, queue_ms, lengths, traceparent]
     header = _packer_pack(fields)
     return [WORKER_PROTOCOL, CMD_BATCH, header, *body_frames(bodies)]
 
@@ -169,6 +176,8 @@ class ReplyHeader(NamedTuple):
     wait_ms: float | None  # how long the batch waited in the worker before its model ran
     padding: tuple[int, int] | None = None  # (padded, real) elements of a stacked batch
     refused: int = 0  # of the `errors`, replies the worker refused itself (bad_request)
+    #: A multiplexed worker loaded the batch's model first: (ms it took, models it unloaded).
+    load: tuple[float, tuple[str, ...]] | None = None
 
 
 def _is_int(value: object) -> bool:
@@ -187,7 +196,7 @@ def parse_reply_header(frame: bytes) -> ReplyHeader:
         header = unpack(frame)
     except Exception as exc:  # msgpack raises several unrelated types
         raise WorkerProtocolError(f"REPLY header is not valid msgpack: {describe(exc)}") from None
-    if not isinstance(header, list) or len(header) not in (3, 4, 5, 6):
+    if not isinstance(header, list) or len(header) not in (3, 4, 5, 6, 7):
         raise WorkerProtocolError(
             f"REPLY header must be [batch_id, infer_ms, lengths, errors], got {header!r}"
         )
@@ -215,6 +224,7 @@ def parse_reply_header(frame: bytes) -> ReplyHeader:
         and all(_is_int(n) and 0 <= n < 2**63 for n in padding)
     ):
         raise bad(f"REPLY padding must be [padded, real] ints >= 0 or nil, got {padding!r}")
+    load = _load(header[6], bad) if len(header) >= 7 and header[6] is not None else None
     return ReplyHeader(
         batch_id,
         float(infer_ms),
@@ -223,7 +233,37 @@ def parse_reply_header(frame: bytes) -> ReplyHeader:
         None if wait_ms is None else float(wait_ms),
         None if padding is None else (padding[0], padding[1]),
         refused,
+        load,
     )
+
+
+#: The most models one REPLY may say its worker unloaded.
+MAX_UNLOADED = 1024
+
+
+def _load(value: object, bad: Callable[[str], WorkerProtocolError]) -> tuple[float, tuple[str, ...]]:
+    """(ms, unloaded) from a REPLY header's `load`: {"ms": a number in [0, one day],
+    "unloaded": a list of model names}."""
+    if isinstance(value, dict) and set(value) == {"ms", "unloaded"}:
+        ms, unloaded = value["ms"], value["unloaded"]
+        if (
+            _is_finite_ms(ms)
+            and isinstance(unloaded, list)
+            and len(unloaded) <= MAX_UNLOADED
+            and all(isinstance(k, str) for k in unloaded)
+        ):
+            return float(ms), tuple(unloaded)
+    wanted = f"{{ms: a number in [0, {MAX_REPORTED_MS:.0f}], unloaded: [names]}} or nil"
+    raise bad(f"REPLY load must be {wanted}, got {value!r}"[:300])
+
+
+def with_load(reply: list[Any], load_ms: float, unloaded: list[str]) -> list[Any]:
+    """A REPLY (from `reply_frames`) saying its worker loaded the batch's model first,
+    taking `load_ms`, and unloaded `unloaded` to make room: its header's 7th element."""
+    header = unpack(reply[2])
+    header += [0, None, None][len(header) - 3 :] if len(header) < 6 else []
+    header.append({"ms": round(load_ms, 3), "unloaded": unloaded})
+    return [reply[0], reply[1], _packer_pack(header), *reply[3:]]
 
 
 def _errors(value: object, n: int, bad: Callable[[str], WorkerProtocolError]) -> tuple[int, int]:
@@ -279,6 +319,7 @@ def ready_frames(
     max_active: int | None = None,
     warmup_error: str | None = None,
     deterministic: bool = True,
+    multiplexed: dict[str, Any] | None = None,
 ) -> list[bytes]:
     """Backend READY message, a worker's first words: what it serves (and, optionally, how
     many batches it accepts at once, the broker's --worker-prefetch applying otherwise,
@@ -298,6 +339,8 @@ def ready_frames(
         info["warmup_error"] = warmup_error[:MAX_WARMUP_ERROR_CHARS]
     if not deterministic:  # its replies are never cached (docs/protocol.md)
         info["deterministic"] = False
+    if multiplexed is not None:  # the models it may serve and its budget (batcher.core.multiplex)
+        info["multiplexed"] = multiplexed
     return [WORKER_PROTOCOL, CMD_READY, _packer_pack(info)]
 
 

@@ -64,6 +64,7 @@ from batcher.wire.frames import (
     split_bodies,
     split_replies,
     start_frames,
+    with_load,
 )
 
 __all__ = [
@@ -126,6 +127,7 @@ __all__ = [
     "start_frames",
     "unpack",
     "wants_stream",
+    "with_load",
 ]
 
 

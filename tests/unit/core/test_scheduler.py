@@ -562,7 +562,8 @@ def test_views_are_a_snapshot_of_queues_workers_settings_and_cost() -> None:
     (batch,) = s.due_batches(0.0)  # a full batch of 4 to one worker; 1 waits
     view = s.views()["m"]
     assert view.queued == 1
-    assert sorted(view.workers) == sorted([(batch.worker, 1), (b"w1" if batch.worker == b"w0" else b"w0", 0)])
+    other = b"w1" if batch.worker == b"w0" else b"w0"
+    assert sorted(view.workers) == sorted([(batch.worker, 1, None), (other, 0, None)])
     assert view.batches_in_flight == 1
     assert view.settings == s.models["m"].settings
     assert view.cost is None and view.no_worker_since is None

@@ -626,6 +626,7 @@ def test_frames_without_a_delimiter_are_refused_saying_how_to_send_them() -> Non
 SHAPE = "REPLY header must be [batch_id, infer_ms, lengths, errors], got "
 WAIT_MS = "REPLY wait_ms must be a number in [0, 86400000] or nil, got "
 PADDING = "REPLY padding must be [padded, real] ints >= 0 or nil, got "
+LOAD = "REPLY load must be {ms: a number in [0, 86400000], unloaded: [names]} or nil, got "
 ERRORS = (
     "REPLY errors must be an int in [0, 2] or a map of model_error and bad_request counts "
     "adding up to at most 2, got "
@@ -638,10 +639,28 @@ def reply_header(*fields: object) -> bytes:
 
 
 def test_reply_header_with_and_without_the_optional_fields() -> None:
-    assert protocol.parse_reply_header(reply_header(7, 2.5, [3, 4])) == (7, 2.5, [3, 4], 0, None, None, 0)
-    assert protocol.parse_reply_header(reply_header(7, 2, [3, 4], 1)) == (7, 2.0, [3, 4], 1, None, None, 0)
+    assert protocol.parse_reply_header(reply_header(7, 2.5, [3, 4])) == (
+        7,
+        2.5,
+        [3, 4],
+        0,
+        None,
+        None,
+        0,
+        None,
+    )
+    assert protocol.parse_reply_header(reply_header(7, 2, [3, 4], 1)) == (
+        7,
+        2.0,
+        [3, 4],
+        1,
+        None,
+        None,
+        0,
+        None,
+    )
     got = protocol.parse_reply_header(reply_header(2**63 - 1, 0, [], 0, 86_400_000))
-    assert got == (2**63 - 1, 0.0, [], 0, 86_400_000.0, None, 0)
+    assert got == (2**63 - 1, 0.0, [], 0, 86_400_000.0, None, 0, None)
     counted = protocol.parse_reply_header(reply_header(7, 1, [3, 4, 5], {"model_error": 1, "bad_request": 2}))
     assert (counted.errors, counted.refused) == (3, 2)
     assert isinstance(got.infer_ms, float) and isinstance(got.wait_ms, float)
@@ -662,10 +681,22 @@ def test_reply_header_with_and_without_the_optional_fields() -> None:
             None,
         ),
         (
-            reply_header(1, 0, [], 0, 0, [0, 0], 0),
-            SHAPE + "[1, 0, [], 0, 0, [0, 0], 0]",
+            reply_header(1, 0, [], 0, 0, [0, 0], None, 0),
+            SHAPE + "[1, 0, [], 0, 0, [0, 0], None, 0]",
             None,
         ),
+        (reply_header(5, 1, [1], 0, 0, None, 0), LOAD + "0", 5),
+        (
+            reply_header(5, 1, [1], 0, 0, None, {"ms": -1, "unloaded": []}),
+            LOAD + "{'ms': -1, 'unloaded': []}",
+            5,
+        ),
+        (
+            reply_header(5, 1, [1], 0, 0, None, {"ms": 1, "unloaded": [1]}),
+            LOAD + "{'ms': 1, 'unloaded': [1]}",
+            5,
+        ),
+        (reply_header(5, 1, [1], 0, 0, None, {"ms": 1}), LOAD + "{'ms': 1}", 5),
         (reply_header(5, 1, [1], 0, 0, [1]), PADDING + "[1]", 5),
         (reply_header(5, 1, [1], 0, 0, [-1, 2]), PADDING + "[-1, 2]", 5),
         (reply_header(5, 1, [1], 0, 0, [1, True]), PADDING + "[1, True]", 5),
@@ -709,7 +740,16 @@ def test_reply_header_refuses_what_no_worker_sends_naming_the_batch_when_it_can(
 
 
 def test_reply_header_takes_batch_id_zero_and_empty_replies() -> None:
-    assert protocol.parse_reply_header(reply_header(0, 0, [0, 3, 0])) == (0, 0.0, [0, 3, 0], 0, None, None, 0)
+    assert protocol.parse_reply_header(reply_header(0, 0, [0, 3, 0])) == (
+        0,
+        0.0,
+        [0, 3, 0],
+        0,
+        None,
+        None,
+        0,
+        None,
+    )
 
 
 def test_a_broken_body_over_100_mib_still_has_its_id_echoed() -> None:
@@ -1037,3 +1077,15 @@ def test_the_full_decode_keeps_the_trace_state_and_the_version() -> None:
     header = protocol.parse_request(body)[0]
     assert (header.traceparent, header.tracestate, header.version) == ("tp", "a=1", 2)
     assert protocol.read_header(body) == header
+
+
+def test_a_reply_says_its_multiplexed_worker_loaded_the_model_first() -> None:
+    for header in ([4, 1.5, [2]], [4, 1.5, [2], 0], [4, 1.5, [2], 0, 0.25], [4, 1.5, [2], 0, 0.25, [3, 2]]):
+        reply = protocol.with_load([b"W1", b"\x03", protocol.pack(header), b"xy"], 12.3456, ["a/1", "b"])
+        assert reply[0::3] == [b"W1", b"xy"] and reply[1] == b"\x03"
+        got = protocol.parse_reply_header(reply[2])
+        assert got.load == (12.346, ("a/1", "b"))
+        assert got[:3] == (4, 1.5, [2])
+        assert got.wait_ms == (0.25 if len(header) > 4 else None)
+        assert got.padding == ((3, 2) if len(header) > 5 else None)
+    assert protocol.parse_reply_header(reply_header(4, 1, [2], 0, None, None, None)).load is None
