@@ -566,7 +566,7 @@ class BatchRunner(BrokerConnection):
         reply = _run_safely(model, frames[2], frames[3:], self.name, arrived_at, version_of(key))
         if reply is None or load is None:
             return reply
-        return protocol.with_load(reply, load[0], load[1])
+        return protocol.with_load(reply, *load)
 
     def _run_steps(self, steps: StepRunner) -> None:
         """Read the START and CANCEL messages that came, then run one step, the socket left

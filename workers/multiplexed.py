@@ -74,9 +74,9 @@ class Shelf:
         self.loads = 0
         self.unloads = 0
 
-    def model_for(self, key: str) -> tuple[ModelFn, tuple[float, list[str]] | None]:
+    def model_for(self, key: str) -> tuple[ModelFn, tuple[float, list[str], list[str]] | None]:
         """The model `key` and, when it was loaded now, (ms it took, models unloaded for
-        it); a model that will not load is a callable raising why, so each request of its
+        it, models held now); a model that will not load is a callable raising why, so each request of its
         batch is answered model_error (and the next batch of it tries again)."""
         use = self.resident.use(key)
         for old in use.unloaded:
@@ -96,12 +96,16 @@ class Shelf:
             self.resident.drop(key)
             why = f"model {key!r} could not be loaded: {type(exc).__name__}: {exc}"[:500]
             log.warning("%s", why)
-            return _failing(why), ((time.perf_counter() - t0) * 1000.0, list(use.unloaded))
+            return _failing(why), (
+                (time.perf_counter() - t0) * 1000.0,
+                list(use.unloaded),
+                list(self.resident),
+            )
         load_ms = (time.perf_counter() - t0) * 1000.0
         self._held[key] = model
         self.loads += 1
         log.info("model %s loaded in %.1f ms (%d held)", key, load_ms, len(self.resident))
-        return model, (load_ms, list(use.unloaded))
+        return model, (load_ms, list(use.unloaded), list(self.resident))
 
 
 def _failing(why: str) -> ModelFn:

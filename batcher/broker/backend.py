@@ -183,6 +183,7 @@ class Backend:
             exemplar_of(span),
         )  # fmt: skip
         if load is not None:  # a multiplexed worker loaded the batch's model first
+            self.scheduler.held_by(worker_id, load[2])
             self.stats.model_loaded(batch.model, load[0], load[1], self.pool.info(worker_id))
 
     def _on_chunk(self, worker_id: bytes, header_frame: bytes, bodies: list[Any], now: float) -> None:

@@ -125,6 +125,17 @@ class Resident:
         self.used_mb += mb
         return Use(True, tuple(unloaded))
 
+    def reset(self, held: list[str] | tuple[str, ...]) -> None:
+        """Hold `held` (least recently used first), as the worker says it does: the
+        models of the catalog among them, up to the budget."""
+        self._held.clear()
+        self.used_mb = 0
+        for key in held:
+            mb = self.catalog.sizes_mb.get(key)
+            if mb is not None and key not in self._held and self.used_mb + mb <= self.catalog.budget_mb:
+                self._held[key] = mb
+                self.used_mb += mb
+
     def drop(self, key: str) -> None:
         """`key` is not held after all (its load failed)."""
         mb = self._held.pop(key, None)

@@ -371,6 +371,17 @@ class Scheduler:
             following.expected_start = max(following.expected_start, now)
         return batch
 
+    def held_by(self, worker_id: bytes, held: tuple[str, ...]) -> None:
+        """A multiplexed worker said, answering a batch, which models it holds now (least
+        recently used first): its batches still held run from there. What its model
+        placement assumed is corrected (a load that failed holds nothing)."""
+        w = self._workers.get(worker_id)
+        if w is None or w.resident is None:
+            return
+        w.resident.reset(held)
+        for batch in w.in_flight.values():  # sent after the one answered: run in that order
+            w.resident.use(batch.model)
+
     # --- decisions --------------------------------------------------------------------------
 
     def due_batches(self, now: float) -> list[Batch]:

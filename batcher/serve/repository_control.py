@@ -208,10 +208,13 @@ class RepositoryControl:
         """A multiplexed model's change: its versions in the pool's catalog are served or
         not at once (the pool's workers hold the model or unload it as batches come; an
         unserved version's queued requests are still answered); one outside the catalog
-        cannot join, as the pool's workers serve only what serve started them with."""
+        cannot join, as the pool's workers serve only what serve started them with (it
+        is reported, and the versions served before serve on)."""
         assert self.broker is not None
         served = {v for v in wanted if version_key(name, v) in self.pooled}
         outside = sorted(wanted - served)
+        if outside:  # as a version that fails to start: those served before serve on
+            served |= {v for v in have if version_key(name, v) in self.pooled}
         if served:
             self.running[name] = served
             self._serve(name, sorted(served))

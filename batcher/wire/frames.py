@@ -176,8 +176,9 @@ class ReplyHeader(NamedTuple):
     wait_ms: float | None  # how long the batch waited in the worker before its model ran
     padding: tuple[int, int] | None = None  # (padded, real) elements of a stacked batch
     refused: int = 0  # of the `errors`, replies the worker refused itself (bad_request)
-    #: A multiplexed worker loaded the batch's model first: (ms it took, models it unloaded).
-    load: tuple[float, tuple[str, ...]] | None = None
+    #: A multiplexed worker loaded the batch's model first: (ms it took, models it
+    #: unloaded, models it holds now, least recently used first).
+    load: tuple[float, tuple[str, ...], tuple[str, ...]] | None = None
 
 
 def _is_int(value: object) -> bool:
@@ -237,32 +238,34 @@ def parse_reply_header(frame: bytes) -> ReplyHeader:
     )
 
 
-#: The most models one REPLY may say its worker unloaded.
+#: The most models one REPLY may say its worker unloaded, or holds.
 MAX_UNLOADED = 1024
 
 
-def _load(value: object, bad: Callable[[str], WorkerProtocolError]) -> tuple[float, tuple[str, ...]]:
-    """(ms, unloaded) from a REPLY header's `load`: {"ms": a number in [0, one day],
-    "unloaded": a list of model names}."""
-    if isinstance(value, dict) and set(value) == {"ms", "unloaded"}:
-        ms, unloaded = value["ms"], value["unloaded"]
-        if (
-            _is_finite_ms(ms)
-            and isinstance(unloaded, list)
-            and len(unloaded) <= MAX_UNLOADED
-            and all(isinstance(k, str) for k in unloaded)
-        ):
-            return float(ms), tuple(unloaded)
-    wanted = f"{{ms: a number in [0, {MAX_REPORTED_MS:.0f}], unloaded: [names]}} or nil"
+def _load(
+    value: object, bad: Callable[[str], WorkerProtocolError]
+) -> tuple[float, tuple[str, ...], tuple[str, ...]]:
+    """(ms, unloaded, held) from a REPLY header's `load`: {"ms": a number in [0, one day],
+    "unloaded": the models it unloaded, "held": those it holds now, least recent first}."""
+    if isinstance(value, dict) and set(value) == {"ms", "unloaded", "held"}:
+        ms, unloaded, held = value["ms"], value["unloaded"], value["held"]
+        if _is_finite_ms(ms) and _names(unloaded) and _names(held):
+            return float(ms), tuple(unloaded), tuple(held)
+    wanted = f"{{ms: a number in [0, {MAX_REPORTED_MS:.0f}], unloaded: [names], held: [names]}} or nil"
     raise bad(f"REPLY load must be {wanted}, got {value!r}"[:300])
 
 
-def with_load(reply: list[Any], load_ms: float, unloaded: list[str]) -> list[Any]:
-    """A REPLY (from `reply_frames`) saying its worker loaded the batch's model first,
-    taking `load_ms`, and unloaded `unloaded` to make room: its header's 7th element."""
+def _names(value: object) -> bool:
+    return isinstance(value, list) and len(value) <= MAX_UNLOADED and all(isinstance(k, str) for k in value)
+
+
+def with_load(reply: list[Any], load_ms: float, unloaded: list[str], held: list[str]) -> list[Any]:
+    """A REPLY (from `reply_frames`) saying its worker loaded the batch's model first (or
+    tried to), taking `load_ms`, unloaded `unloaded` to make room and now holds `held`
+    (least recently used first): its header's 7th element."""
     header = unpack(reply[2])
     header += [0, None, None][len(header) - 3 :] if len(header) < 6 else []
-    header.append({"ms": round(load_ms, 3), "unloaded": unloaded})
+    header.append({"ms": round(load_ms, 3), "unloaded": unloaded, "held": held})
     return [reply[0], reply[1], _packer_pack(header), *reply[3:]]
 
 

@@ -603,3 +603,22 @@ def test_the_pool_keeps_the_streams_it_is_given_and_joins_step_level_workers_to_
     w = streams.worker(b"s")
     assert w is not None and (w.model, w.max_active, w.free) == ("m", 3, 3)
     assert b"b" not in streams  # a batch-level worker holds no sequences
+
+
+def test_a_multiplexed_ready_makes_a_worker_of_every_model_of_its_catalog() -> None:
+    wire = {"budget_mb": 200, "models": {"a/1": 100, "b/1": 100}}
+    info = worker_info({"model": "multiplexed", "gpu": None, "pid": 3, "multiplexed": wire})
+    assert info.catalog is not None and info.catalog.wire() == wire
+    p = pool()
+    p.joined(b"p", info, None, 0.0)
+    s = p.scheduler
+    assert s.has_workers("a/1") and s.has_workers("b/1") and not s.has_workers("multiplexed")
+    for bad, why in (
+        ({"budget_mb": 50, "models": {"a": 100}}, "needs 100 MB"),
+        ({"budget_mb": 50}, "budget_mb and models"),
+        ([1], "budget_mb and models"),
+    ):
+        with pytest.raises(ValueError, match="bad READY multiplexed: .*" + why):
+            worker_info({"model": "multiplexed", "multiplexed": bad})
+    with pytest.raises(ValueError, match="a step-level worker cannot be multiplexed"):
+        worker_info({"model": "m", "max_active": 4, "multiplexed": wire})

@@ -626,7 +626,7 @@ def test_frames_without_a_delimiter_are_refused_saying_how_to_send_them() -> Non
 SHAPE = "REPLY header must be [batch_id, infer_ms, lengths, errors], got "
 WAIT_MS = "REPLY wait_ms must be a number in [0, 86400000] or nil, got "
 PADDING = "REPLY padding must be [padded, real] ints >= 0 or nil, got "
-LOAD = "REPLY load must be {ms: a number in [0, 86400000], unloaded: [names]} or nil, got "
+LOAD = "REPLY load must be {ms: a number in [0, 86400000], unloaded: [names], held: [names]} or nil, got "
 ERRORS = (
     "REPLY errors must be an int in [0, 2] or a map of model_error and bad_request counts "
     "adding up to at most 2, got "
@@ -696,7 +696,11 @@ def test_reply_header_with_and_without_the_optional_fields() -> None:
             LOAD + "{'ms': 1, 'unloaded': [1]}",
             5,
         ),
-        (reply_header(5, 1, [1], 0, 0, None, {"ms": 1}), LOAD + "{'ms': 1}", 5),
+        (
+            reply_header(5, 1, [1], 0, 0, None, {"ms": 1, "unloaded": []}),
+            LOAD + "{'ms': 1, 'unloaded': []}",
+            5,
+        ),
         (reply_header(5, 1, [1], 0, 0, [1]), PADDING + "[1]", 5),
         (reply_header(5, 1, [1], 0, 0, [-1, 2]), PADDING + "[-1, 2]", 5),
         (reply_header(5, 1, [1], 0, 0, [1, True]), PADDING + "[1, True]", 5),
@@ -1081,10 +1085,12 @@ def test_the_full_decode_keeps_the_trace_state_and_the_version() -> None:
 
 def test_a_reply_says_its_multiplexed_worker_loaded_the_model_first() -> None:
     for header in ([4, 1.5, [2]], [4, 1.5, [2], 0], [4, 1.5, [2], 0, 0.25], [4, 1.5, [2], 0, 0.25, [3, 2]]):
-        reply = protocol.with_load([b"W1", b"\x03", protocol.pack(header), b"xy"], 12.3456, ["a/1", "b"])
+        reply = protocol.with_load(
+            [b"W1", b"\x03", protocol.pack(header), b"xy"], 12.3456, ["a/1", "b"], ["c"]
+        )
         assert reply[0::3] == [b"W1", b"xy"] and reply[1] == b"\x03"
         got = protocol.parse_reply_header(reply[2])
-        assert got.load == (12.346, ("a/1", "b"))
+        assert got.load == (12.346, ("a/1", "b"), ("c",))
         assert got[:3] == (4, 1.5, [2])
         assert got.wait_ms == (0.25 if len(header) > 4 else None)
         assert got.padding == ((3, 2) if len(header) > 5 else None)

@@ -1,0 +1,249 @@
+"""Many models per worker (batcher.core.multiplex), and the scheduler's placement of a
+multiplexed model's batches, on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batcher.core.limits import BatchSettings, Policy
+from batcher.core.multiplex import LOAD_LIMIT_S, Catalog, Resident, Use
+from batcher.core.scheduler import Scheduler
+from batcher.errors import SettingsError
+from tests.scheduler_builders import enqueue_many
+
+MODELS = ("a", "b", "c", "d", "e", "f")
+
+
+def catalog(budget_mb: int = 200, mb: int = 100, models: tuple[str, ...] = MODELS) -> Catalog:
+    return Catalog(budget_mb, {m: mb for m in models})
+
+
+# --- the catalog ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("budget", "sizes", "message"),
+    [
+        (0, {"a": 1}, "multiplex budget_mb must be an int in [1, 1073741824], got 0"),
+        (True, {"a": 1}, "multiplex budget_mb must be an int in [1, 1073741824], got True"),
+        (10, {}, "a multiplexed worker serves 1 to 1024 models, got {}"),
+        (10, {"a": 0}, "memory_mb of model 'a' must be an int in [1, 1073741824], got 0"),
+        (10, {"a": 1.5}, "memory_mb of model 'a' must be an int in [1, 1073741824], got 1.5"),
+        (10, {"": 1}, "a multiplexed model's name must be 1 to 256 characters, got ''"),
+        (10, {"a": 11}, "model 'a' needs 11 MB, more than the multiplexed workers' budget of 10 MB"),
+    ],
+)
+def test_a_catalog_refuses_what_cannot_be_served_saying_why(
+    budget: object, sizes: object, message: str
+) -> None:
+    with pytest.raises(SettingsError) as raised:
+        Catalog(budget, sizes)  # type: ignore[arg-type]
+    assert str(raised.value).startswith(message)
+
+
+def test_a_catalog_goes_over_the_wire_and_back() -> None:
+    c = Catalog(300, {"a/1": 100, "b": 200})
+    assert Catalog.from_wire(c.wire()) == c
+    for bad in (
+        {"budget_mb": 300},
+        {"budget_mb": 1, "models": [1]},
+        [300],
+        {"budget_mb": 1, "models": {}, "x": 1},
+    ):
+        with pytest.raises(ValueError):
+            Catalog.from_wire(bad)
+
+
+# --- least recently used -------------------------------------------------------------------------
+
+
+def test_a_worker_loads_on_first_use_and_unloads_the_least_recently_used() -> None:
+    r = Resident(catalog())
+    assert r.use("a") == Use(True, ())
+    assert r.use("b") == Use(True, ())
+    assert r.use("a") == Use(False, ())  # a is the most recent now
+    assert r.use("c") == Use(True, ("b",))
+    assert list(r) == ["a", "c"] and r.used_mb == 200
+    assert r.use("d") == Use(True, ("a",))
+
+
+def test_a_large_model_unloads_as_many_as_it_needs() -> None:
+    r = Resident(Catalog(300, {"s1": 100, "s2": 100, "s3": 100, "big": 250}))
+    for m in ("s1", "s2", "s3"):
+        r.use(m)
+    assert r.use("big") == Use(True, ("s1", "s2", "s3"))
+    assert r.used_mb == 250 and not r.room_for("s1")
+    assert r.use("s1") == Use(True, ("big",))
+    assert r.room_for("s2") and r.room_for("s1")
+
+
+def test_a_failed_load_frees_its_room() -> None:
+    r = Resident(catalog())
+    r.use("a")
+    r.use("b")
+    r.drop("b")
+    r.drop("zzz")  # never held: nothing happens
+    assert list(r) == ["a"] and r.used_mb == 100 and r.room_for("c")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    budget=st.integers(1, 6),
+    sizes=st.lists(st.integers(1, 3), min_size=1, max_size=6),
+    uses=st.lists(st.integers(0, 5), max_size=60),
+)
+def test_the_budget_always_holds_and_a_use_is_cold_exactly_when_not_held(
+    budget: int, sizes: list[int], uses: list[int]
+) -> None:
+    names = [f"m{i}" for i in range(len(sizes))]
+    fitting = {n: mb for n, mb in zip(names, sizes, strict=True) if mb <= budget}
+    if not fitting:
+        return
+    r = Resident(Catalog(budget, fitting))
+    keys = list(fitting)
+    for u in uses:
+        key = keys[u % len(keys)]
+        held_before = key in r
+        before = set(r)
+        used = r.use(key)
+        assert used.cold is not held_before
+        assert set(used.unloaded) <= before and key not in used.unloaded
+        assert set(r) == (before - set(used.unloaded)) | {key}
+        assert r.used_mb == sum(fitting[k] for k in r) <= budget
+        assert list(r)[-1] == key  # the most recently used
+
+
+@settings(max_examples=200, deadline=None)
+@given(others=st.lists(st.sampled_from(MODELS[1:]), max_size=80))
+def test_a_model_used_between_every_other_is_never_unloaded(others: list[str]) -> None:
+    r = Resident(catalog(budget_mb=200))  # two models fit
+    for other in others:
+        assert "a" not in r.use("a").unloaded
+        assert "a" not in r.use(other).unloaded
+        assert "a" in r
+
+
+# --- the scheduler's placement -------------------------------------------------------------------
+
+
+def pool(workers: int = 2, size: int = 4, slots: int = 1, budget_mb: int = 200) -> Scheduler:
+    """A scheduler of models a-f, each of batch size `size` (window policy), over
+    `workers` multiplexed workers p0, p1, ... of `slots` batches each."""
+    per_model = {
+        m: BatchSettings(max_batch_size=size, max_wait_ms=10.0, policy=Policy.WINDOW) for m in MODELS
+    }
+    s = Scheduler(per_model=per_model, worker_prefetch=slots)
+    for i in range(workers):
+        s.add_worker(f"p{i}".encode(), "multiplexed", slots, catalog=catalog(budget_mb))
+    return s
+
+
+def serve(s: Scheduler, model: str, n: int, t: float) -> list[bytes]:
+    """Enqueue `n` requests of `model` at `t`, cut what is due and answer it at once:
+    the workers its batches went to."""
+    enqueue_many(s, model, n, t)
+    out = []
+    for batch in s.due_batches(t):
+        out.append(batch.worker)
+        assert batch.multiplexed and batch.model == model
+        assert s.complete(batch.worker, batch.batch_id, 0.001, t) is batch
+    return out
+
+
+def test_a_multiplexed_worker_serves_every_model_of_its_catalog() -> None:
+    s = pool()
+    for m in MODELS:
+        assert s.has_workers(m)
+        assert [w.worker_id for w in s.views()[m].workers] == [b"p0", b"p1"]
+    assert s.remove_worker(b"p0") == []
+    assert all([w.worker_id for w in s.views()[m].workers] == [b"p1"] for m in MODELS)
+
+
+def test_batches_go_where_their_model_is_held() -> None:
+    s = pool()
+    first = serve(s, "a", 4, 0.0)
+    second = serve(s, "b", 4, 0.0)
+    assert first != second  # b went to the worker with room: nothing unloaded
+    for t in (1.0, 2.0, 3.0):
+        assert serve(s, "a", 4, t) == first
+        assert serve(s, "b", 4, t) == second
+    views = s.views()
+    assert [w.holds for w in views["a"].workers if w.worker_id == first[0]] == [True]
+    assert [w.holds for w in views["a"].workers if w.worker_id != first[0]] == [False]
+
+
+def test_a_batch_waits_for_the_worker_holding_its_model_rather_than_load_it_elsewhere() -> None:
+    s = pool()
+    enqueue_many(s, "a", 4, 0.0)
+    (held,) = s.due_batches(0.0)  # p0 now holds a, and runs this batch
+    enqueue_many(s, "a", 4, 0.0)  # one full batch more: p1 is idle, but would have to load a
+    assert s.due_batches(0.0) == []
+    assert s.next_wakeup() is None  # nothing is due until p0 answers: no busy wait
+    s.complete(held.worker, held.batch_id, 0.001, 0.002)
+    (again,) = s.due_batches(0.002)
+    assert again.worker == held.worker and not again.cold
+
+
+def test_a_model_spreads_to_another_worker_when_two_full_batches_wait() -> None:
+    s = pool()
+    enqueue_many(s, "a", 4, 0.0)
+    (held,) = s.due_batches(0.0)
+    enqueue_many(s, "a", 8, 0.0)  # two full batches wait behind the busy holder
+    (spread,) = s.due_batches(0.0)
+    assert spread.worker != held.worker and spread.cold
+    assert all(w.holds for w in s.views()["a"].workers)
+
+
+def test_a_model_no_worker_holds_goes_where_nothing_is_unloaded() -> None:
+    s = pool(budget_mb=200)
+    serve(s, "a", 4, 0.0)  # p0: a
+    serve(s, "b", 4, 1.0)  # p1: b (room)
+    serve(s, "c", 4, 2.0)  # p0 (least recently used): a, c
+    (w,) = serve(s, "d", 4, 3.0)  # both full: the least recently used, p1, unloads nothing yet
+    assert w == b"p1"
+    holders = {m: [v.worker_id for v in s.views()[m].workers if v.holds] for m in "abcd"}
+    assert holders == {"a": [b"p0"], "b": [b"p1"], "c": [b"p0"], "d": [b"p1"]}
+    (w,) = serve(s, "e", 4, 4.0)  # p0 is least recent: it unloads a, its least recent
+    assert w == b"p0"
+    assert not any(v.holds for v in s.views()["a"].workers)
+
+
+def test_a_cold_batch_gets_time_to_load_its_model() -> None:
+    s = pool(workers=1)
+    enqueue_many(s, "a", 4, 0.0)
+    (cold,) = s.due_batches(0.0)
+    assert cold.cold
+    limit = s.default_limit_s(cold)
+    assert s.hung_batches(limit + LOAD_LIMIT_S - 0.001, None) == []
+    assert [b for b, _ in s.hung_batches(limit + LOAD_LIMIT_S + 0.001, None)] == [cold]
+    assert [b for b, _ in s.hung_batches(LOAD_LIMIT_S + 1.001, 1.0)] == [cold]  # a fixed limit too
+    s.complete(cold.worker, cold.batch_id, 0.001, 0.01)
+    enqueue_many(s, "a", 4, 0.01)
+    (warm,) = s.due_batches(0.01)
+    assert not warm.cold
+    assert [b for b, _ in s.hung_batches(0.01 + 1.001, 1.0)] == [warm]
+
+
+def test_what_the_worker_says_it_holds_corrects_the_placement_with_its_later_batches_replayed() -> None:
+    s = pool(workers=1, slots=2)
+    enqueue_many(s, "a", 4, 0.0)
+    enqueue_many(s, "b", 4, 0.0)
+    first, second = s.due_batches(0.0)  # a (cold), then b (cold) behind it
+    assert (first.model, second.model) == ("a", "b")
+    s.complete(first.worker, first.batch_id, 0.001, 0.01)
+    s.held_by(first.worker, ())  # a's load failed: it holds nothing; b, still to run, will load
+    assert [v.holds for v in s.views()["a"].workers] == [False]
+    assert [v.holds for v in s.views()["b"].workers] == [True]
+    s.held_by(first.worker, ("zzz", "a", "a", "c", "d"))  # not of its catalog, twice, over budget
+    # a and c (d is over budget), then b replayed: it unloads a, the least recent
+    assert [m for m in MODELS if s.views()[m].workers[0].holds] == ["b", "c"]
+    s.held_by(b"unknown", ("a",))  # a worker gone: nothing to correct
+
+
+def test_a_reset_keeps_what_fits_in_the_catalog_in_order() -> None:
+    r = Resident(Catalog(250, {"a": 100, "b": 100, "c": 100}))
+    r.reset(["c", "x", "c", "a", "b"])
+    assert list(r) == ["c", "a"] and r.used_mb == 200
+    assert r.use("b") == Use(True, ("c",))

@@ -1,0 +1,87 @@
+"""A multiplexed worker's models (workers/multiplexed.py): its catalog from the command
+line, and the shelf that loads and unloads them as batches name them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from batcher.errors import ModelLoadError, SettingsError
+from batcher.wire import protocol
+from workers.models import ModelSpec, SimLM
+from workers.multiplexed import MultiplexSpec, Shelf, batch_model, version_of
+
+
+def spec_text(budget_mb: Any = 200, **models: Any) -> str:
+    return json.dumps({"budget_mb": budget_mb, "models": models})
+
+
+def test_a_catalog_on_the_command_line_names_what_each_model_loads() -> None:
+    spec = MultiplexSpec.parse(
+        spec_text(a={"target": "echo", "memory_mb": 100}, b={"target": "sim", "memory_mb": 50})
+    )
+    assert spec.catalog.sizes_mb == {"a": 100, "b": 50} and spec.catalog.budget_mb == 200
+    assert spec.targets == {"a": ModelSpec("a", "echo"), "b": ModelSpec("b", "sim")}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "--multiplex must be JSON"),
+        ("[]", "--multiplex must be a JSON object of budget_mb and models"),
+        (spec_text(), "--multiplex models must be a non-empty object"),
+        (spec_text(a={"target": "echo"}), "--multiplex model 'a' must be an object of target and memory_mb"),
+        (spec_text(a={"target": 1, "memory_mb": 1}), "--multiplex model 'a': target must be a string"),
+        (spec_text(a={"target": "nope", "memory_mb": 1}), "unknown model 'nope'"),
+        (spec_text(50, a={"target": "echo", "memory_mb": 100}), "model 'a' needs 100 MB"),
+        (spec_text("x", a={"target": "echo", "memory_mb": 1}), "multiplex budget_mb must be an int"),
+    ],
+)
+def test_a_bad_catalog_is_refused_saying_why(text: str, message: str) -> None:
+    with pytest.raises(SettingsError, match=message.replace("(", r"\(")):
+        MultiplexSpec.parse(text)
+
+
+def test_the_shelf_loads_on_first_use_unloads_the_least_recent_and_retries_a_failed_load() -> None:
+    loaded: list[str] = []
+    broken = {"c"}
+
+    def load(spec: ModelSpec) -> Any:
+        loaded.append(spec.name)
+        if spec.name in broken:
+            raise OSError("disk gone")
+        return lambda inputs: [f"{spec.name}:{x}" for x in inputs]
+
+    entry = {"target": "echo", "memory_mb": 100}
+    shelf = Shelf(MultiplexSpec.parse(spec_text(200, a=entry, b=entry, c=entry)), load)
+    model, cost = shelf.model_for("a")
+    assert model([1]) == ["a:1"] and cost is not None and cost[1:] == ([], ["a"])
+    assert shelf.model_for("a")[1] is None  # held: no load
+    assert shelf.model_for("b")[1] is not None
+    model, cost = shelf.model_for("c")  # unloads a, then fails
+    assert cost is not None and cost[1:] == (["a"], ["b"])
+    with pytest.raises(ModelLoadError, match="model 'c' could not be loaded: OSError: disk gone"):
+        model([1])
+    broken.clear()
+    model, cost = shelf.model_for("c")  # tried again
+    assert model([2]) == ["c:2"] and cost is not None and cost[2] == ["b", "c"]
+    assert loaded == ["a", "b", "c", "c"] and (shelf.loads, shelf.unloads) == (3, 1)
+
+
+def test_a_step_level_model_cannot_be_multiplexed() -> None:
+    entry = {"target": "simlm", "memory_mb": 1}
+    shelf = Shelf(
+        MultiplexSpec.parse(spec_text(10, lm=entry)), lambda spec: type("LM", (), {"step_level": True})()
+    )
+    model, _ = shelf.model_for("lm")
+    with pytest.raises(ModelLoadError, match="a step-level model cannot be multiplexed"):
+        model([1])
+
+
+def test_a_batch_names_its_model_in_the_header_5th_element() -> None:
+    assert batch_model(protocol.batch_frames(1, [0.0], [b"x"], None, "a/2")[2]) == "a/2"
+    assert batch_model(protocol.batch_frames(1, [0.0], [b"x"], "00-tp")[2]) is None
+    assert batch_model(b"\xc1") is None
+    assert (version_of("a/2"), version_of("plain")) == ("2", None)
