@@ -72,9 +72,7 @@ def test_the_shelf_loads_on_first_use_unloads_the_least_recent_and_retries_a_fai
 
 def test_a_step_level_model_cannot_be_multiplexed() -> None:
     entry = {"target": "simlm", "memory_mb": 1}
-    shelf = Shelf(
-        MultiplexSpec.parse(spec_text(10, lm=entry)), lambda spec: type("LM", (), {"step_level": True})()
-    )
+    shelf = Shelf(MultiplexSpec.parse(spec_text(10, lm=entry)), lambda spec: SimLM())
     model, _ = shelf.model_for("lm")
     with pytest.raises(ModelLoadError, match="a step-level model cannot be multiplexed"):
         model([1])
