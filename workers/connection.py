@@ -188,8 +188,7 @@ class BrokerConnection:
         self._refused = None
         self._ready_sent = self._send(self._ready())
         level = logging.DEBUG if self._refusals else logging.INFO  # retries after a refusal: quiet
-        served = self.spec.name if self.settings.multiplex is None else "(multiplexed)"
-        log.log(level, "worker %s ready for model %s at %s", self.name, served, self.settings.connect)
+        log.log(level, "worker %s ready for model %s at %s", self.name, self.spec.name, self.settings.connect)
 
     def _disconnect(self, linger_ms: int = 0) -> None:
         """Drop the socket. Batches not run yet go too: a broker that lost us re-dispatches

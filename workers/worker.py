@@ -214,6 +214,7 @@ class Worker(BatchRunner):
         s = self.settings
         if s.multiplex is not None:  # its models load on their first batch (workers/multiplexed.py)
             spec = MultiplexSpec.parse(s.multiplex)
+            self.spec = ModelSpec(POOL_NAME, "sim")  # its name in logs; it loads its catalog's
             self.shelf = Shelf(
                 spec, lambda target: load_model(target, s.gpu, s.sim, s.threads, s.max_padded_elements)
             )

@@ -20,6 +20,7 @@ from batcher.core.scheduler import Batch, QueuedRequest, Scheduler
 from batcher.core.streams import Sequence, Verdict
 from batcher.transport.zmqio import readable, recv_frames, send_frames
 from batcher.wire import protocol
+from batcher.wire.frames import ReplyHeader
 from batcher.wire.protocol import ErrorCode, WorkerProtocolError
 
 log = logging.getLogger("batcher.broker")
@@ -154,7 +155,7 @@ class Backend:
         except WorkerProtocolError as exc:
             self._bad_reply(worker_id, exc)
             raise
-        batch_id, infer_ms, lengths, errors, wait_ms, padding, refused, load = header
+        batch_id, infer_ms, lengths, errors, wait_ms = header[:5]
         batch = self.scheduler.complete(worker_id, batch_id, infer_ms / 1000.0, now)
         if batch is None:
             self.stats.dropped_backend += 1
@@ -163,8 +164,7 @@ class Backend:
         # Queue time as the client lives it: in the broker's queue, then in the worker's prefetch
         # until the model began. The worker counts from when it read the batch (it reads only
         # between batches), so the time since dispatch less the model time bounds it from above.
-        sent_at = batch.dispatched_at
-        in_worker_ms = max(wait_ms or 0.0, (now - sent_at) * 1000.0 - infer_ms)
+        in_worker_ms = max(wait_ms or 0.0, (now - batch.dispatched_at) * 1000.0 - infer_ms)
         requests = batch.requests
         try:
             if len(lengths) != len(requests):
@@ -176,15 +176,7 @@ class Backend:
             return
         # The replies first, back to back; the batch's counts after.
         self.deliver_batch(requests, replies, errors)  # (kept by the response cache when none failed)
-        tracer, arrivals = self.tracer, [r.arrived_at for r in requests]
-        span = tracer and tracer.batch_answered(batch_id, now, infer_ms, wait_ms, padding, errors)
-        self.stats.batch_answered(
-            batch.model, arrivals, sent_at, wait_ms, infer_ms, in_worker_ms, errors, refused, padding, now,
-            exemplar_of(span),
-        )  # fmt: skip
-        if load is not None:  # a multiplexed worker loaded the batch's model first
-            self.scheduler.held_by(worker_id, load[2])
-            self.stats.model_loaded(batch.model, load[0], load[1], self.pool.info(worker_id))
+        count_answered(self, worker_id, batch, header, in_worker_ms, now)
 
     def _on_chunk(self, worker_id: bytes, header_frame: bytes, bodies: list[Any], now: float) -> None:
         """A step-level worker's chunks: each forwarded untouched to its client, in order;
@@ -349,6 +341,23 @@ def worker_gone(stats: Any, cache: Any, model: str, failed: bool) -> None:
     stats.metrics.worker_event(model, "died" if failed else "left")
     if cache is not None:
         cache.worker_left(model)
+
+
+def count_answered(
+    backend: Backend, worker_id: bytes, batch: Batch, header: ReplyHeader, in_worker_ms: float, now: float
+) -> None:
+    """The counts of a batch whose replies went out (and its span's end), and what a
+    multiplexed worker's load of its model cost and changed."""
+    batch_id, infer_ms, _, errors, wait_ms, padding, refused, load = header
+    tracer, arrivals = backend.tracer, [r.arrived_at for r in batch.requests]
+    span = tracer and tracer.batch_answered(batch_id, now, infer_ms, wait_ms, padding, errors)
+    backend.stats.batch_answered(
+        batch.model, arrivals, batch.dispatched_at, wait_ms, infer_ms, in_worker_ms, errors, refused, padding,
+        now, exemplar_of(span),
+    )  # fmt: skip
+    if load is not None:  # a multiplexed worker loaded the batch's model first
+        backend.scheduler.held_by(worker_id, load[2])
+        backend.stats.model_loaded(batch.model, load[0], load[1], backend.pool.info(worker_id))
 
 
 def end_lost_spans(tracer: Any, scheduler: Scheduler, worker_id: bytes, why: str, blame: int | None) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -57,7 +59,7 @@ from batcher.gateway.process import GatewayProcess, gateway_command, local_addre
 from batcher.gateway.processes import check_supported as check_processes_supported
 from batcher.gateway.settings import GatewaySettings
 from batcher.observe.settings import TraceSettings
-from batcher.serve.repository_control import RepositoryControl
+from batcher.serve.repository_control import RepositoryControl, multiplex_catalog
 from batcher.serve.serving import ModelLoadFailed, run_serve
 from batcher.settings import MAX_WORKERS
 from batcher.transport.security import CurveServerKeys, KeyFileError
@@ -257,13 +259,14 @@ def _repository(
 
 def _multiplex(
     repository: RepositoryControl | None, workers: int | None, memory_mb: int | None
-) -> str | None:
-    """The catalog of serve's multiplexed workers (None: no model is multiplexed); a usage
-    error for options without such a model, or a model without a budget it fits."""
+) -> dict[str, Any]:
+    """PoolSettings' `multiplex` (the catalog of serve's multiplexed workers, None: no
+    model is multiplexed) and `multiplex_workers`; a usage error for options without
+    such a model, or a model without a budget it fits."""
     catalog = None
     if repository is not None:
         try:
-            catalog = repository.multiplex_catalog(memory_mb)
+            catalog = multiplex_catalog(repository, memory_mb)
         except SettingsError as exc:
             raise click.UsageError(str(exc)) from None
     if catalog is None and (workers is not None or memory_mb is not None):
@@ -271,7 +274,7 @@ def _multiplex(
             "--multiplex-workers and --multiplex-memory-mb go with a --model-repository model whose "
             "config.toml says multiplexed = true"
         )
-    return catalog
+    return {"multiplex": catalog, "multiplex_workers": workers}
 
 
 def _warmup_sizes(batch: BatchSettings) -> tuple[int, ...]:
@@ -419,11 +422,10 @@ def serve(
     repository, models, repo_batch, repo_workers = _repository(
         model_repository, repository_poll_s, models, batching
     )
-    pooled = tuple(repository.pooled) if repository is not None else ()
     settings = broker_settings(
         frontend,
         backend,
-        (*models, *pooled),  # the multiplexed ones too: configured, waited for by `ready`
+        (*models, *(repository.pooled if repository else ())),  # multiplexed: configured, waited for too
         batching=batching,
         broker_opts=broker_opts,
         heartbeat=heartbeat,
@@ -431,7 +433,6 @@ def serve(
         config=config,
     )
     settings = dataclasses.replace(settings, trace=trace, per_model={**settings.per_model, **repo_batch})
-    multiplex = _multiplex(repository, multiplex_workers, multiplex_memory_mb)
     pass_trace_to_children(trace)  # its workers and gateway trace as it does
     pool = pool_settings(
         backend,
@@ -449,13 +450,23 @@ def serve(
         pin_cpus=pin_cpus,
         max_padded_elements=max_padded_elements,
         repository_workers=repo_workers,
-        multiplex=multiplex,
-        multiplex_workers=multiplex_workers,
+        **_multiplex(repository, multiplex_workers, multiplex_memory_mb),
     )
     settings = _with_cell_workers(settings, pool)
     ctx = click.get_current_context()
     reread = None if config is None else functools.partial(reread_batching, ctx, config, settings.models)
     gateway = _serve_gateway(settings, http_port, grpc_port, host, processes, gateway_access, logs)
+    _run(settings, pool, reread, gateway, repository)
+
+
+def _run(
+    settings: BrokerSettings,
+    pool: PoolSettings,
+    reread: Callable[[], dict[str, BatchSettings]] | None,
+    gateway: GatewayProcess | None,
+    repository: RepositoryControl | None,
+) -> None:
+    """run_serve, its failures to start said as a usage tool says them."""
     try:
         run_serve(settings, pool, reread, gateway, repository)
     except (BindError, KeyFileError, ModelLoadFailed) as exc:

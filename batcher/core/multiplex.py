@@ -141,3 +141,12 @@ class Resident:
         mb = self._held.pop(key, None)
         if mb is not None:
             self.used_mb -= mb
+
+
+def replay(resident: Resident, held: list[str] | tuple[str, ...], still_to_run: list[str]) -> None:
+    """A worker said, answering a batch, which models it holds now (least recently used
+    first): take that, then the models of the batches it still runs, in the order sent.
+    What the broker assumed is corrected (a load that failed holds nothing)."""
+    resident.reset(held)
+    for key in still_to_run:
+        resident.use(key)

@@ -49,8 +49,10 @@ __all__ = [
     "next_wakeup",
     "oldest_first",
     "pick_worker",
+    "unavailable",
     "usable",
     "wait_until",
+    "without_worker_s",
 ]
 
 
@@ -134,6 +136,29 @@ def pick_worker(mq: ModelQueue, workers: dict[bytes, WorkerState], now: float) -
         return _idle_choice(idle, mq.name)
     mq.recheck_at = now + gap  # no arrival by then: the rate estimate has dropped
     return None
+
+
+def unavailable(
+    models: dict[str, ModelQueue], timeout_s: float, now: float
+) -> list[tuple[str, QueuedRequest, float]]:
+    """Remove and return, with how long their model has had no worker, the queued
+    requests of every model that has had none for `timeout_s` (0: never). Also where "no
+    worker since" is stamped, so call it every turn."""
+    out: list[tuple[str, QueuedRequest, float]] = []
+    for name, mq in models.items():
+        without_s = mq.stamp_no_worker(now)
+        if without_s is not None and mq.total() and timeout_s and without_s >= timeout_s:
+            out.extend((name, req, without_s) for req in mq.discard_all())
+    return out
+
+
+def without_worker_s(mq: ModelQueue | None, timeout_s: float, now: float) -> float | None:
+    """How long a model has had no worker, if past `timeout_s` (a request for it is then
+    refused at once); None otherwise."""
+    if mq is None or mq.workers or mq.no_worker_since is None or not timeout_s:
+        return None
+    without_s = now - mq.no_worker_since
+    return without_s if without_s >= timeout_s else None
 
 
 def usable(mq: ModelQueue, workers: dict[bytes, WorkerState]) -> list[WorkerState]:

@@ -24,6 +24,7 @@ time and the counts in (no clock is read here).
 from __future__ import annotations
 
 import math
+import sys
 from collections import deque
 from dataclasses import dataclass
 
@@ -71,9 +72,11 @@ def workers_needed(rate_per_s: float, a_s: float, b_s: float, batch_size: int, t
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if problem := check_target_utilization(target):
         raise ValueError(problem)
-    if rate_per_s <= 0:
+    batch_s = a_s + b_s * batch_size
+    if rate_per_s <= 0 or batch_s <= 0:
         return 0.0
-    return rate_per_s * (a_s + b_s * batch_size) / (batch_size * target)
+    # A load too small for a float (5e-324 s batches) is still a load: some worker takes it.
+    return max(rate_per_s * batch_s / (batch_size * target), sys.float_info.min)
 
 
 def desired_workers(rate_per_s: float, a_s: float, b_s: float, batch_size: int, target: float) -> int:

@@ -49,7 +49,7 @@ from batcher.core.limits import (
     BatchSettings,
     Policy,
 )
-from batcher.core.multiplex import Catalog, Resident
+from batcher.core.multiplex import Catalog, Resident, replay
 from batcher.core.policy import DEADLINE_MARGIN_S, HEAVY_LOAD, PREFETCH_GRACE_S, TARGET_BUSY
 from batcher.core.queue import (
     DISPATCHED,
@@ -231,9 +231,8 @@ class Scheduler:
         model_queue.bucket_queue(request.bucket).put(request, next(self._seq))
 
     def requeue(self, model: str, requests: list[QueuedRequest], count_attempt: bool = True) -> None:
-        """Put the requests of a batch whose worker failed (or left) back in their queue,
-        where their original arrival keeps them ahead of later requests. The queue limit
-        does not apply: they were accepted already."""
+        """Put a failed (or left) worker's batch back in its queue, ahead of later arrivals;
+        the queue limit does not apply: they were accepted already."""
         self._models[model].requeue(requests, count_attempt)
 
     def cancel(
@@ -265,8 +264,7 @@ class Scheduler:
         return [(name, req) for name, mq in self._queues() for req in mq.expire(now)]
 
     def set_settings(self, model: str, settings: BatchSettings) -> None:
-        """New batching settings for a model (a reloaded config); queued requests stay, ranked
-        again if the priority aging changed."""
+        """New batching settings (a reloaded config); the queued stay, ranked again for a new aging."""
         model_queue = self._model(model)
         aging_changed = model_queue.settings.priority_aging_ms != settings.priority_aging_ms
         for mq in model_queue.lanes():
@@ -275,25 +273,12 @@ class Scheduler:
                 mq.rerank()
 
     def unavailable(self, now: float) -> list[tuple[str, QueuedRequest, float]]:
-        """Remove and return, with how long their model has had no worker, the queued
-        requests of every model that has had none for `no_worker_timeout_s` (0: never).
-        Also where "no worker since" is stamped, so call it every turn."""
-        out: list[tuple[str, QueuedRequest, float]] = []
-        timeout_s = self.no_worker_timeout_s
-        for name, mq in self._models.items():
-            without_s = mq.stamp_no_worker(now)
-            if without_s is not None and mq.total() and timeout_s and without_s >= timeout_s:
-                out.extend((name, req, without_s) for req in mq.discard_all())
-        return out
+        """The queued requests refused for no worker now (batcher.core.policy.unavailable)."""
+        return policy.unavailable(self._models, self.no_worker_timeout_s, now)
 
     def without_worker_s(self, model: str, now: float) -> float | None:
-        """How long `model` has had no worker, if past `no_worker_timeout_s` (a request for
-        it is then refused at once); None otherwise."""
-        mq = self._models.get(model)
-        if mq is None or mq.workers or mq.no_worker_since is None or not self.no_worker_timeout_s:
-            return None
-        without_s = now - mq.no_worker_since
-        return without_s if without_s >= self.no_worker_timeout_s else None
+        """How long `model` has had no worker, past the timeout (policy.without_worker_s)."""
+        return policy.without_worker_s(self._models.get(model), self.no_worker_timeout_s, now)
 
     def add_worker(
         self,
@@ -306,9 +291,8 @@ class Scheduler:
         """A worker announced itself (READY). It may hold `worker_prefetch` batches at once
         (fewer if it asks for fewer `slots`); a `step`-level one holds none: it takes
         requests one by one (`take`), for the sequence slots batcher.core.streams counts. A
-        multiplexed one (`catalog`) is a worker of every model of its catalog, holding
-        none of them yet. A worker announcing itself again is a fresh one: the batches it
-        held are returned, to be answered or sent elsewhere."""
+        multiplexed one (`catalog`) serves every model of it, holding none yet. One
+        announcing itself again is fresh: the batches it held are returned."""
         lost = self.remove_worker(worker_id)
         limit = self.worker_prefetch if slots is None else max(1, min(slots, self.worker_prefetch))
         if step:
@@ -372,15 +356,10 @@ class Scheduler:
         return batch
 
     def held_by(self, worker_id: bytes, held: tuple[str, ...]) -> None:
-        """A multiplexed worker said, answering a batch, which models it holds now (least
-        recently used first): its batches still held run from there. What its model
-        placement assumed is corrected (a load that failed holds nothing)."""
+        """A multiplexed worker's word on what it holds now (batcher.core.multiplex.replay)."""
         w = self._workers.get(worker_id)
-        if w is None or w.resident is None:
-            return
-        w.resident.reset(held)
-        for batch in w.in_flight.values():  # sent after the one answered: run in that order
-            w.resident.use(batch.model)
+        if w is not None and w.resident is not None:
+            replay(w.resident, held, [b.model for b in w.in_flight.values()])
 
     # --- decisions --------------------------------------------------------------------------
 
@@ -440,8 +419,7 @@ class Scheduler:
         batch.expected_start = start
         batch.expected_done_at = start + mq.cost.predict(n, sum(r.cost for r in requests))
         if worker.resident is not None:  # its worker runs the same rule (batcher.core.multiplex)
-            batch.multiplexed = True
-            batch.cold = worker.resident.use(name).cold
+            batch.multiplexed, batch.cold = True, worker.resident.use(name).cold
         self._next_batch_id += 1
         worker.in_flight[batch.batch_id] = batch
         worker.last_used = batch.batch_id

@@ -105,20 +105,6 @@ class RepositoryControl:
             self.running[name] = set(self.wanted(name))
         return specs, batch, workers
 
-    def multiplex_catalog(self, budget_mb: int | None) -> str | None:
-        """The `--multiplex` JSON of the pool of multiplexed workers (workers/multiplexed.py),
-        None when no model is multiplexed; SettingsError without a budget, or for a model
-        that does not fit in it."""
-        if not self.pooled:
-            return None
-        if budget_mb is None:
-            raise SettingsError(
-                f"models {sorted({k.partition('/')[0] for k in self.pooled})} are multiplexed: give "
-                "--multiplex-memory-mb, the memory each multiplexed worker may hold them in"
-            )
-        Catalog(budget_mb, {k: e["memory_mb"] for k, e in self.pooled.items()})  # each must fit
-        return json.dumps({"budget_mb": budget_mb, "models": self.pooled})
-
     def attach(self, broker: Broker, supervisor: Supervisor, now: float) -> None:
         """Serve the initial versions through `broker`'s table; answer its repository ops."""
         self.broker, self.supervisor = broker, supervisor
@@ -189,7 +175,7 @@ class RepositoryControl:
         if any(version_key(name, v) in self.pooled for v in wanted | have) or (
             m is not None and m.multiplexed
         ):
-            self._apply_pooled(name, wanted, have, reply)
+            apply_pooled(self, name, wanted, have, reply)
             return
         new: dict[int, list[WorkerProcess]] = {}
         for v in sorted(wanted - have):
@@ -203,38 +189,6 @@ class RepositoryControl:
         log.info("model %s: starting versions %s, then retiring %s", name, sorted(new), sorted(have - wanted))
         self.running[name] = have | set(new)
         self.changes[name] = Change(name, now, new, sorted(have - wanted), [reply] if reply else [])
-
-    def _apply_pooled(self, name: str, wanted: set[int], have: set[int], reply: Reply | None) -> None:
-        """A multiplexed model's change: its versions in the pool's catalog are served or
-        not at once (the pool's workers hold the model or unload it as batches come; an
-        unserved version's queued requests are still answered); one outside the catalog
-        cannot join, as the pool's workers serve only what serve started them with (it
-        is reported, and the versions served before serve on)."""
-        assert self.broker is not None
-        served = {v for v in wanted if version_key(name, v) in self.pooled}
-        outside = sorted(wanted - served)
-        if outside:  # as a version that fails to start: those served before serve on
-            served |= {v for v in have if version_key(name, v) in self.pooled}
-        if served:
-            self.running[name] = served
-            self._serve(name, sorted(served))
-        else:
-            self.running.pop(name, None)
-            self.broker.clients.versions.remove(name)
-        log.info("model %s (multiplexed): serving versions %s", name, sorted(served))
-        if outside:
-            message = (
-                f"model {name!r}: versions {outside} are not in the multiplexed workers' catalog, fixed "
-                "when serve started: restart serve to serve them"
-            )
-            for v in outside:
-                self._mark_failed(name, v, "not in the multiplexed workers' catalog (restart serve)")
-            log.error("%s", message)
-            if reply is not None:
-                reply(False, (ErrorCode.UNAVAILABLE, message))
-            return
-        if reply is not None:
-            reply(True, self._summary(name))
 
     def _step(self, c: Change, now: float) -> None:
         while not finished(c.phase):
@@ -375,6 +329,56 @@ class RepositoryControl:
 
     def _summary(self, name: str) -> dict[str, Any]:
         return {"model": name, "versions": sorted(self.running.get(name, set()))}
+
+
+def multiplex_catalog(rc: RepositoryControl, budget_mb: int | None) -> str | None:
+    """The `--multiplex` JSON of the pool of multiplexed workers (workers/multiplexed.py),
+    None when no model is multiplexed; SettingsError without a budget, or for a model
+    that does not fit in it."""
+    if not rc.pooled:
+        return None
+    if budget_mb is None:
+        raise SettingsError(
+            f"models {sorted({k.partition('/')[0] for k in rc.pooled})} are multiplexed: give "
+            "--multiplex-memory-mb, the memory each multiplexed worker may hold them in"
+        )
+    Catalog(budget_mb, {k: e["memory_mb"] for k, e in rc.pooled.items()})  # each must fit
+    return json.dumps({"budget_mb": budget_mb, "models": rc.pooled})
+
+
+def apply_pooled(
+    rc: RepositoryControl, name: str, wanted: set[int], have: set[int], reply: Reply | None
+) -> None:
+    """A multiplexed model's change: its versions in the pool's catalog are served or
+    not at once (the pool's workers hold the model or unload it as batches come; an
+    unserved version's queued requests are still answered); one outside the catalog
+    cannot join, as the pool's workers serve only what serve started them with (it
+    is reported, and the versions served before serve on)."""
+    assert rc.broker is not None
+    served = {v for v in wanted if version_key(name, v) in rc.pooled}
+    outside = sorted(wanted - served)
+    if outside:  # as a version that fails to start: those served before serve on
+        served |= {v for v in have if version_key(name, v) in rc.pooled}
+    if served:
+        rc.running[name] = served
+        rc._serve(name, sorted(served))
+    else:
+        rc.running.pop(name, None)
+        rc.broker.clients.versions.remove(name)
+    log.info("model %s (multiplexed): serving versions %s", name, sorted(served))
+    if outside:
+        message = (
+            f"model {name!r}: versions {outside} are not in the multiplexed workers' catalog, fixed "
+            "when serve started: restart serve to serve them"
+        )
+        for v in outside:
+            rc._mark_failed(name, v, "not in the multiplexed workers' catalog (restart serve)")
+        log.error("%s", message)
+        if reply is not None:
+            reply(False, (ErrorCode.UNAVAILABLE, message))
+        return
+    if reply is not None:
+        reply(True, rc._summary(name))
 
 
 def repository_index(rc: RepositoryControl) -> list[dict[str, Any]]:
