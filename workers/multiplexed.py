@@ -23,6 +23,7 @@ from batcher.core.multiplex import Catalog, Resident
 from batcher.core.versions import split_key
 from batcher.errors import ModelLoadError, SettingsError
 from batcher.wire import protocol
+from batcher.wire.signature import signature_of
 from workers.models import ModelFn, ModelSpec
 from workers.steps import is_step_model
 
@@ -106,6 +107,24 @@ class Shelf:
         self.loads += 1
         log.info("model %s loaded in %.1f ms (%d held)", key, load_ms, len(self.resident))
         return model, (load_ms, list(use.unloaded), list(self.resident))
+
+    def signatures(self) -> dict[str, dict[str, Any]]:
+        """Each model's declared signature in wire form, for READY (the broker checks its
+        requests, the gateway answers its metadata): read by loading each model once, one
+        at a time, and letting it go. A model that will not load, or declares none, is
+        left out (its batches say why it does not load)."""
+        out: dict[str, dict[str, Any]] = {}
+        for key, target in self.spec.targets.items():
+            try:
+                model = self._load(target)
+                declared = None if is_step_model(model) else signature_of(model)
+            except Exception as exc:  # its batches answer model_error, saying why
+                log.warning("model %s: no signature read (%s: %s)", key, type(exc).__name__, exc)
+                continue
+            if declared is not None:
+                out[key] = declared.wire()
+            del model
+        return out
 
 
 def _failing(why: str) -> ModelFn:

@@ -176,6 +176,7 @@ class Worker(BatchRunner):
     # Set by `load` (each instance its own); None until then.
     model: ModelFn | None = None
     signature: dict[str, Any] | None = None  # the model's, as READY carries it
+    signatures: dict[str, dict[str, Any]] | None = None  # a multiplexed worker's, by model
     cost_ms: list[float] | None = None  # t(n) = a + b*n from the warm-up, for READY
     warmup_error: str | None = None  # why the warm-up failed, for READY
 
@@ -219,6 +220,7 @@ class Worker(BatchRunner):
                 spec, lambda target: load_model(target, s.gpu, s.sim, s.threads, s.max_padded_elements)
             )
             _prepare_tensors()
+            self.signatures = self.shelf.signatures()
             log.info(
                 "multiplexed worker: %d models, a budget of %d MB", len(spec.targets), spec.catalog.budget_mb
             )
@@ -376,7 +378,9 @@ class Worker(BatchRunner):
     def _ready(self) -> list[bytes]:
         if self.shelf is not None:
             catalog = self.shelf.spec.catalog.wire()
-            return protocol.ready_frames(POOL_NAME, self.settings.gpu, os.getpid(), multiplexed=catalog)
+            return protocol.ready_frames(
+                POOL_NAME, self.settings.gpu, os.getpid(), multiplexed=catalog, signatures=self.signatures
+            )
         max_active = self.settings.max_active if self._steps is not None else None
         return protocol.ready_frames(
             self.spec.name,

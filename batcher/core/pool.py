@@ -45,6 +45,16 @@ class WorkerInfo(NamedTuple):
     max_active: int | None = None  # a step-level worker's credit: the sequences it holds at once
     warmup_error: str | None = None  # why its warm-up failed: it announced no cost
     catalog: Catalog | None = None  # a multiplexed worker's models and budget
+    signatures: dict[str, Signature] | None = None  # and their signatures, by model
+
+    def signature_of(self, model: str) -> Signature | None:
+        """The signature this worker announced for `model` (None: none, or not its model)."""
+        if self.catalog is None:
+            return self.signature if self.model == model else None
+        return None if self.signatures is None else self.signatures.get(model)
+
+    def serves(self, model: str) -> bool:
+        return self.model == model if self.catalog is None else model in self.catalog.sizes_mb
 
     @property
     def warmup(self) -> str | None:
@@ -115,8 +125,8 @@ class WorkerPool:
         """The signature the model's newest live worker announced (None if it announced
         none): a reload may change the model, and a worker gone says nothing any more."""
         for info in reversed(self._info.values()):
-            if info.model == model:
-                return info.signature
+            if info.serves(model):
+                return info.signature_of(model)
         return None
 
     def warmup(self, model: str) -> str | None:
@@ -317,6 +327,30 @@ def worker_info(info: Any) -> WorkerInfo:
         raise ValueError(f"bad READY multiplexed: {exc}"[:300]) from None
     if catalog is not None and max_active is not None:
         raise ValueError("bad READY: a step-level worker cannot be multiplexed")
+    signatures = _signatures(info.get("signatures"), catalog)
     return WorkerInfo(
-        model, info.get("gpu"), info.get("pid"), signature, cost_ms, max_active, warmup_error, catalog
+        model,
+        info.get("gpu"),
+        info.get("pid"),
+        signature,
+        cost_ms,
+        max_active,
+        warmup_error,
+        catalog,
+        signatures,
     )
+
+
+def _signatures(raw: Any, catalog: Catalog | None) -> dict[str, Signature] | None:
+    """A multiplexed READY's `signatures` (model -> wire signature, each of its catalog);
+    ValueError for anything else."""
+    if raw is None:
+        return None
+    if catalog is None or not isinstance(raw, dict) or not set(raw) <= set(catalog.sizes_mb):
+        raise ValueError(
+            f"bad READY signatures: a map of the multiplexed models' signatures, got {raw!r}"[:300]
+        )
+    try:
+        return {model: Signature.from_wire(sig) for model, sig in raw.items()}
+    except ValueError as exc:
+        raise ValueError(f"bad READY signatures: {exc}"[:300]) from None

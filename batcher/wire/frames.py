@@ -323,6 +323,7 @@ def ready_frames(
     warmup_error: str | None = None,
     deterministic: bool = True,
     multiplexed: dict[str, Any] | None = None,
+    signatures: dict[str, Any] | None = None,
 ) -> list[bytes]:
     """Backend READY message, a worker's first words: what it serves (and, optionally, how
     many batches it accepts at once, the broker's --worker-prefetch applying otherwise,
@@ -344,6 +345,8 @@ def ready_frames(
         info["deterministic"] = False
     if multiplexed is not None:  # the models it may serve and its budget (batcher.core.multiplex)
         info["multiplexed"] = multiplexed
+    if signatures:  # a multiplexed worker's models' signatures, by model
+        info["signatures"] = signatures
     return [WORKER_PROTOCOL, CMD_READY, _packer_pack(info)]
 
 

@@ -153,3 +153,48 @@ def test_a_pool_worker_killed_is_respawned_and_its_requests_answered(serve, tmp_
         assert c.request(2, model="m1") == 21  # the other worker loads it
         wait_until(lambda: by_model(s.frontend)["m1"]["workers"] == 2, 20, "the pool worker respawned")
         assert [c.request(x, model=m) for x, m in ((3, "m1"), (4, "m5"))] == [31, 45]
+
+
+def test_multiplexed_onnx_models_answer_over_http_with_their_signatures(serve, tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime")
+    thttp = pytest.importorskip("tritonclient.http")
+    import numpy as np
+    from tritonclient.utils import InferenceServerException
+
+    from tests import onnx_models
+    from tests.integration.gateway.test_gateway import free_port, wait_gateway
+    from tests.integration.models.test_versions import expected
+
+    files = []
+    for k in range(3):  # three of 1 MB each (their file's size, rounded up) in a budget of 2
+        (tmp_path / f"lin{k}" / "1").mkdir(parents=True)
+        files.append(
+            onnx_models.linear(tmp_path / f"lin{k}" / "1" / "model.onnx", inputs=4, outputs=3, seed=k)
+        )
+        (tmp_path / f"lin{k}" / "config.toml").write_text("multiplexed = true\n")
+    port = free_port()
+    s = serve(
+        "--model-repository", str(tmp_path), "--multiplex-workers", "1", "--multiplex-memory-mb", "2",
+        "--http-port", str(port), workers=3,
+    )  # fmt: skip
+    wait_gateway(port)
+    tc = thttp.InferenceServerClient(f"127.0.0.1:{port}")
+    meta = tc.get_model_metadata("lin1")
+    assert [(i["name"], i["datatype"], i["shape"]) for i in meta["inputs"]] == [("x", "FP32", [-1, 4])]
+    row = np.arange(4, dtype=np.float32)
+    for k in (0, 1, 2, 0, 2):  # a third model unloads the least recent of the first two
+        x = thttp.InferInput("x", [1, 4], "FP32")
+        x.set_data_from_numpy(row[None])
+        result = tc.infer(f"lin{k}", [x])
+        assert np.allclose(result.as_numpy("y")[0], expected(files[k]))
+    bad = thttp.InferInput("x", [1, 5], "FP32")  # refused before any worker, by its signature
+    bad.set_data_from_numpy(np.zeros((1, 5), dtype=np.float32))
+    with pytest.raises(InferenceServerException, match="shape"):
+        tc.infer("lin1", [bad])
+    stats = by_model(s.frontend)
+    assert [(stats[f"lin{k}"]["cold_loads"], stats[f"lin{k}"]["unloads"]) for k in range(3)] == [
+        (2, 1),
+        (1, 1),
+        (1, 0),
+    ]
+    assert [stats[f"lin{k}"]["held_by"] for k in range(3)] == [1, 0, 1]

@@ -622,3 +622,19 @@ def test_a_multiplexed_ready_makes_a_worker_of_every_model_of_its_catalog() -> N
             worker_info({"model": "multiplexed", "multiplexed": bad})
     with pytest.raises(ValueError, match="a step-level worker cannot be multiplexed"):
         worker_info({"model": "m", "max_active": 4, "multiplexed": wire})
+
+
+def test_a_multiplexed_worker_announces_its_models_signatures() -> None:
+    sig = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}], "outputs": []}
+    wire = {"budget_mb": 200, "models": {"a/1": 100, "b/1": 100}}
+    p = pool()
+    info = worker_info({"model": "multiplexed", "multiplexed": wire, "signatures": {"a/1": sig}})
+    p.joined(b"p", info, None, 0.0)
+    a = p.signature("a/1")
+    assert a is not None and a.wire()["inputs"] == sig["inputs"]
+    assert p.signature("b/1") is None and p.signature("multiplexed") is None
+    for bad in ({"c": sig}, {"a/1": {"inputs": 1}}, [sig]):
+        with pytest.raises(ValueError, match="bad READY signatures"):
+            worker_info({"model": "multiplexed", "multiplexed": wire, "signatures": bad})
+    with pytest.raises(ValueError, match="bad READY signatures"):
+        worker_info({"model": "m", "signatures": {"a/1": sig}})  # only a multiplexed worker's

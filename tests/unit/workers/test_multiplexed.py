@@ -83,3 +83,24 @@ def test_a_batch_names_its_model_in_the_header_5th_element() -> None:
     assert batch_model(protocol.batch_frames(1, [0.0], [b"x"], "00-tp")[2]) is None
     assert batch_model(b"\xc1") is None
     assert (version_of("a/2"), version_of("plain")) == ("2", None)
+
+
+def test_the_shelf_reads_each_signature_once_at_start_and_holds_nothing_after() -> None:
+    sig = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 2]}], "outputs": []}
+
+    class Declared:
+        signature = sig
+
+        def __call__(self, inputs: list[Any]) -> list[Any]:
+            return inputs
+
+    def load(spec: ModelSpec) -> Any:
+        if spec.name == "broken":
+            raise OSError("gone")
+        return Declared() if spec.name == "typed" else (lambda inputs: inputs)
+
+    entry = {"target": "echo", "memory_mb": 1}
+    shelf = Shelf(MultiplexSpec.parse(spec_text(1, typed=entry, plain=entry, broken=entry)), load)
+    signatures = shelf.signatures()
+    assert list(signatures) == ["typed"] and signatures["typed"]["inputs"] == sig["inputs"]
+    assert len(shelf.resident) == 0 and shelf.loads == 0  # the first batch still loads
