@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from batcher.observe.counters import DroppedSpans
+
 #: A traced request's (or batch's) `trace_id` and `span_id` on a histogram's observation
 #: (shown in the OpenMetrics exposition), None for an untraced one.
 Exemplar = dict[str, str] | None
@@ -229,19 +231,7 @@ class PrometheusMetrics(NoMetrics):
 
         self.registry.register(Gauges())
 
-        class Dropped:
-            def collect(self) -> Any:
-                from prometheus_client.core import CounterMetricFamily
-
-                from batcher.observe.counters import spans_dropped
-
-                yield CounterMetricFamily(
-                    "batcher_trace_spans_dropped",
-                    "Trace spans dropped: the export queue was full, or the collector failed or was down",
-                    value=spans_dropped(),
-                )
-
-        self.registry.register(Dropped())
+        self.registry.register(DroppedSpans())
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """Start the HTTP endpoint (/metrics) in prometheus_client's thread."""

@@ -11,23 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily
 
-from batcher.observe.counters import spans_dropped
+from batcher.observe.counters import DroppedSpans
 
 #: The request-duration buckets (seconds), as the broker's latency histograms.
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 CLASSIC = "text/plain; version=0.0.4; charset=utf-8"
-
-
-class _Dropped:
-    def collect(self) -> Any:
-        yield CounterMetricFamily(
-            "batcher_trace_spans_dropped",
-            "Trace spans dropped: the export queue was full, or the collector failed or was down",
-            value=spans_dropped(),
-        )
 
 
 class GatewayMetrics:
@@ -43,7 +33,7 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self._observe = {p: self.duration.labels(p).observe for p in ("http", "grpc")}
-        self.registry.register(_Dropped())
+        self.registry.register(DroppedSpans())
 
     def request_done(self, protocol: str, seconds: float, trace: Any = None) -> None:
         """An infer request answered after `seconds`; `trace` its GatewayTrace, if traced."""
