@@ -193,6 +193,8 @@ def format_stats(snapshot: Mapping[str, Any], rates: Mapping[str, Rates] | None 
         streams = _streams(m)
         if streams:
             lines.append(f"{name}: {streams}")
+        if m.get("multiplexed") is True:
+            lines.append(f"{name}: {_multiplexed(m)}")
         scaling = _scaling(m)
         if scaling:
             lines.append(f"{name}: {scaling}")
@@ -231,6 +233,15 @@ def _versions(value: Any) -> list[str]:
         )
         lines.append(f"{name}: versions {served}; split {split}; routed {shares or '-'}")
     return lines
+
+
+def _multiplexed(model: Mapping[str, Any]) -> str:
+    """A multiplexed model's placement and loads in one line."""
+    return (
+        f"multiplexed: held by {_count(model.get('held_by'))} of {_count(model.get('workers'))} workers; "
+        f"cold loads {_count(model.get('cold_loads'))} ({_ms(model.get('cold_load_ms_total'))} ms in all, "
+        f"max {_ms(model.get('cold_load_ms_max'))}); unloads {_count(model.get('unloads'))}"
+    )
 
 
 def _streams(model: Mapping[str, Any]) -> str:

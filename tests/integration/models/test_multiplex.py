@@ -51,7 +51,7 @@ def by_model(frontend: str) -> dict[str, dict[str, Any]]:
     return {name.partition("/")[0]: m for name, m in models.items()}
 
 
-def test_six_models_over_two_workers_of_two_each_answer_correctly(serve, tmp_path: Path) -> None:
+def test_six_models_over_two_workers_of_two_each_answer_correctly(serve, cli, tmp_path: Path) -> None:
     s = pool(serve, repository(tmp_path))
     rng = random.Random(7)
     with Client(s.frontend, timeout_s=20) as c:
@@ -63,6 +63,8 @@ def test_six_models_over_two_workers_of_two_each_answer_correctly(serve, tmp_pat
             assert [f.result() for f in hot] == [x * 10 for x in xs]
             assert [f.result() for f in cold] == [x * 10 + other for x in xs]
     stats = by_model(s.frontend)
+    table = cli("stats", "--connect", s.frontend)
+    assert "m0/1: multiplexed: held by 1 of 2 workers; cold loads 1 (" in table.stdout, table.stdout
     assert all(stats[m]["multiplexed"] and stats[m]["workers"] == 2 for m in MODELS)
     assert stats["m0"]["outcomes"] == {"ok": 600}
     assert stats["m0"]["cold_loads"] == 1 and stats["m0"]["unloads"] == 0  # never unloaded
