@@ -167,15 +167,19 @@ def usable(mq: ModelQueue, workers: dict[bytes, WorkerState]) -> list[WorkerStat
     would have to load it is taken only when none holds it, or when its queue holds two
     full batches more than they take (then the model spreads to a worker more)."""
     free = [workers[w] for w in mq.workers if workers[w].free_slots > 0]
-    if not free or free[0].resident is None:
+    if all(w.resident is None for w in free):
         return free
-    holding = [w for w in mq.workers if mq.name in (workers[w].resident or ())]
-    if not holding:
+    if not any(_holds(workers[w], mq.name) for w in mq.workers):
         return free
-    warm = [w for w in free if mq.name in (w.resident or ())]
+    warm = [w for w in free if _holds(w, mq.name)]
     if warm or mq.size < 2 * mq.settings.max_batch_size:
         return warm
     return free
+
+
+def _holds(w: WorkerState, model: str) -> bool:
+    """Whether `w` runs `model` without loading it: a worker of that model alone does."""
+    return w.resident is None or model in w.resident
 
 
 def fill_time_if_load_needs_bigger_batches(mq: ModelQueue, now: float) -> float | None:

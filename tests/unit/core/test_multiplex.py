@@ -247,3 +247,17 @@ def test_a_reset_keeps_what_fits_in_the_catalog_in_order() -> None:
     r.reset(["c", "x", "c", "a", "b"])
     assert list(r) == ["c", "a"] and r.used_mb == 200
     assert r.use("b") == Use(True, ("c",))
+
+
+def test_a_worker_of_the_model_alone_counts_as_holding_it_beside_a_multiplexed_one() -> None:
+    s = pool(workers=1)
+    s.add_worker(b"own", "a", 1)  # a worker of model a alone, beside the pool
+    enqueue_many(s, "a", 8, 0.0)
+    (first,) = s.due_batches(0.0)
+    assert first.worker == b"own" and not first.cold  # it holds a: no load
+    assert s.due_batches(0.0) == []  # one full batch waits for it rather than load a
+    enqueue_many(s, "a", 4, 0.0)
+    (spread,) = s.due_batches(0.0)  # two full batches wait: the pool's worker loads a
+    assert spread.worker == b"p0" and spread.cold
+    enqueue_many(s, "b", 4, 0.0)
+    assert s.due_batches(0.0) == []  # b's only worker is busy; "own" does not serve b
