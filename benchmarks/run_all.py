@@ -49,6 +49,7 @@ SCRIPTS = (
     "tracing",
     "cache",
     "versions",
+    "multiplex",
 )
 
 INTRO_START = "<!-- intro -->"
