@@ -261,3 +261,39 @@ def test_a_worker_of_the_model_alone_counts_as_holding_it_beside_a_multiplexed_o
     assert spread.worker == b"p0" and spread.cold
     enqueue_many(s, "b", 4, 0.0)
     assert s.due_batches(0.0) == []  # b's only worker is busy; "own" does not serve b
+
+
+def test_the_catalogs_bounds_are_inclusive_and_its_refusals_are_cut_at_300_characters() -> None:
+    from batcher.core.multiplex import MAX_KEY_CHARS, MAX_MB, MAX_MODELS
+
+    Catalog(MAX_MB, {"k" * MAX_KEY_CHARS: MAX_MB})  # each bound itself is allowed
+    Catalog(1, {f"m{i}": 1 for i in range(MAX_MODELS)})
+    for budget, sizes in (
+        (1, {f"m{i}": 1 for i in range(MAX_MODELS + 1)}),
+        (1, {"k" * (MAX_KEY_CHARS + 1): 1}),
+        (MAX_MB + 1, {"a": 1}),
+        (MAX_MB, {"a": MAX_MB + 1}),
+    ):
+        with pytest.raises(SettingsError) as raised:
+            Catalog(budget, sizes)
+        assert len(str(raised.value)) <= 300
+    with pytest.raises(SettingsError) as raised:
+        Catalog(1, {f"m{i}": 1 for i in range(MAX_MODELS + 1)})
+    assert len(str(raised.value)) == 300  # the map it quotes is long: cut
+    with pytest.raises(SettingsError) as raised:
+        Catalog(1, {"k" * 400: 1})
+    assert len(str(raised.value)) == 300
+    for bad in ({"budget_mb": "x" * 400}, {"budget_mb": 1, "models": ["x" * 400]}):
+        with pytest.raises(SettingsError) as raised:
+            Catalog.from_wire(bad)
+        assert len(str(raised.value)) == 300
+    with pytest.raises(SettingsError, match="multiplexed models must be a map of name to MB, got"):
+        Catalog.from_wire({"budget_mb": 1, "models": [1]})
+
+
+def test_dropping_one_model_keeps_the_room_of_the_others() -> None:
+    r = Resident(Catalog(300, {"a": 100, "b": 50, "c": 100}))
+    r.use("a")
+    r.use("b")
+    r.drop("a")
+    assert r.used_mb == 50 and list(r) == ["b"]
