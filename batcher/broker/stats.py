@@ -223,15 +223,20 @@ class BrokerStats:
 
     def model_loaded(self, model: str, load_ms: float, unloaded: tuple[str, ...], info: Any) -> None:
         """A multiplexed worker loaded `model` before its batch, in `load_ms`, unloading
-        `unloaded` to make room (names outside the worker's catalog are not counted)."""
+        `unloaded` to make room. Only what a multiplexed worker may do counts: a worker
+        without a catalog, or a batch's model outside it, loads nothing; each model of the
+        catalog other than `model` is unloaded once at most, however often a REPLY names it
+        (a REPLY naming one 1000 times must not count 1000 unloads)."""
+        catalog = getattr(info, "catalog", None)
+        if catalog is None or model not in catalog.sizes_mb:
+            return
         st = self.model(model)
         st.cold_loads += 1
         st.cold_load_ms_total += load_ms
         st.cold_load_ms_max = max(st.cold_load_ms_max, load_ms)
         self.metrics.model_loaded(model, load_ms / 1000.0)
-        catalog = getattr(info, "catalog", None)
-        for name in unloaded:
-            if catalog is not None and name in catalog.sizes_mb:
+        for name in dict.fromkeys(unloaded):
+            if name != model and name in catalog.sizes_mb:
                 self.model(name).unloads += 1
                 self.metrics.model_unloaded(name)
 
