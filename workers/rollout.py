@@ -78,6 +78,13 @@ class Rollouts:
             return
         new = self.supervisor.start_generation(model, now)
         log.info("reloading model %s: starting %d new workers", model, len(new))
+        self.adopt(model, old, new, reply, now)
+
+    def adopt(
+        self, model: str, old: list[WorkerProcess], new: list[WorkerProcess], reply: Reply | None, now: float
+    ) -> None:
+        """Move `model` from workers `old` to `new`, already started (by `start`, or by serve
+        for the first workers of its multiplexed pool, `old` then empty)."""
         self.active[model] = Rollout(model, now, old, new, [reply] if reply is not None else [])
 
     def step(self, now: float) -> None:

@@ -59,7 +59,8 @@ from batcher.gateway.process import GatewayProcess, gateway_command, local_addre
 from batcher.gateway.processes import check_supported as check_processes_supported
 from batcher.gateway.settings import GatewaySettings
 from batcher.observe.settings import TraceSettings
-from batcher.serve.repository_control import RepositoryControl, multiplex_catalog
+from batcher.serve.multiplexed_pool import multiplex_catalog
+from batcher.serve.repository_control import RepositoryControl
 from batcher.serve.serving import ModelLoadFailed, run_serve
 from batcher.settings import MAX_WORKERS
 from batcher.transport.security import CurveServerKeys, KeyFileError
@@ -261,19 +262,20 @@ def _multiplex(
     repository: RepositoryControl | None, workers: int | None, memory_mb: int | None
 ) -> dict[str, Any]:
     """PoolSettings' `multiplex` (the catalog of serve's multiplexed workers, None: no
-    model is multiplexed) and `multiplex_workers`; a usage error for options without
-    such a model, or a model without a budget it fits."""
-    catalog = None
-    if repository is not None:
-        try:
-            catalog = multiplex_catalog(repository, memory_mb)
-        except SettingsError as exc:
-            raise click.UsageError(str(exc)) from None
-    if catalog is None and (workers is not None or memory_mb is not None):
-        raise click.UsageError(
-            "--multiplex-workers and --multiplex-memory-mb go with a --model-repository model whose "
-            "config.toml says multiplexed = true"
-        )
+    model is multiplexed yet: the pool starts when one is loaded) and `multiplex_workers`;
+    a usage error for the options without a model repository, or a multiplexed model
+    without a budget it fits."""
+    if repository is None:
+        if workers is not None or memory_mb is not None:
+            raise click.UsageError(
+                "--multiplex-workers and --multiplex-memory-mb go with --model-repository (for its "
+                "models whose config.toml says multiplexed = true)"
+            )
+        return {"multiplex": None, "multiplex_workers": workers}
+    try:
+        catalog = multiplex_catalog(repository, memory_mb)
+    except SettingsError as exc:
+        raise click.UsageError(str(exc)) from None
     return {"multiplex": catalog, "multiplex_workers": workers}
 
 

@@ -15,23 +15,22 @@ the old ones serve on.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from batcher.core.limits import BatchSettings
-from batcher.core.multiplex import Catalog
 from batcher.core.reload import ReloadFacts, ReloadPhase, ReloadStep, advance, finished
 from batcher.core.versions import split_key, version_key
-from batcher.errors import SettingsError
+from batcher.serve.multiplexed_pool import PoolChange, apply_pooled, loading
 from batcher.serve.repository import scan
 from batcher.wire.codes import ErrorCode
 from workers.supervisor import Supervisor, WorkerProcess, add_model_workers
 
 if TYPE_CHECKING:
     from batcher.broker.loop import Broker
+    from workers.rollout import Rollouts
 
 log = logging.getLogger("batcher.repository")
 
@@ -72,9 +71,13 @@ class RepositoryControl:
         self.next_poll_at: float | None = None
         self.broker: Broker | None = None
         self.supervisor: Supervisor | None = None
-        #: The multiplexed versions serve started with, by key: the pool's catalog, fixed
-        #: for its life (its workers may serve no other).
+        #: The multiplexed versions by key: the pool's catalog (its workers may serve no
+        #: other; it grows by a replacement of them, batcher.serve.multiplexed_pool).
         self.pooled: dict[str, dict[str, Any]] = {}
+        #: --multiplex-memory-mb (None: not given; no multiplexed model can be served).
+        self.multiplex_budget_mb: int | None = None
+        self.pool_change: PoolChange | None = None
+        self.rollouts: Rollouts | None = None
 
     # --- before serve starts ----------------------------------------------------------------
 
@@ -105,9 +108,10 @@ class RepositoryControl:
             self.running[name] = set(self.wanted(name))
         return specs, batch, workers
 
-    def attach(self, broker: Broker, supervisor: Supervisor, now: float) -> None:
-        """Serve the initial versions through `broker`'s table; answer its repository ops."""
-        self.broker, self.supervisor = broker, supervisor
+    def attach(self, broker: Broker, supervisor: Supervisor, rollouts: Rollouts, now: float) -> None:
+        """Serve the initial versions through `broker`'s table; answer its repository ops;
+        replace the multiplexed workers through `rollouts` when their catalog grows."""
+        self.broker, self.supervisor, self.rollouts = broker, supervisor, rollouts
         table = broker.clients.versions
         for name, versions in self.running.items():
             table.set_served(name, versions)
@@ -175,7 +179,7 @@ class RepositoryControl:
         if any(version_key(name, v) in self.pooled for v in wanted | have) or (
             m is not None and m.multiplexed
         ):
-            apply_pooled(self, name, wanted, have, reply)
+            apply_pooled(self, name, wanted, have, reply, now)
             return
         new: dict[int, list[WorkerProcess]] = {}
         for v in sorted(wanted - have):
@@ -331,56 +335,6 @@ class RepositoryControl:
         return {"model": name, "versions": sorted(self.running.get(name, set()))}
 
 
-def multiplex_catalog(rc: RepositoryControl, budget_mb: int | None) -> str | None:
-    """The `--multiplex` JSON of the pool of multiplexed workers (workers/multiplexed.py),
-    None when no model is multiplexed; SettingsError without a budget, or for a model
-    that does not fit in it."""
-    if not rc.pooled:
-        return None
-    if budget_mb is None:
-        raise SettingsError(
-            f"models {sorted({k.partition('/')[0] for k in rc.pooled})} are multiplexed: give "
-            "--multiplex-memory-mb, the memory each multiplexed worker may hold them in"
-        )
-    Catalog(budget_mb, {k: e["memory_mb"] for k, e in rc.pooled.items()})  # each must fit
-    return json.dumps({"budget_mb": budget_mb, "models": rc.pooled})
-
-
-def apply_pooled(
-    rc: RepositoryControl, name: str, wanted: set[int], have: set[int], reply: Reply | None
-) -> None:
-    """A multiplexed model's change: its versions in the pool's catalog are served or
-    not at once (the pool's workers hold the model or unload it as batches come; an
-    unserved version's queued requests are still answered); one outside the catalog
-    cannot join, as the pool's workers serve only what serve started them with (it
-    is reported, and the versions served before serve on)."""
-    assert rc.broker is not None
-    served = {v for v in wanted if version_key(name, v) in rc.pooled}
-    outside = sorted(wanted - served)
-    if outside:  # as a version that fails to start: those served before serve on
-        served |= {v for v in have if version_key(name, v) in rc.pooled}
-    if served:
-        rc.running[name] = served
-        rc._serve(name, sorted(served))
-    else:
-        rc.running.pop(name, None)
-        rc.broker.clients.versions.remove(name)
-    log.info("model %s (multiplexed): serving versions %s", name, sorted(served))
-    if outside:
-        message = (
-            f"model {name!r}: versions {outside} are not in the multiplexed workers' catalog, fixed "
-            "when serve started: restart serve to serve them"
-        )
-        for v in outside:
-            rc._mark_failed(name, v, "not in the multiplexed workers' catalog (restart serve)")
-        log.error("%s", message)
-        if reply is not None:
-            reply(False, (ErrorCode.UNAVAILABLE, message))
-        return
-    if reply is not None:
-        reply(True, rc._summary(name))
-
-
 def repository_index(rc: RepositoryControl) -> list[dict[str, Any]]:
     """Every model and version of the repository with its state (READY, LOADING,
     UNLOADING, UNAVAILABLE) and, when it is not served, why: Triton's index."""
@@ -398,12 +352,13 @@ def repository_index(rc: RepositoryControl) -> list[dict[str, Any]]:
         m = rc.models.get(name)
         served = table.models[name].served if table is not None and name in table.models else ()
         change = rc.changes.get(name)
+        joining = loading(rc, name)
         versions = sorted(
             set(m.versions if m else ()) | set(m.problems if m else ()) | rc.running.get(name, set())
         )
         for v in versions:
             state, reason = "UNAVAILABLE", "not selected by the version policy"
-            if change is not None and v in change.new:
+            if (change is not None and v in change.new) or v in joining:
                 state, reason = "LOADING", ""
             elif change is not None and v in change.old:
                 state, reason = "UNLOADING", ""

@@ -100,7 +100,7 @@ def run_serve(
             rollouts.start(name, None, now)
 
     if repository is not None:  # its timer on the broker's heap too
-        repository.attach(broker, supervisor, time.monotonic())
+        repository.attach(broker, supervisor, rollouts, time.monotonic())
     broker.signals.install()
     broker.signals.install_hangup()
     broker.call_every(SUPERVISE_INTERVAL_S, serve_tick(broker.signals, supervisor, rollouts, on_hangup))

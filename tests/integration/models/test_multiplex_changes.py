@@ -1,0 +1,140 @@
+"""Multiplexed models that join at run time (docs/models.md, "Many models per worker"):
+a new version or model outside the pool's catalog joins through a replacement of the
+pool's workers, with nothing in flight lost; one that cannot join is reported."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batcher.client import Client
+from tests.helpers import wait_until
+from tests.integration.models.test_multiplex import MODEL, by_model, pool, repository
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+
+
+def pool_pids(frontend: str, model: str) -> set[int]:
+    """The pids of the live pool workers that serve `model`."""
+    workers = by_model(frontend)[model]["worker_list"]
+    return {int(w["worker"].split("/pid")[1].split("/")[0]) for w in workers}
+
+
+def add_version(root: Path, name: str, version: int, k: int) -> None:
+    """Version `version` of `name`, answering x * 10 + k, written whole before it is seen."""
+    tmp = root / name / f".v{version}"
+    tmp.mkdir()
+    (tmp / "model.py").write_text(MODEL.format(k=k))
+    tmp.rename(root / name / str(version))
+
+
+def test_a_new_version_joins_the_pool_under_load_with_nothing_lost(serve, tmp_path: Path) -> None:
+    root = repository(tmp_path)
+    s = serve(
+        "--model-repository", str(root), "--multiplex-workers", "2", "--multiplex-memory-mb", "200",
+        "--max-wait-ms", "2", "--repository-poll-s", "0.3", workers=12,
+    )  # fmt: skip
+    before = pool_pids(s.frontend, "m1")
+    assert len(before) == 2
+    answers: list[int] = []
+    with Client(s.frontend, timeout_s=30) as c:
+        assert c.request(1, model="m1") == 11
+        add_version(root, "m1", 2, k=9)
+        x = 0
+
+        def switched() -> bool:
+            nonlocal x
+            xs = list(range(x, x + 8))
+            x += 8
+            futures = [c.submit(v, model="m1") for v in xs] + [c.submit(v, model="m0") for v in xs]
+            got = [f.result() for f in futures]  # an error would raise here: none may be lost
+            assert got[8:] == [v * 10 for v in xs]
+            answers.extend(got[:8])
+            assert all(a in (v * 10 + 1, v * 10 + 9) for a, v in zip(got[:8], xs, strict=True))
+            return got[:8] == [v * 10 + 9 for v in xs] and not (pool_pids(s.frontend, "m1") & before)
+
+        wait_until(switched, 90, "version 2 served by a new pool, the old pool gone")
+        assert c.request(5, model="m1") == 59 and c.request(5, model="m4") == 54
+        assert c.control("stats")["versions"]["m1"]["served"] == [2]  # latest 1: 1 retired
+        index = c.control("repository_index")["models"]
+    states = {(e["name"], e["version"]): e["state"] for e in index}
+    assert states[("m1", "2")] == "READY" and states[("m1", "1")] == "UNAVAILABLE"
+    assert len(pool_pids(s.frontend, "m2")) == 2  # as many pool workers as before
+    assert answers[0] == 0 * 10 + 1  # version 1 served until the new pool had joined
+
+
+def test_a_multiplexed_model_starts_the_pool_when_serve_had_none(serve, cli, tmp_path: Path) -> None:
+    (tmp_path / "a" / "1").mkdir(parents=True)
+    (tmp_path / "a" / "1" / "model.py").write_text(MODEL.format(k=3))
+    (tmp_path / "a" / "config.toml").write_text('kind = "python"\n')
+    s = serve(
+        "--model-repository", str(tmp_path), "--workers", "1", "--multiplex-workers", "1",
+        "--multiplex-memory-mb", "200", "--max-wait-ms", "2", workers=1,
+    )  # fmt: skip
+    for k, name in ((4, "p"), (5, "q")):
+        (tmp_path / name / "1").mkdir(parents=True)
+        (tmp_path / name / "1" / "model.py").write_text(MODEL.format(k=k))
+        (tmp_path / name / "config.toml").write_text('kind = "python"\nmultiplexed = true\nmemory_mb = 100\n')
+    result = cli("load", "p", "--connect", s.frontend, "--timeout-s", "60")
+    assert result.returncode == 0, result.stderr
+    with Client(s.frontend, timeout_s=20) as c:
+        assert c.request(1, model="p") == 14 and c.request(1, model="a") == 13
+        result = cli("load", "q", "--connect", s.frontend, "--timeout-s", "60")
+        assert result.returncode == 0, result.stderr
+        assert [c.request(2, model=m) for m in ("p", "q", "a")] == [24, 25, 23]
+    stats = by_model(s.frontend)
+    assert stats["p"]["multiplexed"] and stats["q"]["multiplexed"]
+    assert stats["p"]["workers"] == stats["q"]["workers"] == 1
+
+
+def test_a_version_too_big_for_the_budget_is_reported_and_the_rest_serve_on(
+    serve, cli, tmp_path: Path
+) -> None:
+    root = repository(tmp_path)
+    s = pool(serve, root)
+    (root / "big" / "1").mkdir(parents=True)
+    (root / "big" / "1" / "model.py").write_text(MODEL.format(k=7))
+    (root / "big" / "config.toml").write_text('kind = "python"\nmultiplexed = true\nmemory_mb = 300\n')
+    pids = pool_pids(s.frontend, "m0")
+    result = cli("load", "big", "--connect", s.frontend, "--timeout-s", "30")
+    assert result.returncode != 0
+    assert "model 'big': versions [1] cannot be multiplexed" in result.stdout + result.stderr
+    assert "needs 300 MB" in result.stdout + result.stderr
+    with Client(s.frontend, timeout_s=20) as c:
+        assert c.request(1, model="m0") == 10
+        index: list[dict[str, Any]] = c.control("repository_index")["models"]
+    big = next(e for e in index if e["name"] == "big")
+    assert big["state"] == "UNAVAILABLE" and "needs 300 MB" in big["reason"], json.dumps(big)
+    assert pool_pids(s.frontend, "m0") == pids  # the pool was not replaced
+
+
+def test_multiplex_options_without_a_repository_are_a_usage_error(cli) -> None:
+    result = cli("serve", "--multiplex-memory-mb", "100", "--frontend", "tcp://127.0.0.1:1")
+    assert result.returncode != 0
+    assert "--multiplex-workers and --multiplex-memory-mb go with --model-repository" in result.stderr
+
+
+def test_a_version_whose_pool_does_not_start_is_reported_and_the_old_pool_serves_on(
+    serve, cli, tmp_path: Path
+) -> None:
+    root = repository(tmp_path)
+    s = pool(serve, root)
+    pids = pool_pids(s.frontend, "m2")
+    (root / "m1" / "2").mkdir()
+    (root / "m1" / "2" / "model.py").write_text("import os\nos._exit(3)  # takes its worker down at load\n")
+    result = cli("load", "m1", "--connect", s.frontend, "--timeout-s", "60")
+    assert result.returncode != 0
+    said = result.stdout + result.stderr
+    assert "model 'm1': versions [2] could not join the multiplexed workers" in said, said
+    assert "exited with code 3" in said and "the versions served before serve on" in said
+    with Client(s.frontend, timeout_s=20) as c:
+        assert [c.request(4, model=m) for m in ("m1", "m5")] == [41, 45]  # version 1, the old pool
+        index: list[dict[str, Any]] = c.control("repository_index")["models"]
+        assert "m1/2" not in c.control("stats")["models"]  # no queue left for the version that failed
+    states = {(e["name"], e["version"]): (e["state"], e["reason"]) for e in index}
+    assert states[("m1", "1")] == ("READY", "")
+    assert states[("m1", "2")][0] == "UNAVAILABLE" and "exited with code 3" in states[("m1", "2")][1]
+    assert pool_pids(s.frontend, "m2") == pids
