@@ -95,9 +95,9 @@ class Rollouts:
                 if phase is r.phase:
                     break
                 r.phase = phase
+                if finished(phase):  # before its answer, which may start the model's next one
+                    del self.active[model]
                 self._carry_out(r, step)
-            if finished(r.phase):
-                del self.active[model]
 
     def _pids(self, model: str) -> dict[object, tuple[bytes, int]]:
         return {pid: (wid, held) for wid, pid, held in self.broker.workers_of(model)}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -146,8 +147,6 @@ def _pool_changed(rc: RepositoryControl, change: PoolChange, ok: bool, result: A
     """The replacement ended: its models are the pool's catalog and each waiting model is
     applied again; or its new workers did not start, and its new versions are reported
     (the old catalog and workers serve on)."""
-    import time
-
     assert rc.broker is not None and rc.supervisor is not None
     rc.pool_change = None
     now = time.monotonic()

@@ -4,13 +4,14 @@ pool's workers, with nothing in flight lost; one that cannot join is reported.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from batcher.client import Client
+from batcher.client import AsyncClient, Client
 from tests.helpers import wait_until
 from tests.integration.models.test_multiplex import MODEL, by_model, pool, repository
 
@@ -138,3 +139,24 @@ def test_a_version_whose_pool_does_not_start_is_reported_and_the_old_pool_serves
     assert states[("m1", "1")] == ("READY", "")
     assert states[("m1", "2")][0] == "UNAVAILABLE" and "exited with code 3" in states[("m1", "2")][1]
     assert pool_pids(s.frontend, "m2") == pids
+
+
+def test_two_loads_at_once_replace_the_pool_one_after_the_other(serve, tmp_path: Path) -> None:
+    root = repository(tmp_path)
+    s = pool(serve, root)
+    pids = pool_pids(s.frontend, "m2")
+    add_version(root, "m1", 2, k=9)
+    (root / "p" / "1").mkdir(parents=True)
+    (root / "p" / "1" / "model.py").write_text(MODEL.format(k=8))
+    (root / "p" / "config.toml").write_text('kind = "python"\nmultiplexed = true\nmemory_mb = 100\n')
+
+    async def load_both() -> list[Any]:
+        async with AsyncClient(s.frontend, timeout_s=60) as c:  # sent in this order, one socket
+            loaded = await asyncio.gather(c.control("load", model="m1"), c.control("load", model="p"))
+            assert [await c.request(6, model=m) for m in ("m1", "p", "m2")] == [69, 68, 62]
+            return list(loaded)
+
+    # p is not in the first replacement's catalog: it waits for it, then starts its own.
+    assert asyncio.run(load_both()) == [{"model": "m1", "versions": [2]}, {"model": "p", "versions": [1]}]
+    after = pool_pids(s.frontend, "m2")
+    assert len(after) == 2 and not after & pids

@@ -175,3 +175,26 @@ def test_a_failed_reload_says_the_error_its_new_worker_wrote(sup: Any) -> None:
             ),
         )
     ]
+
+
+def test_a_reload_answered_may_start_the_models_next_reload_at_once(sup: Any) -> None:
+    """A reload's answer can begin the same model's next one (a multiplexed pool whose
+    catalog grows again, batcher.serve.multiplexed_pool): that one is under way, not
+    taken for the one that ended."""
+    old, _, rollouts = reload_that_fails(sup)
+    assert not rollouts.active
+    sup.exit_code = None
+    chained: list[tuple[bool, Any]] = []
+
+    def again(ok: bool, result: Any) -> None:
+        rollouts.start("sim", lambda ok, result: chained.append((ok, result)), 3.0)
+
+    sup.exit_code = EXIT_MODEL_LOAD_FAILED
+    rollouts.start("sim", again, 2.0)
+    (new,) = [w for w in sup.workers if w is not old and not w.given_up and not w.retired]
+    dead(new)
+    sup.check(2.5)
+    sup.exit_code = None
+    rollouts.step(2.5)  # the second reload fails; its answer starts a third
+    assert "sim" in rollouts.active and rollouts.active["sim"].started_at == 3.0
+    assert chained == []  # the third is not answered with the second's outcome
