@@ -113,7 +113,7 @@ def grow_pool(rc: RepositoryControl, name: str, versions: list[int], reply: Repl
     m = rc.models[name]
     new = {version_key(name, v): {"target": m.target(v), "memory_mb": m.memory_mb[v]} for v in versions}
     budget = rc.multiplex_budget_mb
-    entries = {k: e for k, e in rc.pooled.items() if _on_disk(rc, k)} | new
+    entries = {k: e for k, e in rc.pooled.items() if _kept(rc, k)} | new
     try:
         if budget is None:
             raise SettingsError(
@@ -155,8 +155,10 @@ def _pool_changed(rc: RepositoryControl, change: PoolChange, ok: bool, result: A
     if ok:
         for key, settings in change.settings.items():  # before any request can reach them
             rc.broker.scheduler.set_settings(key, settings)
+        dropped = set(rc.pooled) - set(change.entries)  # gone from the repository
         rc.pooled = change.entries
-        rc.broker.controls.configured |= added  # `ready` waits for them from now on
+        controls = rc.broker.controls  # `ready` waits for the catalog's models, and no others
+        controls.configured = (controls.configured - dropped) | added
     else:
         supervisor = rc.supervisor
         supervisor.settings = dataclasses.replace(supervisor.settings, multiplex=change.previous)
@@ -197,12 +199,16 @@ def _names_of(keys: set[str]) -> dict[str, list[int]]:
     return out
 
 
-def _on_disk(rc: RepositoryControl, key: str) -> bool:
-    """Whether the repository still holds version `key` (one removed leaves the catalog
-    at the pool's next replacement)."""
+def _kept(rc: RepositoryControl, key: str) -> bool:
+    """Whether version `key` stays in the pool's catalog: it is still in the repository,
+    or still served (its removal not applied yet). One removed and no longer served
+    leaves the catalog at the pool's next replacement."""
     parts = split_key(key)
-    m = rc.models.get(parts[0]) if parts is not None else None
-    return m is not None and parts is not None and parts[1] in m.versions
+    if parts is None:
+        return False
+    name, v = parts
+    m = rc.models.get(name)
+    return (m is not None and v in m.versions) or v in rc.running.get(name, ())
 
 
 def loading(rc: RepositoryControl, name: str) -> set[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +161,21 @@ def test_two_loads_at_once_replace_the_pool_one_after_the_other(serve, tmp_path:
     assert asyncio.run(load_both()) == [{"model": "m1", "versions": [2]}, {"model": "p", "versions": [1]}]
     after = pool_pids(s.frontend, "m2")
     assert len(after) == 2 and not after & pids
+
+
+def test_a_removed_model_leaves_the_catalog_at_the_next_replacement(serve, cli, tmp_path: Path) -> None:
+    root = repository(tmp_path)
+    s = pool(serve, root)
+    shutil.rmtree(root / "m5")
+    result = cli("unload", "m5", "--connect", s.frontend)
+    assert result.returncode == 0, result.stderr  # no longer served, still in the catalog
+    add_version(root, "m1", 2, k=9)
+    result = cli("load", "m1", "--connect", s.frontend, "--timeout-s", "60")
+    assert result.returncode == 0, result.stderr
+    with Client(s.frontend, timeout_s=20) as c:
+        models = c.control("stats")["models"]
+        assert c.request(7, model="m1") == 79
+    assert models["m5/1"]["workers"] == 0 and not models["m5/1"]["configured"]
+    assert models["m1/2"]["workers"] == 2 and models["m1/2"]["configured"]
+    ready = cli("ready", "--connect", s.frontend, "--timeout-s", "10")
+    assert ready.returncode == 0, ready.stdout + ready.stderr  # waits for no model left behind
