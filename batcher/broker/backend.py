@@ -15,7 +15,7 @@ import zmq
 
 from batcher.broker.metrics import exemplar_of
 from batcher.broker.stats import BrokerStats
-from batcher.core.pool import WorkerPool, worker_info
+from batcher.core.pool import WorkerPool, load_hung_message, worker_info
 from batcher.core.scheduler import Batch, QueuedRequest, Scheduler
 from batcher.core.streams import Sequence, Verdict
 from batcher.transport.zmqio import readable, recv_frames, send_frames
@@ -269,7 +269,8 @@ class Backend:
         """Take every worker whose batch ran past its time limit for hung (its heartbeats
         prove only that the process lives): it is told to exit (`serve` also kills its
         own), and its requests go back to their queue within their retries, each a
-        suspect that runs alone from then on (the pool's rule for the batch blamed)."""
+        suspect that runs alone from then on (the pool's rule for the batch blamed), but
+        for a batch that hung loading its model: answered `worker_failed` at once."""
         for batch, limit in self.scheduler.hung_batches(now, limit_s):
             worker_id = batch.worker
             if worker_id not in self.pool:
@@ -327,6 +328,8 @@ class Backend:
         self.stats.batches_retried += lost.batches_requeued
         for model, req in lost.failed:
             self.reply_error(req, model, ErrorCode.WORKER_FAILED, why)
+        for model, req in lost.load_hung:
+            self.reply_error(req, model, ErrorCode.WORKER_FAILED, load_hung_message(model, why))
 
 
 def first_exemplar(seq: Sequence) -> dict[str, str] | None:

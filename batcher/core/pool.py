@@ -12,6 +12,10 @@ scheduler (no zmq, the time passed in), tested on a float clock (tests/unit/core
   had not begun, are handed back as by a worker that left on its own (DISCONNECT):
   free the first time only. A request whose attempts reach `max_retries` is answered
   `worker_failed`; the others go back to their queue, ahead of later arrivals.
+- **A load that hung.** A multiplexed worker's batch that had to load its model first
+  (`Batch.cold`) and hung is not re-dispatched: the load would most likely hang the next
+  worker too, and keep its clients (and that worker's other models) waiting as long
+  again. Its requests are answered `worker_failed` at once (`load_hung_message`).
 - **Lost sequences.** A step-level worker's sequences follow batcher.core.streams: one
   that has sent no chunk is a request like any other here (retried, or answered
   `worker_failed` past its retries); one that has sent a chunk is answered
@@ -25,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from batcher.core.multiplex import Catalog
+from batcher.core.multiplex import LOAD_LIMIT_S, Catalog
 from batcher.core.queue import Batch, QueuedRequest
 from batcher.core.scheduler import Scheduler
 from batcher.core.streams import Streams
@@ -81,6 +85,9 @@ class Lost:
 
     failed: list[tuple[str, QueuedRequest]] = field(default_factory=list)
     batches_requeued: int = 0
+    #: The requests of a batch that hung loading its model: answered `worker_failed`
+    #: with `load_hung_message`, never re-dispatched.
+    load_hung: list[tuple[str, QueuedRequest]] = field(default_factory=list)
 
 
 class BadReply(NamedTuple):
@@ -193,8 +200,10 @@ class WorkerPool:
 
     def lose(self, worker_id: bytes, failed: bool, blame: int | None = None) -> Lost:
         """Forget a worker; requeue its batches' requests or fail them (module docstring).
-        `blame` names the batch that failed it when that is known (one that hung); by
-        default a failed worker's running batch is blamed: its first."""
+        `blame` names the batch that failed it when that is known (one that hung: if that
+        batch had to load its model first, its requests are `load_hung`); by default a
+        failed worker's running batch is blamed: its first."""
+        hung = failed and blame is not None
         self._heard_at.pop(worker_id, None)
         self._info.pop(worker_id, None)
         self._admitted.clear()
@@ -203,6 +212,9 @@ class WorkerPool:
         if failed and blame is None and batches:
             blame = batches[0].batch_id
         for batch in batches:
+            if hung and batch.batch_id == blame and batch.cold:
+                lost.load_hung.extend((batch.model, req) for req in batch.requests)
+                continue
             self._hand_back(batch, failed and batch.batch_id == blame, lost)
         retry: list[tuple[str, QueuedRequest]] = []
         for seq in self.streams.remove_worker(worker_id):
@@ -282,6 +294,15 @@ class WorkerPool:
     def unavailable_message(self, model: str, without_s: float) -> str:
         limit_ms = self.scheduler.no_worker_timeout_s * 1000.0
         return f"model {model!r} has had no worker for {without_s:.1f}s (--no-worker-timeout-ms {limit_ms:g})"
+
+
+def load_hung_message(model: str, why: str) -> str:
+    """What the clients of a batch that hung loading its model are told (`why`: the time
+    limit it ran past)."""
+    return (
+        f"model {model!r} hung while loading: {why}, {LOAD_LIMIT_S:g} s of it for the load; "
+        "not retried on another worker"
+    )
 
 
 #: What `WorkerPool.admission` finds for a model it keeps nothing for.

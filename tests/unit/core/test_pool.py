@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batcher.core.pool import WorkerInfo, WorkerPool, worker_info
+from batcher.core.multiplex import LOAD_LIMIT_S, POOL_NAME, Catalog
+from batcher.core.pool import WorkerInfo, WorkerPool, load_hung_message, worker_info
 from batcher.core.scheduler import BatchSettings, QueuedRequest, Scheduler
 from batcher.core.streams import Streams
 from batcher.wire.protocol import ErrorCode, Heartbeat
@@ -303,6 +304,53 @@ def test_losing_a_hung_worker_charges_only_the_batch_that_hung() -> None:
     assert lost.failed == [] and lost.batches_requeued == 2
     assert (hung.attempts, behind.attempts, behind.handbacks) == (1, 0, 1)
     assert (hung.suspect, behind.suspect) == (1, 0)
+
+
+def multiplexed_pool(prefetch: int = 2) -> WorkerPool:
+    """One multiplexed worker `w` of models a and b (room for both), batches of 2."""
+    s = Scheduler(BatchSettings(max_batch_size=2, max_wait_ms=0.0), worker_prefetch=prefetch)
+    p = WorkerPool(s, HEARTBEAT, 1, now=0.0)
+    p.joined(b"w", WorkerInfo(POOL_NAME, 0, 1, catalog=Catalog(200, {"a": 100, "b": 100})), prefetch, 0.0)
+    return p
+
+
+def test_a_batch_that_hung_loading_its_model_is_answered_at_once_not_sent_to_another_worker() -> None:
+    """Re-dispatched, a load that hangs hangs the next worker too: its clients would wait
+    twice the time limit for the same worker_failed, and that worker's other models stall."""
+    p = multiplexed_pool()
+    s = p.scheduler
+    loading, others = [request(1), request(2)], [request(3), request(4)]
+    for model, reqs in (("a", loading), ("b", others)):
+        for r in reqs:
+            s.enqueue(model, r)
+    cold, behind = s.due_batches(0.0)
+    assert cold.cold and cold.requests == loading and behind.requests == others
+    ((hung, limit),) = s.hung_batches(1000.0, 1.0)
+    assert hung is cold and limit == 1.0 + LOAD_LIMIT_S
+    lost = p.lose(b"w", failed=True, blame=cold.batch_id)
+    assert lost.load_hung == [("a", r) for r in loading] and lost.failed == []
+    assert s.queued("a") == 0 and s.queued("b") == 2  # the batch behind it goes on, free
+    assert lost.batches_requeued == 1 and [r.attempts for r in others] == [0, 0]
+    message = load_hung_message("a", "its batch ran past the time limit of 61000 ms (--batch-timeout-ms)")
+    assert message.startswith("model 'a' hung while loading: its batch ran past the time limit of 61000")
+
+
+def test_a_warm_batch_that_hung_and_a_cold_one_whose_worker_crashed_are_retried_as_before() -> None:
+    p = multiplexed_pool(prefetch=1)
+    s = p.scheduler
+    s.enqueue("a", request(1))
+    (cold,) = s.due_batches(0.0)
+    assert cold.cold
+    lost = p.lose(b"w", failed=True)  # a crash (no batch named as hung): not a hung load
+    assert lost.load_hung == [] and s.queued("a") == 1
+    p.joined(b"v", WorkerInfo(POOL_NAME, 0, 2, catalog=Catalog(200, {"a": 100, "b": 100})), 1, 0.0)
+    (again,) = s.due_batches(0.0)
+    s.complete(b"v", again.batch_id, 0.001, 0.01)  # v holds a now
+    s.enqueue("a", request(2))
+    (warm,) = s.due_batches(0.01)
+    assert not warm.cold
+    lost = p.lose(b"v", failed=True, blame=warm.batch_id)  # hung, but loaded nothing
+    assert lost.load_hung == [] and s.queued("a") == 1
 
 
 # --- a request that kills its worker (issue 28, item 7) ------------------------------------------
