@@ -15,7 +15,7 @@ import zmq
 
 from batcher.broker.metrics import exemplar_of
 from batcher.broker.stats import BrokerStats
-from batcher.core.pool import WorkerPool, load_hung_message, worker_info
+from batcher.core.pool import WorkerInfo, WorkerPool, load_hung_message, worker_info
 from batcher.core.scheduler import Batch, QueuedRequest, Scheduler
 from batcher.core.streams import Sequence, Verdict
 from batcher.transport.zmqio import readable, recv_frames, send_frames
@@ -134,7 +134,7 @@ class Backend:
             self.lost(worker_id, "worker restarted during the batch")
         self.pool.joined(worker_id, info, raw.get("slots"), now)
         if self.cache is not None:
-            self.cache.worker_said(info.model, raw)
+            self.cache.worker_said(info.models, raw)
         self.stats.metrics.worker_event(info.model, "joined")
         log.info("worker joined: %s", self.pool.name(worker_id))
         if info.warmup_error is not None:
@@ -321,7 +321,7 @@ class Backend:
         and which have used up their retries (answered worker_failed)."""
         info = self.pool.info(worker_id)
         if info is not None:
-            worker_gone(self.stats, self.cache, info.model, failed)
+            worker_gone(self.stats, self.cache, info, failed)
         self.stats.workers_lost += failed
         end_lost_spans(self.tracer, self.scheduler, worker_id, why, blame)
         lost = self.pool.lose(worker_id, failed, blame)
@@ -338,12 +338,13 @@ def first_exemplar(seq: Sequence) -> dict[str, str] | None:
     return exemplar_of(rt.queue) if seq.chunks == 1 and rt is not None else None
 
 
-def worker_gone(stats: Any, cache: Any, model: str, failed: bool) -> None:
-    """A worker of `model` died or left: counted, and the model's cached replies dropped
-    (batcher.broker.response_cache: a reload's old weights answer no more)."""
-    stats.metrics.worker_event(model, "died" if failed else "left")
+def worker_gone(stats: Any, cache: Any, info: WorkerInfo, failed: bool) -> None:
+    """A worker died or left: counted (under its name: a multiplexed one's is the pool's),
+    and the cached replies of each model it served dropped (batcher.broker.response_cache:
+    a reload's old weights answer no more)."""
+    stats.metrics.worker_event(info.model, "died" if failed else "left")
     if cache is not None:
-        cache.worker_left(model)
+        cache.worker_left(info.models)
 
 
 def count_answered(

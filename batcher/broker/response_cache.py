@@ -10,6 +10,7 @@ header counts no error. Never cached: a stream, a model whose worker said
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -62,17 +63,23 @@ class BrokerCache:
             if req.cache_key is not None:
                 self.lru.put(req.cache_key, bytes(reply))
 
-    def worker_said(self, model: str, info: Any) -> None:
-        """A worker of `model` joined: its entries go (it may run other weights, as in a
-        reload), and a READY's `deterministic: false` takes the model out for good."""
-        self.lru.drop_model(model)
+    def worker_said(self, models: Iterable[str], info: Any) -> None:
+        """A worker of `models` joined (one, or a multiplexed worker's catalog): their
+        entries go (it may run other weights, as in a reload), and a READY's
+        `deterministic: false` takes them out for good. Only the models that cache count:
+        a worker naming others changes nothing (and grows no table)."""
+        cached = [model for model in models if model in self.models]
+        for model in cached:
+            self.lru.drop_model(model)
         if isinstance(info, dict) and info.get("deterministic") is False:
-            self.nondeterministic.add(model)
+            self.nondeterministic.update(cached)
 
-    def worker_left(self, model: str) -> None:
-        """A worker of `model` left or died: its entries go, so that once a reload's old
+    def worker_left(self, models: Iterable[str]) -> None:
+        """A worker of `models` left or died: their entries go, so that once a reload's old
         workers are gone no reply of their weights is served again."""
-        self.lru.drop_model(model)
+        for model in models:
+            if model in self.models:
+                self.lru.drop_model(model)
 
 
 class CacheCollector:

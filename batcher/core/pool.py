@@ -61,6 +61,12 @@ class WorkerInfo(NamedTuple):
         return self.model == model if self.catalog is None else model in self.catalog.sizes_mb
 
     @property
+    def models(self) -> tuple[str, ...]:
+        """The models it serves: its own, or each of its catalog (not the pool's name,
+        POOL_NAME, which no request names)."""
+        return (self.model,) if self.catalog is None else tuple(self.catalog.sizes_mb)
+
+    @property
     def warmup(self) -> str | None:
         """What its warm-up gave: "measured" (cost_ms), "failed: WHY", or None (none ran)."""
         if self.cost_ms is not None:
@@ -175,7 +181,7 @@ class WorkerPool:
             self.scheduler.seed_cost(info.model, info.cost_ms[0] / 1000.0, info.cost_ms[1] / 1000.0)
         self._heard_at[worker_id] = now
         self._info[worker_id] = info
-        for model in (info.model,) if info.catalog is None else info.catalog.sizes_mb:
+        for model in info.models:
             self._failed_models.pop(model, None)
         self._admitted.clear()
 
