@@ -449,6 +449,8 @@ class Broker:
             self.clients.reply_error(
                 req, name, ErrorCode.UNAVAILABLE, self.pool.unavailable_message(name, without_s)
             )
+        for name in self.scheduler.forget_unserved(now):  # only workers announced it: gone
+            self.stats.forget(name)
         tracer = self.tracer
         for batch in self.scheduler.due_batches(now):
             queue_ms = [round((now - r.arrived_at) * 1000.0, 3) for r in batch.requests]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batcher.observe.counters import DroppedSpans
+from batcher.wire.codes import ErrorCode
 
 #: A traced request's (or batch's) `trace_id` and `span_id` on a histogram's observation
 #: (shown in the OpenMetrics exposition), None for an untraced one.
@@ -27,6 +28,11 @@ def exemplar_of(ctx: Any) -> Exemplar:
 
 #: Recent samples kept per model for the stats percentiles.
 RECENT = 2048
+
+#: What the broker counts of a model's workers in batcher_worker_events (serve adds its own
+#: of the models it runs), and why it ends a sequence early (batcher_sequences_cancelled).
+WORKER_EVENTS = ("joined", "died", "left")
+CANCEL_REASONS = ("cancel", "deadline", "client_gone", "shutting_down")
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -90,6 +96,9 @@ class NoMetrics:
 
     def worker_spans_dropped(self, model: str, n: int) -> None:
         pass
+
+    def forget(self, model: str) -> None:
+        """The model is gone (BrokerStats.forget): its series go."""
 
 
 class PrometheusMetrics(NoMetrics):
@@ -291,3 +300,21 @@ class PrometheusMetrics(NoMetrics):
 
     def model_unloaded(self, model: str) -> None:
         self.unloads.labels(model).inc()
+
+    def forget(self, model: str) -> None:
+        """The model is gone (BrokerStats.forget): every series labelled with it goes, so
+        that models announced and gone do not grow the registry without bound."""
+        for family in (
+            self.batch_size, self.queue_wait, self.worker_wait_hist, self.inference, self.padding_waste,
+            self.chunks, self.first_chunk_hist, self.worker_dropped, self.cold_loads,
+            self.cold_load_seconds, self.unloads,
+        ):  # fmt: skip
+            family.remove(model)
+        for family, values in (
+            (self.requests, ("ok", *(str(code) for code in ErrorCode))),
+            (self.worker_events, WORKER_EVENTS),
+            (self.elements, ("padded", "real")),
+            (self.cancelled, CANCEL_REASONS),
+        ):
+            for value in values:
+                family.remove(model, value)

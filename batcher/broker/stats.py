@@ -164,6 +164,13 @@ class BrokerStats:
             st = self.models[name] = ModelStats()
         return st
 
+    def forget(self, model: str) -> None:
+        """A model the scheduler forgot (one only workers announced, none serving it now:
+        batcher.core.policy.forget_unserved): its counts and metrics go with it."""
+        self.models.pop(model, None)
+        self.worker_spans_dropped.pop(model, None)
+        self.metrics.forget(model)
+
     def count(self, model: str | None, outcome: str, n: int = 1) -> None:
         """`n` replies of `outcome` ("ok" or an error code), under `model` if it has one."""
         if not n:

@@ -28,6 +28,9 @@ from batcher.core.queue import Batch, ModelQueue, QueuedRequest, WorkerState, ol
 HEAVY_LOAD = 1.2
 #: adaptive: under heavy load, batches are sized so that workers are busy this share of time.
 TARGET_BUSY = 0.8
+#: The most models that only workers announced, none serving them now, the broker keeps
+#: (forget_unserved): past it the oldest are forgotten at once.
+MAX_UNSERVED_MODELS = 1024
 #: A deadline-bound batch is cut this long before it would have to start, at the latest.
 DEADLINE_MARGIN_S = 0.001
 #: adaptive: a partial batch waits for a busy worker's prefetch slot until that worker is
@@ -37,12 +40,14 @@ PREFETCH_GRACE_S = 0.0005
 __all__ = [
     "DEADLINE_MARGIN_S",
     "HEAVY_LOAD",
+    "MAX_UNSERVED_MODELS",
     "PREFETCH_GRACE_S",
     "TARGET_BUSY",
     "batch_requests",
     "default_limit_s",
     "due_at",
     "fill_time_if_load_needs_bigger_batches",
+    "forget_unserved",
     "gap_if_waiting_pays",
     "hung_batches",
     "least_recently_used",
@@ -53,6 +58,7 @@ __all__ = [
     "usable",
     "wait_until",
     "without_worker_s",
+    "worker_left",
 ]
 
 
@@ -150,6 +156,53 @@ def unavailable(
         if without_s is not None and mq.total() and timeout_s and without_s >= timeout_s:
             out.extend((name, req, without_s) for req in mq.discard_all())
     return out
+
+
+def worker_left(
+    models: dict[str, ModelQueue], unserved: dict[str, None], worker_id: bytes, names: Iterable[str]
+) -> None:
+    """A worker of `names` is gone: each model only workers announced (`announced`) that it
+    leaves without one becomes the newest candidate of `forget_unserved`."""
+    for name in names:
+        mq = models[name]
+        mq.workers.pop(worker_id, None)
+        if mq.announced and not mq.workers:
+            unserved[name] = unserved.pop(name, None)  # (moved to the end if it was there)
+
+
+def forget_unserved(
+    models: dict[str, ModelQueue], unserved: dict[str, None], timeout_s: float, now: float
+) -> list[str]:
+    """Remove from `models`, and return, the models that no configuration named and that only
+    workers announced (a catalog of up to 1024 at each READY), once they have no worker and
+    nothing of theirs is queued: when they have had none for `timeout_s` (a request for them
+    would be refused `unavailable` by then; 0: never for time alone), and at once, oldest
+    first, past MAX_UNSERVED_MODELS of them. A worker announcing ever new names must not grow
+    the broker without bound, and a model whose worker restarts keeps its queue meanwhile.
+    `unserved`: the candidates, in the order they lost their last worker (`worker_left`)."""
+    if not unserved:
+        return []
+    over = len(unserved) - MAX_UNSERVED_MODELS
+    done: list[str] = []  # candidates no more: served again, configured since, or forgotten
+    forgotten: list[str] = []
+    for name in unserved:
+        mq = models[name]
+        if mq.workers or not mq.announced:
+            done.append(name)
+            over -= 1
+            continue
+        without_s = mq.stamp_no_worker(now)
+        if over <= 0 and not (timeout_s and without_s is not None and without_s >= timeout_s):
+            break  # the others lost their worker later still
+        if not mq.total():  # (what is queued is refused `unavailable` past timeout_s, or expires)
+            done.append(name)
+            forgotten.append(name)
+            over -= 1
+    for name in done:
+        del unserved[name]
+    for name in forgotten:
+        del models[name]
+    return forgotten
 
 
 def without_worker_s(mq: ModelQueue | None, timeout_s: float, now: float) -> float | None:

@@ -138,6 +138,8 @@ class ModelQueue:
     # model; their requests are never batched with this queue's or each other's.
     buckets: dict[int, ModelQueue] = field(default_factory=dict)
     name: str = ""  # the model's (a multiplexed worker holds some models and not others)
+    # Made by a worker's READY alone, no configuration: forgotten once unserved (policy.forget_unserved).
+    announced: bool = False
 
     def lanes(self) -> list[ModelQueue]:
         """This queue and its bucket queues: every queue of the model."""

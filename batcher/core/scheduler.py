@@ -147,6 +147,7 @@ class Scheduler:
         self.worker_prefetch = worker_prefetch
         self._per_model = dict(per_model or {})
         self._models: dict[str, ModelQueue] = {}
+        self._unserved: dict[str, None] = {}  # announced models that lost their last worker, oldest first
         self._workers: dict[bytes, WorkerState] = {}
         self._next_batch_id = first_batch_id
         self._seq = itertools.count()
@@ -156,7 +157,7 @@ class Scheduler:
     # --- introspection --------------------------------------------------------------------
 
     def knows_model(self, model: str) -> bool:
-        """True for a configured model or one that a worker has ever served."""
+        """True for a configured model or one that a worker serves (or served, till forgotten)."""
         return model in self._models
 
     @property
@@ -266,6 +267,7 @@ class Scheduler:
     def set_settings(self, model: str, settings: BatchSettings) -> None:
         """New batching settings (a reloaded config); the queued stay, ranked again for a new aging."""
         model_queue = self._model(model)
+        model_queue.announced = False  # configured now: never forgotten
         aging_changed = model_queue.settings.priority_aging_ms != settings.priority_aging_ms
         for mq in model_queue.lanes():
             mq.settings = settings
@@ -275,6 +277,10 @@ class Scheduler:
     def unavailable(self, now: float) -> list[tuple[str, QueuedRequest, float]]:
         """The queued requests refused for no worker now (batcher.core.policy.unavailable)."""
         return policy.unavailable(self._models, self.no_worker_timeout_s, now)
+
+    def forget_unserved(self, now: float) -> list[str]:
+        """The announced models forgotten now (batcher.core.policy.forget_unserved): call it each turn."""
+        return policy.forget_unserved(self._models, self._unserved, self.no_worker_timeout_s, now)
 
     def without_worker_s(self, model: str, now: float) -> float | None:
         """How long `model` has had no worker, past the timeout (policy.without_worker_s)."""
@@ -301,7 +307,9 @@ class Scheduler:
         resident = None if catalog is None else Resident(catalog)
         self._workers[worker_id] = WorkerState(worker_id, model, limit, resident=resident, models=models)
         for name in models:
-            self._model(name).workers[worker_id] = None
+            if name not in self._models:  # known by this READY alone: forgotten once unserved
+                self._model(name).announced = True
+            self._models[name].workers[worker_id] = None
         return lost
 
     def take(self, model: str, n: int) -> list[QueuedRequest]:
@@ -311,8 +319,7 @@ class Scheduler:
         return model_queue.take(n) if model_queue is not None else []
 
     def drain_worker(self, worker_id: bytes) -> int:
-        """Send a worker no more batches (it is being replaced); returns how many it still
-        holds. It stays a worker of its model, so its replies are taken as usual."""
+        """Send a worker (being replaced) no more batches; its replies still count. Returns those it holds."""
         w = self._workers.get(worker_id)
         if w is None:
             return 0
@@ -328,8 +335,7 @@ class Scheduler:
         w = self._workers.pop(worker_id, None)
         if w is None:
             return []
-        for name in w.models:
-            self._models[name].workers.pop(worker_id, None)
+        policy.worker_left(self._models, self._unserved, worker_id, w.models)
         return list(w.in_flight.values())
 
     def complete(
@@ -380,15 +386,11 @@ class Scheduler:
         return policy.next_wakeup(self._models.values(), self._workers, self.no_worker_timeout_s)
 
     def hung_batches(self, now: float, limit_s: float | None) -> list[tuple[Batch, float]]:
-        """(batch, its limit) of each worker's running batch (its first: batches run in the
-        order sent) that ran past its time limit, counted from when the worker should have
-        begun it: `limit_s`, or by default `default_limit_s`."""
+        """(batch, its limit) of each running batch past its time limit (policy.hung_batches)."""
         return policy.hung_batches(self._workers.values(), now, limit_s, self.default_limit_s)
 
     def default_limit_s(self, batch: Batch) -> float:
-        """A batch's default time limit (batcher.core.policy.default_limit_s): 10 x its
-        expected time, at least MIN_BATCH_LIMIT_S, FIRST_BATCH_LIMIT_S before any batch of
-        its model was answered."""
+        """A batch's default time limit (batcher.core.policy.default_limit_s)."""
         return policy.default_limit_s(self._models[batch.model].cost, batch.requests)
 
     # --- internals --------------------------------------------------------------------------
