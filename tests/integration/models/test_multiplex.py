@@ -12,10 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 from batcher.client import Client
-from batcher.wire.errors import ModelError, ReplyError
-from tests.helpers import wait_until
+from batcher.core.multiplex import POOL_NAME
+from batcher.wire import protocol
+from batcher.wire.errors import ModelError, ReplyError, UnknownModel
+from tests.helpers import broker_stats, start_broker, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -201,3 +204,55 @@ def test_multiplexed_onnx_models_answer_over_http_with_their_signatures(serve, t
         (1, 0),
     ]
     assert [stats[f"lin{k}"]["held_by"] for k in range(3)] == [1, 0, 1]
+
+
+def announce_and_leave(zctx: zmq.Context[Any], backend: str, frontend: str, names: list[str]) -> None:
+    """A fake multiplexed worker (a raw DEALER speaking docs/protocol.md 6) joins with a
+    catalog of `names`, is seen in `stats` to serve them, and leaves (DISCONNECT)."""
+    sock = zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    try:
+        sock.connect(backend)
+        info = {
+            "model": POOL_NAME,
+            "pid": 0,
+            "multiplexed": {"budget_mb": 10, "models": dict.fromkeys(names, 1)},
+        }
+        sock.send_multipart([protocol.WORKER_PROTOCOL, protocol.CMD_READY, protocol.pack(info)])
+        wait_until(
+            lambda: broker_stats(frontend, zctx).get("models", {}).get(names[-1], {}).get("workers") == 1,
+            10,
+            "the catalog was taken",
+        )
+        sock.send_multipart([protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
+    finally:
+        sock.close()
+
+
+def models_listed(frontend: str, zctx: zmq.Context[Any]) -> set[str]:
+    return set(broker_stats(frontend, zctx, timeout_s=5).get("models", {}))
+
+
+def test_models_only_a_worker_announced_are_forgotten_once_it_left(spawn, zctx: zmq.Context[Any]) -> None:
+    """A worker announcing ever new names (a catalog of them at each READY) must not grow the
+    broker without bound: once no worker serves them, nothing of them is queued and the
+    --no-worker-timeout-ms has passed, they are forgotten; a configured model stays."""
+    frontend, backend = start_broker(spawn, zctx, "--model", "conf", "--no-worker-timeout-ms", "300")
+    for i in range(20):
+        announce_and_leave(zctx, backend, frontend, [f"m{i}-{k}" for k in range(50)])
+    wait_until(lambda: models_listed(frontend, zctx) == {"conf"}, 10, "the announced models forgotten")
+    with Client(frontend, timeout_s=5, context=zctx) as c:
+        with pytest.raises(UnknownModel):
+            c.request(1, model="m0-0")
+        assert c.control("stats")["models"]["conf"]["configured"] is True
+
+
+def test_without_a_no_worker_timeout_at_most_1024_models_no_worker_serves_are_kept(
+    spawn, zctx: zmq.Context[Any]
+) -> None:
+    frontend, backend = start_broker(spawn, zctx, "--model", "conf", "--no-worker-timeout-ms", "0")
+    for i in range(30):  # 1500 names
+        announce_and_leave(zctx, backend, frontend, [f"m{i}-{k}" for k in range(50)])
+    wait_until(lambda: len(models_listed(frontend, zctx)) == 1 + 1024, 10, "the oldest forgotten")
+    listed = models_listed(frontend, zctx)
+    assert "conf" in listed and "m29-49" in listed and "m0-0" not in listed
