@@ -360,7 +360,7 @@ def count_answered(
         now, exemplar_of(span),
     )  # fmt: skip
     if load is not None:  # a multiplexed worker loaded the batch's model first
-        backend.scheduler.held_by(worker_id, load[2])
+        backend.scheduler.held_by(worker_id, load[2], batch)
         backend.stats.model_loaded(batch.model, load[0], load[1], backend.pool.info(worker_id))
 
 

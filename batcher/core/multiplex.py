@@ -14,9 +14,9 @@ the time is never unloaded while the budget holds two models or more.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from batcher.errors import SettingsError
 
@@ -143,10 +143,32 @@ class Resident:
             self.used_mb -= mb
 
 
-def replay(resident: Resident, held: list[str] | tuple[str, ...], still_to_run: list[str]) -> None:
-    """A worker said, answering a batch, which models it holds now (least recently used
-    first): take that, then the models of the batches it still runs, in the order sent.
-    What the broker assumed is corrected (a load that failed holds nothing)."""
-    resident.reset(held)
-    for key in still_to_run:
-        resident.use(key)
+class Placed(Protocol):
+    """A batch as this module sees it (batcher.core.queue.Batch)."""
+
+    model: str
+    multiplexed: bool
+    cold: bool
+    held_after: tuple[str, ...]
+
+
+def place(resident: Resident, batch: Placed) -> None:
+    """`batch` goes to the multiplexed worker of `resident`, after the batches it holds:
+    whether it loads its model first (`cold`), and what the worker holds after it."""
+    batch.multiplexed, batch.cold = True, resident.use(batch.model).cold
+    batch.held_after = tuple(resident)
+
+
+def replay(
+    resident: Resident, held: list[str] | tuple[str, ...], answered: Placed, still_to_run: Iterable[Placed]
+) -> None:
+    """A worker said, answering batch `answered` (that loaded its model), which models it
+    holds now: taken only as far as the broker's own replay allows, what it expected the
+    worker to hold after that batch (`held_after`), less the batch's model when the
+    worker does not hold it (its load failed: it holds nothing). A worker's word cannot
+    make the broker believe it holds what it never loaded, nor lose what it did not
+    unload. The batches it still runs are then placed again, in the order sent (one that
+    was to find its model loaded may now load it: `cold`, and its time limit with it)."""
+    resident.reset([key for key in answered.held_after if key != answered.model or key in held])
+    for batch in still_to_run:
+        place(resident, batch)

@@ -49,7 +49,7 @@ from batcher.core.limits import (
     BatchSettings,
     Policy,
 )
-from batcher.core.multiplex import Catalog, Resident, replay
+from batcher.core.multiplex import Catalog, Resident, place, replay
 from batcher.core.policy import DEADLINE_MARGIN_S, HEAVY_LOAD, PREFETCH_GRACE_S, TARGET_BUSY
 from batcher.core.queue import (
     DISPATCHED,
@@ -361,11 +361,11 @@ class Scheduler:
             following.expected_start = max(following.expected_start, now)
         return batch
 
-    def held_by(self, worker_id: bytes, held: tuple[str, ...]) -> None:
-        """A multiplexed worker's word on what it holds now (batcher.core.multiplex.replay)."""
+    def held_by(self, worker_id: bytes, held: tuple[str, ...], batch: Batch) -> None:
+        """A multiplexed worker's word, answering `batch`, on what it holds (multiplex.replay)."""
         w = self._workers.get(worker_id)
         if w is not None and w.resident is not None:
-            replay(w.resident, held, [b.model for b in w.in_flight.values()])
+            replay(w.resident, held, batch, w.in_flight.values())
 
     # --- decisions --------------------------------------------------------------------------
 
@@ -421,7 +421,7 @@ class Scheduler:
         batch.expected_start = start
         batch.expected_done_at = start + mq.cost.predict(n, sum(r.cost for r in requests))
         if worker.resident is not None:  # its worker runs the same rule (batcher.core.multiplex)
-            batch.multiplexed, batch.cold = True, worker.resident.use(name).cold
+            place(worker.resident, batch)
         self._next_batch_id += 1
         worker.in_flight[batch.batch_id] = batch
         worker.last_used = batch.batch_id

@@ -226,20 +226,52 @@ def test_a_cold_batch_gets_time_to_load_its_model() -> None:
     assert [b for b, _ in s.hung_batches(0.01 + 1.001, 1.0)] == [warm]
 
 
+def holding(s: Scheduler) -> list[str]:
+    """The models the first worker holds, as the broker believes."""
+    return [m for m in MODELS if s.views()[m].workers[0].holds]
+
+
 def test_what_the_worker_says_it_holds_corrects_the_placement_with_its_later_batches_replayed() -> None:
     s = pool(workers=1, slots=2)
     enqueue_many(s, "a", 4, 0.0)
     enqueue_many(s, "b", 4, 0.0)
     first, second = s.due_batches(0.0)  # a (cold), then b (cold) behind it
     assert (first.model, second.model) == ("a", "b")
+    assert (first.held_after, second.held_after) == (("a",), ("a", "b"))
     s.complete(first.worker, first.batch_id, 0.001, 0.01)
-    s.held_by(first.worker, ())  # a's load failed: it holds nothing; b, still to run, will load
-    assert [v.holds for v in s.views()["a"].workers] == [False]
-    assert [v.holds for v in s.views()["b"].workers] == [True]
-    s.held_by(first.worker, ("zzz", "a", "a", "c", "d"))  # not of its catalog, twice, over budget
-    # a and c (d is over budget), then b replayed: it unloads a, the least recent
-    assert [m for m in MODELS if s.views()[m].workers[0].holds] == ["b", "c"]
-    s.held_by(b"unknown", ("a",))  # a worker gone: nothing to correct
+    s.held_by(first.worker, (), first)  # a's load failed: it holds nothing; b, still to run, will load
+    assert holding(s) == ["b"] and second.held_after == ("b",)
+    s.held_by(b"unknown", ("a",), first)  # a worker gone: nothing to correct
+
+
+def test_a_held_list_is_taken_only_as_far_as_the_brokers_own_replay_allows() -> None:
+    """A worker's word may say its load failed, nothing more: it cannot make the broker
+    believe it holds models it never loaded (nor count them held: loads - unloads = held)."""
+    s = pool(workers=1, slots=2)
+    enqueue_many(s, "a", 4, 0.0)
+    (first,) = s.due_batches(0.0)
+    s.complete(first.worker, first.batch_id, 0.001, 0.01)
+    s.held_by(first.worker, ("zzz", "c", "d", "a", "a"), first)  # never loaded, not of its catalog
+    assert holding(s) == ["a"]
+    enqueue_many(s, "b", 4, 0.02)
+    (second,) = s.due_batches(0.02)
+    s.complete(second.worker, second.batch_id, 0.001, 0.03)
+    s.held_by(second.worker, ("b",), second)  # a lie: a was never unloaded
+    assert holding(s) == ["a", "b"]
+    s.held_by(second.worker, ("a",), second)  # b's load failed, whatever else it says
+    assert holding(s) == ["a"]
+
+
+def test_a_batch_behind_a_failed_load_of_its_model_is_cold_again_and_gets_the_load_time() -> None:
+    s = pool(workers=1, slots=2)
+    enqueue_many(s, "a", 8, 0.0)
+    first, second = s.due_batches(0.0)
+    assert first.cold and not second.cold  # a is to be held by then
+    s.complete(first.worker, first.batch_id, 0.001, 0.01)
+    s.held_by(first.worker, (), first)  # the load failed: the worker loads a for the second
+    assert second.cold and second.held_after == ("a",)
+    limit = s.default_limit_s(second)
+    assert s.hung_batches(0.01 + limit + 1.0, None) == []  # LOAD_LIMIT_S more for its load
 
 
 def test_a_reset_keeps_what_fits_in_the_catalog_in_order() -> None:
