@@ -8,14 +8,18 @@ import json
 import os
 import random
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
 
+from batcher.broker.loop import Broker, BrokerSettings
 from batcher.client import Client
+from batcher.core.limits import BatchSettings
 from batcher.core.multiplex import POOL_NAME
+from batcher.serve.launcher import free_tcp_address
 from batcher.wire import protocol
 from batcher.wire.errors import ModelError, ReplyError, UnknownModel
 from tests.helpers import broker_stats, start_broker, wait_until
@@ -256,3 +260,69 @@ def test_without_a_no_worker_timeout_at_most_1024_models_no_worker_serves_are_ke
     wait_until(lambda: len(models_listed(frontend, zctx)) == 1 + 1024, 10, "the oldest forgotten")
     listed = models_listed(frontend, zctx)
     assert "conf" in listed and "m29-49" in listed and "m0-0" not in listed
+
+
+def next_batch_model(sock: zmq.Socket[Any], timeout_ms: int) -> str | None:
+    """The model the next BATCH to a fake multiplexed worker names (heartbeats and EXIT
+    skipped), or None when none comes within `timeout_ms`."""
+    while sock.poll(timeout_ms):
+        frames = sock.recv_multipart()
+        if frames[1] == protocol.CMD_BATCH:
+            return str(protocol.unpack(frames[2])[4])
+    return None
+
+
+def test_a_batch_whose_load_hung_is_answered_at_once_and_sent_to_no_other_worker(
+    zctx: zmq.Context[Any],
+) -> None:
+    """The broker in this process over real sockets, its clock passed in: a batch that
+    loads its model is taken for hung only after LOAD_LIMIT_S (60 s) more, too long to
+    wait in a test. Its client is answered worker_failed at the first kill, saying the load
+    hung; the batch of another model behind it goes to the next worker, and it alone."""
+    settings = BrokerSettings(
+        frontend=free_tcp_address(), backend=free_tcp_address(), models=("a", "b"),
+        batch=BatchSettings(max_batch_size=1), worker_prefetch=2,
+    )  # fmt: skip
+    broker = Broker(settings, context=zctx)
+    client, hangs, next_worker = (zctx.socket(zmq.DEALER) for _ in range(3))
+    catalog = {"model": POOL_NAME, "pid": 0, "multiplexed": {"budget_mb": 2, "models": {"a": 1, "b": 1}}}
+    try:
+        for sock, address in (
+            (client, settings.frontend),
+            (hangs, settings.backend),
+            (next_worker, settings.backend),
+        ):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+
+        def joined(sock: zmq.Socket[Any], n: int) -> None:
+            sock.send_multipart([protocol.WORKER_PROTOCOL, protocol.CMD_READY, protocol.pack(catalog)])
+            wait_until(
+                lambda: broker.workers.drain(time.monotonic()) and len(broker.pool.ids()) == n, 10, "joined"
+            )
+
+        joined(hangs, 1)
+        for rid, model in ((1, "a"), (2, "b")):
+            client.send_multipart([b"", protocol.pack({"id": rid, "model": model, "input": rid})])
+
+        def queued() -> bool:
+            broker.clients.drain(time.monotonic())
+            return sum(map(broker.scheduler.queued, "ab")) == 2
+
+        wait_until(queued, 10, "the requests queued")
+        broker._dispatch()
+        assert [next_batch_model(hangs, 5000), next_batch_model(hangs, 5000)] == ["a", "b"]  # a loads first
+        joined(next_worker, 2)
+        broker.workers.check_time_limits(time.monotonic() + 3600.0, None)  # an hour later: a's load hung
+        assert client.poll(5000), "the client of the hung load got no answer"
+        reply = protocol.unpack(client.recv_multipart()[-1])
+        assert reply["id"] == 1 and reply["error"]["code"] == "worker_failed"
+        assert reply["error"]["message"].startswith("model 'a' hung while loading: its batch ran past")
+        broker._dispatch()
+        assert next_batch_model(next_worker, 5000) == "b"
+        assert next_batch_model(next_worker, 300) is None  # a's batch is sent to no other worker
+        assert broker.scheduler.queued("a") == 0
+    finally:
+        for sock in (client, hangs, next_worker):
+            sock.close(linger=0)
+        broker.close()
