@@ -37,6 +37,11 @@ class Autoscale:
             )
         self.desires = desires
 
+    def forget(self, model: str) -> None:
+        """The model is gone (BrokerStats.forget): its window goes; its desire goes at the
+        next tick, which samples the models there are."""
+        self._windows.pop(model, None)
+
     def wire(self, model: str) -> dict[str, object]:
         """A model's signal as `stats` shows it (before the first tick: none yet)."""
         d = self.desires.get(model)

@@ -169,6 +169,7 @@ class BrokerStats:
         batcher.core.policy.forget_unserved): its counts and metrics go with it."""
         self.models.pop(model, None)
         self.worker_spans_dropped.pop(model, None)
+        self.autoscale.forget(model)
         self.metrics.forget(model)
 
     def count(self, model: str | None, outcome: str, n: int = 1) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from batcher.broker.stats import BrokerStats
+from batcher.core.scheduler import Scheduler
 from batcher.wire import protocol
 from batcher.wire.protocol import ErrorCode
 
@@ -36,10 +37,14 @@ def test_a_forgotten_model_leaves_no_counts_and_no_series_and_the_others_keep_th
         stats.metrics.model_loaded(model, 0.1)
         stats.metrics.model_unloaded(model)
     stats.worker_said(info, b"w", [protocol.pack({"trace_spans_dropped": 3})])
+    scheduler = Scheduler(models=["gone", "kept"])
+    stats.autoscale.tick(0.0, scheduler.views())
+    assert set(stats.autoscale._windows) == {"gone", "kept"}
     assert series_of(stats, "gone") and "gone" in stats.models and stats.worker_spans_dropped["gone"] == 3
     kept = series_of(stats, "kept")
     stats.forget("gone")
     assert series_of(stats, "gone") == []
     assert "gone" not in stats.models and "gone" not in stats.worker_spans_dropped
     assert series_of(stats, "kept") == kept
+    assert set(stats.autoscale._windows) == {"kept"}
     BrokerStats().forget("never")  # without metrics, and a model never counted: nothing to do
