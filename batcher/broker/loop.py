@@ -445,12 +445,7 @@ class Broker:
         now = time.monotonic()
         for name, req in self.scheduler.expire(now):
             self.clients.reply_error(req, name, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
-        for name, req, without_s in self.scheduler.unavailable(now):
-            self.clients.reply_error(
-                req, name, ErrorCode.UNAVAILABLE, self.pool.unavailable_message(name, without_s)
-            )
-        for name in self.scheduler.forget_unserved(now):  # only workers announced it: gone
-            self.stats.forget(name)
+        without_workers(self, now)
         tracer = self.tracer
         for batch in self.scheduler.due_batches(now):
             queue_ms = [round((now - r.arrived_at) * 1000.0, 3) for r in batch.requests]
@@ -496,6 +491,17 @@ class Broker:
             if not self.workers.send(w.worker_id, frames):
                 log.warning("worker %s unreachable; its sequences go to another", self.pool.name(w.worker_id))
                 self.workers.lost(w.worker_id, "worker unreachable")
+
+
+def without_workers(broker: Broker, now: float) -> None:
+    """Each turn: the queued requests of a model that has had no worker for
+    --no-worker-timeout-ms answered `unavailable`, then the models only workers announced,
+    none serving them now, forgotten (batcher.core.policy.forget_unserved)."""
+    for name, req, without_s in broker.scheduler.unavailable(now):
+        message = broker.pool.unavailable_message(name, without_s)
+        broker.clients.reply_error(req, name, ErrorCode.UNAVAILABLE, message)
+    for name in broker.scheduler.forget_unserved(now):
+        broker.stats.forget(name)
 
 
 def traced_batch(
