@@ -351,7 +351,9 @@ def count_answered(
     backend: Backend, worker_id: bytes, batch: Batch, header: ReplyHeader, in_worker_ms: float, now: float
 ) -> None:
     """The counts of a batch whose replies went out (and its span's end), and what a
-    multiplexed worker's load of its model cost and changed."""
+    multiplexed worker's load of its model cost and changed: the load and its unloads as
+    the broker's own replay placed the batch (batcher.core.multiplex), its time as the
+    worker says: a REPLY cannot count a load or an unload that replay did not make."""
     batch_id, infer_ms, _, errors, wait_ms, padding, refused, load = header
     tracer, arrivals = backend.tracer, [r.arrived_at for r in batch.requests]
     span = tracer and tracer.batch_answered(batch_id, now, infer_ms, wait_ms, padding, errors)
@@ -361,7 +363,8 @@ def count_answered(
     )  # fmt: skip
     if load is not None:  # a multiplexed worker loaded the batch's model first
         backend.scheduler.held_by(worker_id, load[2], batch)
-        backend.stats.model_loaded(batch.model, load[0], load[1], backend.pool.info(worker_id))
+        if batch.cold:  # counted as the broker's replay has it: a REPLY cannot inflate them
+            backend.stats.model_loaded(batch.model, load[0], batch.unloaded, backend.pool.info(worker_id))
 
 
 def end_lost_spans(tracer: Any, scheduler: Scheduler, worker_id: bytes, why: str, blame: int | None) -> None:

@@ -149,13 +149,16 @@ class Placed(Protocol):
     model: str
     multiplexed: bool
     cold: bool
+    unloaded: tuple[str, ...]
     held_after: tuple[str, ...]
 
 
 def place(resident: Resident, batch: Placed) -> None:
     """`batch` goes to the multiplexed worker of `resident`, after the batches it holds:
-    whether it loads its model first (`cold`), and what the worker holds after it."""
-    batch.multiplexed, batch.cold = True, resident.use(batch.model).cold
+    whether it loads its model first (`cold`), the models it unloads for it, and what the
+    worker holds after it."""
+    use = resident.use(batch.model)
+    batch.multiplexed, batch.cold, batch.unloaded = True, use.cold, use.unloaded
     batch.held_after = tuple(resident)
 
 

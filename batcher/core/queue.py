@@ -74,6 +74,7 @@ class Batch:
     suspect: bool = False  # a suspect run alone: its worker holds nothing else meanwhile
     multiplexed: bool = False  # its worker serves many models: the BATCH names the model
     cold: bool = False  # that worker loads the model first (batcher.core.multiplex)
+    unloaded: tuple[str, ...] = ()  # the models it unloads for it
     held_after: tuple[str, ...] = ()  # and the models it holds after this batch, least recent first
 
 
