@@ -111,8 +111,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         self._fail_pending(ClientClosed(f"the client of {self.address} was closed"))
 
     def _fail_pending(self, exc: BatcherError) -> None:
-        pending, self._pending = self._pending, {}
-        for fut in pending.values():
+        for fut in self._replies.take_all().values():
             if not fut.done():
                 fut.set_exception(exc)
         streams, self._streams = self._streams, {}
@@ -140,7 +139,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
                 if fut is None:
                     continue
                 if fut.done():
-                    self.duplicates_dropped += 1
+                    self._replies.unmatched += 1  # answered already: a duplicate too
                 else:
                     fut.set_result(reply)
         except asyncio.CancelledError:
@@ -165,10 +164,9 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         self._ensure_reader()
         self.watch.poll()  # keeps the monitor's queue short, so no event is dropped
         if request_id is None:
-            request_id = next(self._ids)
+            request_id = self._next_id()
         body = protocol.pack_carrying({"id": request_id, **fields}, fields.get("input"))
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = fut
+        fut = self._replies.add(request_id, asyncio.get_running_loop().create_future())
         attempts = 0
         sent = False
         try:
@@ -195,8 +193,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
             _cancel_soon(self, request_id, fut.done() or "op" in fields)
             raise
         finally:
-            if self._pending.get(request_id) is fut:
-                del self._pending[request_id]
+            self._replies.release(request_id, fut)
             if not fut.done():
                 fut.cancel()
 
@@ -301,7 +298,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
             raise ClientClosed(f"the client of {self.address} is closed")
         self._ensure_reader()
         self.watch.poll()
-        request_id = next(self._ids)
+        request_id = self._next_id()
         fields = request_body(input, model, timeout_ms, priority, stream=True, version=version)
         body = protocol.pack_carrying({"id": request_id, **fields}, input)
         wait_s = reply_wait_s(self.timeout_s, timeout_ms)

@@ -158,6 +158,9 @@ class PendingReply(_Awaited):
         self.sent_at = sent_at  # of the latest attempt
         self.deadline = None if wait_s is None else self.sent_at + wait_s
         self.reply: dict[str, Any] | None = None
+        #: Whose request this is, when a client of clients started it (MultiClient: its
+        #: own request, found again from the reply `receive_ready` hands back).
+        self.owner: Any = None
 
     def _wait(self) -> None:
         self._client._wait_for(self)
@@ -221,8 +224,7 @@ class Client(BaseClient[PendingReply], BlockingRequests):
             self.watch.close()
             self._sock.close(0)
         error = {"code": CLOSED, "message": f"the client of {self.address} was closed"}
-        pending, self._pending = self._pending, {}
-        for request_id, waiting in pending.items():
+        for request_id, waiting in self._replies.take_all().items():
             waiting.reply = {"id": request_id, "ok": False, "error": error}
         streams, self._streams = self._streams, {}
         for request_id, stream in streams.items():
@@ -266,7 +268,7 @@ class Client(BaseClient[PendingReply], BlockingRequests):
         for each chunk; a stream is never retried."""
         if self._sock.closed:
             raise ClientClosed(f"the client of {self.address} is closed")
-        request_id = next(self._ids)
+        request_id = self._next_id()
         fields = request_body(input, model, timeout_ms, priority, stream=True, version=version)
         body = protocol.pack_carrying({"id": request_id, **fields}, input)
         stream = Stream(self, request_id, reply_wait_s(self.timeout_s, timeout_ms))
@@ -307,10 +309,10 @@ class Client(BaseClient[PendingReply], BlockingRequests):
         Raises ClientClosed once the client is closed."""
         if self._sock.closed:
             raise ClientClosed(f"the client of {self.address} is closed")
-        request_id = next(self._ids)
+        request_id = self._next_id()
         body = protocol.pack_carrying({"id": request_id, **fields}, fields.get("input"))
         pending = PendingReply(self, request_id, body, wait_s, time.monotonic())
-        self._pending[request_id] = pending
+        self._replies.add(request_id, pending)
         self._send_body(body, pending.deadline)
         return pending
 
