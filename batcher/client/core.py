@@ -1,8 +1,9 @@
 """What every Python client shares, without any I/O (as httpx's BaseClient is for its
-Client and AsyncClient): the request ids, the table of requests waiting for a reply,
-matching a reply to its request, the timeout and retry rules, and the ConnectionWatch
-hints. `batcher.client.sync.Client` adds a blocking socket, `batcher.client.aio.AsyncClient`
-an asyncio one; `batcher.client.multi.MultiClient` combines Clients."""
+Client and AsyncClient): the table of requests waiting for a reply (the package's one,
+batcher.core.replies.ReplyTable: ids, matching a reply to its request), the timeout and
+retry rules, and the ConnectionWatch hints. `batcher.client.sync.Client` adds a blocking
+socket, `batcher.client.aio.AsyncClient` an asyncio one; `batcher.client.multi.MultiClient`
+combines Clients."""
 
 from __future__ import annotations
 
