@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
+from batcher.client.core import reply_output
 from batcher.client.sync import (
     CONNECT_TIMEOUT_S,
     BaseClient,
@@ -34,7 +35,6 @@ from batcher.client.sync import (
     ClientTimeout,
     Unreachable,
     cancel_body,
-    error_from_reply,
     open_dealer,
     reply_wait_s,
     request_body,
@@ -258,7 +258,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
     ) -> Any:
         """Send one request and return its output, or raise its typed error."""
         body = request_body(input, model, timeout_ms, priority, cost, version=version)
-        return _output(await self._call(body, reply_wait_s(self.timeout_s, timeout_ms)))
+        return reply_output(await self._call(body, reply_wait_s(self.timeout_s, timeout_ms)))
 
     async def request_many(
         self,
@@ -298,12 +298,8 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
             raise ClientClosed(f"the client of {self.address} is closed")
         self._ensure_reader()
         self.watch.poll()
-        request_id = self._next_id()
-        fields = request_body(input, model, timeout_ms, priority, stream=True, version=version)
-        body = protocol.pack_carrying({"id": request_id, **fields}, input)
-        wait_s = reply_wait_s(self.timeout_s, timeout_ms)
-        chunks = _StreamQueue()
-        self._streams[request_id] = chunks
+        request_id, body, wait_s = self._stream_body(input, model, timeout_ms, priority, version)
+        chunks = self._streams[request_id] = _StreamQueue()
         finished = False
         try:
             try:
@@ -326,9 +322,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
                 if isinstance(reply, BaseException):
                     raise reply
                 finished = reply.get("more") is not True
-                if not reply.get("ok"):
-                    raise error_from_reply(reply)
-                yield reply.get("output")
+                yield reply_output(reply)
         finally:
             if not finished:
                 chunks.closed = True  # what still comes is dropped, until its last reply
@@ -343,10 +337,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
 
     async def control(self, op: str, **fields: Any) -> Any:
         """Send a control request (`stats`; `reload` with model=NAME) and return its output."""
-        reply = await self._call({"op": op, **fields}, self.timeout_s)
-        if reply.get("ok"):
-            return reply.get("output")
-        raise error_from_reply(reply)
+        return reply_output(await self._call({"op": op, **fields}, self.timeout_s))
 
 
 class AsyncPendingReply:
@@ -383,10 +374,7 @@ class AsyncPendingReply:
 
     async def result(self) -> Any:
         """The output; raises the typed error for an error reply, ClientTimeout for none."""
-        reply = await self.wait()
-        if reply.get("ok"):
-            return reply.get("output")
-        raise error_from_reply(reply)
+        return reply_output(await self.wait())
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self.result().__await__()
@@ -423,13 +411,6 @@ class _StreamQueue:
 
     async def get(self) -> dict[str, Any] | BaseException:
         return await self._queue.get()
-
-
-def _output(reply: dict[str, Any]) -> Any:
-    """A reply's output, or its typed error raised."""
-    if reply.get("ok"):
-        return reply.get("output")
-    raise error_from_reply(reply)
 
 
 def _cancel_soon(client: AsyncClient, request_id: int, answered: bool) -> None:

@@ -98,6 +98,14 @@ def timeout_reply(request_id: Any, message: str, code: str = TIMEOUT) -> dict[st
     return {"id": request_id, "ok": False, "error": {"code": code, "message": message}}
 
 
+def reply_output(reply: dict[str, Any]) -> Any:
+    """A reply's output, or its typed error raised (every face's `request` and `result`,
+    and a stream's chunk)."""
+    if reply.get("ok"):
+        return reply.get("output")
+    raise error_from_reply(reply)
+
+
 def cancel_body(request_id: Any) -> bytes:
     """The body asking the broker to drop request `request_id` if it is still queued."""
     return protocol.pack({"id": request_id, "op": "cancel"})
@@ -184,10 +192,7 @@ class _Awaited:
 
     def result(self) -> Any:
         """The output; raises the typed error for an error reply, ClientTimeout for none."""
-        reply = self.wait()
-        if reply.get("ok"):
-            return reply.get("output")
-        raise error_from_reply(reply)
+        return reply_output(self.wait())
 
     def wait(self) -> dict[str, Any]:
         """The whole reply map (with metadata such as batch_size), error or not."""
@@ -265,6 +270,21 @@ class BaseClient(Generic[PendingT]):
             del self._streams[req_id]
         stream.take(reply)
         return True
+
+    def _stream_body(
+        self,
+        input: Any,
+        model: str | None,
+        timeout_ms: float | None,
+        priority: float | None,
+        version: int | str | None,
+    ) -> tuple[int, bytes, float | None]:
+        """A streamed request (`"stream": true`) to send: its id, its body and how long to
+        wait for each chunk. The caller puts what takes its chunks in `_streams` under the id."""
+        request_id = self._next_id()
+        fields = request_body(input, model, timeout_ms, priority, stream=True, version=version)
+        body = protocol.pack_carrying({"id": request_id, **fields}, input)
+        return request_id, body, reply_wait_s(self.timeout_s, timeout_ms)
 
     def _next_id(self) -> int:
         """A request id not used before on this client (1, 2, ...)."""

@@ -30,6 +30,7 @@ from batcher.client.core import (
     cancel_body,
     collect,
     reply_key,
+    reply_output,
     reply_wait_s,
     request_body,
     timeout_reply,
@@ -268,11 +269,8 @@ class Client(BaseClient[PendingReply], BlockingRequests):
         for each chunk; a stream is never retried."""
         if self._sock.closed:
             raise ClientClosed(f"the client of {self.address} is closed")
-        request_id = self._next_id()
-        fields = request_body(input, model, timeout_ms, priority, stream=True, version=version)
-        body = protocol.pack_carrying({"id": request_id, **fields}, input)
-        stream = Stream(self, request_id, reply_wait_s(self.timeout_s, timeout_ms))
-        self._streams[request_id] = stream
+        request_id, body, wait_s = self._stream_body(input, model, timeout_ms, priority, version)
+        stream = self._streams[request_id] = Stream(self, request_id, wait_s)
         if not self._send_body(body, None if stream.wait_s is None else time.monotonic() + stream.wait_s):
             del self._streams[request_id]
             stream.take(timeout_reply(request_id, self._timeout_message(1)))
@@ -447,9 +445,7 @@ class Stream:
         reply = self.next_reply()
         if reply is None:
             raise StopIteration
-        if not reply.get("ok"):
-            raise error_from_reply(reply)
-        return reply.get("output")
+        return reply_output(reply)
 
     def __enter__(self) -> Stream:
         return self
