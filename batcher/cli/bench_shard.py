@@ -16,6 +16,7 @@ import msgspec
 import zmq
 
 from batcher.cli.bench_settings import PROGRESS_INTERVAL_S, LoadSettings, ShardResult, new_histogram
+from batcher.core.replies import ReplyTable
 from batcher.transport.allocator import heap_trimmer, keep_freed_memory
 from batcher.transport.security import secure_client
 from batcher.transport.zmqio import recv_frames, send_frames
@@ -114,11 +115,11 @@ class _Generator:
         self.first_chunk_hist = new_histogram()
         self.inter_chunk_hist = new_histogram()
         self.result = ShardResult()
-        self.due: dict[int, float] = {}  # request id -> time it was due to be sent
+        #: The requests not answered yet, by id: each one's waiter is the time it was due.
+        self.due: ReplyTable[float] = ReplyTable()
         self.last_chunk: dict[int, float] = {}  # streamed request id -> when its last chunk came
         self.heard = False  # a reply or a chunk came: the broker answers (a long stream's first
         # final reply may come long after)
-        self.next_id = 0
         self.t0 = 0.0
         self.window_from = 0.0
         self.window_to = math.inf  # finite with a duration; with `requests`, the last reply ends it
@@ -126,9 +127,7 @@ class _Generator:
         self.rng = random.Random(settings.seed)
 
     def send(self, due_at: float) -> None:
-        self.next_id += 1
-        rid = self.next_id
-        self.due[rid] = due_at
+        rid = self.due.open(due_at)
         # No pipe to the broker this instant (libzmq drops it after a refused CURVE
         # handshake, until it reconnects): the request stays due and counts as lost unless
         # answered, as one the broker never heard would.
@@ -147,6 +146,8 @@ class _Generator:
         sock = self.sock
         hist, res = self.hist, self.result
         window_from, window_to = self.window_from, self.window_to
+        due, stream = self.due, self.s.stream
+        match = due.match
         now = 0.0
         while True:
             try:
@@ -155,12 +156,12 @@ class _Generator:
                 break
             now = time.perf_counter()
             reply = read_head(frames[-1])
-            if self.s.stream and type(reply.id) is int and reply.id in self.due:
+            if stream and type(reply.id) is int and (due_at := due.get(reply.id)) is not None:
                 self.heard = True
-                self._chunk(reply.id, reply, now)
+                self._chunk(reply.id, due_at, reply, now)
                 if reply.more is True:
                     continue  # the request is answered by its last reply
-            due_at = self.due.pop(reply.id, None)
+            due_at = match(reply.id)
             if due_at is None:
                 continue  # not a request of this run
             got += 1
@@ -191,7 +192,7 @@ class _Generator:
                 self.progress_due = now + PROGRESS_INTERVAL_S
         return got
 
-    def _chunk(self, rid: int, reply: ReplyHead, now: float) -> None:
+    def _chunk(self, rid: int, due_at: float, reply: ReplyHead, now: float) -> None:
         """A streamed reply: the first of a request gives its time to first chunk, the
         next ones the time between chunks (an error reply ends the stream uncounted)."""
         last = self.last_chunk.pop(rid, None)
@@ -204,8 +205,8 @@ class _Generator:
             self.result.chunks_in_window += 1
         if last is not None:
             self.inter_chunk_hist.record_value(max(1, int((now - last) * 1e6)))
-        elif self.due[rid] >= self.window_from:
-            self.first_chunk_hist.record_value(max(1, int((now - self.due[rid]) * 1e6)))
+        elif due_at >= self.window_from:
+            self.first_chunk_hist.record_value(max(1, int((now - due_at) * 1e6)))
 
     def run(self) -> ShardResult:
         s, res = self.s, self.result

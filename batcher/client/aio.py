@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
+from batcher.client.core import reply_output
 from batcher.client.sync import (
     CONNECT_TIMEOUT_S,
     BaseClient,
@@ -34,7 +35,6 @@ from batcher.client.sync import (
     ClientTimeout,
     Unreachable,
     cancel_body,
-    error_from_reply,
     open_dealer,
     reply_wait_s,
     request_body,
@@ -111,8 +111,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         self._fail_pending(ClientClosed(f"the client of {self.address} was closed"))
 
     def _fail_pending(self, exc: BatcherError) -> None:
-        pending, self._pending = self._pending, {}
-        for fut in pending.values():
+        for fut in self._replies.take_all().values():
             if not fut.done():
                 fut.set_exception(exc)
         streams, self._streams = self._streams, {}
@@ -140,7 +139,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
                 if fut is None:
                     continue
                 if fut.done():
-                    self.duplicates_dropped += 1
+                    self._replies.unmatched += 1  # answered already: a duplicate too
                 else:
                     fut.set_result(reply)
         except asyncio.CancelledError:
@@ -165,10 +164,9 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
         self._ensure_reader()
         self.watch.poll()  # keeps the monitor's queue short, so no event is dropped
         if request_id is None:
-            request_id = next(self._ids)
+            request_id = self._next_id()
         body = protocol.pack_carrying({"id": request_id, **fields}, fields.get("input"))
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = fut
+        fut = self._replies.add(request_id, asyncio.get_running_loop().create_future())
         attempts = 0
         sent = False
         try:
@@ -195,8 +193,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
             _cancel_soon(self, request_id, fut.done() or "op" in fields)
             raise
         finally:
-            if self._pending.get(request_id) is fut:
-                del self._pending[request_id]
+            self._replies.release(request_id, fut)
             if not fut.done():
                 fut.cancel()
 
@@ -261,7 +258,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
     ) -> Any:
         """Send one request and return its output, or raise its typed error."""
         body = request_body(input, model, timeout_ms, priority, cost, version=version)
-        return _output(await self._call(body, reply_wait_s(self.timeout_s, timeout_ms)))
+        return reply_output(await self._call(body, reply_wait_s(self.timeout_s, timeout_ms)))
 
     async def request_many(
         self,
@@ -301,12 +298,8 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
             raise ClientClosed(f"the client of {self.address} is closed")
         self._ensure_reader()
         self.watch.poll()
-        request_id = next(self._ids)
-        fields = request_body(input, model, timeout_ms, priority, stream=True, version=version)
-        body = protocol.pack_carrying({"id": request_id, **fields}, input)
-        wait_s = reply_wait_s(self.timeout_s, timeout_ms)
-        chunks = _StreamQueue()
-        self._streams[request_id] = chunks
+        request_id, body, wait_s = self._stream_body(input, model, timeout_ms, priority, version)
+        chunks = self._streams[request_id] = _StreamQueue()
         finished = False
         try:
             try:
@@ -329,9 +322,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
                 if isinstance(reply, BaseException):
                     raise reply
                 finished = reply.get("more") is not True
-                if not reply.get("ok"):
-                    raise error_from_reply(reply)
-                yield reply.get("output")
+                yield reply_output(reply)
         finally:
             if not finished:
                 chunks.closed = True  # what still comes is dropped, until its last reply
@@ -346,10 +337,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
 
     async def control(self, op: str, **fields: Any) -> Any:
         """Send a control request (`stats`; `reload` with model=NAME) and return its output."""
-        reply = await self._call({"op": op, **fields}, self.timeout_s)
-        if reply.get("ok"):
-            return reply.get("output")
-        raise error_from_reply(reply)
+        return reply_output(await self._call({"op": op, **fields}, self.timeout_s))
 
 
 class AsyncPendingReply:
@@ -386,10 +374,7 @@ class AsyncPendingReply:
 
     async def result(self) -> Any:
         """The output; raises the typed error for an error reply, ClientTimeout for none."""
-        reply = await self.wait()
-        if reply.get("ok"):
-            return reply.get("output")
-        raise error_from_reply(reply)
+        return reply_output(await self.wait())
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self.result().__await__()
@@ -426,13 +411,6 @@ class _StreamQueue:
 
     async def get(self) -> dict[str, Any] | BaseException:
         return await self._queue.get()
-
-
-def _output(reply: dict[str, Any]) -> Any:
-    """A reply's output, or its typed error raised."""
-    if reply.get("ok"):
-        return reply.get("output")
-    raise error_from_reply(reply)
 
 
 def _cancel_soon(client: AsyncClient, request_id: int, answered: bool) -> None:

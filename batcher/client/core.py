@@ -1,18 +1,20 @@
 """What every Python client shares, without any I/O (as httpx's BaseClient is for its
-Client and AsyncClient): the request ids, the table of requests waiting for a reply,
-matching a reply to its request, the timeout and retry rules, and the ConnectionWatch
-hints. `batcher.client.sync.Client` adds a blocking socket, `batcher.client.aio.AsyncClient`
-an asyncio one; `batcher.client.multi.MultiClient` combines Clients."""
+Client and AsyncClient): the table of requests waiting for a reply (the package's one,
+batcher.core.replies.ReplyTable: ids, matching a reply to its request), the timeout and
+retry rules, and the ConnectionWatch hints. `batcher.client.sync.Client` adds a blocking
+socket, `batcher.client.aio.AsyncClient` an asyncio one; `batcher.client.multi.MultiClient`
+combines Clients."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, Protocol, TypeVar
 
 from batcher.core.expiry import Resend, check_retries, expire
+from batcher.core.replies import ReplyTable
+from batcher.core.replies import reply_key as reply_key  # its old home
 from batcher.core.versions import parse_version
 from batcher.errors import BatcherError, SettingsError
 from batcher.transport.connection_watch import (
@@ -31,15 +33,6 @@ log = logging.getLogger("batcher.client")
 #: How long a Client's request waits, by default, for a first connection to a broker
 #: before failing `unreachable` (when the address refuses, or is no ZeroMQ peer).
 CONNECT_TIMEOUT_S = 1.0
-
-
-def reply_key(reply: dict[str, Any], pending: dict[Any, Any]) -> Any:
-    """The id a reply answers. An error with `id: nil` (the broker could not read the id
-    of a request it refused) answers the one request in flight, when there is just one."""
-    req_id = reply["id"]
-    if req_id is None and reply.get("ok") is False and len(pending) == 1:
-        return next(iter(pending))
-    return req_id
 
 
 def request_body(
@@ -103,6 +96,14 @@ def timeout_reply(request_id: Any, message: str, code: str = TIMEOUT) -> dict[st
     """The reply map a request is answered with when no reply came in time (`timeout`),
     or none can come (`unreachable`)."""
     return {"id": request_id, "ok": False, "error": {"code": code, "message": message}}
+
+
+def reply_output(reply: dict[str, Any]) -> Any:
+    """A reply's output, or its typed error raised (every face's `request` and `result`,
+    and a stream's chunk)."""
+    if reply.get("ok"):
+        return reply.get("output")
+    raise error_from_reply(reply)
 
 
 def cancel_body(request_id: Any) -> bytes:
@@ -191,10 +192,7 @@ class _Awaited:
 
     def result(self) -> Any:
         """The output; raises the typed error for an error reply, ClientTimeout for none."""
-        reply = self.wait()
-        if reply.get("ok"):
-            return reply.get("output")
-        raise error_from_reply(reply)
+        return reply_output(self.wait())
 
     def wait(self) -> dict[str, Any]:
         """The whole reply map (with metadata such as batch_size), error or not."""
@@ -226,10 +224,10 @@ class BaseClient(Generic[PendingT]):
     BaseClient): the request ids, the table of requests waiting for a reply, matching a
     reply to its request, the timeout and retry rules, and the ConnectionWatch hints.
 
-    `PendingT` is what the table holds for a request: a PendingReply for Client, a
-    future for AsyncClient. A subclass opens the socket and sets `watch`; it adds a
-    request to `_pending` under its id (from `_ids`) when it sends it, and gives every
-    reply it receives to `_match`.
+    `PendingT` is what the table (`_replies`, a batcher.core.replies.ReplyTable) holds for
+    a request: a PendingReply for Client, a future for AsyncClient. A subclass opens the
+    socket and sets `watch`; it adds a request to `_replies` under its id (`_next_id`)
+    when it sends it, and gives every reply it receives to `_match`.
     """
 
     watch: ConnectionWatch  # the socket's monitor, set by the subclass that opens the socket
@@ -250,13 +248,16 @@ class BaseClient(Generic[PendingT]):
         #: Until a broker was reached, how long a request waits before it fails
         #: `unreachable` when none can be there (ConnectionWatch.unreachable).
         self.connect_timeout_s = connect_timeout_s
-        self._ids = itertools.count(1)
-        self._pending: dict[Any, PendingT] = {}
+        #: The requests waiting for a reply, and their ids (batcher/core/replies.py).
+        self._replies: ReplyTable[PendingT] = ReplyTable()
         #: Streamed requests by id: what takes their chunks (a closed one's stay until its last).
         self._streams: dict[Any, Any] = {}
-        #: Replies that matched no waiting request: a retried request's second reply,
-        #: or a late one to a request that already timed out.
-        self.duplicates_dropped = 0
+
+    @property
+    def duplicates_dropped(self) -> int:
+        """Replies that matched no waiting request: a retried request's second reply, or
+        a late one to a request that already timed out."""
+        return self._replies.unmatched
 
     def _route_chunk(self, reply: dict[str, Any]) -> bool:
         """Give a reply to the stream it belongs to, if it does (True); a stream's last
@@ -270,27 +271,36 @@ class BaseClient(Generic[PendingT]):
         stream.take(reply)
         return True
 
+    def _stream_body(
+        self,
+        input: Any,
+        model: str | None,
+        timeout_ms: float | None,
+        priority: float | None,
+        version: int | str | None,
+    ) -> tuple[int, bytes, float | None]:
+        """A streamed request (`"stream": true`) to send: its id, its body and how long to
+        wait for each chunk. The caller puts what takes its chunks in `_streams` under the id."""
+        request_id = self._next_id()
+        fields = request_body(input, model, timeout_ms, priority, stream=True, version=version)
+        body = protocol.pack_carrying({"id": request_id, **fields}, input)
+        return request_id, body, reply_wait_s(self.timeout_s, timeout_ms)
+
     def _next_id(self) -> int:
         """A request id not used before on this client (1, 2, ...)."""
-        return next(self._ids)
+        return self._replies.new_id()
 
     def forget(self, request_id: Any) -> None:
         """Stop waiting for request `request_id`: a reply to it that still comes is
         dropped as a duplicate."""
-        self._pending.pop(request_id, None)
+        self._replies.forget(request_id)
 
     def _match(self, reply: dict[str, Any]) -> PendingT | None:
         """Take the request `reply` answers out of the table, by its id (or by the nil-id
         rule of `reply_key`). None when no request waits for it (a late reply, or a
         retried request's second), counted in `duplicates_dropped`. Raises (KeyError,
         TypeError) for what is no reply at all: the caller skips it, uncounted."""
-        key = reply["id"]
-        if key is None:
-            key = reply_key(reply, self._pending)
-        pending = self._pending.pop(key, None)
-        if pending is None:
-            self.duplicates_dropped += 1
-        return pending
+        return self._replies.match_reply(reply)
 
     def _unreachable(self, since: float, now: float) -> str | None:
         """Why no broker can be reached, at `now`, for a request sent at `since` (None:

@@ -39,7 +39,6 @@ class _Frontend:
         self.link = PeerLink(Backoff(initial_s=down_s, cap_s=max_down_s))
         self.down_until: float | None = None  # None: up
         self.probe: PendingReply | None = None  # a `stats` request asking whether it is back
-        self.owners: dict[int, MultiPending] = {}  # the Client's request id -> our request
         self.sent = 0  # attempts sent here, for spreading and for tests
         self.timeouts = 0
 
@@ -166,10 +165,10 @@ class MultiClient(BlockingRequests):
         error = {"code": CLOSED, "message": f"the client of {', '.join(self.addresses)} was closed"}
         for fe in self._frontends:
             fe.client.close()
-            for request_id, waiting in fe.owners.items():
-                if waiting.reply is None:
-                    waiting.reply = {"id": request_id, "ok": False, "error": error}
-            fe.owners.clear()
+        # Every attempt in flight has a deadline (a MultiClient always has a timeout).
+        for _, _, waiting, inner in self._deadlines:
+            if waiting.reply is None and waiting._inner is inner:
+                waiting.reply = {"id": inner.request_id, "ok": False, "error": error}
         self._deadlines.clear()
 
     def _check_open(self) -> None:
@@ -265,12 +264,12 @@ class MultiClient(BlockingRequests):
 
     def _send_to(self, pending: MultiPending, fe: _Frontend) -> None:
         inner = fe.client.start(pending.fields, pending.wait_s)
-        fe.owners[inner.request_id] = pending
+        inner.owner = pending
         fe.sent += 1
         pending._frontend, pending._inner = fe, inner
         pending.attempts += 1
         pending.tried.append(fe.address)
-        if inner.deadline is not None:
+        if inner.deadline is not None:  # always: a MultiClient's wait_s is never None
             heapq.heappush(self._deadlines, (inner.deadline, next(self._seq), pending, inner))
 
     def _mark_down(self, fe: _Frontend, now: float, why: str) -> None:
@@ -303,9 +302,8 @@ class MultiClient(BlockingRequests):
             if fe.probe is inner:
                 fe.probe = None
                 continue
-            owner = fe.owners.pop(inner.request_id, None)
-            if owner is not None:
-                self._settle(owner, fe, inner.reply)
+            if isinstance(inner.owner, MultiPending):
+                self._settle(inner.owner, fe, inner.reply)
 
     def _settle(self, pending: MultiPending, fe: _Frontend, reply: dict[str, Any]) -> None:
         error = reply.get("error") if not reply.get("ok") else None
@@ -331,8 +329,7 @@ class MultiClient(BlockingRequests):
                 continue  # answered, or already sent again
             fe = pending._frontend
             assert fe is not None
-            fe.client.forget(inner.request_id)
-            fe.owners.pop(inner.request_id, None)
+            fe.client.forget(inner.request_id)  # a reply that still comes is dropped there
             fe.timeouts += 1
             self._mark_down(fe, now, f"no reply within {pending.wait_s}s")
             pending.timeouts += 1

@@ -30,6 +30,7 @@ from batcher.client.core import (
     cancel_body,
     collect,
     reply_key,
+    reply_output,
     reply_wait_s,
     request_body,
     timeout_reply,
@@ -158,6 +159,9 @@ class PendingReply(_Awaited):
         self.sent_at = sent_at  # of the latest attempt
         self.deadline = None if wait_s is None else self.sent_at + wait_s
         self.reply: dict[str, Any] | None = None
+        #: Whose request this is, when a client of clients started it (MultiClient: its
+        #: own request, found again from the reply `receive_ready` hands back).
+        self.owner: Any = None
 
     def _wait(self) -> None:
         self._client._wait_for(self)
@@ -221,8 +225,7 @@ class Client(BaseClient[PendingReply], BlockingRequests):
             self.watch.close()
             self._sock.close(0)
         error = {"code": CLOSED, "message": f"the client of {self.address} was closed"}
-        pending, self._pending = self._pending, {}
-        for request_id, waiting in pending.items():
+        for request_id, waiting in self._replies.take_all().items():
             waiting.reply = {"id": request_id, "ok": False, "error": error}
         streams, self._streams = self._streams, {}
         for request_id, stream in streams.items():
@@ -266,11 +269,8 @@ class Client(BaseClient[PendingReply], BlockingRequests):
         for each chunk; a stream is never retried."""
         if self._sock.closed:
             raise ClientClosed(f"the client of {self.address} is closed")
-        request_id = next(self._ids)
-        fields = request_body(input, model, timeout_ms, priority, stream=True, version=version)
-        body = protocol.pack_carrying({"id": request_id, **fields}, input)
-        stream = Stream(self, request_id, reply_wait_s(self.timeout_s, timeout_ms))
-        self._streams[request_id] = stream
+        request_id, body, wait_s = self._stream_body(input, model, timeout_ms, priority, version)
+        stream = self._streams[request_id] = Stream(self, request_id, wait_s)
         if not self._send_body(body, None if stream.wait_s is None else time.monotonic() + stream.wait_s):
             del self._streams[request_id]
             stream.take(timeout_reply(request_id, self._timeout_message(1)))
@@ -307,10 +307,10 @@ class Client(BaseClient[PendingReply], BlockingRequests):
         Raises ClientClosed once the client is closed."""
         if self._sock.closed:
             raise ClientClosed(f"the client of {self.address} is closed")
-        request_id = next(self._ids)
+        request_id = self._next_id()
         body = protocol.pack_carrying({"id": request_id, **fields}, fields.get("input"))
         pending = PendingReply(self, request_id, body, wait_s, time.monotonic())
-        self._pending[request_id] = pending
+        self._replies.add(request_id, pending)
         self._send_body(body, pending.deadline)
         return pending
 
@@ -445,9 +445,7 @@ class Stream:
         reply = self.next_reply()
         if reply is None:
             raise StopIteration
-        if not reply.get("ok"):
-            raise error_from_reply(reply)
-        return reply.get("output")
+        return reply_output(reply)
 
     def __enter__(self) -> Stream:
         return self

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +19,7 @@ import zmq
 from batcher import __version__
 from batcher.client.sync import cancel_body, open_dealer
 from batcher.core.link import Backoff, Drop, PeerLink
+from batcher.core.replies import ReplyTable
 from batcher.core.row_deadline import RowDeadline, RowStep
 from batcher.gateway import oip
 from batcher.gateway.bodies import pack_request
@@ -77,11 +77,11 @@ class BrokerLink:
         self.generation = 0
         self._settings = settings
         self._ctx: zmq.Context[Any] = zmq.Context()
-        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        #: The requests sent and not answered yet, and their ids (batcher/core/replies.py).
+        self._replies: ReplyTable[asyncio.Future[dict[str, Any]]] = ReplyTable()
         #: Rows to send at the end of this turn of the loop (`_flush`), by id, in order.
         self._unsent: dict[int, bytes] = {}
         self._flush_due = False
-        self._ids = itertools.count(1)
         self._loop = asyncio.get_running_loop()
         self._sock: zmq.Socket[Any] | None = None  # None between a lost socket and the next
         self._watch: ConnectionWatch | None = None
@@ -179,11 +179,10 @@ class BrokerLink:
     @property
     def outstanding(self) -> int:
         """Requests sent and not answered yet (rows and questions)."""
-        return len(self._pending)
+        return len(self._replies)
 
     def _fail_pending(self, error: oip.OipError) -> None:
-        pending, self._pending = self._pending, {}
-        for fut in pending.values():
+        for fut in self._replies.take_all().values():
             if not fut.done():
                 fut.set_exception(error)
 
@@ -226,7 +225,7 @@ class BrokerLink:
         """A request's id and body, to send with `send_packed`; `too_large` (413) when it
         is over the broker's --max-message-bytes (SAFE_BODY_BYTES while that is not
         known), so that a request of many rows is refused before any of them leaves."""
-        req_id = next(self._ids)
+        req_id = self._replies.new_id()
         body = pack_request({"id": req_id, **fields})
         limit = self.max_message_bytes
         if len(body) > (limit or SAFE_BODY_BYTES):
@@ -250,7 +249,7 @@ class BrokerLink:
             sock, watch = self._sock, self._watch
             if sock is None or watch is None or not watch.handshake_ok:
                 raise oip.OipError(ErrorCode.UNAVAILABLE, self.why_unavailable())
-        fut = self._pending[req_id] = self._loop.create_future()
+        fut = self._replies.add(req_id, self._loop.create_future())
         if not now:
             self._unsent[req_id] = body
             if not self._flush_due:
@@ -261,10 +260,10 @@ class BrokerLink:
         try:
             send_frames(sock, [b"", body])
         except zmq.Again:
-            del self._pending[req_id]
+            self._replies.forget(req_id)
             raise oip.OipError(ErrorCode.UNAVAILABLE, self.why_unavailable()) from None
         except BaseException:
-            self._pending.pop(req_id, None)
+            self._replies.forget(req_id)
             raise
         finally:
             self._drain()  # a send may take the descriptor's edge: read what is there now
@@ -281,7 +280,7 @@ class BrokerLink:
         sock = self._sock
         try:
             for req_id, body in unsent.items():
-                fut = self._pending.get(req_id)
+                fut = self._replies.get(req_id)
                 if fut is None or fut.done():
                     continue  # forgotten, or answered (a lost connection), before it left
                 try:
@@ -289,17 +288,17 @@ class BrokerLink:
                         raise zmq.Again
                     send_frames(sock, [b"", body])
                 except zmq.Again:
-                    del self._pending[req_id]
+                    self._replies.forget(req_id)
                     fut.set_exception(oip.OipError(ErrorCode.UNAVAILABLE, self.why_unavailable()))
                 except Exception as exc:  # as `send_packed` would have raised it to its caller
-                    del self._pending[req_id]
+                    self._replies.forget(req_id)
                     fut.set_exception(exc)
         finally:
             self._drain()  # a send may take the descriptor's edge: read what is there now
 
     def forget(self, req_id: int, cancel: bool) -> None:
         """Stop waiting for `req_id`; with `cancel`, ask the broker to drop it if queued."""
-        fut = self._pending.pop(req_id, None)
+        fut = self._replies.forget(req_id)
         if fut is not None and not fut.done():
             fut.cancel()
         if self._unsent.pop(req_id, None) is not None:
@@ -330,7 +329,7 @@ class BrokerLink:
                 frames = recv_frames(sock, copied=1)
                 try:
                     reply = _decode_reply(frames[-1])
-                    fut = self._pending.pop(reply["id"], None)
+                    fut = self._replies.match(reply["id"])
                 except Exception:
                     continue  # not a reply of ours
                 if fut is not None and not fut.done():

@@ -97,7 +97,7 @@ def test_replies_in_any_order_reach_their_rows(fake_broker: Any) -> None:
             await connected(link)
             calls = [link.call({"input": i, "model": "m"}, 5.0) for i in (1, 2, 3)]
             replies = await asyncio.gather(*calls)
-            assert link._pending == {}
+            assert link.outstanding == 0
             return [r["output"] for r in replies]
         finally:
             link.close()
@@ -131,7 +131,7 @@ def test_a_row_given_up_on_is_cancelled_at_the_broker_and_forgotten(fake_broker:
 
     ids, link = asyncio.run(main())
     try:
-        assert link._pending == {}
+        assert link.outstanding == 0
         fb.wait_received(lambda got: sum(b.get("op") == "cancel" for b in got) == 2)
         assert sorted(b["id"] for b in fb.received if b.get("op") == "cancel") == sorted(ids)
     finally:
@@ -157,7 +157,7 @@ def test_no_broker_is_unavailable_at_once_and_rows_are_answered_when_closing() -
                 await gateway.infer(request)
             assert refused.value.code == "unavailable"
             assert asyncio.get_running_loop().time() - started < 1.0
-            assert gateway.link._pending == {}
+            assert gateway.link.outstanding == 0
             assert not await gateway.ready()
         finally:
             await gateway.close()
@@ -207,7 +207,7 @@ def test_closing_answers_the_rows_still_waiting(fake_broker: Any) -> None:
         await gateway.close()
         with pytest.raises(oip.OipError) as closed:
             await task
-        assert closed.value.code == "closed" and gateway.link._pending == {}
+        assert closed.value.code == "closed" and gateway.link.outstanding == 0
 
     asyncio.run(main())
 
@@ -309,7 +309,7 @@ def test_rows_past_their_deadline_are_cancelled_before_their_client_is_given_up_
             rows = [b["id"] for b in fb.received if "input" in b]
             cancels = [b["id"] for b in fb.received if b.get("op") == "cancel"]
             assert len(rows) == 2 and sorted(cancels) == sorted(rows), fb.received
-            assert gateway.link._pending == {}
+            assert gateway.link.outstanding == 0
         finally:
             await gateway.close()
 

@@ -61,7 +61,7 @@ def track(c: BaseClient[Any], wait_s: float | None = 1.0) -> PendingReply:
     """A request in flight on the core, as Client.start leaves it (nothing sent)."""
     request_id = c._next_id()
     pending = PendingReply(c, request_id, b"body", wait_s, 100.0)  # type: ignore[arg-type]
-    c._pending[request_id] = pending
+    c._replies.add(request_id, pending)
     return pending
 
 
@@ -87,7 +87,7 @@ def test_replies_are_matched_by_id_in_any_order() -> None:
     p1, p2, p3 = track(c), track(c), track(c)
     assert c._match(ok(3)) is p3
     assert c._match(ok(1)) is p1
-    assert list(c._pending) == [p2.request_id]
+    assert len(c._replies) == 1 and c._replies.get(p2.request_id) is p2
     assert c.duplicates_dropped == 0
 
 
@@ -121,7 +121,8 @@ def test_nil_id_error_with_several_in_flight_or_nil_id_success_matches_none() ->
     p1, p2 = track(c), track(c)
     assert c._match(error(None)) is None  # ambiguous: matched to none
     assert c._match(ok(None)) is None  # only an error may carry a nil id
-    assert set(c._pending.values()) == {p1, p2}
+    assert len(c._replies) == 2
+    assert c._replies.get(p1.request_id) is p1 and c._replies.get(p2.request_id) is p2
     assert c.duplicates_dropped == 2
     c.forget(p1.request_id)
     assert c._match(ok(None)) is None  # even with one in flight
@@ -134,7 +135,7 @@ def test_what_is_no_reply_raises_and_is_not_counted(not_a_reply: Any) -> None:
     track(c)
     with pytest.raises((KeyError, TypeError)):
         c._match(not_a_reply)
-    assert c.duplicates_dropped == 0 and len(c._pending) == 1
+    assert c.duplicates_dropped == 0 and len(c._replies) == 1
 
 
 # --- timeouts and retries -------------------------------------------------------------------------
@@ -146,14 +147,14 @@ def test_expire_sends_again_while_retries_last_then_answers_timeout() -> None:
     assert p.deadline == 105.0  # sent at 100.0 (the fake clock's)
     assert c._expire(p, 105.5) is True  # to be sent again, with a fresh deadline
     assert p.attempts == 2 and p.sent_at == 105.5 and p.deadline == 110.5
-    assert p.reply is None and p.request_id in c._pending  # same id: either reply answers it
+    assert p.reply is None and p.request_id in c._replies  # same id: either reply answers it
     assert c._expire(p, 110.5) is True
     assert p.attempts == 3 and p.deadline == 115.5
     assert c._expire(p, 115.5) is False  # retries spent
     assert p.reply == timeout_reply(
         p.request_id, "no reply from tcp://broker:5555 after 3 attempt(s): the broker may be busy"
     )
-    assert p.request_id not in c._pending
+    assert p.request_id not in c._replies
     with pytest.raises(ClientTimeout) as err:
         p.result()
     assert err.value.code == "timeout" and "after 3 attempt(s)" in err.value.message
