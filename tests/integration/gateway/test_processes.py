@@ -287,6 +287,7 @@ class HeldRequests:
     answered later: `outcomes()` reads every answer (in a thread of its own each)."""
 
     def __init__(self, port: int, n: int) -> None:
+        self.port = port
         self.conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=30) for _ in range(n)]
         for conn in self.conns:
             conn.request("POST", "/v2/models/probe/infer", infer_body("slow"))
@@ -304,6 +305,11 @@ class HeldRequests:
 
     def client_ports(self) -> list[int]:
         return [conn.sock.getsockname()[1] for conn in self.conns]
+
+    def accepted(self, processes: list[psutil.Process]) -> bool:
+        """Every connection is held by one of `processes`: none waits in the listener's
+        backlog, where the broker's idle queue cannot tell it from one never sent."""
+        return set(self.client_ports()) <= set(served_by(processes, self.port))
 
     def outcomes(self) -> list[Any]:
         for t in self.threads:
@@ -323,6 +329,7 @@ def test_a_signal_drains_every_process(spawn: Callable[..., Spawned], to_group: 
     frontend, gw = start_chain(spawn, "--http-port", str(http_port), "--processes", "2", model="probe")
     kids = children(gw.pid)
     held = HeldRequests(http_port, CONNECTIONS)
+    wait_until(lambda: held.accepted(kids), 10, "every connection accepted by a gateway process")
     wait_until(
         lambda: (s := stats(frontend, "probe")).get("busy_workers") == 1 and s.get("queued") == 0,
         10,
@@ -454,6 +461,7 @@ def test_a_signal_to_serves_group_drains_every_gateway_process(serve: Callable[.
     (parent,) = [p for p in psutil.Process(sp.process.pid).children() if "gateway" in " ".join(p.cmdline())]
     kids = parent.children()
     held = HeldRequests(http_port, CONNECTIONS)
+    wait_until(lambda: held.accepted(kids), 10, "every connection accepted by a gateway process")
     wait_until(
         lambda: (s := stats(sp.frontend, "probe")).get("busy_workers") == 1 and s.get("queued") == 0,
         10,
