@@ -66,6 +66,20 @@ class BoundedExporter(SpanProcessor):
             if len(self._queue) >= self._batch:
                 cond.notify()
 
+    def put_many(self, items: list[Any]) -> None:
+        """Queue many finished spans at once, as the exporter's `export` takes them (the
+        broker's exporter process: its span records), under one lock; those past the
+        queue's room are dropped, counted."""
+        cond = self._cond
+        with cond:
+            room = self._max_queue - len(self._queue)
+            if len(items) > room:
+                count_dropped(len(items) - max(room, 0))
+                items = items[: max(room, 0)]
+            self._queue.extend(items)
+            if len(self._queue) >= self._batch:
+                cond.notify()
+
     def _take(self) -> list[ReadableSpan]:
         queue, n = self._queue, min(self._batch, len(self._queue))
         return [queue.popleft() for _ in range(n)]
