@@ -25,6 +25,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
 from batcher.extras import MissingExtra, install_command
 from batcher.observe.counters import count_dropped
+from batcher.observe.otlp_encode import FastSpanExporter
 from batcher.observe.settings import TraceSettings
 
 log = logging.getLogger("batcher.tracing")
@@ -167,7 +168,9 @@ def make_provider(
     so an unsampled request costs no SDK call at all."""
     resource = Resource.create({"service.name": settings.service_name or service, **(attributes or {})})
     provider = TracerProvider(resource=resource, sampler=ALWAYS_ON)
-    processor = BoundedExporter(exporter if exporter is not None else make_exporter(settings), settings)
+    if exporter is None:
+        exporter = FastSpanExporter(make_exporter(settings))
+    processor = BoundedExporter(exporter, settings)
     provider.add_span_processor(processor)
     try:
         trace.set_tracer_provider(provider)

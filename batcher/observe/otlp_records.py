@@ -1,17 +1,11 @@
 """The broker's span records (batcher.observe.relay) straight to OTLP's protobuf messages,
 in its exporter process: the generated classes of opentelemetry-proto
-(ExportTraceServiceRequest, ResourceSpans, ScopeSpans, Span), filled in place (`add()`
-and field assignment; a message handed lists in its constructor copies them, about four
-times the cost), the same messages the SDK's encoder makes from its span objects but
-without those objects: about 10 us a span where records -> SDK spans -> the SDK's
-encoder took about 85 (docs/benchmarks.md, "Tracing").
-
-They leave through the SDK's own OTLP exporter (HTTP or gRPC), so its endpoint, headers,
-timeout, compression, TLS files, retries and every OTEL_EXPORTER_OTLP_* variable hold as
-they do for SDK spans: its `export` is handed an `Encoded` request, which its module's
-`encode_spans` (wrapped once, `hook_encoder`) passes through. Where that module has no
-`encode_spans` to wrap, records are built into SDK spans (`build`) and encoded by the SDK,
-as before: slower, the same spans.
+(ExportTraceServiceRequest, ResourceSpans, ScopeSpans, Span) filled in place
+(batcher.observe.otlp_encode), the same messages the SDK's encoder makes from its span
+objects but without those objects: about 10 us a span where records -> SDK spans -> the
+SDK's encoder took about 85 (docs/benchmarks.md, "Tracing"). They leave through the SDK's
+own OTLP exporter (otlp_encode.hook_encoder); where its encoder cannot be bypassed,
+records are built into SDK spans (`build`) and encoded by the SDK, as before.
 
 Records, as relay.RelaySpans makes them (msgpack turns tuples into lists):
   a span:  (name, kind, trace_id: 16 bytes, span_id, parent_id or 0, start_ns, end_ns,
@@ -28,14 +22,11 @@ Records, as relay.RelaySpans makes them (msgpack turns tuples into lists):
 from __future__ import annotations
 
 import logging
-import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
-from opentelemetry.proto.resource.v1.resource_pb2 import Resource as ResourcePb
-from opentelemetry.proto.trace.v1.trace_pb2 import Span, SpanFlags, Status
+from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -46,6 +37,14 @@ from opentelemetry.trace import StatusCode as SdkStatusCode
 from opentelemetry.trace.span import TraceState
 
 from batcher.observe.counters import count_dropped
+from batcher.observe.otlp_encode import (
+    LOCAL,
+    Encoded,
+    encode_resource,
+    hook_encoder,
+    set_attributes,
+    set_value,
+)
 from batcher.observe.relay import BATCH, QUEUE
 
 log = logging.getLogger("batcher.tracing")
@@ -55,8 +54,6 @@ SCOPE = "batcher"
 #: SpanKind values (opentelemetry.trace.SpanKind) as records carry them, as OTLP's.
 _KINDS = {0: Span.SPAN_KIND_INTERNAL, 1: Span.SPAN_KIND_SERVER, 2: Span.SPAN_KIND_CLIENT}
 _SDK_KINDS = {0: SpanKind.INTERNAL, 1: SpanKind.SERVER, 2: SpanKind.CLIENT}
-#: The flags the SDK's encoder gives a span and a link whose context is not remote.
-_LOCAL = SpanFlags.SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK
 _SAMPLED = TraceFlags(1)
 _ERROR = Status.STATUS_CODE_ERROR
 #: Tracestate headers as the SDK writes them back, kept at most this many.
@@ -119,57 +116,11 @@ def build(record: Sequence[Any], resource: Resource) -> ReadableSpan:
     )
 
 
-def set_value(value: AnyValue, v: Any) -> None:
-    """`v` into `value` as the SDK's encoder types it (bool before int: a bool is an int)."""
-    t = type(v)
-    if t is str:
-        value.string_value = v
-    elif t is float:
-        value.double_value = v
-    elif t is int:
-        value.int_value = v
-    elif isinstance(v, bool):
-        value.bool_value = v
-    elif isinstance(v, str):
-        value.string_value = v
-    elif isinstance(v, int):
-        value.int_value = v
-    elif isinstance(v, float):
-        value.double_value = v
-    elif isinstance(v, bytes):
-        value.bytes_value = v
-    elif v is None:
-        value.SetInParent()  # present, empty: as the SDK's encoder leaves it
-    elif isinstance(v, Sequence):
-        value.array_value.SetInParent()
-        values = value.array_value.values
-        for item in v:
-            set_value(values.add(), item)
-    elif isinstance(v, Mapping):
-        value.kvlist_value.SetInParent()
-        kvs = value.kvlist_value.values
-        for key, item in v.items():
-            kv = kvs.add()
-            kv.key = str(key)
-            set_value(kv.value, item)
-    else:
-        raise TypeError(f"invalid type {type(v)} of value {v!r}")
-
-
-def set_attributes(kvs: Any, attributes: Mapping[str, Any]) -> None:
-    """`attributes` appended to the repeated KeyValue field `kvs`."""
-    for key, v in attributes.items():
-        kv = kvs.add()
-        kv.key = key
-        set_value(kv.value, v)
-
-
 class Encoder:
     """Records to one ExportTraceServiceRequest of the process's resource and scope."""
 
     def __init__(self, resource: Resource) -> None:
-        self._resource = ResourcePb()
-        set_attributes(self._resource.attributes, resource.attributes)
+        self._resource = encode_resource(resource)
         self._schema_url = resource.schema_url or ""
         self._states: dict[str, str] = {}
 
@@ -214,7 +165,7 @@ class Encoder:
             sp.trace_state = self._state(state)
         if parent_id:
             sp.parent_span_id = parent_id.to_bytes(8, "big")
-        sp.flags = _LOCAL
+        sp.flags = LOCAL
 
     def _queue_span(self, sp: Any, record: Sequence[Any]) -> None:
         (_, trace_id, span_id, parent_id, start_ns, end_ns, model, priority, outcome, attempt,
@@ -253,7 +204,7 @@ class Encoder:
             ln = sp.links.add()
             ln.trace_id = link_trace
             ln.span_id = link_span.to_bytes(8, "big")
-            ln.flags = _LOCAL
+            ln.flags = LOCAL
             kv = ln.attributes.add()
             kv.key = "batcher.link"
             kv.value.string_value = "batch"
@@ -273,7 +224,7 @@ class Encoder:
             ln = add()
             ln.trace_id = t
             ln.span_id = s.to_bytes(8, "big")
-            ln.flags = _LOCAL
+            ln.flags = LOCAL
             kv = ln.attributes.add()
             kv.key = "batcher.request_id"
             kv.value.string_value = request_id
@@ -293,7 +244,7 @@ class Encoder:
             ln = sp.links.add()
             ln.trace_id = t
             ln.span_id = s.to_bytes(8, "big")
-            ln.flags = _LOCAL
+            ln.flags = LOCAL
             set_attributes(ln.attributes, a)
         self._status(sp, error)
 
@@ -312,45 +263,6 @@ class Encoder:
             sp.status.message = error
         else:
             sp.status.SetInParent()  # UNSET, present: as the SDK's encoder leaves it
-
-
-class Encoded:
-    """A request already encoded, handed to the SDK exporter's `export` in place of its
-    spans: its length is the spans' count (the exporter's own metrics); iterating it is
-    an error, so an exporter whose encoder was not bypassed fails (counted) rather than
-    export nothing."""
-
-    __slots__ = ("count", "request")
-
-    def __init__(self, request: ExportTraceServiceRequest, count: int) -> None:
-        self.request = request
-        self.count = count
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __iter__(self) -> Iterator[Any]:
-        raise TypeError("an Encoded request reached an encoder that was not bypassed")
-
-
-def hook_encoder(exporter: SpanExporter) -> bool:
-    """Make `exporter`'s module pass an `Encoded` request through its `encode_spans`
-    (every other argument still encoded by the SDK); False when it has none to wrap."""
-    module = sys.modules.get(type(exporter).__module__)
-    original = getattr(module, "encode_spans", None)
-    if module is None or not callable(original):
-        return False
-    if getattr(original, "batcher_passes_encoded", False):
-        return True
-
-    def encode_spans(spans: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(spans, Encoded):
-            return spans.request
-        return original(spans, *args, **kwargs)
-
-    encode_spans.batcher_passes_encoded = True  # type: ignore[attr-defined]
-    setattr(module, "encode_spans", encode_spans)  # noqa: B010 (a module's global, replaced)
-    return True
 
 
 class RecordExporter(SpanExporter):
