@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 import msgpack
@@ -25,6 +26,9 @@ from batcher.observe.counters import spans_dropped
 from batcher.observe.export import BoundedExporter, make_exporter
 from batcher.observe.otlp_records import RecordExporter
 from batcher.observe.settings import TraceSettings
+
+#: How often, at most, the broker is told of the spans dropped here.
+TELL_EVERY_S = 0.2
 
 
 def exporter_of(config: dict[str, Any]) -> BoundedExporter:
@@ -56,7 +60,7 @@ def main(argv: list[str]) -> None:
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
-    told = 0
+    told, told_at = 0, 0.0
     while not done.is_set() or sock.poll(0):
         if sock.poll(200):
             try:
@@ -65,11 +69,11 @@ def main(argv: list[str]) -> None:
                 records = None
             if isinstance(records, list):
                 processor.put_many(records)
-        dropped = spans_dropped()
-        if dropped != told:
+        dropped, now = spans_dropped(), time.monotonic()
+        if dropped != told and now - told_at >= TELL_EVERY_S:
             try:
                 sock.send(msgpack.packb(dropped - told), zmq.NOBLOCK)
-                told = dropped
+                told, told_at = dropped, now
             except zmq.ZMQError:
                 pass
     processor.shutdown()
