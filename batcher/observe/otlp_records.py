@@ -58,6 +58,8 @@ _SAMPLED = TraceFlags(1)
 _ERROR = Status.STATUS_CODE_ERROR
 #: Tracestate headers as the SDK writes them back, kept at most this many.
 _MAX_STATES = 1024
+#: Queue span templates kept at most (one per model, priority, outcome, attempt, ...).
+_MAX_TEMPLATES = 1024
 
 
 def expand(record: Sequence[Any]) -> tuple[Any, ...]:
@@ -123,6 +125,7 @@ class Encoder:
         self._resource = encode_resource(resource)
         self._schema_url = resource.schema_url or ""
         self._states: dict[str, str] = {}
+        self._templates: dict[tuple[Any, ...], Span] = {}
 
     def encode(self, records: Sequence[Sequence[Any]]) -> tuple[ExportTraceServiceRequest, int]:
         """(the request, how many records it holds); a record that cannot be encoded is
@@ -167,48 +170,58 @@ class Encoder:
             sp.parent_span_id = parent_id.to_bytes(8, "big")
         sp.flags = LOCAL
 
+    def _queue_template(self, key: tuple[Any, ...]) -> Span:
+        """A queue span's fields that many share (name, kind, flags, the first attributes,
+        placeholders of the others, its link's attributes, its status), made once."""
+        model, priority, _, outcome, attempt, _, has_id, has_deadline, code, has_link = key
+        t = Span(name="batcher.queue", kind=Span.SPAN_KIND_SERVER, flags=LOCAL)
+        attributes: dict[str, Any] = {
+            "batcher.model": model,
+            "batcher.priority": priority,
+            "batcher.outcome": outcome,
+            "batcher.attempt": attempt,
+        }
+        if has_id:
+            attributes["batcher.request_id"] = ""  # (each span's own, set over it)
+        if has_deadline:
+            attributes["batcher.deadline_ms"] = 0.0
+        if code is not None:
+            attributes["batcher.error_code"] = code
+        set_attributes(t.attributes, attributes)
+        if has_link:
+            ln = t.links.add()
+            ln.flags = LOCAL
+            set_attributes(ln.attributes, {"batcher.link": "batch"})
+        self._status(t, code)
+        if len(self._templates) >= _MAX_TEMPLATES:
+            self._templates.clear()
+        self._templates[key] = t
+        return t
+
     def _queue_span(self, sp: Any, record: Sequence[Any]) -> None:
+        """A queue span: its template merged in, then what is its own (ids, times, request
+        id, deadline, link target)."""
         (_, trace_id, span_id, parent_id, start_ns, end_ns, model, priority, outcome, attempt,
          request_id, deadline_ms, code, link_trace, link_span, state) = record  # fmt: skip
-        self._head(sp, trace_id, span_id, parent_id, state)
-        sp.name = "batcher.queue"
-        sp.kind = Span.SPAN_KIND_SERVER
+        key = (model, priority, type(priority), outcome, attempt, type(attempt), request_id is not None,
+               deadline_ms is not None, code, link_trace is not None)  # fmt: skip
+        sp.MergeFrom(self._templates.get(key) or self._queue_template(key))
+        sp.trace_id = trace_id
+        sp.span_id = span_id.to_bytes(8, "big")
+        if state:
+            sp.trace_state = self._state(state)
+        if parent_id:
+            sp.parent_span_id = parent_id.to_bytes(8, "big")
         sp.start_time_unix_nano = start_ns
         sp.end_time_unix_nano = end_ns
-        kvs = sp.attributes
-        kv = kvs.add()
-        kv.key = "batcher.model"
-        kv.value.string_value = model
-        kv = kvs.add()
-        kv.key = "batcher.priority"
-        set_value(kv.value, priority)
-        kv = kvs.add()
-        kv.key = "batcher.outcome"
-        kv.value.string_value = outcome
-        kv = kvs.add()
-        kv.key = "batcher.attempt"
-        set_value(kv.value, attempt)
         if request_id is not None:
-            kv = kvs.add()
-            kv.key = "batcher.request_id"
-            kv.value.string_value = request_id
+            sp.attributes[4].value.string_value = request_id
         if deadline_ms is not None:
-            kv = kvs.add()
-            kv.key = "batcher.deadline_ms"
-            set_value(kv.value, deadline_ms)
-        if code is not None:
-            kv = kvs.add()
-            kv.key = "batcher.error_code"
-            kv.value.string_value = code
+            set_value(sp.attributes[5 if request_id is not None else 4].value, deadline_ms)
         if link_trace is not None:
-            ln = sp.links.add()
+            ln = sp.links[0]
             ln.trace_id = link_trace
             ln.span_id = link_span.to_bytes(8, "big")
-            ln.flags = LOCAL
-            kv = ln.attributes.add()
-            kv.key = "batcher.link"
-            kv.value.string_value = "batch"
-        self._status(sp, code)
 
     def _batch_span(self, sp: Any, record: Sequence[Any]) -> None:
         _, trace_id, span_id, parent_id, start_ns, end_ns, attributes, links, events, error, state = record

@@ -101,10 +101,15 @@ def test_the_encoder_makes_the_sdks_request_field_for_field() -> None:
 
 def test_random_records_match_the_sdk_path_too() -> None:
     res = resource()
+    encoder = Encoder(res)  # one encoder throughout: what it keeps between requests never leaks
     for seed in range(20):
-        recs = records(seed)
+        recs = records(seed) + records(seed + 100)  # the same shapes again, other ids and values
         random.Random(seed).shuffle(recs)
-        assert Encoder(res).encode(recs)[0] == sdk_request(recs, res)
+        assert encoder.encode(recs)[0] == sdk_request(recs, res)
+    # the same queue span but for its priority's and attempt's types
+    base = records()[0]
+    typed = [base, (*base[:7], 0, "batched", 1.0, *base[10:]), (*base[:7], 0.0, "batched", True, *base[10:])]
+    assert encoder.encode(typed)[0] == sdk_request(typed, res)
 
 
 def test_a_bad_record_is_left_out_and_the_others_encoded() -> None:
