@@ -219,3 +219,47 @@ def test_over_grpc_the_trace_service_gets_what_the_sdk_path_sends() -> None:
         sdk.shutdown()
     finally:
         server.stop(None)
+
+
+def test_the_otel_headers_and_compression_variables_hold_as_for_the_sdks_exporter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gzip
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[tuple[dict[str, str], bytes]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            seen.append(({k.lower(): v for k, v in self.headers.items()}, body))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant=batcher,authorization=Bearer%20t")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "gzip")
+        settings = settings_for(f"http://127.0.0.1:{server.server_address[1]}")
+        recs, res = records(), resource()
+        direct = RecordExporter(make_exporter(settings), res)
+        sdk = RecordExporter(make_exporter(settings), res, direct=False)
+        assert direct.direct and direct.export(recs) is SpanExportResult.SUCCESS
+        assert sdk.export(recs) is SpanExportResult.SUCCESS
+        assert len(seen) == 2
+        for headers, _ in seen:
+            assert headers["x-tenant"] == "batcher" and headers["authorization"] == "Bearer t"
+            assert headers["content-encoding"] == "gzip"
+            assert headers["content-type"] == "application/x-protobuf"
+        got = [ExportTraceServiceRequest.FromString(gzip.decompress(body)) for _, body in seen]
+        assert got[0] == got[1] == sdk_request(recs, res)
+        assert seen[0][0]["user-agent"] == seen[1][0]["user-agent"]
+    finally:
+        server.shutdown()
+        server.server_close()
