@@ -18,6 +18,7 @@ Imported only when tracing is on: this module imports opentelemetry at its top."
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -112,12 +113,22 @@ class Encoded:
         raise TypeError("an Encoded request reached an encoder that was not bypassed")
 
 
+def calls_module_encoder(cls: type) -> bool:
+    """Whether the exporter class `cls` encodes by calling its module's `encode_spans` (as
+    the SDK's OTLP exporters have since 1.2x); False where its source cannot tell."""
+    try:
+        return "encode_spans(" in inspect.getsource(cls)
+    except (OSError, TypeError):
+        return False
+
+
 def hook_encoder(exporter: SpanExporter) -> bool:
     """Make `exporter`'s module pass an `Encoded` request through its `encode_spans`
-    (every other argument still encoded by the SDK); False when it has none to wrap."""
+    (every other argument still encoded by the SDK); False when it has none to wrap, or
+    its class does not call it (then the SDK encodes, as before)."""
     module = sys.modules.get(type(exporter).__module__)
     original = getattr(module, "encode_spans", None)
-    if module is None or not callable(original):
+    if module is None or not callable(original) or not calls_module_encoder(type(exporter)):
         return False
     if getattr(original, "batcher_passes_encoded", False):
         return True

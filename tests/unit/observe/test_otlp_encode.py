@@ -5,6 +5,7 @@ errors, every attribute type, limits that drop, several scopes and resources).""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import SpanExportResult
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.span import TraceState
 
@@ -125,3 +126,13 @@ def test_an_encoded_request_never_reaches_an_encoder_unnoticed() -> None:
     assert len(encoded) == 3
     with pytest.raises(TypeError):
         encode_spans(encoded)
+
+
+def test_an_exporter_that_does_not_call_its_modules_encoder_is_not_bypassed() -> None:
+    class Own(SpanExporter):  # encodes its own way: handing it an Encoded would lose spans
+        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    own = FastSpanExporter(Own())
+    assert not own.direct
+    assert own.export(spans_of_every_kind()) is SpanExportResult.SUCCESS
