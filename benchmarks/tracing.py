@@ -7,6 +7,8 @@ machine's cores all the same).
 
 A fourth serve runs sampling 1 with the SDK in the broker's process
 (BATCHER_TRACE_IN_PROCESS=1), the design the exporter process replaced, for comparison.
+With --baseline DIR (a source tree, e.g. `git archive main | tar -x -C /tmp/base`), one
+more runs sampling 1 from that tree: a before/after in the same run.
 
 Two loads: small messages (the `echo` model, max batch 32, wait 0: the broker's own
 cost dominates) and `sim` at saturation (2 workers of the simulated GPU, 20 ms + 1 ms an
@@ -16,6 +18,7 @@ loads; sampling 1 within 15% on small messages and within 2% on `sim`.
 
     python benchmarks/tracing.py            # 3 rounds
     python benchmarks/tracing.py --quick
+    python benchmarks/tracing.py --baseline /tmp/base
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=None, help="measured seconds per load (3; quick 1.5)")
     p.add_argument("--warmup", type=float, default=None, help="warm-up seconds per load (0.5; quick 0.3)")
     p.add_argument("--loads", default="small,sim", help="comma-separated: small, sim")
+    p.add_argument("--baseline", type=Path, default=None, help="a source tree to run sampling 1 from too")
     args = p.parse_args(argv)
     args.runs = args.runs or (2 if args.quick else 3)
     args.duration = args.duration or (1.5 if args.quick else 3.0)
@@ -77,6 +81,10 @@ def measure(
         "1, exporter not niced": [*base, "--trace-endpoint", collector.endpoint, "--trace-sample-ratio", "1"],
         "1, SDK in the broker": [*base, "--trace-endpoint", collector.endpoint, "--trace-sample-ratio", "1"],
     }
+    sources: dict[str, Path | None] = {name: None for name in configs}
+    if args.baseline is not None:
+        configs["1, baseline tree"] = configs["1"]
+        sources["1, baseline tree"] = args.baseline.resolve()
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
     ports = {name: int(free_tcp_address().rsplit(":", 1)[1]) for name in configs}
     with contextlib.ExitStack() as stack:
@@ -87,7 +95,7 @@ def measure(
                 os.environ["BATCHER_TRACE_IN_PROCESS"] = "1"
             if "not niced" in name:  # the exporter process at the broker's own priority
                 os.environ["BATCHER_TRACE_EXPORTER_NICE"] = "0"
-            addresses[name] = stack.enter_context(running_serve(a, workers)).frontend
+            addresses[name] = stack.enter_context(running_serve(a, workers, source=sources[name])).frontend
             os.environ.pop("BATCHER_TRACE_IN_PROCESS", None)
             os.environ.pop("BATCHER_TRACE_EXPORTER_NICE", None)
         for i in range(args.runs):

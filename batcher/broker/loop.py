@@ -511,13 +511,8 @@ def traced_batch(
     requests is traced); the queue waits observed with their trace ids as exemplars."""
     cost = sum(r.cost for r in batch.requests)
     traceparent = tracer.batch_started(batch, worker, cost, now)
-    exemplars = [
-        None
-        if r.trace is None or r.trace.queue is None
-        else {"trace_id": f"{r.trace.queue.trace_id:032x}", "span_id": f"{r.trace.queue.span_id:016x}"}
-        for r in batch.requests
-    ]
-    stats.metrics.queue_waits_ms(batch.model, queue_ms, exemplars)
+    spans = [None if r.trace is None else r.trace.queue for r in batch.requests]
+    stats.metrics.queue_waits_ms(batch.model, queue_ms, spans)
     bodies = [r.body for r in batch.requests]
     return protocol.batch_frames(
         batch.batch_id, queue_ms, bodies, traceparent, batch.model if batch.multiplexed else None

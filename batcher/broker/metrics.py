@@ -8,6 +8,7 @@ it the broker uses `NoMetrics`, whose methods do nothing.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,9 +66,7 @@ class NoMetrics:
     def batch_done(self, model: str, size: int, infer_s: float, exemplar: Exemplar = None) -> None:
         pass
 
-    def queue_waits_ms(
-        self, model: str, waits_ms: list[float], exemplars: list[dict[str, str] | None] | None = None
-    ) -> None:
+    def queue_waits_ms(self, model: str, waits_ms: list[float], spans: list[Any] | None = None) -> None:
         pass
 
     def worker_wait(self, model: str, wait_s: float, exemplar: Exemplar = None) -> None:
@@ -257,18 +256,25 @@ class PrometheusMetrics(NoMetrics):
         self.batch_size.labels(model).observe(size)
         self.inference.labels(model).observe(infer_s, exemplar)
 
-    def queue_waits_ms(
-        self, model: str, waits_ms: list[float], exemplars: list[dict[str, str] | None] | None = None
-    ) -> None:
-        """Each request's wait; a traced one's carries its trace and span id as an
-        exemplar (shown in the OpenMetrics exposition), so a slow bucket leads to a trace."""
+    def queue_waits_ms(self, model: str, waits_ms: list[float], spans: list[Any] | None = None) -> None:
+        """Each request's wait; a traced one's carries its queue span's trace and span id
+        (`spans`: each request's span context, None for an untraced one) as an exemplar
+        (shown in the OpenMetrics exposition), so a slow bucket leads to a trace. A bucket
+        keeps the last exemplar it was given, so only the last traced request of each
+        bucket here is given one (the others' would be replaced within this call)."""
         observe = self.queue_wait.labels(model).observe
-        if exemplars is None:
+        if spans is None:
             for w in waits_ms:
                 observe(w / 1000.0)
             return
-        for w, exemplar in zip(waits_ms, exemplars, strict=True):
-            observe(w / 1000.0, exemplar)
+        last = {
+            bisect_left(SECONDS_BUCKETS, w / 1000.0): i
+            for i, (w, ctx) in enumerate(zip(waits_ms, spans, strict=True))
+            if ctx is not None
+        }
+        given = set(last.values())
+        for i, w in enumerate(waits_ms):
+            observe(w / 1000.0, exemplar_of(spans[i]) if i in given else None)
 
     def worker_wait(self, model: str, wait_s: float, exemplar: Exemplar = None) -> None:
         self.worker_wait_hist.labels(model).observe(wait_s, exemplar)

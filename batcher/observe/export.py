@@ -25,6 +25,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
 from batcher.extras import MissingExtra, install_command
 from batcher.observe.counters import count_dropped
+from batcher.observe.otlp_encode import FastSpanExporter
 from batcher.observe.settings import TraceSettings
 
 log = logging.getLogger("batcher.tracing")
@@ -63,6 +64,20 @@ class BoundedExporter(SpanProcessor):
                 count_dropped(1)
                 return
             self._queue.append(span)
+            if len(self._queue) >= self._batch:
+                cond.notify()
+
+    def put_many(self, items: list[Any]) -> None:
+        """Queue many finished spans at once, as the exporter's `export` takes them (the
+        broker's exporter process: its span records), under one lock; those past the
+        queue's room are dropped, counted."""
+        cond = self._cond
+        with cond:
+            room = self._max_queue - len(self._queue)
+            if len(items) > room:
+                count_dropped(len(items) - max(room, 0))
+                items = items[: max(room, 0)]
+            self._queue.extend(items)
             if len(self._queue) >= self._batch:
                 cond.notify()
 
@@ -153,7 +168,9 @@ def make_provider(
     so an unsampled request costs no SDK call at all."""
     resource = Resource.create({"service.name": settings.service_name or service, **(attributes or {})})
     provider = TracerProvider(resource=resource, sampler=ALWAYS_ON)
-    processor = BoundedExporter(exporter if exporter is not None else make_exporter(settings), settings)
+    if exporter is None:
+        exporter = FastSpanExporter(make_exporter(settings))
+    processor = BoundedExporter(exporter, settings)
     provider.add_span_processor(processor)
     try:
         trace.set_tracer_provider(provider)

@@ -1,12 +1,14 @@
 """The broker's spans without the SDK in its process: its loop keeps each span as a raw
-record (ids, times, attributes: a tuple), and hands them, msgpack-packed, a batch of
-records at a time, to an exporter process of its own (batcher.observe.relay_exporter)
-over an ipc:// PAIR socket; that process builds the SDK's spans and exports them over
-OTLP. What moved the benchmark: the SDK's span start and end (about 35 and 26 us) and
-the OTLP encode (about 78 us a span) ran under the broker's GIL; a record costs the loop
-a few microseconds (docs/benchmarks.md, "Tracing"). Records the exporter cannot take yet
-(it is starting, or its socket is full) are kept, up to the export queue's size, and
-sent at the next flush (a batch's end, or the heartbeat tick); past that, dropped, counted.
+record (ids, times, and a queue span's attribute values in their places: a tuple), and
+hands them, msgpack-packed, a batch of records at a time, to an exporter process of its
+own (batcher.observe.relay_exporter) over an ipc:// PAIR socket; that process encodes
+them into OTLP's protobuf messages (batcher.observe.otlp_records, where the record
+formats are) and exports them. What moved the benchmark: the SDK's span start and end
+(about 35 and 26 us) and the OTLP encode (about 78 us a span) ran under the broker's
+GIL; a record costs the loop a few microseconds (docs/benchmarks.md, "Tracing"). Records
+the exporter cannot take yet (it is starting, or its socket is full) are kept, up to the
+export queue's size, and sent at the next flush (a batch's end, or the heartbeat tick);
+past that, dropped, counted.
 
 Same face as batcher.observe.broker_spans.BrokerSpans (the in-process SDK, kept for
 comparison: BATCHER_TRACE_IN_PROCESS=1). A relay socket that is full (the exporter
@@ -37,10 +39,14 @@ from batcher.wire.tracecontext import format_traceparent, parse_traceparent, par
 
 log = logging.getLogger("batcher.tracing")
 
-#: SpanKind values (opentelemetry.trace.SpanKind) as the records carry them.
-INTERNAL, SERVER = 0, 1
+#: The first item of a queue span's record and of a batch span's (their formats:
+#: batcher.observe.otlp_records, which encodes them in the exporter process).
+QUEUE, BATCH = 0, 1
 #: Record messages the relay socket holds before the loop drops (counted) instead.
 RELAY_HWM = 1000
+#: Records kept before a batch's end hands them over; fewer wait for the heartbeat tick
+#: (every 500 ms): one message of a few hundred records costs the loop less than one a batch.
+FLUSH_RECORDS = 256
 #: The exporter process's niceness (os.nice): it yields the CPU to serving, on a machine
 #: without a core to spare, at the price of spans dropped (counted) when it falls behind.
 EXPORTER_NICE = int(os.environ.get("BATCHER_TRACE_EXPORTER_NICE", "10"))
@@ -135,32 +141,29 @@ class RelaySpans:
         if rt.queue is not None:
             return
         parent = rt.parent
-        attributes: dict[str, Any] = {
-            "batcher.model": model,
-            "batcher.priority": float(req.priority),
-            "batcher.outcome": outcome,
-            "batcher.attempt": req.attempts + 1,
-        }
-        if req.id is not None:
-            attributes["batcher.request_id"] = str(req.id)
-        if req.deadline_at is not None:
-            attributes["batcher.deadline_ms"] = round((req.deadline_at - req.arrived_at) * 1000.0, 3)
-        if code is not None:
-            attributes["batcher.error_code"] = code
+        rid = req.id
+        if rid is not None and type(rid) is not str:
+            rid = str(rid)
+        deadline_at = req.deadline_at
+        deadline_ms = None if deadline_at is None else round((deadline_at - req.arrived_at) * 1000.0, 3)
         if parent is None:
             ctx = Ctx(self._bits(128) or 1, self._bits(64) or 1)
+            parent_id = 0
         else:
             ctx = Ctx(parent.trace_id, self._bits(64) or 1, 1, parent.state)
+            parent_id = parent.span_id
         rt.queue = ctx
-        links = () if batch is None else ((_b(batch.trace_id), batch.span_id, {"batcher.link": "batch"}),)
+        offset = self._offset_ns
         self._records.append(
             (
-                "batcher.queue", SERVER, _b(ctx.trace_id), ctx.span_id,
-                0 if parent is None else parent.span_id, self.ns(req.arrived_at), self.ns(now),
-                attributes, links, (), code, ctx.state,
+                QUEUE, ctx.trace_id.to_bytes(16, "big"), ctx.span_id, parent_id,
+                int(req.arrived_at * 1e9) + offset, int(now * 1e9) + offset,
+                model, float(req.priority), outcome, req.attempts + 1, rid, deadline_ms, code,
+                None if batch is None else batch.trace_id.to_bytes(16, "big"),
+                0 if batch is None else batch.span_id, ctx.state,
             )
         )  # fmt: skip
-        if outcome not in ("batched", "started"):
+        if outcome not in ("batched", "started") and len(self._records) >= FLUSH_RECORDS:
             self.flush()
 
     def refused(self, rt: RelayTrace, req_id: object, model: str | None, code: str, now: float) -> None:
@@ -182,12 +185,13 @@ class RelaySpans:
             self.queue_ended(first, batch.model, "batched", now)
         parent = first.trace.queue
         ctx = Ctx(parent.trace_id, self._bits(64) or 1, 1, parent.state)
-        links = [(_b(parent.trace_id), parent.span_id, {"batcher.request_id": str(first.id)})]
+        links = [(_b(parent.trace_id), parent.span_id, str(first.id))]
+        queue_ended, model = self.queue_ended, batch.model
         for r in traced[1:]:
             if r.trace.queue is None:
-                self.queue_ended(r, batch.model, "batched", now, batch=ctx)
+                queue_ended(r, model, "batched", now, batch=ctx)
             q = r.trace.queue
-            links.append((_b(q.trace_id), q.span_id, {"batcher.request_id": str(r.id)}))
+            links.append((q.trace_id.to_bytes(16, "big"), q.span_id, str(r.id)))
         attempt, attributes = batch_attributes(batch, cost, worker, len(traced))
         events = [("batcher.redispatch", self.ns(now), {"batcher.attempt": attempt})] if attempt > 1 else []
         if len(self._open) >= MAX_OPEN_BATCHES:
@@ -202,11 +206,12 @@ class RelaySpans:
         ctx, parent_id, start_ns, attributes, links, events = held
         self._records.append(
             (
-                "batcher.batch", INTERNAL, _b(ctx.trace_id), ctx.span_id, parent_id, start_ns, self.ns(now),
+                BATCH, _b(ctx.trace_id), ctx.span_id, parent_id, start_ns, self.ns(now),
                 attributes, links, events, error, ctx.state,
             )
         )  # fmt: skip
-        self.flush()
+        if len(self._records) >= FLUSH_RECORDS:
+            self.flush()
 
     def batch_answered(
         self, batch_id: int, now: float, infer_ms: float, wait_ms: float | None, padding: Any, errors: Any
