@@ -304,7 +304,7 @@ def import_model_file(path: str) -> ModuleType:
     model.py files never share one)."""
     import importlib.util
 
-    name = "batcher_model_" + "".join(c if c.isalnum() else "_" for c in os.path.abspath(path))
+    name = model_file_module(path)
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ModuleNotFoundError(f"cannot import a model module from {path}", name=name)
@@ -312,6 +312,21 @@ def import_model_file(path: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def model_file_module(path: str) -> str:
+    """The name in sys.modules of the Python model file at `path` (import_model_file)."""
+    return "batcher_model_" + "".join(c if c.isalnum() else "_" for c in os.path.abspath(path))
+
+
+def release_model(spec: ModelSpec) -> None:
+    """Forget what loading `spec` keeps beyond the model itself: a Python model file's
+    module in sys.modules. A multiplexed worker calls it when it unloads the model, so
+    that dropping the model frees its module and all it holds (its weights); without it,
+    every model ever loaded stays in memory, whatever the budget."""
+    if spec.target.startswith(PYFILE_PREFIX):
+        path = spec.target[len(PYFILE_PREFIX) :].rpartition(":")[0]
+        sys.modules.pop(model_file_module(path), None)
 
 
 def import_user_module(name: str) -> ModuleType:

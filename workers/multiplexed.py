@@ -67,10 +67,18 @@ class Shelf:
     """The models one multiplexed worker holds; `model_for` gives the one a batch names,
     loaded first when needed (and what that cost)."""
 
-    def __init__(self, spec: MultiplexSpec, load: Callable[[ModelSpec], ModelFn]) -> None:
+    def __init__(
+        self,
+        spec: MultiplexSpec,
+        load: Callable[[ModelSpec], ModelFn],
+        release: Callable[[ModelSpec], None] = lambda target: None,
+    ) -> None:
         self.spec = spec
         self.resident = Resident(spec.catalog)
         self._load = load
+        #: Forgets what a load keeps beyond the model (workers.models.release_model), so
+        #: an unloaded model's memory goes back.
+        self._release = release
         self._held: dict[str, ModelFn] = {}
         self.loads = 0
         self.unloads = 0
@@ -82,6 +90,7 @@ class Shelf:
         use = self.resident.use(key)
         for old in use.unloaded:
             self._held.pop(old, None)
+            self._release(self.spec.targets[old])
             self.unloads += 1
             log.info("model %s unloaded to make room for %s", old, key)
         if not use.cold:
@@ -95,6 +104,7 @@ class Shelf:
                 raise ModelLoadError("a step-level model cannot be multiplexed")
         except Exception as exc:  # the model's own import or build error
             self.resident.drop(key)
+            self._release(self.spec.targets[key])  # what its import left half done
             why = f"model {key!r} could not be loaded: {type(exc).__name__}: {exc}"[:500]
             log.warning("%s", why)
             return _failing(why), (
@@ -120,10 +130,13 @@ class Shelf:
                 declared = None if is_step_model(model) else signature_of(model)
             except Exception as exc:  # its batches answer model_error, saying why
                 log.warning("model %s: no signature read (%s: %s)", key, type(exc).__name__, exc)
+                self._release(target)
                 continue
             if declared is not None:
                 out[key] = declared.wire()
             del model
+            self._release(target)
+            gc.collect()  # one model's memory at a time, never the catalog's
         return out
 
 

@@ -66,6 +66,7 @@ from workers.models import (
     SimSettings,
     load_model,
     max_padded_elements_setting,
+    release_model,
 )
 from workers.multiplexed import MultiplexSpec, Shelf
 from workers.overlap import ModelThread
@@ -217,7 +218,9 @@ class Worker(BatchRunner):
             spec = MultiplexSpec.parse(s.multiplex)
             self.spec = ModelSpec(POOL_NAME, "sim")  # its name in logs; it loads its catalog's
             self.shelf = Shelf(
-                spec, lambda target: load_model(target, s.gpu, s.sim, s.threads, s.max_padded_elements)
+                spec,
+                lambda target: load_model(target, s.gpu, s.sim, s.threads, s.max_padded_elements),
+                release_model,
             )
             _prepare_tensors()
             self.signatures = self.shelf.signatures()

@@ -326,3 +326,37 @@ def test_a_batch_whose_load_hung_is_answered_at_once_and_sent_to_no_other_worker
         for sock in (client, hangs, next_worker):
             sock.close(linger=0)
         broker.close()
+
+
+#: A model holding 60 MB of real pages (its weights), answering as MODEL does.
+HEAVY = """
+WEIGHTS = b"\\x01" * (60 * 2**20)
+
+
+def model(inputs):
+    return [x * 10 + {k} for x in inputs]
+"""
+
+
+def test_a_worker_holds_the_memory_of_its_budget_not_of_every_model_it_loaded(serve, tmp_path: Path) -> None:
+    """Four Python models of 60 MB each over one worker whose budget holds one: each
+    unloaded model's memory goes back (its module is not kept), so the worker's RSS stays
+    near one model's, however many it has loaded, and read for their signatures."""
+    psutil = pytest.importorskip("psutil")
+    for k in range(4):
+        (tmp_path / f"h{k}" / "1").mkdir(parents=True)
+        (tmp_path / f"h{k}" / "1" / "model.py").write_text(HEAVY.format(k=k))
+        config = 'kind = "python"\nmultiplexed = true\nmemory_mb = 100\n'
+        (tmp_path / f"h{k}" / "config.toml").write_text(config)
+    s = serve(
+        "--model-repository", str(tmp_path), "--multiplex-workers", "1", "--multiplex-memory-mb", "100",
+        workers=4,
+    )  # fmt: skip
+    with Client(s.frontend, timeout_s=30) as c:
+        for round_ in range(2):
+            assert [c.request(round_, model=f"h{k}") for k in range(4)] == [round_ * 10 + k for k in range(4)]
+    stats = by_model(s.frontend)
+    assert sum(stats[f"h{k}"]["unloads"] for k in range(4)) == 7
+    pid = int(stats["h0"]["worker_list"][0]["worker"].split("/pid")[1].split("/")[0])
+    rss_mb = psutil.Process(pid).memory_info().rss / 2**20
+    assert rss_mb < 60 * 3, f"the worker holds {rss_mb:.0f} MB for a budget of one 60 MB model"

@@ -3,14 +3,18 @@ line, and the shelf that loads and unloads them as batches name them."""
 
 from __future__ import annotations
 
+import gc
 import json
+import sys
+import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from batcher.errors import ModelLoadError, SettingsError
 from batcher.wire import protocol
-from workers.models import ModelSpec, SimLM
+from workers.models import ModelSpec, SimLM, load_model, release_model
 from workers.multiplexed import MultiplexSpec, Shelf, batch_model, version_of
 
 
@@ -104,3 +108,39 @@ def test_the_shelf_reads_each_signature_once_at_start_and_holds_nothing_after() 
     signatures = shelf.signatures()
     assert list(signatures) == ["typed"] and signatures["typed"]["inputs"] == sig["inputs"]
     assert len(shelf.resident) == 0 and shelf.loads == 0  # the first batch still loads
+
+
+PY_MODEL = """
+class Weights:
+    pass
+
+
+WEIGHTS = Weights()
+
+
+def model(inputs):
+    return [{name!r} for _ in inputs]
+"""
+
+
+def test_an_unloaded_python_model_file_is_freed_and_so_is_each_one_read_for_its_signature(
+    tmp_path: Path,
+) -> None:
+    """Its module leaves sys.modules: what it holds (its weights) goes back, whatever the
+    budget; a budget of one model here."""
+    entries = {}
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.py").write_text(PY_MODEL.format(name=name))
+        entries[name] = {"target": f"pyfile:{tmp_path / name}.py:model", "memory_mb": 10}
+    catalog = MultiplexSpec.parse(json.dumps({"budget_mb": 10, "models": entries}))
+    shelf = Shelf(catalog, lambda spec: load_model(spec, None), release_model)
+    shelf.signatures()
+    assert not [m for m in sys.modules if m.startswith("batcher_model_") and str(tmp_path.name) in m]
+    model, _ = shelf.model_for("a")
+    assert model([1]) == ["a"]
+    weights = weakref.ref(model.__globals__["WEIGHTS"])  # type: ignore[attr-defined]
+    del model
+    shelf.model_for("b")  # unloads a
+    gc.collect()
+    assert weights() is None
+    assert shelf.model_for("a")[0]([2]) == ["a"]  # and it loads again from its file
