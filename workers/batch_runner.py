@@ -24,7 +24,7 @@ from batcher.wire.protocol import ErrorCode
 from workers import fastpath
 from workers.connection import BrokerConnection
 from workers.models import ModelFn
-from workers.multiplexed import Shelf, batch_model, version_of
+from workers.multiplexed import Shelf, batch_model, not_served, version_of
 from workers.overlap import ModelThread
 from workers.steps import StepRunner
 
@@ -560,7 +560,7 @@ class BatchRunner(BrokerConnection):
         when not held (the REPLY then says what that took: docs/protocol.md 6.4)."""
         key = batch_model(frames[2])
         if key is None or not shelf.resident.serves(key):
-            why = f"a multiplexed worker's BATCH must name one of its models, got {key!r}"
+            why = not_served(key)
             return _failed_batch(MalformedBatch(why, _batch_id_of(frames[2])), frames[2])
         model, load = shelf.model_for(key)
         reply = _run_safely(model, frames[2], frames[3:], self.name, arrived_at, version_of(key))

@@ -158,6 +158,12 @@ def batch_model(header_frame: bytes) -> str | None:
     return None
 
 
+def not_served(key: str | None) -> str:
+    """Why a BATCH naming `key` (batch_model's) is not run: bounded, since the name is the
+    peer's and goes into the worker's log (a name of megabytes must not fill it)."""
+    return f"a multiplexed worker's BATCH must name one of its models, got {key!r}"[:300]
+
+
 def version_of(key: str) -> str | None:
     """The version a reply names for model `key` (NAME/V), None outside a repository."""
     parts = split_key(key)

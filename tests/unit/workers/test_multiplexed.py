@@ -15,7 +15,7 @@ import pytest
 from batcher.errors import ModelLoadError, SettingsError
 from batcher.wire import protocol
 from workers.models import ModelSpec, SimLM, load_model, release_model
-from workers.multiplexed import MultiplexSpec, Shelf, batch_model, version_of
+from workers.multiplexed import MultiplexSpec, Shelf, batch_model, not_served, version_of
 
 
 def spec_text(budget_mb: Any = 200, **models: Any) -> str:
@@ -87,6 +87,13 @@ def test_a_batch_names_its_model_in_the_header_5th_element() -> None:
     assert batch_model(protocol.batch_frames(1, [0.0], [b"x"], "00-tp")[2]) is None
     assert batch_model(b"\xc1") is None
     assert (version_of("a/2"), version_of("plain")) == ("2", None)
+
+
+def test_a_batch_naming_none_of_the_models_says_so_in_a_bounded_message() -> None:
+    """The name is the broker's: one of 8 MB must not make an 8 MB log line."""
+    assert not_served(None) == "a multiplexed worker's BATCH must name one of its models, got None"
+    huge = batch_model(protocol.batch_frames(1, [0.0], [b"x"], None, "z" * 2**23)[2])
+    assert huge is not None and len(not_served(huge)) == 300
 
 
 def test_the_shelf_reads_each_signature_once_at_start_and_holds_nothing_after() -> None:
