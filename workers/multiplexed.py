@@ -102,7 +102,7 @@ class Shelf:
             model = self._load(self.spec.targets[key])
             if is_step_model(model):
                 raise ModelLoadError("a step-level model cannot be multiplexed")
-        except Exception as exc:  # the model's own import or build error
+        except (Exception, SystemExit) as exc:  # its import or build error (a sys.exit() too)
             self.resident.drop(key)
             self._release(self.spec.targets[key])  # what its import left half done
             why = f"model {key!r} could not be loaded: {type(exc).__name__}: {exc}"[:500]
@@ -122,13 +122,14 @@ class Shelf:
         """Each model's declared signature in wire form, for READY (the broker checks its
         requests, the gateway answers its metadata): read by loading each model once, one
         at a time, and letting it go. A model that will not load, or declares none, is
-        left out (its batches say why it does not load)."""
+        left out (its batches say why it does not load): one model's sys.exit() at import
+        must not stop the worker, and with it every model of the pool."""
         out: dict[str, dict[str, Any]] = {}
         for key, target in self.spec.targets.items():
             try:
                 model = self._load(target)
                 declared = None if is_step_model(model) else signature_of(model)
-            except Exception as exc:  # its batches answer model_error, saying why
+            except (Exception, SystemExit) as exc:  # its batches answer model_error, saying why
                 log.warning("model %s: no signature read (%s: %s)", key, type(exc).__name__, exc)
                 self._release(target)
                 continue

@@ -34,11 +34,14 @@ def model(inputs):
 MODELS = [f"m{k}" for k in range(6)]
 
 
-def repository(root: Path, broken: str | None = None) -> Path:
-    """Six multiplexed Python models of 100 MB each (`broken`: one whose import fails)."""
+def repository(
+    root: Path, broken: str | None = None, failure: str = "raise RuntimeError('no weights here')"
+) -> Path:
+    """Six multiplexed Python models of 100 MB each (`broken`: one whose import fails,
+    by `failure`)."""
     for k, name in enumerate(MODELS):
         (root / name / "1").mkdir(parents=True)
-        code = "raise RuntimeError('no weights here')\n" if name == broken else MODEL.format(k=k)
+        code = failure + "\n" if name == broken else MODEL.format(k=k)
         (root / name / "1" / "model.py").write_text(code)
         (root / name / "config.toml").write_text('kind = "python"\nmultiplexed = true\nmemory_mb = 100\n')
     return root
@@ -87,13 +90,15 @@ def test_six_models_over_two_workers_of_two_each_answer_correctly(serve, cli, tm
     assert all(stats[m]["cold_load_ms_max"] <= stats[m]["cold_load_ms_total"] for m in MODELS)
 
 
-def test_a_model_that_will_not_load_fails_its_requests_only(serve, tmp_path: Path) -> None:
-    s = pool(serve, repository(tmp_path, broken="m3"))
+@pytest.mark.parametrize("failure", ["raise RuntimeError('no weights here')", "import sys; sys.exit(1)"])
+def test_a_model_that_will_not_load_fails_its_requests_only(serve, tmp_path: Path, failure: str) -> None:
+    """A model whose import raises, or calls sys.exit() (read at each pool worker's start
+    for its signature, then at its batches): its requests fail, the other models serve."""
+    s = pool(serve, repository(tmp_path, broken="m3", failure=failure))
+    why = "RuntimeError: no weights here" if "Runtime" in failure else "SystemExit: 1"
     with Client(s.frontend, timeout_s=20) as c:
         for _ in range(2):  # tried again at each batch: a fixed file would serve
-            with pytest.raises(
-                ModelError, match="model 'm3/1' could not be loaded: RuntimeError: no weights here"
-            ):
+            with pytest.raises(ModelError, match=f"model 'm3/1' could not be loaded: {why}"):
                 c.request(1, model="m3")
             assert c.request_many([1, 2], model="m2") == [12, 22]
             assert c.request(5, model="m4") == 54

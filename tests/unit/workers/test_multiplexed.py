@@ -151,3 +151,22 @@ def test_an_unloaded_python_model_file_is_freed_and_so_is_each_one_read_for_its_
     gc.collect()
     assert weights() is None
     assert shelf.model_for("a")[0]([2]) == ["a"]  # and it loads again from its file
+
+
+def test_a_model_whose_import_calls_sys_exit_fails_its_batches_not_the_worker() -> None:
+    """SystemExit is no Exception: caught all the same, at start (its signature) and at
+    its batches, so one such model does not stop the worker and every model with it."""
+
+    def load(spec: ModelSpec) -> Any:
+        if spec.name == "bad":
+            raise SystemExit(1)
+        return lambda inputs: inputs
+
+    entry = {"target": "echo", "memory_mb": 1}
+    shelf = Shelf(MultiplexSpec.parse(spec_text(2, bad=entry, good=entry)), load)
+    assert shelf.signatures() == {}
+    model, cost = shelf.model_for("bad")
+    assert cost is not None and cost[2] == []
+    with pytest.raises(ModelLoadError, match="model 'bad' could not be loaded: SystemExit: 1"):
+        model([1])
+    assert shelf.model_for("good")[0]([3]) == [3]
