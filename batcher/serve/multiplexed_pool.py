@@ -87,17 +87,26 @@ def apply_pooled(
     assert rc.broker is not None
     served = {v for v in wanted if version_key(name, v) in rc.pooled}
     outside = sorted(wanted - served)
-    if outside:  # until they have joined, those served before serve on
-        served |= {v for v in have if version_key(name, v) in rc.pooled}
-    if served:
-        rc.running[name] = served
-        rc._serve(name, sorted(served))
+    if outside:  # until they have joined, those served before serve on (pooled or not)
+        served |= have
+    # Versions with workers of their own (the model was not multiplexed before): they
+    # drain and stop as any retired version does, not left running unserved.
+    own = sorted(v for v in have - served if version_key(name, v) not in rc.pooled)
+    if served or own:
+        rc.running[name] = served | set(own)
+        if served:
+            rc._serve(name, sorted(served))
     else:
         rc.running.pop(name, None)
         rc.broker.clients.versions.remove(name)
     log.info("model %s (multiplexed): serving versions %s", name, sorted(served))
     if outside:
         grow_pool(rc, name, outside, reply, now)
+    elif own:
+        from batcher.serve.repository_control import Change  # it imports this module
+
+        log.info("model %s: retiring versions %s (workers of their own)", name, own)
+        rc.changes[name] = Change(name, now, {}, own, [reply] if reply is not None else [])
     elif reply is not None:
         reply(True, rc._summary(name))
 

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from batcher.client import AsyncClient, Client
@@ -179,3 +180,44 @@ def test_a_removed_model_leaves_the_catalog_at_the_next_replacement(serve, cli, 
     assert models["m1/2"]["workers"] == 2 and models["m1/2"]["configured"]
     ready = cli("ready", "--connect", s.frontend, "--timeout-s", "10")
     assert ready.returncode == 0, ready.stdout + ready.stderr  # waits for no model left behind
+
+
+def test_a_model_that_becomes_multiplexed_joins_the_pool_with_nothing_refused_and_its_workers_stop(
+    serve, cli, tmp_path: Path
+) -> None:
+    """Model p had a worker of its own; its config now says multiplexed and a version 2
+    comes: version 1 serves until version 2 has joined the pool, then its worker drains
+    and stops (no request refused, no worker left running unserved)."""
+    root = repository(tmp_path)
+    (root / "p" / "1").mkdir(parents=True)
+    (root / "p" / "1" / "model.py").write_text(MODEL.format(k=8))
+    (root / "p" / "config.toml").write_text('kind = "python"\n')
+    s = serve(
+        "--model-repository", str(root), "--multiplex-workers", "2", "--multiplex-memory-mb", "200",
+        "--max-wait-ms", "2", "--workers", "1", workers=12,
+    )  # fmt: skip
+
+    def own_pids() -> set[int]:
+        with Client(s.frontend, timeout_s=10) as c:
+            workers = c.control("stats")["models"]["p/1"]["worker_list"]
+        return {int(w["worker"].split("/pid")[1].split("/")[0]) for w in workers}
+
+    wait_until(lambda: len(own_pids()) == 1, 20, "p's own worker joined")
+    own = own_pids()
+    (root / "p" / "config.toml").write_text('kind = "python"\nmultiplexed = true\nmemory_mb = 100\n')
+    add_version(root, "p", 2, k=9)
+
+    async def load_under_requests() -> tuple[Any, list[int]]:
+        async with AsyncClient(s.frontend, timeout_s=60) as c:
+            loading = asyncio.ensure_future(c.control("load", model="p"))
+            answers: list[int] = []
+            while not loading.done():  # an error (unknown_model) would raise here
+                answers += await asyncio.gather(*(c.request(x, model="p") for x in range(4)))
+            return await loading, answers
+
+    loaded, answers = asyncio.run(load_under_requests())
+    assert loaded == {"model": "p", "versions": [2]}
+    assert answers and set(answers) <= {x * 10 + k for x in range(4) for k in (8, 9)}
+    with Client(s.frontend, timeout_s=20) as c:
+        assert c.request(1, model="p") == 19
+    wait_until(lambda: not any(psutil.pid_exists(pid) for pid in own), 20, "p/1's own worker stopped")
