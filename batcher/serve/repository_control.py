@@ -176,9 +176,9 @@ class RepositoryControl:
             return
         assert self.supervisor is not None and self.broker is not None
         m = self.models.get(name)
-        if any(version_key(name, v) in self.pooled for v in wanted | have) or (
-            m is not None and m.multiplexed
-        ):
+        # By its config: one no longer multiplexed starts workers of its own for its new
+        # versions, its pooled ones retire from the table alone (the pool serves on).
+        if m.multiplexed if m is not None else any(version_key(name, v) in self.pooled for v in have):
             apply_pooled(self, name, wanted, have, reply, now)
             return
         new: dict[int, list[WorkerProcess]] = {}
@@ -216,8 +216,9 @@ class RepositoryControl:
                 w.process is not None and w.process.pid in joined[v] for v, ws in c.new.items() for w in ws
             ),
             waited_s=now - c.started_at,
-            old_idle=all(
-                scheduler.queued(k) == 0 and all(h == 0 for _, _, h in controls.workers_of(k))
+            old_idle=all(  # a pooled version's workers are the pool's: its queue alone counts
+                scheduler.queued(k) == 0
+                and (k in self.pooled or all(h == 0 for _, _, h in controls.workers_of(k)))
                 for k in old_keys
             ),
             old_running=any(self.supervisor.running(w) for w in old_workers),
@@ -237,6 +238,8 @@ class RepositoryControl:
         elif step is ReloadStep.RETIRE_OLD:
             for v in c.old:
                 key = version_key(c.name, v)
+                if key in self.pooled:  # the pool's workers serve the other models on
+                    continue
                 for wid, _, _ in self.broker.controls.workers_of(key):
                     self.broker.controls.drain_worker(wid)
                 workers = self.supervisor.current(key)

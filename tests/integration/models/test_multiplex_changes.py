@@ -221,3 +221,38 @@ def test_a_model_that_becomes_multiplexed_joins_the_pool_with_nothing_refused_an
     with Client(s.frontend, timeout_s=20) as c:
         assert c.request(1, model="p") == 19
     wait_until(lambda: not any(psutil.pid_exists(pid) for pid in own), 20, "p/1's own worker stopped")
+
+
+def test_a_model_no_longer_multiplexed_gets_workers_of_its_own_and_the_pool_serves_on(
+    serve, tmp_path: Path
+) -> None:
+    """m1's config stops saying multiplexed and a version 2 comes: version 2 starts on
+    a worker of its own, version 1 serves (from the pool) until it has joined; the
+    pool's workers are neither replaced nor drained (the other models serve on)."""
+    root = repository(tmp_path)
+    s = serve(
+        "--model-repository", str(root), "--multiplex-workers", "2", "--multiplex-memory-mb", "200",
+        "--max-wait-ms", "2", "--workers", "1", workers=12,
+    )  # fmt: skip
+    pids = pool_pids(s.frontend, "m0")
+    (root / "m1" / "config.toml").write_text('kind = "python"\n')
+    add_version(root, "m1", 2, k=9)
+
+    async def load_under_requests() -> tuple[Any, list[int]]:
+        async with AsyncClient(s.frontend, timeout_s=60) as c:
+            loading = asyncio.ensure_future(c.control("load", model="m1"))
+            answers: list[int] = []
+            while not loading.done():  # an error would raise here
+                answers += await asyncio.gather(
+                    *(c.request(x, model=m) for x in range(3) for m in ("m1", "m0"))
+                )
+            return await loading, answers
+
+    loaded, answers = asyncio.run(load_under_requests())
+    assert loaded == {"model": "m1", "versions": [2]}
+    assert answers and set(answers) <= {x * 10 + k for x in range(3) for k in (0, 1, 9)}
+    with Client(s.frontend, timeout_s=20) as c:
+        assert [c.request(2, model=m) for m in ("m1", "m0", "m5")] == [29, 20, 25]
+        models = c.control("stats")["models"]
+    assert not models["m1/2"]["multiplexed"] and models["m1/2"]["workers"] == 1
+    assert pool_pids(s.frontend, "m0") == pids  # the same pool, never drained
