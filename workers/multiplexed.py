@@ -80,6 +80,9 @@ class Shelf:
         #: an unloaded model's memory goes back.
         self._release = release
         self._held: dict[str, ModelFn] = {}
+        #: Models whose load ended the process that loaded them (workers.catalog_signatures),
+        #: with why: never loaded here, or their first batch would end this worker.
+        self.fatal: dict[str, str] = {}
         self.loads = 0
         self.unloads = 0
 
@@ -99,6 +102,8 @@ class Shelf:
             gc.collect()  # what the unloaded models held goes back before the new one loads
         t0 = time.perf_counter()
         try:
+            if key in self.fatal:
+                raise ModelLoadError(self.fatal[key])
             model = self._load(self.spec.targets[key])
             if is_step_model(model):
                 raise ModelLoadError("a step-level model cannot be multiplexed")

@@ -9,6 +9,7 @@ then says why, and tries again with back-off.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -52,6 +53,7 @@ from workers.batch_runner import (  # re-exported: workers.worker.run_batch is t
     run_batch,
     set_tracer,
 )
+from workers.catalog_signatures import read_catalog
 from workers.connection import (  # re-exported, as before the split
     RECONNECT_BACKOFF,
     RECONNECT_MAX_S,
@@ -217,13 +219,13 @@ class Worker(BatchRunner):
         if s.multiplex is not None:  # its models load on their first batch (workers/multiplexed.py)
             spec = MultiplexSpec.parse(s.multiplex)
             self.spec = ModelSpec(POOL_NAME, "sim")  # its name in logs; it loads its catalog's
-            self.shelf = Shelf(
-                spec,
-                lambda target: load_model(target, s.gpu, s.sim, s.threads, s.max_padded_elements),
-                release_model,
+            load = functools.partial(
+                load_model, gpu=s.gpu, sim=s.sim, threads=s.threads, max_padded_elements=s.max_padded_elements
             )
+            self.shelf = Shelf(spec, load, release_model)
             _prepare_tensors()
-            self.signatures = self.shelf.signatures()
+            read = read_catalog(spec.targets, load)  # in a child: a model may end its process
+            self.signatures, self.shelf.fatal = read.signatures, read.fatal
             log.info(
                 "multiplexed worker: %d models, a budget of %d MB", len(spec.targets), spec.catalog.budget_mb
             )

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,7 @@ import psutil
 import pytest
 
 from batcher.client import AsyncClient, Client
+from batcher.wire.errors import ModelError
 from tests.helpers import wait_until
 from tests.integration.models.test_multiplex import MODEL, by_model, pool, repository
 
@@ -121,26 +126,61 @@ def test_multiplex_options_without_a_repository_are_a_usage_error(cli) -> None:
 
 
 def test_a_version_whose_pool_does_not_start_is_reported_and_the_old_pool_serves_on(
-    serve, cli, tmp_path: Path
+    serve, tmp_path: Path
 ) -> None:
     root = repository(tmp_path)
     s = pool(serve, root)
+    assert s.process is not None
     pids = pool_pids(s.frontend, "m2")
-    (root / "m1" / "2").mkdir()
-    (root / "m1" / "2" / "model.py").write_text("import os\nos._exit(3)  # takes its worker down at load\n")
-    result = cli("load", "m1", "--connect", s.frontend, "--timeout-s", "60")
-    assert result.returncode != 0
-    said = result.stdout + result.stderr
+    (root / "m1" / "2").mkdir()  # slow to read: the new workers are killed before they join
+    (root / "m1" / "2" / "model.py").write_text("import time\ntime.sleep(10)\n" + MODEL.format(k=9))
+    load = subprocess.Popen(
+        [sys.executable, "-m", "batcher", "load", "m1", "--connect", s.frontend, "--timeout-s", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+
+        def new_workers() -> list[psutil.Process]:
+            kids = psutil.Process(s.process.pid).children()
+            return [k for k in kids if "--multiplex" in k.cmdline() and k.pid not in pids]
+
+        for worker in wait_until(lambda: len(new_workers()) == 2 and new_workers(), 30, "the new pool"):
+            worker.kill()
+        out, err = load.communicate(timeout=60)
+    finally:
+        if load.poll() is None:
+            os.killpg(load.pid, signal.SIGKILL)
+            load.wait()
+    assert load.returncode != 0
+    said = out + err
     assert "model 'm1': versions [2] could not join the multiplexed workers" in said, said
-    assert "exited with code 3" in said and "the versions served before serve on" in said
+    assert "before it joined" in said and "the versions served before serve on" in said
     with Client(s.frontend, timeout_s=20) as c:
         assert [c.request(4, model=m) for m in ("m1", "m5")] == [41, 45]  # version 1, the old pool
         index: list[dict[str, Any]] = c.control("repository_index")["models"]
         assert "m1/2" not in c.control("stats")["models"]  # no queue left for the version that failed
     states = {(e["name"], e["version"]): (e["state"], e["reason"]) for e in index}
     assert states[("m1", "1")] == ("READY", "")
-    assert states[("m1", "2")][0] == "UNAVAILABLE" and "exited with code 3" in states[("m1", "2")][1]
+    assert states[("m1", "2")][0] == "UNAVAILABLE" and "before it joined" in states[("m1", "2")][1]
     assert pool_pids(s.frontend, "m2") == pids
+
+
+def test_a_model_whose_load_ends_its_process_fails_alone_at_start_and_at_a_join(
+    serve, cli, tmp_path: Path
+) -> None:
+    root = repository(tmp_path)
+    (root / "m3" / "1" / "model.py").write_text("import os\nos._exit(3)  # ends whoever loads it\n")
+    s = pool(serve, root)  # the pool starts: m3 was read in a child process, which it ended
+    (root / "m1" / "2").mkdir()
+    (root / "m1" / "2" / "model.py").write_text("import os\nos._exit(4)\n")
+    result = cli("load", "m1", "--connect", s.frontend, "--timeout-s", "60")
+    assert result.returncode == 0, result.stderr  # it joins, and fails its own batches
+    with Client(s.frontend, timeout_s=20) as c:
+        for model, code in (("m3", 3), ("m1", 4)):
+            with pytest.raises(ModelError, match=rf"ended the process that loaded it \(exit code {code}\)"):
+                c.request(1, model=model)
+        assert [c.request(2, model=m) for m in ("m0", "m2", "m4", "m5")] == [20, 22, 24, 25]
+    assert by_model(s.frontend)["m3"]["workers"] == 2  # no pool worker was lost to it
 
 
 def test_two_loads_at_once_replace_the_pool_one_after_the_other(serve, tmp_path: Path) -> None:
