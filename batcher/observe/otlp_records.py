@@ -162,13 +162,13 @@ class Encoder:
         return out
 
     def _head(self, sp: Any, trace_id: bytes, span_id: int, parent_id: int, state: Any) -> None:
+        """A span's ids and trace state (its flags are the caller's: LOCAL, or a template's)."""
         sp.trace_id = trace_id
         sp.span_id = span_id.to_bytes(8, "big")
         if state:
             sp.trace_state = self._state(state)
         if parent_id:
             sp.parent_span_id = parent_id.to_bytes(8, "big")
-        sp.flags = LOCAL
 
     def _queue_template(self, key: tuple[Any, ...]) -> Span:
         """A queue span's fields that many share (name, kind, flags, the first attributes,
@@ -206,12 +206,7 @@ class Encoder:
         key = (model, priority, type(priority), outcome, attempt, type(attempt), request_id is not None,
                deadline_ms is not None, code, link_trace is not None)  # fmt: skip
         sp.MergeFrom(self._templates.get(key) or self._queue_template(key))
-        sp.trace_id = trace_id
-        sp.span_id = span_id.to_bytes(8, "big")
-        if state:
-            sp.trace_state = self._state(state)
-        if parent_id:
-            sp.parent_span_id = parent_id.to_bytes(8, "big")
+        self._head(sp, trace_id, span_id, parent_id, state)
         sp.start_time_unix_nano = start_ns
         sp.end_time_unix_nano = end_ns
         if request_id is not None:
@@ -226,6 +221,7 @@ class Encoder:
     def _batch_span(self, sp: Any, record: Sequence[Any]) -> None:
         _, trace_id, span_id, parent_id, start_ns, end_ns, attributes, links, events, error, state = record
         self._head(sp, trace_id, span_id, parent_id, state)
+        sp.flags = LOCAL
         sp.name = "batcher.batch"
         sp.kind = Span.SPAN_KIND_INTERNAL
         sp.start_time_unix_nano = start_ns
@@ -247,6 +243,7 @@ class Encoder:
         (name, kind, trace_id, span_id, parent_id, start_ns, end_ns, attributes, links, events, error,
          state) = record  # fmt: skip
         self._head(sp, trace_id, span_id, parent_id, state)
+        sp.flags = LOCAL
         sp.name = name
         sp.kind = _KINDS.get(kind, Span.SPAN_KIND_INTERNAL)
         sp.start_time_unix_nano = start_ns
