@@ -83,11 +83,12 @@ def test_the_cost_fit_does_not_depend_on_the_unit_of_cost(unit: float) -> None:
     assert (a, b * unit) == pytest.approx(reference._cost.coefficients(), rel=1e-6)
 
 
-@pytest.mark.parametrize("cost", [1e-4, 0.37, 1.0, 5000.0, 1e6, 1.23456789e9, 1e15])
+@pytest.mark.parametrize("cost", [1e-300, 1e-4, 0.37, 1.0, 5000.0, 1e6, 1.23456789e9, 1e15])
 def test_batches_of_one_summed_cost_give_the_mean_time_and_no_cost_slope(cost: float) -> None:
-    """Batches that all sum to the same `cost`, however large or small (up to MAX_COST,
-    1e15): the cost fit has one x, so its line is the recent mean time, flat, never a
-    slope fitted to rounding noise of its sums."""
+    """Batches that all sum to the same `cost`, however large or small (a request's cost is
+    any number in (0, 1e15]): the cost fit has one x, so its line is the recent mean time,
+    flat, never a slope fitted to rounding noise of its sums (nor a division by a variance
+    of 0, where a tiny cost's square is 0)."""
     cm = CostModel()
     times = (0.010, 0.011, 0.012, 0.013, 0.0105)
     for seconds in times:
