@@ -84,7 +84,7 @@ class Streams:
     def __init__(self, first_seq_id: int = 1) -> None:
         self._workers: dict[bytes, StepWorker] = {}
         self._by_model: dict[str, list[bytes]] = {}  # model -> its step workers, in join order
-        self._sequences: dict[int, Sequence] = {}  # every sequence held by a worker
+        self._sequences: set[int] = set()  # the id of every sequence held by a worker
         # (client routing id, request id) -> its unanswered sequences, for cancel
         self._by_client: dict[tuple[bytes, object], list[Sequence]] = {}
         self._deadlines: list[tuple[float, int, Sequence]] = []
@@ -112,8 +112,7 @@ class Streams:
         if w is None:
             return []
         self._by_model[w.model].remove(worker_id)
-        for seq_id in w.held:  # every sequence a worker holds is in the table
-            del self._sequences[seq_id]
+        self._sequences.difference_update(w.held)
         out = w.unanswered()
         for seq in out:
             seq.answered = True  # from now on the pool's: answered or queued again, never twice
@@ -155,7 +154,7 @@ class Streams:
             seq = Sequence(self._next_id, w.model, worker_id, req)
             self._next_id += 1
             w.held[seq.seq_id] = seq
-            self._sequences[seq.seq_id] = seq
+            self._sequences.add(seq.seq_id)
             self._by_client.setdefault((req.envelope[0], req.id), []).append(seq)
             if req.deadline_at is not None:
                 heapq.heappush(self._deadlines, (req.deadline_at, seq.seq_id, seq))
@@ -178,7 +177,7 @@ class Streams:
         ended = flag != CHUNK_MORE
         if ended:
             del w.held[seq_id]
-            del self._sequences[seq_id]
+            self._sequences.remove(seq_id)
         if seq.answered:
             return Verdict.DROP, None
         if flag == CHUNK_DROPPED:  # dropped by the worker unasked: the broker must answer it
