@@ -14,7 +14,7 @@ values. Everything that is not a tensor is written as protocol's Packer writes i
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import msgpack
 import msgspec
@@ -29,7 +29,7 @@ _packer = msgpack.Packer(use_bin_type=True, default=tensor.msgpack_default)
 
 def _pack(value: object) -> bytes:
     """`value` as protocol's Packer writes it."""
-    return cast(bytes, _packer.pack(value))
+    return _packer.pack(value)  # type: ignore[no-any-return]
 
 
 def _key(name: str, extra: int) -> bytes:

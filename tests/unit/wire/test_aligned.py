@@ -205,11 +205,20 @@ def test_maps_and_lists_of_every_header_size_around_a_tensor_decode_to_what_they
 
 @pytest.mark.parametrize("size", [0, 255, 256, 65535, 65536])
 def test_tensor_data_of_every_bin_header_size_decodes_whole_and_aligned(size: int) -> None:
+    """...with the data's bin header the shortest, and only the bytes that align it (0 to 7)
+    added to the shortest encoding, wherever the tensor starts."""
     x = (np.arange(size) % 251).astype(np.uint8)
     body = aligned.pack({"id": 1, "output": x})
     got = msgpack.unpackb(body, raw=False)["output"]
     assert (got["datatype"], got["shape"], bytes(got["data"])) == ("UINT8", [size], x.tobytes())
     assert_aligned(body, [x])
+    for req_id in ["i" * k for k in range(8)]:
+        body = aligned.pack({"id": req_id, "output": x})
+        shortest = msgpack.packb(
+            {"id": req_id, "output": {"datatype": "UINT8", "shape": [size], "data": x.tobytes()}}
+        )
+        data_at = len(shortest) - size  # the data ends the body
+        assert len(body) - len(shortest) == -data_at % tensor.ALIGN_BYTES
 
 
 def test_a_tuple_of_arrays_from_a_model_is_written_aligned_as_a_list() -> None:
