@@ -210,6 +210,18 @@ def test_a_model_no_worker_holds_goes_where_nothing_is_unloaded() -> None:
     assert not any(v.holds for v in s.views()["a"].workers)
 
 
+def test_a_model_no_worker_holds_goes_to_one_with_room_before_a_less_recently_used_full_one() -> None:
+    s = pool(budget_mb=200)
+    assert serve(s, "a", 4, 0.0) == [b"p0"]
+    assert serve(s, "b", 4, 1.0) == [b"p1"]
+    assert serve(s, "c", 4, 2.0) == [b"p0"]  # p0 holds a and c: full
+    assert serve(s, "b", 4, 3.0) == [b"p1"]  # p1, b only, is now the more recently used
+    (w,) = serve(s, "d", 4, 4.0)  # p0 would unload a for it: p1 has room
+    assert w == b"p1"
+    holders = {m: [v.worker_id for v in s.views()[m].workers if v.holds] for m in "abcd"}
+    assert holders == {"a": [b"p0"], "b": [b"p1"], "c": [b"p0"], "d": [b"p1"]}
+
+
 def test_a_cold_batch_gets_time_to_load_its_model() -> None:
     s = pool(workers=1)
     enqueue_many(s, "a", 4, 0.0)
