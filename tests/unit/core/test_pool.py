@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from batcher.core.multiplex import Catalog
 from batcher.core.pool import WorkerInfo, WorkerPool, worker_info
 from batcher.core.scheduler import BatchSettings, QueuedRequest, Scheduler
 from batcher.core.streams import Streams
@@ -133,6 +134,18 @@ def test_a_model_whose_workers_failed_refuses_until_one_joins() -> None:
     assert p.refusal("m", 0.0) == (ErrorCode.WORKER_FAILED, "every worker of model 'm' failed to start")
     join(p, b"w")
     assert p.refusal("m", 0.0) is None
+
+
+def test_a_multiplexed_worker_that_joins_clears_the_failure_of_each_model_of_its_catalog() -> None:
+    """Its catalog's models failed to start elsewhere: it serves them now, and once it has
+    left too, their requests wait for a worker again rather than carry the old failure."""
+    p = pool()
+    for model in ("a", "b"):
+        p.model_failed(model, f"every worker of model {model!r} failed to start")
+    p.joined(b"mx", WorkerInfo("multiplexed", 0, 7, catalog=Catalog(200, {"a": 100, "b": 100})), None, 0.0)
+    assert p.refusal("a", 0.0) is None and p.refusal("b", 0.0) is None
+    p.lose(b"mx", failed=False)
+    assert p.refusal("a", 1.0) is None and p.refusal("b", 1.0) is None
 
 
 def test_a_model_without_worker_past_the_timeout_is_unavailable() -> None:
