@@ -41,7 +41,7 @@ class _LinearFit:
             return 0.0, 0.0
         mean_x, mean_y = self._x / w, self._y / w
         var_x = self._xx / w - mean_x * mean_x
-        if var_x < 1e-6 * max(1.0, mean_x * mean_x):
+        if var_x <= 1e-6 * mean_x * mean_x:  # relative: the same fit in any unit of x
             return mean_y, 0.0
         b = max(0.0, (self._xy / w - mean_x * mean_y) / var_x)
         a = max(0.0, mean_y - b * mean_x)

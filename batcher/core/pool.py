@@ -176,7 +176,7 @@ class WorkerPool:
         step = info.max_active is not None
         self.scheduler.add_worker(worker_id, info.model, slots, step=step, catalog=info.catalog)
         if info.max_active is not None:
-            self.streams.add_worker(worker_id, info.model, info.max_active, now)
+            self.streams.add_worker(worker_id, info.model, info.max_active)
         if info.cost_ms is not None and info.catalog is None:  # its warm-up: the cost is known at once
             self.scheduler.seed_cost(info.model, info.cost_ms[0] / 1000.0, info.cost_ms[1] / 1000.0)
         self._heard_at[worker_id] = now

@@ -43,7 +43,6 @@ class Sequence:
     model: str
     worker: bytes
     request: QueuedRequest
-    started_at: float
     chunks: int = 0  # chunks delivered to the client so far
     answered: bool = False  # its final reply went (from the worker or the broker)
 
@@ -84,8 +83,8 @@ class Streams:
 
     def __init__(self, first_seq_id: int = 1) -> None:
         self._workers: dict[bytes, StepWorker] = {}
-        self._by_model: dict[str, dict[bytes, None]] = {}  # model -> its step workers, in join order
-        self._sequences: dict[int, Sequence] = {}  # every sequence held by a worker
+        self._by_model: dict[str, list[bytes]] = {}  # model -> its step workers, in join order
+        self._sequences: set[int] = set()  # the id of every sequence held by a worker
         # (client routing id, request id) -> its unanswered sequences, for cancel
         self._by_client: dict[tuple[bytes, object], list[Sequence]] = {}
         self._deadlines: list[tuple[float, int, Sequence]] = []
@@ -99,21 +98,21 @@ class Streams:
     def __bool__(self) -> bool:
         return bool(self._workers)
 
-    def add_worker(self, worker_id: bytes, model: str, max_active: int, now: float) -> None:
-        """A step-level worker announced itself with its credit."""
+    def add_worker(self, worker_id: bytes, model: str, max_active: int) -> None:
+        """A step-level worker announced itself with its credit. (Its time limit counts
+        from its first sequence, `start`: a worker holding none is never hung.)"""
         if max_active < 1:
             raise ValueError(f"max_active must be >= 1, got {max_active}")
-        self._workers[worker_id] = StepWorker(worker_id, model, max_active, last_chunk_at=now)
-        self._by_model.setdefault(model, {})[worker_id] = None
+        self._workers[worker_id] = StepWorker(worker_id, model, max_active)
+        self._by_model.setdefault(model, []).append(worker_id)
 
     def remove_worker(self, worker_id: bytes) -> list[Sequence]:
         """Forget a worker; returns its sequences not answered yet (the pool decides their fate)."""
         w = self._workers.pop(worker_id, None)
         if w is None:
             return []
-        self._by_model[w.model].pop(worker_id, None)
-        for seq in w.held.values():
-            self._sequences.pop(seq.seq_id, None)
+        self._by_model[w.model].remove(worker_id)
+        self._sequences.difference_update(w.held)
         out = w.unanswered()
         for seq in out:
             seq.answered = True  # from now on the pool's: answered or queued again, never twice
@@ -132,7 +131,7 @@ class Streams:
         return self._workers.get(worker_id)
 
     def workers_of(self, model: str) -> Iterator[StepWorker]:
-        for worker_id in self._by_model.get(model, {}):
+        for worker_id in self._by_model.get(model, ()):
             yield self._workers[worker_id]
 
     # --- dispatch ---------------------------------------------------------------------------
@@ -152,10 +151,10 @@ class Streams:
             w.last_chunk_at = now  # its time limit counts from its first sequence
         out = []
         for req in requests:
-            seq = Sequence(self._next_id, w.model, worker_id, req, now)
+            seq = Sequence(self._next_id, w.model, worker_id, req)
             self._next_id += 1
             w.held[seq.seq_id] = seq
-            self._sequences[seq.seq_id] = seq
+            self._sequences.add(seq.seq_id)
             self._by_client.setdefault((req.envelope[0], req.id), []).append(seq)
             if req.deadline_at is not None:
                 heapq.heappush(self._deadlines, (req.deadline_at, seq.seq_id, seq))
@@ -178,7 +177,7 @@ class Streams:
         ended = flag != CHUNK_MORE
         if ended:
             del w.held[seq_id]
-            del self._sequences[seq_id]
+            self._sequences.remove(seq_id)
         if seq.answered:
             return Verdict.DROP, None
         if flag == CHUNK_DROPPED:  # dropped by the worker unasked: the broker must answer it

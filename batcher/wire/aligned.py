@@ -14,7 +14,7 @@ values. Everything that is not a tensor is written as protocol's Packer writes i
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import msgpack
 import msgspec
@@ -29,7 +29,7 @@ _packer = msgpack.Packer(use_bin_type=True, default=tensor.msgpack_default)
 
 def _pack(value: object) -> bytes:
     """`value` as protocol's Packer writes it."""
-    return cast(bytes, _packer.pack(value))
+    return _packer.pack(value)  # type: ignore[no-any-return]
 
 
 def _key(name: str, extra: int) -> bytes:
@@ -38,9 +38,9 @@ def _key(name: str, extra: int) -> bytes:
     size = len(raw)
     header = {
         0: bytes([0xA0 | size]),
-        1: b"\xd9" + size.to_bytes(1, "big"),
-        2: b"\xda" + size.to_bytes(2, "big"),
-        4: b"\xdb" + size.to_bytes(4, "big"),
+        1: b"\xd9" + size.to_bytes(1),
+        2: b"\xda" + size.to_bytes(2),
+        4: b"\xdb" + size.to_bytes(4),
     }[extra]
     return header + raw
 
@@ -52,12 +52,13 @@ _DATA = (_key("data", 0), _key("data", 4))
 
 
 def bin_header(size: int) -> bytes:
-    """msgpack's bin header for `size` bytes (bin 8, 16 or 32), as any encoder writes it."""
+    """msgpack's bin header for `size` bytes (bin 8, 16 or 32), as any encoder writes it.
+    (msgpack's numbers are big-endian: `int.to_bytes`'s order unless told otherwise.)"""
     if size < 1 << 8:
-        return b"\xc4" + size.to_bytes(1, "big")
+        return b"\xc4" + size.to_bytes(1)
     if size < 1 << 16:
-        return b"\xc5" + size.to_bytes(2, "big")
-    return b"\xc6" + size.to_bytes(4, "big")
+        return b"\xc5" + size.to_bytes(2)
+    return b"\xc6" + size.to_bytes(4)
 
 
 def tensor_head(offset: int, datatype: str, shape: tuple[int, ...] | list[int], size: int) -> bytes:
@@ -91,9 +92,10 @@ def pack(obj: object) -> bytes:
 
 
 #: Stands for a tensor while the rest of a body is encoded at C speed (`pack_plain`): a
-#: byte msgpack never uses (0xc1), then 14 fixed random bytes and the tensor's index.
+#: byte msgpack never uses (0xc1), then 14 fixed random bytes. The marks are replaced in
+#: the order they stand in the body, which is the order the tensors were met.
 _MARK = b"\xc1\x9e\x1b\x7f\xd2\x05\x8a\x33\xe0\x6c\x51\xb4\x0f\xa7\x28"
-_MARKS = [msgspec.Raw(_MARK + bytes([i])) for i in range(256)]
+_MARKED = msgspec.Raw(_MARK)
 _encode = msgspec.msgpack.Encoder(enc_hook=tensor.msgpack_default).encode
 
 
@@ -108,10 +110,10 @@ def pack_plain(fields: dict[str, Any], payload: Any) -> bytes | None:
     tensors: list[dict[str, Any]] = []
 
     def mark(value: Any) -> Any:
-        if not tensor.is_array(value) or len(tensors) >= len(_MARKS):
+        if not tensor.is_array(value):
             return value
         tensors.append(tensor.from_array(value))
-        return _MARKS[len(tensors) - 1]
+        return _MARKED
 
     if type(payload) is dict:
         marked: Any = {k: mark(v) for k, v in payload.items()}
@@ -135,7 +137,7 @@ def pack_plain(fields: dict[str, Any], payload: Any) -> bytes | None:
         head = tensor_head(pos, t["datatype"], t["shape"], size)
         parts += [head, t["data"]]
         pos += len(head) + size
-        done = at + len(_MARK) + 1
+        done = at + len(_MARK)
     parts.append(body[done:])
     return b"".join(parts)
 
@@ -220,13 +222,13 @@ def _map_header(n: int) -> bytes:
     if n < 16:
         return bytes([0x80 | n])
     if n < 1 << 16:
-        return b"\xde" + n.to_bytes(2, "big")
-    return b"\xdf" + n.to_bytes(4, "big")
+        return b"\xde" + n.to_bytes(2)
+    return b"\xdf" + n.to_bytes(4)
 
 
 def _array_header(n: int) -> bytes:
     if n < 16:
         return bytes([0x90 | n])
     if n < 1 << 16:
-        return b"\xdc" + n.to_bytes(2, "big")
-    return b"\xdd" + n.to_bytes(4, "big")
+        return b"\xdc" + n.to_bytes(2)
+    return b"\xdd" + n.to_bytes(4)

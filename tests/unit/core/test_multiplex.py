@@ -128,12 +128,12 @@ def test_a_model_used_between_every_other_is_never_unloaded(others: list[str]) -
 # --- the scheduler's placement -------------------------------------------------------------------
 
 
-def pool(workers: int = 2, size: int = 4, slots: int = 1, budget_mb: int = 200) -> Scheduler:
-    """A scheduler of models a-f, each of batch size `size` (window policy), over
-    `workers` multiplexed workers p0, p1, ... of `slots` batches each."""
-    per_model = {
-        m: BatchSettings(max_batch_size=size, max_wait_ms=10.0, policy=Policy.WINDOW) for m in MODELS
-    }
+def pool(
+    workers: int = 2, size: int = 4, slots: int = 1, budget_mb: int = 200, policy: Policy = Policy.WINDOW
+) -> Scheduler:
+    """A scheduler of models a-f, each of batch size `size` (window policy unless told),
+    over `workers` multiplexed workers p0, p1, ... of `slots` batches each."""
+    per_model = {m: BatchSettings(max_batch_size=size, max_wait_ms=10.0, policy=policy) for m in MODELS}
     s = Scheduler(per_model=per_model, worker_prefetch=slots)
     for i in range(workers):
         s.add_worker(f"p{i}".encode(), "multiplexed", slots, catalog=catalog(budget_mb))
@@ -208,6 +208,22 @@ def test_a_model_no_worker_holds_goes_where_nothing_is_unloaded() -> None:
     (w,) = serve(s, "e", 4, 4.0)  # p0 is least recent: it unloads a, its least recent
     assert w == b"p0"
     assert not any(v.holds for v in s.views()["a"].workers)
+
+
+@pytest.mark.parametrize(("policy", "n"), [(Policy.WINDOW, 4), (Policy.ADAPTIVE, 1)])
+def test_a_model_no_worker_holds_goes_to_one_with_room_before_a_less_recently_used_full_one(
+    policy: Policy, n: int
+) -> None:
+    """Full batches (window), or a lone request the adaptive policy sends at once."""
+    s = pool(budget_mb=200, policy=policy)
+    assert serve(s, "a", n, 0.0) == [b"p0"]
+    assert serve(s, "b", n, 1.0) == [b"p1"]
+    assert serve(s, "c", n, 2.0) == [b"p0"]  # p0 holds a and c: full
+    assert serve(s, "b", n, 3.0) == [b"p1"]  # p1, b only, is now the more recently used
+    (w,) = serve(s, "d", n, 4.0)  # p0 would unload a for it: p1 has room
+    assert w == b"p1"
+    holders = {m: [v.worker_id for v in s.views()[m].workers if v.holds] for m in "abcd"}
+    assert holders == {"a": [b"p0"], "b": [b"p1"], "c": [b"p0"], "d": [b"p1"]}
 
 
 def test_a_cold_batch_gets_time_to_load_its_model() -> None:

@@ -136,6 +136,18 @@ def test_a_model_whose_workers_failed_refuses_until_one_joins() -> None:
     assert p.refusal("m", 0.0) is None
 
 
+def test_a_multiplexed_worker_that_joins_clears_the_failure_of_each_model_of_its_catalog() -> None:
+    """Its catalog's models failed to start elsewhere: it serves them now, and once it has
+    left too, their requests wait for a worker again rather than carry the old failure."""
+    p = pool()
+    for model in ("a", "b"):
+        p.model_failed(model, f"every worker of model {model!r} failed to start")
+    p.joined(b"mx", WorkerInfo("multiplexed", 0, 7, catalog=Catalog(200, {"a": 100, "b": 100})), None, 0.0)
+    assert p.refusal("a", 0.0) is None and p.refusal("b", 0.0) is None
+    p.lose(b"mx", failed=False)
+    assert p.refusal("a", 1.0) is None and p.refusal("b", 1.0) is None
+
+
 def test_a_model_without_worker_past_the_timeout_is_unavailable() -> None:
     p = pool(no_worker_timeout_s=10.0)
     p.scheduler.unavailable(100.0)  # the turn that stamps "no worker since"

@@ -35,7 +35,7 @@ def rq(
 def streams_with(*workers: tuple[bytes, int], model: str = "m") -> Streams:
     s = Streams()
     for wid, max_active in workers:
-        s.add_worker(wid, model, max_active, 0.0)
+        s.add_worker(wid, model, max_active)
     return s
 
 
@@ -116,7 +116,7 @@ class StreamsMachine(RuleBasedStateMachine):
         if wid is None:
             wid = b"w%d" % len(self.ever)
             self.ever.append(wid)
-        self.streams.add_worker(wid, model, max_active, self.now)
+        self.streams.add_worker(wid, model, max_active)
         self.workers[wid] = WorkerModel(model, max_active)
 
     @precondition(lambda self: bool(self.workers))
@@ -409,13 +409,13 @@ def test_start_past_the_free_slots_raises_and_starts_nothing() -> None:
 
 def test_max_active_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_active must be >= 1"):
-        Streams().add_worker(b"w", "m", 0, 0.0)
+        Streams().add_worker(b"w", "m", 0)
 
 
 def test_sequence_ids_are_unique_from_the_first() -> None:
     s = Streams(first_seq_id=41)
-    s.add_worker(b"w1", "m", 2, 0.0)
-    s.add_worker(b"w2", "m", 2, 0.0)
+    s.add_worker(b"w1", "m", 2)
+    s.add_worker(b"w2", "m", 2)
     a = s.start(b"w1", [rq(), rq()], 0.0)
     b = s.start(b"w2", [rq()], 0.0)
     assert [x.seq_id for x in a + b] == [41, 42, 43]

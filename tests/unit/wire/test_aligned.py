@@ -205,8 +205,65 @@ def test_maps_and_lists_of_every_header_size_around_a_tensor_decode_to_what_they
 
 @pytest.mark.parametrize("size", [0, 255, 256, 65535, 65536])
 def test_tensor_data_of_every_bin_header_size_decodes_whole_and_aligned(size: int) -> None:
+    """...with the data's bin header the shortest, and only the bytes that align it (0 to 7)
+    added to the shortest encoding, wherever the tensor starts."""
     x = (np.arange(size) % 251).astype(np.uint8)
     body = aligned.pack({"id": 1, "output": x})
     got = msgpack.unpackb(body, raw=False)["output"]
     assert (got["datatype"], got["shape"], bytes(got["data"])) == ("UINT8", [size], x.tobytes())
     assert_aligned(body, [x])
+    for req_id in ["i" * k for k in range(8)]:
+        body = aligned.pack({"id": req_id, "output": x})
+        shortest = msgpack.packb(
+            {"id": req_id, "output": {"datatype": "UINT8", "shape": [size], "data": x.tobytes()}}
+        )
+        data_at = len(shortest) - size  # the data ends the body
+        assert len(body) - len(shortest) == -data_at % tensor.ALIGN_BYTES
+
+
+def test_a_tuple_of_arrays_from_a_model_is_written_aligned_as_a_list() -> None:
+    """Models often return a tuple: it is a list on the wire, its tensors aligned too."""
+    a, b = np.arange(5, dtype=np.float32), np.arange(7, dtype=np.int64)
+    for output in ((a, b), (b"x", a, (b, 3))):
+        body = protocol.ok_reply(1, output, {"batch_size": 1})
+        assert_aligned(body, [a, b])
+        expected = msgpack.packb(output, default=tensor.msgpack_default)
+        assert _as_plain(msgpack.unpackb(body)["output"]) == _as_plain(msgpack.unpackb(expected))
+
+
+def test_a_valid_tensor_map_is_aligned_like_an_array_and_a_numpy_scalar_beside_it_is_a_number() -> None:
+    """A client (or a model) may give a tensor as its map, datatype, shape and data: it is
+    aligned as an array is. A numpy scalar in the same body goes as the number it holds."""
+    data = np.arange(6, dtype=np.float64)
+    for extra in ("", "i" * 5):
+        request = {
+            "id": extra,
+            "score": np.float32(0.5),
+            "input": {"datatype": "FP64", "shape": [2, 3], "data": data.tobytes()},
+        }
+        body = aligned.pack(request)
+        assert_aligned(body, [data])
+        got = msgpack.unpackb(body)
+        assert got["score"] == 0.5
+        assert (got["input"]["datatype"], got["input"]["shape"]) == ("FP64", [2, 3])
+        assert got["input"]["data"] == data.tobytes()
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 300])
+def test_the_c_speed_path_writes_flat_lists_and_maps_of_any_length_as_the_general_writer(n: int) -> None:
+    """However many arrays a flat payload holds (more than 255 too), every one is aligned,
+    and the bytes are the general writer's (whose list and map headers widen at 16)."""
+    arrays = [np.full(3, i, dtype=np.int16) for i in range(n)]
+    for payload in (arrays, {f"y{i}": a for i, a in enumerate(arrays)}):
+        fields = {"id": 7, "ok": True, "output": payload}
+        fast = aligned.pack_plain(fields, payload)
+        assert fast is not None
+        assert fast == aligned.pack(fields)
+        assert_aligned(fast, arrays)
+        assert len(tensor.unpack_arrays(fast)["output"]) == n
+
+
+def test_the_c_speed_path_refuses_a_payload_that_is_no_field_of_the_body() -> None:
+    x = np.arange(3, dtype=np.float32)
+    assert aligned.pack_plain({"id": 1, "output": np.arange(3, dtype=np.float32)}, x) is None
+    assert aligned.pack_plain({"id": 1}, x) is None
