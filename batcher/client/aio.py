@@ -19,14 +19,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Generator, Iterable
+from collections.abc import AsyncIterator, Callable, Generator
 from types import TracebackType
 from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
 
-from batcher.client.core import reply_output
+from batcher.client.core import ManyArgs, StreamArgs, reply_output, request_fields, takes
 from batcher.client.sync import (
     CONNECT_TIMEOUT_S,
     BaseClient,
@@ -213,64 +213,36 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
                 async with asyncio.timeout(max(0.001, due - now)):
                     return await asyncio.shield(fut)
 
-    def submit(
-        self,
-        input: Any,
-        model: str | None = None,
-        timeout_ms: float | None = None,
-        priority: float | None = None,
-        cost: float | None = None,
-        version: int | str | None = None,
-    ) -> AsyncPendingReply:
+    @takes(request_fields)
+    def submit(self, fields: dict[str, Any]) -> AsyncPendingReply:
         """Send a request without waiting for it (call from the client's event loop);
         returns its AsyncPendingReply, to await (its output) when the answer is wanted."""
         if self._closed:
             raise ClientClosed(f"the client of {self.address} is closed")
-        body = request_body(input, model, timeout_ms, priority, cost, version=version)
-        return AsyncPendingReply(self, body, reply_wait_s(self.timeout_s, timeout_ms))
+        return AsyncPendingReply(self, fields, reply_wait_s(self.timeout_s, fields.get("timeout_ms")))
 
-    async def request_reply(
-        self,
-        input: Any,
-        model: str | None = None,
-        timeout_ms: float | None = None,
-        priority: float | None = None,
-        cost: float | None = None,
-        version: int | str | None = None,
-    ) -> dict[str, Any]:
+    @takes(request_fields)
+    async def request_reply(self, fields: dict[str, Any]) -> dict[str, Any]:
         """Send one request and return the whole reply map (output or error, with
         metadata such as batch_size and worker); an error is data here, never raised, and
         no reply in time is one with code `timeout` (or `unreachable`), as on Client."""
-        body = request_body(input, model, timeout_ms, priority, cost, version=version)
         try:
-            return await self._call(body, reply_wait_s(self.timeout_s, timeout_ms))
+            return await self._call(fields, reply_wait_s(self.timeout_s, fields.get("timeout_ms")))
         except ClientTimeout as exc:
             return timeout_reply(exc.reply.get("id"), exc.message, exc.code)
 
-    async def request(
-        self,
-        input: Any,
-        model: str | None = None,
-        timeout_ms: float | None = None,
-        priority: float | None = None,
-        cost: float | None = None,
-        version: int | str | None = None,
-    ) -> Any:
+    @takes(request_fields)
+    async def request(self, fields: dict[str, Any]) -> Any:
         """Send one request and return its output, or raise its typed error."""
-        body = request_body(input, model, timeout_ms, priority, cost, version=version)
-        return reply_output(await self._call(body, reply_wait_s(self.timeout_s, timeout_ms)))
+        wait_s = reply_wait_s(self.timeout_s, fields.get("timeout_ms"))
+        return reply_output(await self._call(fields, wait_s))
 
-    async def request_many(
-        self,
-        inputs: Iterable[Any],
-        model: str | None = None,
-        timeout_ms: float | None = None,
-        return_exceptions: bool = False,
-        version: int | str | None = None,
-    ) -> list[Any]:
+    @takes(ManyArgs)
+    async def request_many(self, args: ManyArgs) -> list[Any]:
         """Send all inputs at once (so the broker can batch them) and return the outputs
         in order. With return_exceptions, BatcherErrors come back in place; otherwise
         the first one (in input order) is raised once every request has finished."""
+        inputs, model, timeout_ms, return_exceptions, version = args
         request_body(None, model, None, None, version=version)  # a bad version raises, not per input
         results = await asyncio.gather(
             *(self.request(x, model, timeout_ms, version=version) for x in inputs), return_exceptions=True
@@ -280,14 +252,8 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
                 raise r
         return list(results)
 
-    async def stream(
-        self,
-        input: Any,
-        model: str | None = None,
-        timeout_ms: float | None = None,
-        priority: float | None = None,
-        version: int | str | None = None,
-    ) -> AsyncIterator[Any]:
+    @takes(StreamArgs)
+    async def stream(self, args: StreamArgs) -> AsyncIterator[Any]:
         """Send a streamed request (`"stream": true`) and iterate over its chunks as they
         come: `async for chunk in client.stream(x)`. An error reply raises its typed
         error. Leaving the loop early (break, an exception, cancellation) tells the
@@ -298,7 +264,7 @@ class AsyncClient(BaseClient[asyncio.Future[dict[str, Any]]]):
             raise ClientClosed(f"the client of {self.address} is closed")
         self._ensure_reader()
         self.watch.poll()
-        request_id, body, wait_s = self._stream_body(input, model, timeout_ms, priority, version)
+        request_id, body, wait_s = self._stream_body(args)
         chunks = self._streams[request_id] = _StreamQueue()
         finished = False
         try:

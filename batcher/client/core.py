@@ -7,10 +7,13 @@ combines Clients."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import sys
+import typing
 from collections.abc import Callable, Iterable
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Concatenate, Generic, NamedTuple, ParamSpec, Protocol, TypeVar, cast
 
 from batcher.core.expiry import Resend, check_retries, expire
 from batcher.core.replies import ReplyTable
@@ -130,56 +133,131 @@ def collect(pendings: Iterable[_Awaited], return_exceptions: bool) -> list[Any]:
     return out
 
 
+_P = ParamSpec("_P")
+_A = TypeVar("_A")
+_S = TypeVar("_S")
+_R = TypeVar("_R")
+
+
+def request_fields(
+    input: Any,
+    model: str | None = None,
+    timeout_ms: float | None = None,
+    priority: float | None = None,
+    cost: float | None = None,
+    version: int | str | None = None,
+) -> dict[str, Any]:
+    """The arguments of every face's request calls (`submit`, `request`, `request_reply`
+    on Client, MultiClient and AsyncClient), declared once: each takes them through
+    `takes(request_fields)`, so their order, defaults and types cannot drift apart, and
+    gets the request map they make (`request_body`; `timeout_ms` is in it when given).
+    `version`: which version of a repository's model runs it (docs/models.md; none: its
+    split, else its newest)."""
+    return request_body(input, model, timeout_ms, priority, cost, version=version)
+
+
+class StreamArgs(NamedTuple):
+    """A streamed request's arguments, declared once for every face's `stream` (through
+    `takes(StreamArgs)`): a request's without `cost` (so `version` is the fifth, as it
+    always was). A value, not a map as `request_fields` gives: MultiClient hands them on
+    to a Client, and AsyncClient's stream makes its map when first iterated."""
+
+    input: Any
+    model: str | None = None
+    timeout_ms: float | None = None
+    priority: float | None = None
+    version: int | str | None = None
+
+    def body(self) -> dict[str, Any]:
+        """The request map to send, `"stream": true` (`request_body`)."""
+        input, model, timeout_ms, priority, version = self
+        return request_body(input, model, timeout_ms, priority, stream=True, version=version)
+
+
+class ManyArgs(NamedTuple):
+    """`request_many`'s arguments, declared once for every face's (through
+    `takes(ManyArgs)`): many inputs, each sent as a request with the same model,
+    deadline and version."""
+
+    inputs: Iterable[Any]
+    model: str | None = None
+    timeout_ms: float | None = None
+    return_exceptions: bool = False
+    version: int | str | None = None
+
+
+def takes(
+    params: Callable[_P, _A],
+) -> Callable[[Callable[[_S, _A], _R]], Callable[Concatenate[_S, _P], _R]]:
+    """A method written over one value of its arguments (`def submit(self, args:
+    RequestArgs)`) that callers still call with the arguments `params` declares, by
+    position or keyword (`submit(x, "lin", 500)`): so a parameter list shared by many
+    methods is written once; the method gets what `params` returns for them (a wrong
+    call raises TypeError there). help() and inspect.signature show the parameters;
+    mypy checks callers against them. A coroutine method stays one (awaiting it calls
+    `params`); any other, a generator too, calls `params` at once."""
+    hints = typing.get_type_hints(params)
+    shown = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
+        p.replace(annotation=hints.get(p.name, p.annotation))
+        for p in inspect.signature(params).parameters.values()
+    ]
+
+    def decorate(body: Callable[[_S, _A], _R]) -> Callable[Concatenate[_S, _P], _R]:
+        run: Any = body  # a coroutine function's, awaited below
+
+        def method(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+            return body(self, params(*args, **kwargs))
+
+        async def coroutine_method(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> Any:
+            return await run(self, params(*args, **kwargs))
+
+        chosen: Any = coroutine_method if inspect.iscoroutinefunction(body) else method
+        functools.update_wrapper(chosen, body)
+        chosen.__signature__ = inspect.signature(body).replace(parameters=shown)
+        chosen.__annotations__ = {
+            **{p.name: p.annotation for p in shown[1:]},
+            "return": chosen.__signature__.return_annotation,
+        }
+        return cast(Callable[Concatenate[_S, _P], _R], chosen)
+
+    return decorate
+
+
 class BlockingRequests:
     """The blocking faces' request calls, written once over their `submit` (Client and
     MultiClient): the same names, arguments and error rule on both (and, awaited, on
     AsyncClient)."""
 
-    #: Send a request without waiting: (input, model, timeout_ms, priority, cost, version=).
+    #: Send a request without waiting: takes request_fields' arguments.
     submit: Callable[..., _Awaited]
 
-    def request(
-        self,
-        input: Any,
-        model: str | None = None,
-        timeout_ms: float | None = None,
-        priority: float | None = None,
-        cost: float | None = None,
-        version: int | str | None = None,
-    ) -> Any:
+    def _submit(self, fields: dict[str, Any]) -> _Awaited:
+        """Send the request map `fields` without waiting: `submit`, once its arguments
+        are taken (a face's own)."""
+        raise NotImplementedError
+
+    @takes(request_fields)
+    def request(self, fields: dict[str, Any]) -> Any:
         """Send one request and return its output, or raise its typed error. `version`:
         which version of a repository's model runs it (none: its split, else its newest)."""
-        return self.submit(input, model, timeout_ms, priority, cost, version=version).result()
+        return self._submit(fields).result()
 
-    def request_reply(
-        self,
-        input: Any,
-        model: str | None = None,
-        timeout_ms: float | None = None,
-        priority: float | None = None,
-        cost: float | None = None,
-        version: int | str | None = None,
-    ) -> dict[str, Any]:
+    @takes(request_fields)
+    def request_reply(self, fields: dict[str, Any]) -> dict[str, Any]:
         """Send one request and return the whole reply map (output or error, with
         metadata such as batch_size, worker and a repository's `version`); an error is
         data here, never raised, and no reply in time is one with code `timeout` (or
         `unreachable`)."""
-        return self.submit(input, model, timeout_ms, priority, cost, version=version).wait()
+        return self._submit(fields).wait()
 
-    def request_many(
-        self,
-        inputs: Iterable[Any],
-        model: str | None = None,
-        timeout_ms: float | None = None,
-        return_exceptions: bool = False,
-        version: int | str | None = None,
-    ) -> list[Any]:
+    @takes(ManyArgs)
+    def request_many(self, args: ManyArgs) -> list[Any]:
         """Send all inputs at once (so the broker can batch them) and return the outputs
         in order, once every one has its reply. With return_exceptions, errors come back
         in place; otherwise the first one (in input order) is raised, after all finished."""
-        return collect(
-            [self.submit(x, model, timeout_ms, version=version) for x in inputs], return_exceptions
-        )
+        inputs, model, timeout_ms, return_exceptions, version = args
+        pendings = [self._submit(request_fields(x, model, timeout_ms, version=version)) for x in inputs]
+        return collect(pendings, return_exceptions)
 
 
 class _Awaited:
@@ -271,20 +349,12 @@ class BaseClient(Generic[PendingT]):
         stream.take(reply)
         return True
 
-    def _stream_body(
-        self,
-        input: Any,
-        model: str | None,
-        timeout_ms: float | None,
-        priority: float | None,
-        version: int | str | None,
-    ) -> tuple[int, bytes, float | None]:
+    def _stream_body(self, args: StreamArgs) -> tuple[int, bytes, float | None]:
         """A streamed request (`"stream": true`) to send: its id, its body and how long to
         wait for each chunk. The caller puts what takes its chunks in `_streams` under the id."""
         request_id = self._next_id()
-        fields = request_body(input, model, timeout_ms, priority, stream=True, version=version)
-        body = protocol.pack_carrying({"id": request_id, **fields}, input)
-        return request_id, body, reply_wait_s(self.timeout_s, timeout_ms)
+        body = protocol.pack_carrying({"id": request_id, **args.body()}, args.input)
+        return request_id, body, reply_wait_s(self.timeout_s, args.timeout_ms)
 
     def _next_id(self) -> int:
         """A request id not used before on this client (1, 2, ...)."""

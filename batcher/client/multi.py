@@ -14,7 +14,15 @@ from typing import Any
 
 import zmq
 
-from batcher.client.core import BlockingRequests, _Awaited, reply_wait_s, request_body, timeout_reply
+from batcher.client.core import (
+    BlockingRequests,
+    StreamArgs,
+    _Awaited,
+    reply_wait_s,
+    request_fields,
+    takes,
+    timeout_reply,
+)
 from batcher.client.sync import Client, PendingReply, Stream
 from batcher.core.expiry import Attempts, Resend, check_retries, expire
 from batcher.core.link import Backoff, Drop, PeerLink
@@ -194,21 +202,16 @@ class MultiClient(BlockingRequests):
 
     # --- requests ---------------------------------------------------------------------------
 
-    def submit(
-        self,
-        input: Any,
-        model: str | None = None,
-        timeout_ms: float | None = None,
-        priority: float | None = None,
-        cost: float | None = None,
-        version: int | str | None = None,
-    ) -> MultiPending:
+    @takes(request_fields)
+    def submit(self, fields: dict[str, Any]) -> MultiPending:
         """Send a request to the next frontend that is up, without waiting."""
+        return self._submit(fields)
+
+    def _submit(self, fields: dict[str, Any]) -> MultiPending:
         self._check_open()
-        body = request_body(input, model, timeout_ms, priority, cost, version=version)
-        wait_s = reply_wait_s(self.timeout_s, timeout_ms)
+        wait_s = reply_wait_s(self.timeout_s, fields.get("timeout_ms"))
         assert wait_s is not None  # a MultiClient always has a timeout: it is how it finds a dead broker
-        pending = MultiPending(self, body, wait_s)
+        pending = MultiPending(self, fields, wait_s)
         self._send(pending, time.monotonic())
         return pending
 
@@ -228,23 +231,17 @@ class MultiClient(BlockingRequests):
             self._send_to(pending, matches[0])
         return pending.result()
 
-    def stream(
-        self,
-        input: Any,
-        model: str | None = None,
-        timeout_ms: float | None = None,
-        priority: float | None = None,
-        version: int | str | None = None,
-    ) -> Stream:
+    @takes(StreamArgs)
+    def stream(self, args: StreamArgs) -> Stream:
         """Send a streamed request to the next frontend that is up and iterate over its
         chunks, as Client.stream does. A stream is never moved to another frontend: its
         chunks already given cannot be taken back."""
         self._check_open()
-        if version is not None:
-            parse_version(version)  # a bad one raises before a frontend is picked
+        if args.version is not None:
+            parse_version(args.version)  # a bad one raises before a frontend is picked
         fe = self._pick(time.monotonic(), None)
         fe.sent += 1
-        return fe.client.stream(input, model, timeout_ms, priority, version)
+        return fe.client.stream(*args)
 
     # --- machinery --------------------------------------------------------------------------
 

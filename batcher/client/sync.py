@@ -26,6 +26,7 @@ from batcher.client.core import (
     CONNECT_TIMEOUT_S,
     BaseClient,
     BlockingRequests,
+    StreamArgs,
     _Awaited,
     cancel_body,
     collect,
@@ -33,6 +34,8 @@ from batcher.client.core import (
     reply_output,
     reply_wait_s,
     request_body,
+    request_fields,
+    takes,
     timeout_reply,
 )
 from batcher.errors import BatcherError
@@ -237,31 +240,20 @@ class Client(BaseClient[PendingReply], BlockingRequests):
         it is readable, call `receive_ready`. Never send or receive on it directly."""
         return self._sock
 
-    def submit(
-        self,
-        input: Any,
-        model: str | None = None,
-        timeout_ms: float | None = None,
-        priority: float | None = None,
-        cost: float | None = None,
-        version: int | str | None = None,
-    ) -> PendingReply:
+    @takes(request_fields)
+    def submit(self, fields: dict[str, Any]) -> PendingReply:
         """Send a request without waiting; many can be in flight over the one socket."""
-        body = request_body(input, model, timeout_ms, priority, cost, version=version)
-        return self.start(body, reply_wait_s(self.timeout_s, timeout_ms))
+        return self._submit(fields)
+
+    def _submit(self, fields: dict[str, Any]) -> PendingReply:
+        return self.start(fields, reply_wait_s(self.timeout_s, fields.get("timeout_ms")))
 
     def control(self, op: str, **fields: Any) -> Any:
         """Send a control request (`stats`; `reload` with model=NAME) and return its output."""
         return self.start({"op": op, **fields}, self.timeout_s).result()
 
-    def stream(
-        self,
-        input: Any,
-        model: str | None = None,
-        timeout_ms: float | None = None,
-        priority: float | None = None,
-        version: int | str | None = None,
-    ) -> Stream:
+    @takes(StreamArgs)
+    def stream(self, args: StreamArgs) -> Stream:
         """Send a streamed request (`"stream": true`) and iterate over its chunks as they
         come: `for chunk in client.stream(x)`. An error reply raises its typed error.
         Leaving early, use `with client.stream(x) as chunks:` (or `close()`): the broker
@@ -269,7 +261,7 @@ class Client(BaseClient[PendingReply], BlockingRequests):
         for each chunk; a stream is never retried."""
         if self._sock.closed:
             raise ClientClosed(f"the client of {self.address} is closed")
-        request_id, body, wait_s = self._stream_body(input, model, timeout_ms, priority, version)
+        request_id, body, wait_s = self._stream_body(args)
         stream = self._streams[request_id] = Stream(self, request_id, wait_s)
         if not self._send_body(body, None if stream.wait_s is None else time.monotonic() + stream.wait_s):
             del self._streams[request_id]

@@ -6,7 +6,10 @@ public surface (start, receive_ready, forget, send_cancel, socket) over inproc.
 
 from __future__ import annotations
 
+import inspect
+import pydoc
 import time
+import typing
 from collections.abc import Iterator
 from enum import StrEnum
 from typing import Any
@@ -16,6 +19,7 @@ import zmq
 
 import batcher.client.sync as client_module
 import batcher.wire.errors as errors_module
+from batcher.client.core import ManyArgs, StreamArgs, request_fields
 from batcher.client.multi import MultiClient
 from batcher.client.sync import (
     BadRequest,
@@ -389,3 +393,185 @@ def test_the_async_client_sends_a_named_version_and_refuses_a_bad_one(router) ->
 
     bodies = asyncio.run(main())
     assert [(b["input"], b["version"]) for b in bodies[:2]] == [("a", 2), ("b", 5)]
+
+
+# --- one parameter list for every face's request calls (batcher.client.core.takes) -----------------
+
+#: The request calls' parameters, in the order positional callers rely on: every face's
+#: submit, request and request_reply takes them (request_fields declares them once),
+#: its stream the same without `cost` (StreamArgs); its request_many its own (ManyArgs).
+REQUEST_PARAMETERS = ["input", "model", "timeout_ms", "priority", "cost", "version"]
+STREAM_PARAMETERS = ["input", "model", "timeout_ms", "priority", "version"]
+MANY_PARAMETERS = ["inputs", "model", "timeout_ms", "return_exceptions", "version"]
+DECLARED: dict[str, Any] = {
+    "submit": request_fields,
+    "request": request_fields,
+    "request_reply": request_fields,
+    "stream": StreamArgs,
+    "request_many": ManyArgs,
+}
+
+#: The same request, called by position, by keyword and mixed (a version's digits are its number).
+REQUEST_CALLS: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+    (("x", "lin", 500, 2.0, 3.0, 4), {}),
+    (("x",), {"model": "lin", "timeout_ms": 500, "priority": 2.0, "cost": 3.0, "version": 4}),
+    ((), {"version": 4, "cost": 3.0, "priority": 2.0, "timeout_ms": 500, "model": "lin", "input": "x"}),
+    (("x", "lin", 500), {"version": "4", "cost": 3.0, "priority": 2.0}),
+]
+REQUEST_SENT = {"input": "x", "model": "lin", "timeout_ms": 500, "priority": 2.0, "cost": 3.0, "version": 4}
+STREAM_CALLS: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+    (("x", "simlm", 500, 2.0, 4), {}),
+    (("x",), {"model": "simlm", "timeout_ms": 500, "priority": 2.0, "version": 4}),
+    ((), {"version": "4", "priority": 2.0, "timeout_ms": 500, "model": "simlm", "input": "x"}),
+]
+STREAM_SENT = {"input": "x", "model": "simlm", "timeout_ms": 500, "priority": 2.0, "version": 4}
+STREAM_SENT["stream"] = True
+
+
+def faces() -> list[type]:
+    from batcher.client.aio import AsyncClient
+
+    return [Client, MultiClient, AsyncClient]
+
+
+def parameters_of(method: Any) -> list[tuple[str, Any, Any, Any]]:
+    """A method's parameters as a caller sees them: name, kind, default and type (its
+    annotations resolved, as mypy reads them)."""
+    hints = typing.get_type_hints(method)
+    return [
+        (p.name, p.kind, p.default, hints.get(p.name)) for p in inspect.signature(method).parameters.values()
+    ]
+
+
+def test_the_declared_lists_keep_their_order_and_defaults() -> None:
+    """Positional callers depend on this order: `version` is the sixth of a request's
+    arguments and the fifth of a stream's or request_many's; every one but the first
+    defaults to None (return_exceptions to False)."""
+    for declared, names in (
+        (request_fields, REQUEST_PARAMETERS),
+        (StreamArgs, STREAM_PARAMETERS),
+        (ManyArgs, MANY_PARAMETERS),
+    ):
+        params = inspect.signature(declared).parameters.values()
+        assert [p.name for p in params] == names
+        defaults = [p.default for p in params][1:]
+        assert defaults == [False if n == "return_exceptions" else None for n in names[1:]]
+        assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)
+
+
+@pytest.mark.parametrize("name", DECLARED)
+def test_every_face_shows_the_declared_parameters(name: str) -> None:
+    """help(), inspect.signature and typing.get_type_hints show each face's real
+    parameters (self and the declared list), the same on every face: a face whose
+    list drifted from the declaration (another order, default or type) fails here."""
+    declared = DECLARED[name]
+    expected = [("self", inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty, None)]
+    expected += parameters_of(declared)
+    for face in faces():
+        method = getattr(face, name)
+        assert parameters_of(method) == expected, f"{face.__name__}.{name}"
+        assert method.__doc__ and method.__name__ == name, f"{face.__name__}.{name} keeps its docstring"
+        shown = pydoc.render_doc(method, renderer=pydoc.plaintext)  # help()'s text
+        first = next(iter(inspect.signature(declared).parameters))
+        assert f"{name}(self, {first}: " in shown and "fields" not in shown and "args:" not in shown
+
+
+def test_the_async_faces_request_calls_are_still_coroutine_functions() -> None:
+    from batcher.client.aio import AsyncClient
+
+    assert inspect.iscoroutinefunction(AsyncClient.request)
+    assert inspect.iscoroutinefunction(AsyncClient.request_reply)
+    assert inspect.iscoroutinefunction(AsyncClient.request_many)
+    assert not inspect.iscoroutinefunction(AsyncClient.submit)  # it returns an AsyncPendingReply
+
+
+def test_submit_sends_the_same_request_however_its_arguments_are_passed(router) -> None:
+    ctx, broker, address = router
+    with Client(address, timeout_s=5, context=ctx) as c, MultiClient([address], context=ctx) as m:
+        for submit in (c.submit, m.submit):
+            for args, kwargs in REQUEST_CALLS:
+                submit(*args, **kwargs)
+                assert {k: v for k, v in received(broker)[1].items() if k != "id"} == REQUEST_SENT
+            submit("y")
+            assert received(broker)[1].keys() == {"id", "input"}  # the defaults send nothing
+            with pytest.raises(TypeError):
+                submit("y", modle="lin")  # type: ignore[call-arg]
+            with pytest.raises(TypeError):
+                submit("y", "lin", 1, 2, 3, 4, 5)  # type: ignore[call-arg]
+    assert broker.poll(50, zmq.POLLIN) == 0  # a wrong call sends nothing
+
+
+def test_stream_sends_the_same_request_however_its_arguments_are_passed(router) -> None:
+    ctx, broker, address = router
+    with Client(address, timeout_s=5, context=ctx) as c, MultiClient([address], context=ctx) as m:
+        for stream in (c.stream, m.stream):
+            for args, kwargs in STREAM_CALLS:
+                stream(*args, **kwargs).close()
+                assert {k: v for k, v in received(broker)[1].items() if k != "id"} == STREAM_SENT
+                received(broker)  # the cancel of the stream left
+            with pytest.raises(TypeError):
+                stream("y", cost=3)  # type: ignore[call-arg]
+
+
+class Answered:
+    """A request in flight that has its reply: the map it was sent with, echoed."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self.fields = fields
+
+    def result(self) -> Any:
+        return self.fields
+
+    def wait(self) -> dict[str, Any]:
+        return ok(1, self.fields)
+
+
+def test_request_and_request_reply_get_the_same_request_however_called(router) -> None:
+    """Client's and MultiClient's blocking calls hand the one request map to `_submit`,
+    whose reply they return (here answered at once, with what was sent)."""
+    ctx, _, address = router
+    with Client(address, timeout_s=5, context=ctx) as c, MultiClient([address], context=ctx) as m:
+        for client in (c, m):
+            client._submit = Answered  # type: ignore[method-assign, assignment]
+            for args, kwargs in REQUEST_CALLS:
+                assert client.request(*args, **kwargs) == REQUEST_SENT
+                assert client.request_reply(*args, **kwargs) == ok(1, REQUEST_SENT)
+
+
+def test_the_async_face_gets_the_same_request_however_called(router) -> None:
+    import asyncio
+
+    import zmq.asyncio
+
+    from batcher.client.aio import AsyncClient
+
+    ctx, broker, address = router
+    calls: list[tuple[dict[str, Any], float | None]] = []
+
+    async def call(fields: dict[str, Any], wait_s: float | None) -> dict[str, Any]:
+        calls.append((fields, wait_s))
+        return ok(1, fields)
+
+    async def main() -> None:
+        actx = zmq.asyncio.Context.shadow(ctx.underlying)
+        async with AsyncClient(address, timeout_s=5, context=actx) as c:
+            for args, kwargs in REQUEST_CALLS:
+                c.submit(*args, **kwargs)  # sent at once; left unanswered, closed with the client
+                _, body = await asyncio.to_thread(received, broker)
+                assert {k: v for k, v in body.items() if k != "id"} == REQUEST_SENT
+            for args, kwargs in STREAM_CALLS:
+                chunks = c.stream(*args, **kwargs)
+                first = asyncio.ensure_future(chunks.__anext__())
+                envelope, body = await asyncio.to_thread(received, broker)
+                assert {k: v for k, v in body.items() if k != "id"} == STREAM_SENT
+                broker.send_multipart([*envelope, pack({"id": body["id"], "ok": True, "output": "t"})])
+                assert await first == "t"
+            c._call = call  # type: ignore[method-assign, assignment]
+            for args, kwargs in REQUEST_CALLS:
+                assert await c.request(*args, **kwargs) == REQUEST_SENT
+                assert await c.request_reply(*args, **kwargs) == ok(1, REQUEST_SENT)
+            with pytest.raises(TypeError):
+                await c.request("y", modle="lin")  # type: ignore[call-arg]
+
+    asyncio.run(main())
+    assert [wait_s for _, wait_s in calls] == [1.5] * 2 * len(REQUEST_CALLS)  # the 500 ms deadline's
