@@ -189,13 +189,14 @@ class ManyArgs(NamedTuple):
 def takes(
     params: Callable[_P, _A],
 ) -> Callable[[Callable[[_S, _A], _R]], Callable[Concatenate[_S, _P], _R]]:
-    """A method written over one value of its arguments (`def submit(self, args:
-    RequestArgs)`) that callers still call with the arguments `params` declares, by
-    position or keyword (`submit(x, "lin", 500)`): so a parameter list shared by many
-    methods is written once; the method gets what `params` returns for them (a wrong
-    call raises TypeError there). help() and inspect.signature show the parameters;
-    mypy checks callers against them. A coroutine method stays one (awaiting it calls
-    `params`); any other, a generator too, calls `params` at once."""
+    """A method written over what `params` makes of its arguments (`@takes(request_fields)`
+    over `def submit(self, fields)`), that callers still call with the arguments `params`
+    declares, by position or keyword (`submit(x, "lin", 500)`): so a parameter list that
+    many methods share is written once. A wrong call raises TypeError from `params`.
+    help() and inspect.signature show the declared parameters (`__signature__`), and
+    mypy checks callers against them (ParamSpec). A coroutine method stays one (awaiting
+    it calls `params`); any other, a generator too, calls `params` at once. The cost: a
+    call through `*args, **kwargs` and one to `params`, per call."""
     hints = typing.get_type_hints(params)
     shown = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
         p.replace(annotation=hints.get(p.name, p.annotation))
@@ -205,10 +206,10 @@ def takes(
     def decorate(body: Callable[[_S, _A], _R]) -> Callable[Concatenate[_S, _P], _R]:
         run: Any = body  # a coroutine function's, awaited below
 
-        def method(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        def method(self: _S, *args: _P.args, **kwargs: _P.kwargs) -> _R:
             return body(self, params(*args, **kwargs))
 
-        async def coroutine_method(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> Any:
+        async def coroutine_method(self: _S, *args: _P.args, **kwargs: _P.kwargs) -> Any:
             return await run(self, params(*args, **kwargs))
 
         chosen: Any = coroutine_method if inspect.iscoroutinefunction(body) else method
