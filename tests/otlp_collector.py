@@ -1,6 +1,12 @@
 """A test OTLP/HTTP collector: POST /v1/traces bodies decoded with the OpenTelemetry proto
 package (opentelemetry-proto) into plain span records the tests assert on. It can answer
-errors (503) or answer late, to show that a collector's trouble never reaches serving."""
+errors (503) or answer late, to show that a collector's trouble never reaches serving.
+
+It speaks HTTP/1.1 and keeps each connection open across posts, as the OpenTelemetry
+Collector (and any OTLP/HTTP receiver worth benchmarking against) does: every answer
+carries its Content-Length. An HTTP/1.0 receiver closes after each answer, so every
+export would pay a new TCP connection on both sides, which is the test's cost, not
+batcher's (docs/tracing.md, "What tracing costs")."""
 
 from __future__ import annotations
 
@@ -93,6 +99,8 @@ class Collector:
         collector = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive: one connection per exporter
+
             def log_message(self, *args: Any) -> None:
                 pass
 
@@ -102,6 +110,7 @@ class Collector:
                     collector.posts += 1
                 if collector.mode == "error":
                     self.send_response(503)
+                    self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
                 if collector.mode == "slow":
