@@ -10,6 +10,7 @@ batcher's (docs/tracing.md, "What tracing costs")."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -84,6 +85,17 @@ def decode(body: bytes) -> list[SpanRecord]:
     return out
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client gone while its connection was kept open (its process stopped) is no
+        error of the collector's; anything else is printed, as the standard server does."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
+
+
 class Collector:
     """The collector on a free loopback port: `endpoint` to give --trace-endpoint, `spans`
     received so far; `mode` "ok", "error" (answers 503), "slow" (answers after
@@ -123,7 +135,7 @@ class Collector:
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
