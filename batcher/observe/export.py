@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -153,7 +154,29 @@ def make_exporter(settings: TraceSettings) -> SpanExporter:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
     except ImportError:
         raise MissingExtra(f"OTLP over HTTP needs its exporter: {install_command('tracing')}") from None
-    return Http(endpoint=settings.traces_url, timeout=timeout_s)
+    return Http(endpoint=settings.traces_url, timeout=timeout_s, session=http_session())
+
+
+#: The SDK's variables naming a plug-in that makes the exporter's HTTP session (its own
+#: credentials): where one is set, the SDK's session is used, as it is.
+CREDENTIAL_PROVIDERS = (
+    "OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER",
+    "OTEL_PYTHON_EXPORTER_OTLP_HTTP_TRACES_CREDENTIAL_PROVIDER",
+)
+
+
+def http_session() -> Any:
+    """The session the OTLP/HTTP exporter posts with: requests' Session reading the
+    environment (proxies, CA bundle, netrc) once rather than on every post
+    (batcher.observe.http_session); None (the SDK makes its own) where a credential
+    provider plug-in is configured, or requests cannot be imported."""
+    if any(os.environ.get(name) for name in CREDENTIAL_PROVIDERS):
+        return None
+    try:
+        from batcher.observe.http_session import EnvironmentOnceSession
+    except ImportError:
+        return None
+    return EnvironmentOnceSession()
 
 
 def make_provider(
