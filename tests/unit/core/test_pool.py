@@ -345,6 +345,7 @@ def test_a_batch_that_hung_loading_its_model_is_answered_at_once_not_sent_to_ano
     assert lost.batches_requeued == 1 and [r.attempts for r in others] == [0, 0]
     message = load_hung_message("a", "its batch ran past the time limit of 61000 ms (--batch-timeout-ms)")
     assert message.startswith("model 'a' hung while loading: its batch ran past the time limit of 61000")
+    assert message.endswith("not retried on another worker")  # its clients know not to expect a retry
 
 
 def test_a_warm_batch_that_hung_and_a_cold_one_whose_worker_crashed_are_retried_as_before() -> None:
@@ -698,3 +699,26 @@ def test_a_multiplexed_worker_announces_its_models_signatures() -> None:
             worker_info({"model": "multiplexed", "multiplexed": wire, "signatures": bad})
     with pytest.raises(ValueError, match="bad READY signatures"):
         worker_info({"model": "m", "signatures": {"a/1": sig}})  # only a multiplexed worker's
+
+
+def test_a_multiplexed_worker_may_announce_the_signature_of_every_model_of_its_catalog() -> None:
+    sig = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}], "outputs": []}
+    wire = {"budget_mb": 200, "models": {"a/1": 100, "b/1": 100}}
+    p = pool()
+    p.joined(
+        b"p",
+        worker_info({"model": "multiplexed", "multiplexed": wire, "signatures": {"a/1": sig, "b/1": sig}}),
+        None,
+        0.0,
+    )
+    assert all(p.signature(m) is not None for m in ("a/1", "b/1"))
+
+
+def test_a_bad_readys_signatures_are_refused_in_a_message_of_at_most_300_characters() -> None:
+    """Whatever a worker sends, the log line that says why its READY was refused stays short."""
+    wire = {"budget_mb": 200, "models": {"a/1": 100, "b/1": 100}}
+    long_name = {"name": "x" * 400, "datatype": "FP32", "shape": [1]}
+    for bad in ({"c" * 1000: {}}, {"a/1": {"inputs": [long_name], "outputs": []}}):
+        with pytest.raises(ValueError, match="bad READY signatures") as refused:
+            worker_info({"model": "multiplexed", "multiplexed": wire, "signatures": bad})
+        assert len(str(refused.value)) <= 300
