@@ -674,14 +674,17 @@ def test_a_multiplexed_ready_makes_a_worker_of_every_model_of_its_catalog() -> N
     p.joined(b"p", info, None, 0.0)
     s = p.scheduler
     assert s.has_workers("a/1") and s.has_workers("b/1") and not s.has_workers("multiplexed")
+    assert p.signature("a/1") is None  # it announced no signatures
     for bad, why in (
         ({"budget_mb": 50, "models": {"a": 100}}, "needs 100 MB"),
         ({"budget_mb": 50}, "budget_mb and models"),
         ([1], "budget_mb and models"),
+        ({"budget_mb": 50, "models": {"a" * 1000: 1}}, "name must be 1 to 256 characters"),
     ):
-        with pytest.raises(ValueError, match="bad READY multiplexed: .*" + why):
+        with pytest.raises(ValueError, match="bad READY multiplexed: .*" + why) as refused:
             worker_info({"model": "multiplexed", "multiplexed": bad})
-    with pytest.raises(ValueError, match="a step-level worker cannot be multiplexed"):
+        assert len(str(refused.value)) <= 300  # a short log line, whatever the worker sent
+    with pytest.raises(ValueError, match=r"^bad READY: a step-level worker cannot be multiplexed$"):
         worker_info({"model": "m", "max_active": 4, "multiplexed": wire})
 
 
@@ -699,6 +702,12 @@ def test_a_multiplexed_worker_announces_its_models_signatures() -> None:
             worker_info({"model": "multiplexed", "multiplexed": wire, "signatures": bad})
     with pytest.raises(ValueError, match="bad READY signatures"):
         worker_info({"model": "m", "signatures": {"a/1": sig}})  # only a multiplexed worker's
+
+
+def test_a_workers_info_gives_its_signature_for_its_own_model_only() -> None:
+    sig = Signature.from_wire({"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1]}], "outputs": []})
+    info = WorkerInfo("m", 0, 1, signature=sig)
+    assert info.signature_of("m") is sig and info.signature_of("other") is None
 
 
 def test_a_multiplexed_worker_may_announce_the_signature_of_every_model_of_its_catalog() -> None:
