@@ -1956,6 +1956,18 @@ def test_the_bucket_waiting_longest_gets_the_worker_first() -> None:
     assert [[r.id for r in b.requests] for b in s.due_batches(2.0)] == [[50]]
 
 
+def test_a_buckets_batch_is_predicted_by_what_the_models_batches_taught() -> None:
+    """A model's length buckets share its cost model: t(n) = 200 ms, learned from its
+    batches, says when a bucket's batch ends, and so when the one behind it on the same
+    worker begins (its time limit counts from then)."""
+    s = _bucketed(max_batch_size=1, max_wait_ms=0.0)
+    now = teach(s, [(1, 0.2), (1, 0.2)], now=0.0)
+    put(s, "m", *_of_length(40, 40, t=now))
+    first, behind = s.due_batches(now)
+    assert first.worker == behind.worker == b"w0"
+    assert behind.expected_start == pytest.approx(now + 0.2)
+
+
 def test_bucket_settings_are_checked() -> None:
     with pytest.raises(ValueError, match=r"^bucket_by and length_buckets go together \(--bucket-by length"):
         BatchSettings(bucket_by="length")
