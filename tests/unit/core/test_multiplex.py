@@ -11,7 +11,7 @@ from batcher.core.limits import BatchSettings, Policy
 from batcher.core.multiplex import LOAD_LIMIT_S, Catalog, Resident, Use
 from batcher.core.scheduler import Scheduler
 from batcher.errors import SettingsError
-from tests.scheduler_builders import enqueue_many
+from tests.scheduler_builders import enqueue_many, rq
 
 MODELS = ("a", "b", "c", "d", "e", "f")
 
@@ -184,6 +184,25 @@ def test_a_batch_waits_for_the_worker_holding_its_model_rather_than_load_it_else
     s.complete(held.worker, held.batch_id, 0.001, 0.002)
     (again,) = s.due_batches(0.002)
     assert again.worker == held.worker and not again.cold
+
+
+def test_a_length_buckets_batch_goes_to_the_worker_holding_its_model() -> None:
+    """With --bucket-by length, a multiplexed model's bucket queues place their batches by
+    the same rule as its own queue: on the worker that holds the model, not loaded again."""
+    settings = BatchSettings(
+        max_batch_size=4, max_wait_ms=10.0, policy="window", bucket_by="length", length_buckets=(16, 32)
+    )
+    s = Scheduler(per_model={m: settings for m in MODELS})
+    for i in range(2):
+        s.add_worker(f"p{i}".encode(), "multiplexed", catalog=catalog())
+    (held,) = serve(s, "a", 4, 0.0)  # requests of no bucket: the model's own queue
+    for _ in range(4):
+        r = rq(1.0)
+        r.bucket = settings.bucket(20)
+        s.enqueue("a", r)
+    assert s.models["a"].buckets[1].size == 4
+    (batch,) = s.due_batches(1.0)
+    assert batch.worker == held and not batch.cold
 
 
 def test_a_model_spreads_to_another_worker_when_two_full_batches_wait() -> None:

@@ -698,3 +698,61 @@ def test_a_multiplexed_worker_announces_its_models_signatures() -> None:
             worker_info({"model": "multiplexed", "multiplexed": wire, "signatures": bad})
     with pytest.raises(ValueError, match="bad READY signatures"):
         worker_info({"model": "m", "signatures": {"a/1": sig}})  # only a multiplexed worker's
+
+
+def test_a_workers_info_gives_its_signature_for_its_own_model_only() -> None:
+    sig = Signature.from_wire({"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1]}], "outputs": []})
+    info = WorkerInfo("m", 0, 1, signature=sig)
+    assert info.signature_of("m") is sig and info.signature_of("other") is None
+
+
+def test_a_multiplexed_worker_may_announce_the_signature_of_every_model_of_its_catalog() -> None:
+    sig = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}], "outputs": []}
+    wire = {"budget_mb": 200, "models": {"a/1": 100, "b/1": 100}}
+    p = pool()
+    p.joined(
+        b"p",
+        worker_info({"model": "multiplexed", "multiplexed": wire, "signatures": {"a/1": sig, "b/1": sig}}),
+        None,
+        0.0,
+    )
+    assert all(p.signature(m) is not None for m in ("a/1", "b/1"))
+
+
+def test_a_bad_readys_catalog_or_signatures_are_refused_in_a_message_of_at_most_300_characters() -> None:
+    """Whatever a worker sends, the log line that says why its READY was refused stays short."""
+    wire = {"budget_mb": 200, "models": {"a/1": 100, "b/1": 100}}
+    long_name = {"name": "x" * 400, "datatype": "FP32", "shape": [1]}
+    for bad, why in (
+        (
+            {"multiplexed": {"budget_mb": 50, "models": {"a" * 1000: 1}}},
+            "multiplexed: .*name must be 1 to 256",
+        ),
+        ({"multiplexed": wire, "signatures": {"c" * 1000: {}}}, "signatures: a map of the multiplexed"),
+        (
+            {"multiplexed": wire, "signatures": {"a/1": {"inputs": [long_name]}}},
+            "signatures: a tensor's name",
+        ),
+    ):
+        with pytest.raises(ValueError, match="bad READY " + why) as refused:
+            worker_info({"model": "multiplexed", **bad})
+        assert len(str(refused.value)) <= 300
+
+
+def test_a_multiplexed_worker_that_announced_no_signatures_has_none() -> None:
+    wire = {"budget_mb": 200, "models": {"a/1": 100, "b/1": 100}}
+    p = pool()
+    p.joined(b"p", worker_info({"model": "multiplexed", "multiplexed": wire}), None, 0.0)
+    assert p.signature("a/1") is None and p.signature("b/1") is None
+
+
+def test_a_step_level_worker_cannot_be_multiplexed() -> None:
+    wire = {"budget_mb": 200, "models": {"a/1": 100}}
+    with pytest.raises(ValueError, match=r"^bad READY: a step-level worker cannot be multiplexed$"):
+        worker_info({"model": "m", "max_active": 4, "multiplexed": wire})
+
+
+def test_a_hung_loads_clients_are_told_it_is_not_retried() -> None:
+    message = load_hung_message("a", "its batch ran past the time limit of 61000 ms (--batch-timeout-ms)")
+    assert message.startswith("model 'a' hung while loading: its batch ran past the time limit of 61000")
+    assert message.endswith("not retried on another worker")

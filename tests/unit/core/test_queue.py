@@ -110,6 +110,21 @@ def test_rerank_orders_the_queue_by_the_new_aging() -> None:
     assert drain(mq) == [old, new]
 
 
+def test_rerank_keeps_the_count_cost_and_suspects_of_the_queued_requests() -> None:
+    """A rerank rebuilds the lanes: the summed cost (max_batch_cost reads it) and the count
+    of suspects (each runs alone) are still those of the requests queued, and drop to 0
+    once they are taken."""
+    mq = queue()
+    plain, urgent, suspect = req(0.0), req(1.0, priority=1), req(2.0, deadline=9.0)
+    plain.cost, urgent.cost, suspect.cost, suspect.suspect = 0.5, 2.0, 1.0, 1
+    fill(mq, plain, urgent, suspect)
+    mq.settings = BatchSettings(max_batch_size=4, priority_aging_ms=1.0)
+    mq.rerank()
+    assert (mq.size, mq.queued_cost, mq.suspects) == (3, 3.5, 1)
+    assert drain(mq) == [plain, urgent, suspect]
+    assert (mq.size, mq.queued_cost, mq.suspects) == (0, 0.0, 0)
+
+
 def test_aging_ranks_a_request_by_its_wait() -> None:
     mq = queue(aging_ms=1000.0)
     r = req(3.0, priority=2)

@@ -583,6 +583,18 @@ def test_held_and_busy_follow_batches_and_queues() -> None:
     assert not s.busy() and s.held(b"w0") == 0
 
 
+def test_running_is_whether_a_worker_holds_a_batch_not_whether_requests_wait() -> None:
+    """What the broker reads to keep checking batch time limits while a batch runs."""
+    s = make(size=1, wait_ms=10.0, workers=1)
+    assert not s.running()
+    enqueue_many(s, "m", 1, 0.0)
+    assert not s.running() and s.busy()  # queued, in no batch
+    (b,) = s.due_batches(0.01)
+    assert s.running()
+    s.complete(b.worker, b.batch_id)
+    assert not s.running()
+
+
 def test_a_drained_worker_gets_no_batch_but_its_replies_count() -> None:
     s = make(size=1, wait_ms=0.0, workers=2, slots=1)
     enqueue_many(s, "m", 1, 0.0)
@@ -615,6 +627,16 @@ def test_set_settings_applies_to_the_queue_and_to_the_model_made_later() -> None
     assert len(batch.requests) == 2
     s.set_settings("new", BatchSettings(max_batch_size=3))
     assert s.knows_model("new") and s.models["new"].settings.max_batch_size == 3
+
+
+def test_settings_of_gives_each_known_models_settings_and_none_for_an_unknown_one() -> None:
+    """What the frontend admits a request against (its model's limits)."""
+    small = BatchSettings(max_batch_size=2, max_wait_ms=5.0)
+    s = Scheduler(per_model={"m": small}, models=["plain"])
+    s.add_worker(b"w", "announced")
+    assert s.settings_of("m") is small
+    assert s.settings_of("plain") == BatchSettings() and s.settings_of("announced") == BatchSettings()
+    assert s.settings_of("nobody") is None
 
 
 # --- the scheduler's own settings ------------------------------------------------------------------

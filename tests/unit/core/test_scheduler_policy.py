@@ -1956,6 +1956,18 @@ def test_the_bucket_waiting_longest_gets_the_worker_first() -> None:
     assert [[r.id for r in b.requests] for b in s.due_batches(2.0)] == [[50]]
 
 
+def test_a_buckets_batch_is_predicted_by_what_the_models_batches_taught() -> None:
+    """A model's length buckets share its cost model: t(n) = 200 ms, learned from its
+    batches, says when a bucket's batch ends, and so when the one behind it on the same
+    worker begins (its time limit counts from then)."""
+    s = _bucketed(max_batch_size=1, max_wait_ms=0.0)
+    now = teach(s, [(1, 0.2), (1, 0.2)], now=0.0)
+    put(s, "m", *_of_length(40, 40, t=now))
+    first, behind = s.due_batches(now)
+    assert first.worker == behind.worker == b"w0"
+    assert behind.expected_start == pytest.approx(now + 0.2)
+
+
 def test_bucket_settings_are_checked() -> None:
     with pytest.raises(ValueError, match=r"^bucket_by and length_buckets go together \(--bucket-by length"):
         BatchSettings(bucket_by="length")
@@ -2161,6 +2173,26 @@ def test_requests_of_a_hung_batch_run_alone_and_never_with_others_again() -> Non
     assert s.models["m"].suspects == 0
 
 
+def test_a_worker_running_a_suspect_takes_no_other_batch_until_it_answers() -> None:
+    """A suspect runs alone on its worker: a plain request queued meanwhile waits, even
+    past its window with a prefetch slot free (nothing comes due), and goes to that worker
+    once the suspect's batch is answered."""
+    s = make(size=4, wait_ms=10.0, workers=1, slots=2)
+    (r,) = enqueue_many(s, "m", 1, 0.0)
+    assert len(s.due_batches(0.01)) == 1  # r runs, and its worker dies on it
+    r.suspect += 1
+    (lost,) = s.remove_worker(b"w0")
+    s.requeue("m", lost.requests)
+    s.add_worker(b"w1", "m", 2)
+    (alone,) = s.due_batches(1.0)
+    assert alone.requests == [r] and alone.worker == b"w1"
+    (plain,) = enqueue_many(s, "m", 1, 1.0)
+    assert s.due_batches(2.0) == [] and s.next_wakeup() is None
+    assert s.complete(b"w1", alone.batch_id) is alone
+    (after,) = s.due_batches(2.0)
+    assert after.requests == [plain] and after.worker == b"w1"
+
+
 def test_changing_the_aging_ranks_queued_requests_again() -> None:
     """Queued under 100 ms aging, then strict priority (a reload): the waiting priority-0
     request no longer outranks a later priority-1 one, and nothing is lost or doubled."""
@@ -2172,6 +2204,30 @@ def test_changing_the_aging_ranks_queued_requests_again() -> None:
     served = serve_one_by_one(s, (10.0, 10.1, 10.2))
     assert served == ["new-high", "old-deadline", "old-low"]  # strict again: priority, deadline
     assert s.queued("m") == 0 and s.models["m"].queued_cost == 0.0
+
+
+def test_a_reload_to_strict_priority_orders_requests_queued_before_it_by_deadline_with_later_ones() -> None:
+    """Queued at 5 s under 100 ms aging, then strict priority (a reload): a request queued
+    before the reload and one after, both priority 0, go by deadline alone, the earlier
+    first, as if both had been queued under the new settings."""
+    s = Scheduler(per_model={"m": BatchSettings(1, 0.0, policy="window", priority_aging_ms=100.0)})
+    put(s, "m", rq(5.0, 0, deadline=50.0, rid="before-reload"))
+    s.set_settings("m", BatchSettings(1, 0.0, policy="window"))
+    put(s, "m", rq(10.0, 0, deadline=60.0, rid="after-reload"))
+    s.add_worker(b"w", "m")
+    assert serve_one_by_one(s, (10.0, 10.1)) == ["before-reload", "after-reload"]
+
+
+def test_a_reload_that_turns_aging_on_ages_the_requests_queued_before_it() -> None:
+    """Queued under strict priority, then 100 ms aging (a reload): a priority-5 request that
+    arrives 100 ms after a priority-0 one (one aging step later: 5 - 1 levels ahead) goes
+    first, whichever side of the reload each was queued on."""
+    s = Scheduler(per_model={"m": BatchSettings(1, 0.0, policy="window")})
+    put(s, "m", rq(10.0, 0, deadline=100.0, rid="low-before-reload"))
+    s.set_settings("m", BatchSettings(1, 0.0, policy="window", priority_aging_ms=100.0))
+    put(s, "m", rq(10.1, 5, rid="high-after-reload"))
+    s.add_worker(b"w", "m")
+    assert serve_one_by_one(s, (10.1, 10.2)) == ["high-after-reload", "low-before-reload"]
 
 
 def test_suspects_stay_alone_when_a_higher_priority_request_goes_first() -> None:
