@@ -115,6 +115,8 @@ class Backend:
             self._on_chunk(worker_id, frames[3], frames[4:], now)
         elif command == protocol.CMD_DISCONNECT:
             log.info("worker %s left", self.pool.name(worker_id))
+            # Its counters, as a HEARTBEAT's (6.5): the spans dropped since its last one.
+            self.stats.worker_said(self.pool.info(worker_id), worker_id, frames[3:])
             self.lost(worker_id, "worker left", failed=False)
         elif command == protocol.CMD_HEARTBEAT:
             self.stats.worker_said(self.pool.info(worker_id), worker_id, frames[3:])

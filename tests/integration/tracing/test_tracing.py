@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import signal
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -18,7 +19,7 @@ import zmq
 
 from batcher.client import Client
 from batcher.serve.launcher import ServeProcess, free_tcp_address
-from tests.helpers import pack, recv_reply, sample, scrape, wait_until
+from tests.helpers import pack, recv_reply, sample, scrape, start_broker, wait_until
 from tests.otlp_collector import Collector, SpanRecord
 
 pytestmark = pytest.mark.integration
@@ -297,6 +298,37 @@ def test_a_collector_down_slow_or_erroring_never_touches_serving(
             lambda: sample(scrape(http_port), "batcher_trace_spans_dropped_total") > 0,
             20.0,
             "the gateway's dropped spans counted",
+        )
+
+
+def test_a_worker_that_stops_reports_the_spans_it_dropped_since_its_last_heartbeat(
+    spawn: Callable[..., Any], zctx: zmq.Context[Any], collector: Callable[..., Collector]
+) -> None:
+    # A collector that refuses every post (400, not retried): each of the worker's exports
+    # fails at once, its spans dropped. Heartbeats 20 s apart: none carries a count before
+    # the worker stops, so only its DISCONNECT can (docs/tracing.md, "Limits").
+    refusing = collector("reject")
+    trace = ("--trace-endpoint", refusing.endpoint)
+    beat = ("--heartbeat-ms", "20000")
+    frontend, backend = start_broker(spawn, zctx, "--model", "sim", *beat, *trace)
+    worker = spawn("worker", "--connect", backend, "--model", "sim", "--sim-base-ms", "1", *beat, *trace)
+    with Client(frontend, timeout_s=10, context=zctx) as client:
+        for i in range(5):  # one at a time: 5 batches, 3 worker spans each
+            assert client.request(float(i)) is not None
+        worker_spans = 15
+
+        def refused_from_worker() -> int:
+            return sum(s.service == "batcher-worker" for s in refusing.refused_snapshot())
+
+        wait_until(lambda: refused_from_worker() >= worker_spans, 15.0, "the worker's exports refused")
+        assert refused_from_worker() == worker_spans
+        assert client.control("stats")["worker_trace_spans_dropped"].get("sim", 0) < worker_spans
+        worker.process.send_signal(signal.SIGTERM)  # a normal stop: drain, DISCONNECT
+        assert worker.process.wait(15) == 0
+        wait_until(
+            lambda: client.control("stats")["worker_trace_spans_dropped"].get("sim", 0) == worker_spans,
+            5.0,
+            "the stopped worker's drops counted at the broker",
         )
 
 
