@@ -217,11 +217,12 @@ class RequestTrace:
     """A traced request's context at the broker: its caller's span (None: a new trace),
     then its queue span once that ended (the batch spans link to it)."""
 
-    __slots__ = ("parent", "queue")
+    __slots__ = ("parent", "queue", "stream")
 
     def __init__(self, parent: SpanContext | None) -> None:
         self.parent = parent
         self.queue: SpanContext | None = None
+        self.stream: Any = None  # a stream's open delivery span (broker_spans.BrokerSpans)
 
 
 def parent_of(traceparent: object, tracestate: object) -> tuple[bool, TraceParent | None, str | None]:
