@@ -67,8 +67,8 @@ class Backend:
         self.tracer: Any = None  #: the broker's spans when tracing is on (batcher.observe), else None
 
     def drain(self, now: float) -> bool:
-        """Handle what the workers sent, within one budget; True once read to the end. Every
-        message read is stamped `now`, the loop's turn; the clock is read only for the budget."""
+        """Handle what the workers sent, within one budget; True once read to the end. The
+        first message is stamped `now` (the turn's), each next one the budget's clock read."""
         sock = self.sock
         budget_end = now + DRAIN_BUDGET_S
         for i in range(DRAIN_LIMIT):
@@ -88,7 +88,8 @@ class Backend:
             if i == 0 and not readable(sock):  # read to the end (zmqio.readable: after the first only)
                 self.pool.backend_read(now)
                 return True
-            if time.monotonic() >= budget_end:
+            now = time.monotonic()  # not the turn's: a REPLY may have come since (frontend.drain)
+            if now >= budget_end:
                 return False
         return False
 

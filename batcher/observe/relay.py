@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from types import SimpleNamespace
 from typing import Any, NamedTuple
@@ -34,6 +33,7 @@ import msgpack
 import zmq
 
 from batcher.observe.attributes import STREAM_FINE, batch_attributes, stream_attributes
+from batcher.observe.clock import wall_offset_ns
 from batcher.observe.counters import count_dropped
 from batcher.observe.settings import TraceSettings
 from batcher.wire.tracecontext import format_traceparent, parse_traceparent, parse_tracestate, should_sample
@@ -92,7 +92,7 @@ class RelaySpans:
         self.ratio = settings.sample_ratio
         self.parent_based = settings.parent_based
         self.samples_roots = self.ratio > 0.0
-        self._offset_ns = time.time_ns() - time.monotonic_ns()
+        self._offset_ns = wall_offset_ns()
         self._bits = random.getrandbits
         self._random = random.random
         self._records: list[tuple[Any, ...]] = []
