@@ -1,6 +1,7 @@
 """A test OTLP/HTTP collector: POST /v1/traces bodies decoded with the OpenTelemetry proto
 package (opentelemetry-proto) into plain span records the tests assert on. It can answer
-errors (503) or answer late, to show that a collector's trouble never reaches serving.
+errors (503, or 400: refused and not retried) or answer late, to show that a collector's
+trouble never reaches serving.
 
 It speaks HTTP/1.1 and keeps each connection open across posts, as the OpenTelemetry
 Collector (and any OTLP/HTTP receiver worth benchmarking against) does: every answer
@@ -98,13 +99,16 @@ class _Server(ThreadingHTTPServer):
 
 class Collector:
     """The collector on a free loopback port: `endpoint` to give --trace-endpoint, `spans`
-    received so far; `mode` "ok", "error" (answers 503), "slow" (answers after
-    `delay_s`) or "sink" (answers at once, decoding nothing: for benchmarks)."""
+    received so far; `mode` "ok", "error" (answers 503), "reject" (answers 400, which the
+    SDK's exporter does not retry: each post is one failed export at once; the spans it
+    refused are in `refused`), "slow" (answers after `delay_s`) or "sink" (answers at
+    once, decoding nothing: for benchmarks)."""
 
     def __init__(self, mode: str = "ok", delay_s: float = 2.0) -> None:
         self.mode = mode
         self.delay_s = delay_s
         self.spans: list[SpanRecord] = []
+        self.refused: list[SpanRecord] = []
         self.posts = 0
         self._lock = threading.Lock()
         self._released = threading.Event()
@@ -122,6 +126,14 @@ class Collector:
                     collector.posts += 1
                 if collector.mode == "error":
                     self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if collector.mode == "reject":
+                    refused = decode(body)
+                    with collector._lock:
+                        collector.refused.extend(refused)
+                    self.send_response(400)
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
@@ -147,6 +159,10 @@ class Collector:
     def of_trace(self, trace_id: str) -> list[SpanRecord]:
         with self._lock:
             return [s for s in self.spans if s.trace_id == trace_id]
+
+    def refused_snapshot(self) -> list[SpanRecord]:
+        with self._lock:
+            return list(self.refused)
 
     def snapshot(self) -> list[SpanRecord]:
         with self._lock:

@@ -345,9 +345,19 @@ class BrokerConnection:
 
 def heartbeat(tracer: Any) -> list[bytes]:
     """A HEARTBEAT; with tracing on, it carries the spans this process dropped (6.6)."""
+    return _with_counters(protocol.CMD_HEARTBEAT, tracer)
+
+
+def goodbye(tracer: Any) -> list[bytes]:
+    """The DISCONNECT of a worker that stops; with tracing on, it carries the spans this
+    process dropped, as a HEARTBEAT does (6.5), so those since its last HEARTBEAT count."""
+    return _with_counters(protocol.CMD_DISCONNECT, tracer)
+
+
+def _with_counters(command: bytes, tracer: Any) -> list[bytes]:
     if tracer is None:
-        return [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT]
+        return [protocol.WORKER_PROTOCOL, command]
     from batcher.observe.counters import spans_dropped
 
     said = protocol.pack({"trace_spans_dropped": spans_dropped()})
-    return [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT, said]
+    return [protocol.WORKER_PROTOCOL, command, said]

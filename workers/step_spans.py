@@ -1,7 +1,7 @@
 """The spans of a step-level worker's sequences (docs/tracing.md, "Streams"): one span a
 request stream, `batcher.worker.sequence`, from the START that brought it to its ending
-entry, a child of the request's queue span at the broker (its traceparent rides in the
-START header's 4th element). A span per step would be too many: the steps are counted
+entry, a child of the request's stream span at the broker (`batcher.stream`: its
+traceparent rides in the START header's 4th element). A span per step would be too many: the steps are counted
 (`batcher.steps`, `batcher.chunks`) and the two moments that matter are events, its
 admission (the prefill) and its first chunk (`batcher.first_chunk_ms`). Loaded only
 when tracing is on."""

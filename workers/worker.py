@@ -60,6 +60,7 @@ from workers.connection import (  # re-exported, as before the split
     RECONNECT_MIN_S,
     REFUSAL_LOG_EVERY_S,
     BrokerConnection,
+    goodbye,
 )
 from workers.exit_codes import EXIT_BAD_ADDRESS, EXIT_HUNG
 from workers.models import (
@@ -377,8 +378,9 @@ class Worker(BatchRunner):
             self._model_thread.retract()  # the broker gets those back
             for job, outcome in self._wait_for_model(self._model_thread):
                 self._answer(job, outcome)
-        # Batches received but not run go back to the broker's queue when it reads this.
-        self._send([protocol.WORKER_PROTOCOL, protocol.CMD_DISCONNECT])
+        # Batches received but not run go back to the broker's queue when it reads this;
+        # it carries the spans dropped since the last HEARTBEAT (6.5).
+        self._send(goodbye(self.tracer))
 
     def _ready(self) -> list[bytes]:
         if self.shelf is not None:

@@ -24,6 +24,8 @@ from batcher.wire.frames import ReplyHeader
 from batcher.wire.protocol import ErrorCode, WorkerProtocolError
 
 log = logging.getLogger("batcher.broker")
+#: The error message of a sequence its worker dropped unasked.
+DROPPED_BY_WORKER = "the worker dropped the sequence"
 
 #: Messages taken at once before the loop looks at the frontend and the timers...
 DRAIN_LIMIT = 2000
@@ -65,8 +67,8 @@ class Backend:
         self.tracer: Any = None  #: the broker's spans when tracing is on (batcher.observe), else None
 
     def drain(self, now: float) -> bool:
-        """Handle what the workers sent, within one budget; True once read to the end. Every
-        message read is stamped `now`, the loop's turn; the clock is read only for the budget."""
+        """Handle what the workers sent, within one budget; True once read to the end. The
+        first message is stamped `now` (the turn's), each next one the budget's clock read."""
         sock = self.sock
         budget_end = now + DRAIN_BUDGET_S
         for i in range(DRAIN_LIMIT):
@@ -86,7 +88,8 @@ class Backend:
             if i == 0 and not readable(sock):  # read to the end (zmqio.readable: after the first only)
                 self.pool.backend_read(now)
                 return True
-            if time.monotonic() >= budget_end:
+            now = time.monotonic()  # not the turn's: a REPLY may have come since (frontend.drain)
+            if now >= budget_end:
                 return False
         return False
 
@@ -115,6 +118,8 @@ class Backend:
             self._on_chunk(worker_id, frames[3], frames[4:], now)
         elif command == protocol.CMD_DISCONNECT:
             log.info("worker %s left", self.pool.name(worker_id))
+            # Its counters, as a HEARTBEAT's (6.5): the spans dropped since its last one.
+            self.stats.worker_said(self.pool.info(worker_id), worker_id, frames[3:])
             self.lost(worker_id, "worker left", failed=False)
         elif command == protocol.CMD_HEARTBEAT:
             self.stats.worker_said(self.pool.info(worker_id), worker_id, frames[3:])
@@ -200,14 +205,13 @@ class Backend:
             if seq is None:
                 continue
             if verdict is Verdict.ABANDONED:
-                self.reply_error(
-                    seq.request, seq.model, ErrorCode.WORKER_FAILED, "the worker dropped the sequence"
-                )
+                stream_ended(self.tracer, seq, now, str(ErrorCode.WORKER_FAILED))
+                self.reply_error(seq.request, seq.model, ErrorCode.WORKER_FAILED, DROPPED_BY_WORKER)
                 continue
             delivered = deliver(seq.request.envelope, body)
-            stats.chunk(seq.model, seq.chunks == 1, now - seq.request.arrived_at, now, first_exemplar(seq))
+            chunk_counted(stats, self.tracer, seq, now)
             if verdict is Verdict.DELIVER_FINAL:
-                stats.count(seq.model, _final_outcome(flag, body))
+                stream_ended(self.tracer, seq, now, _final_outcome(flag, body), stats)
             elif not delivered:  # the client is gone: nobody reads what comes next
                 self.end_stream(seq, None, "client_gone")
 
@@ -217,6 +221,7 @@ class Backend:
         if seq.answered:
             return
         held = self.pool.streams.answer(seq)
+        stream_ended(self.tracer, seq, time.monotonic(), reason if code is None else str(code))
         if code is not None:
             self.reply_error(seq.request, seq.model, code, message)
         if held:
@@ -323,7 +328,7 @@ class Backend:
         if info is not None:
             worker_gone(self.stats, self.cache, info, failed)
         self.stats.workers_lost += failed
-        end_lost_spans(self.tracer, self.scheduler, worker_id, why, blame)
+        end_lost_spans(self.tracer, self.pool, worker_id, why, blame)
         lost = self.pool.lose(worker_id, failed, blame)
         self.stats.batches_retried += lost.batches_requeued
         for model, req in lost.failed:
@@ -336,6 +341,31 @@ def first_exemplar(seq: Sequence) -> dict[str, str] | None:
     """A stream's first chunk's exemplar: its queue span, when it is traced."""
     rt = seq.request.trace
     return exemplar_of(rt.queue) if seq.chunks == 1 and rt is not None else None
+
+
+def chunk_counted(stats: BrokerStats, tracer: Any, seq: Sequence, now: float) -> None:
+    """A chunk delivered: counted (the first one's time to first chunk with its exemplar),
+    and the first one's time on the stream's span when it is traced."""
+    first = seq.chunks == 1
+    stats.chunk(seq.model, first, now - seq.request.arrived_at, now, first_exemplar(seq))
+    if first and tracer is not None and seq.request.trace is not None:
+        tracer.stream_chunk(seq.request.trace, now)
+
+
+def stream_ended(
+    tracer: Any,
+    seq: Sequence,
+    now: float,
+    outcome: str,
+    stats: BrokerStats | None = None,
+    why: str | None = None,
+) -> None:
+    """A sequence was answered with `outcome` (counted in `stats` when its worker ended
+    it): its stream span ends, with its chunks, when it is traced."""
+    if stats is not None:
+        stats.count(seq.model, outcome)
+    if tracer is not None and seq.request.trace is not None:
+        tracer.stream_ended(seq.request.trace, now, outcome, seq.chunks, why)
 
 
 def worker_gone(stats: Any, cache: Any, info: WorkerInfo, failed: bool) -> None:
@@ -367,15 +397,22 @@ def count_answered(
             backend.stats.model_loaded(batch.model, load[0], batch.unloaded, backend.pool.info(worker_id))
 
 
-def end_lost_spans(tracer: Any, scheduler: Scheduler, worker_id: bytes, why: str, blame: int | None) -> None:
+def end_lost_spans(tracer: Any, pool: WorkerPool, worker_id: bytes, why: str, blame: int | None) -> None:
     """The spans of a lost worker's batches end, each with its event: the blamed one
     `batcher.hung_batch_killed`, the others `batcher.worker_lost` (their requests are
-    re-dispatched, or answered worker_failed past their retries). Nothing without a tracer."""
-    state = None if tracer is None else scheduler.workers.get(worker_id)
+    re-dispatched, or answered worker_failed past their retries); so do those of its
+    streams not answered yet (outcome worker_lost: each re-run elsewhere, in a stream span
+    of its own, or answered worker_failed). Nothing without a tracer."""
+    if tracer is None:
+        return
+    state = pool.scheduler.workers.get(worker_id)
     now = time.monotonic()
     for batch_id in list(state.in_flight) if state is not None else ():
         event = "batcher.hung_batch_killed" if batch_id == blame else "batcher.worker_lost"
         tracer.batch_failed(batch_id, now, event, why)
+    step = pool.streams.worker(worker_id)
+    for seq in step.unanswered() if step is not None else ():
+        stream_ended(tracer, seq, now, "worker_lost", why=why)
 
 
 def _final_outcome(flag: int, body: Any) -> str:

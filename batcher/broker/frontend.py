@@ -104,7 +104,14 @@ class Frontend:
             # (zmqio.readable): a lone request is not made to wait for a raised zmq.Again
             # (15-20 us of a cold CPU before its batch was cut), and a burst pays one
             # zmq.Again, not a ZMQ_EVENTS query (2 system calls) after each of its messages.
-            if (i == 0 and not readable(sock)) or time.monotonic() >= budget_end:
+            if i == 0 and not readable(sock):
+                return
+            # The next message's arrival: the clock the budget reads anyway, not the turn's
+            # start, as it may have come since (even in answer to a reply just sent: a
+            # gateway's row after its control request's answer). Stamped with the turn's
+            # time, its queue span began before its sender's span did.
+            now = time.monotonic()
+            if now >= budget_end:
                 return
 
     def _recv_noting_sender(

@@ -53,7 +53,6 @@ from batcher.transport.security import CurveGate, CurveServerKeys, HandshakeWatc
 from batcher.transport.stopping import StopSignals
 from batcher.wire import protocol
 from batcher.wire.protocol import ErrorCode, Heartbeat
-from batcher.wire.tracecontext import format_traceparent
 
 log = logging.getLogger("batcher.broker")
 
@@ -484,7 +483,9 @@ class Broker:
                 None if r.deadline_at is None else round(max(0.0, r.deadline_at - now) * 1000.0, 3)
                 for r in requests
             ]
-            parents = None if self.tracer is None else traced_start(self.tracer, w.model, requests, now)
+            parents = None
+            if self.tracer is not None:
+                parents = traced_start(self.tracer, w.model, requests, self.pool.name(w.worker_id), now)
             frames = protocol.start_frames(
                 [s.seq_id for s in sequences], remaining_ms, [r.body for r in requests], parents
             )
@@ -519,10 +520,13 @@ def traced_batch(
     )
 
 
-def traced_start(tracer: Any, model: str, requests: list[Any], now: float) -> list[str | None] | None:
+def traced_start(
+    tracer: Any, model: str, requests: list[Any], worker: str, now: float
+) -> list[str | None] | None:
     """The traced requests given to a step-level worker now leave their queue (queue
-    span, outcome `started`); each one's traceparent for the START header (its queue
-    span: the parent of the worker's span of the stream), None when none is traced."""
+    span, outcome `started`) and begin their stream span (the broker's delivery of the
+    stream, to its end); each one's traceparent for the START header (its stream span:
+    the parent of the worker's span of the stream), None when none is traced."""
     if all(r.trace is None for r in requests):
         return None
     out: list[str | None] = []
@@ -530,9 +534,7 @@ def traced_start(tracer: Any, model: str, requests: list[Any], now: float) -> li
         if r.trace is None:
             out.append(None)
             continue
-        tracer.queue_ended(r, model, "started", now)
-        q = r.trace.queue
-        out.append(format_traceparent(q.trace_id, q.span_id, 1))
+        out.append(tracer.stream_started(r, model, worker, now))
     return out
 
 

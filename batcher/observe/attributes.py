@@ -20,3 +20,17 @@ def batch_attributes(batch: Any, cost: float, worker: str, traced: int) -> tuple
         "batcher.traced_requests": traced,
     }
     return attempt, attributes
+
+
+#: A stream span's outcomes that are no error: its last chunk was a result, or its client
+#: cancelled it or went away.
+STREAM_FINE = frozenset({"ok", "cancelled", "client_gone"})
+
+
+def stream_attributes(req: Any, model: str, worker: str) -> dict[str, Any]:
+    """The attributes a stream span begins with, for `req` given to `worker` (its outcome,
+    chunks and first chunk's time are added when they are known)."""
+    attributes = {"batcher.model": model, "batcher.worker": worker, "batcher.attempt": int(req.attempts) + 1}
+    if req.id is not None:
+        attributes["batcher.request_id"] = str(req.id)
+    return attributes

@@ -12,7 +12,7 @@ from typing import Any
 
 from opentelemetry.trace import Link, SpanKind
 
-from batcher.observe.attributes import batch_attributes
+from batcher.observe.attributes import STREAM_FINE, batch_attributes, stream_attributes
 from batcher.observe.spans import RequestTrace, Tracer, parent_of, span_context, traceparent_of
 
 #: Open batch spans kept at most (a worker that never answers cannot grow the table).
@@ -100,6 +100,34 @@ class BrokerSpans:
             self._open.pop(next(iter(self._open))).end()
         self._open[batch.batch_id] = span
         return traceparent_of(batch_ctx)
+
+    def stream_started(self, req: Any, model: str, worker: str, now: float) -> str:
+        """A traced request given to a step-level worker's slot: its queue span ends
+        (`started`) and its stream span begins, the queue span's child; the stream span's
+        traceparent for the START header (the worker's span of the stream is its child)."""
+        rt: RequestTrace = req.trace
+        self.queue_ended(req, model, "started", now)
+        span = self.tracer.start("batcher.stream", rt.queue, now, stream_attributes(req, model, worker))
+        rt.stream = (span, now)
+        return traceparent_of(span.get_span_context())
+
+    def stream_chunk(self, rt: RequestTrace, now: float) -> None:
+        """A traced stream's first chunk reached the broker."""
+        if rt.stream is not None:
+            span, begun = rt.stream
+            span.set_attribute("batcher.first_chunk_ms", round((now - begun) * 1000.0, 3))
+
+    def stream_ended(self, rt: RequestTrace, now: float, outcome: str, chunks: int, why: str | None) -> None:
+        """A traced stream was answered (`outcome`: ok, cancelled, client_gone, or an error
+        code; worker_lost when its worker was lost, `why`): its span ends."""
+        if rt.stream is None:
+            return
+        span, rt.stream = rt.stream[0], None
+        span.set_attribute("batcher.outcome", outcome)
+        span.set_attribute("batcher.chunks", chunks)
+        if why is not None:
+            span.add_event("batcher.worker_lost", {"batcher.reason": why}, timestamp=self.tracer.ns(now))
+        self.tracer.end(span, now, None if outcome in STREAM_FINE else why or outcome)
 
     def batch_answered(
         self, batch_id: int, now: float, infer_ms: float, wait_ms: float | None, padding: Any, errors: Any

@@ -17,6 +17,13 @@ Records, as relay.RelaySpans makes them (msgpack turns tuples into lists):
             to its batch are made here, in BrokerSpans's order
   a batch span (BATCH): (BATCH, trace_id, span_id, parent_id, start_ns, end_ns,
             attributes, [(trace_id, span_id, request_id) links], events, error, tracestate)
+
+The SDK's span limits (SpanLimits: OTEL_SPAN_LINK_COUNT_LIMIT, 128 links by default, and
+the event, attribute and value-length limits) hold here as the SDK's spans apply them: a
+batch of 200 traced requests exports its last 128 links and `dropped_links_count` 72.
+A record within the limits (nearly all) takes the fast path; one past them, or any record
+when a value-length limit is set, is built as the SDK's bounded span (`build`) and encoded
+from it (otlp_encode.encode_sdk_span): the same message either way, field for field.
 """
 
 from __future__ import annotations
@@ -25,11 +32,13 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace import Status as SdkStatus
@@ -41,6 +50,7 @@ from batcher.observe.otlp_encode import (
     LOCAL,
     Encoded,
     encode_resource,
+    encode_sdk_span,
     hook_encoder,
     set_attributes,
     set_value,
@@ -92,12 +102,26 @@ def expand(record: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(record)
 
 
-def build(record: Sequence[Any], resource: Resource) -> ReadableSpan:
-    """One record as the SDK's finished span (the SDK path: `RecordExporter` where the
-    exporter's encoder cannot be bypassed, and the reference the tests compare with)."""
+def build(record: Sequence[Any], resource: Resource, limits: SpanLimits | None = None) -> ReadableSpan:
+    """One record as the SDK's finished span under the SDK's `limits` (default: the
+    OTEL_*_LIMIT variables), bounded as the SDK's own Span bounds itself (its containers:
+    the newest links, events and attributes kept, the rest counted as dropped): the SDK
+    path (`RecordExporter` where the exporter's encoder cannot be bypassed), the path of a
+    record past the limits, and the reference the tests compare with."""
     name, kind, trace_id, span_id, parent_id, start_ns, end_ns, attributes, links, events, error, state = (
         expand(record)
     )
+    lim = limits or SpanLimits()
+    length = lim.max_attribute_length
+
+    def bounded(most: int | None, attrs: Any, longest: int | None = length) -> BoundedAttributes:
+        return BoundedAttributes(most, attrs, immutable=True, max_value_len=longest)
+
+    span_events = [Event(n, bounded(lim.max_event_attributes, a), timestamp=t) for n, t, a in events]
+    span_links = [
+        Link(SpanContext(int.from_bytes(t, "big"), s, False, _SAMPLED), bounded(lim.max_link_attributes, a))
+        for t, s, a in links
+    ]
     trace_id = int.from_bytes(trace_id, "big")
     trace_state = TraceState.from_header([state]) if state else None
     ctx = SpanContext(trace_id, span_id, False, _SAMPLED, trace_state)
@@ -107,9 +131,9 @@ def build(record: Sequence[Any], resource: Resource) -> ReadableSpan:
         context=ctx,
         parent=parent,
         resource=resource,
-        attributes=attributes,
-        events=[Event(n, a, timestamp=t) for n, t, a in events],
-        links=[Link(SpanContext(int.from_bytes(t, "big"), s, False, _SAMPLED), a) for t, s, a in links],
+        attributes=bounded(lim.max_span_attributes, attributes, lim.max_span_attribute_length),
+        events=BoundedList.from_seq(lim.max_events, span_events),
+        links=BoundedList.from_seq(lim.max_links, span_links),
         kind=_SDK_KINDS.get(kind, SpanKind.INTERNAL),
         status=SdkStatus(SdkStatusCode.ERROR, error) if error else SdkStatus(SdkStatusCode.UNSET),
         start_time=start_ns,
@@ -118,10 +142,26 @@ def build(record: Sequence[Any], resource: Resource) -> ReadableSpan:
     )
 
 
-class Encoder:
-    """Records to one ExportTraceServiceRequest of the process's resource and scope."""
+def _within(most: int | None, count: int) -> bool:
+    """Whether `count` items fit a limit (None: no limit)."""
+    return most is None or count <= most
 
-    def __init__(self, resource: Resource) -> None:
+
+class Encoder:
+    """Records to one ExportTraceServiceRequest of the process's resource and scope, under
+    the SDK's span `limits` (default: the OTEL_*_LIMIT variables)."""
+
+    def __init__(self, resource: Resource, limits: SpanLimits | None = None) -> None:
+        self._sdk_resource = resource
+        lim = self._limits = limits or SpanLimits()
+        #: Every record built as the SDK's span first: a value-length limit truncates values.
+        self._exact = lim.max_attribute_length is not None or lim.max_span_attribute_length is not None
+        #: Whether a queue span (at most 7 attributes, a link of 1) always fits the limits.
+        self._queue_fits = (
+            _within(lim.max_span_attributes, 7)
+            and _within(lim.max_links, 1)
+            and _within(lim.max_link_attributes, 1)
+        )
         self._resource = encode_resource(resource)
         self._schema_url = resource.schema_url or ""
         self._states: dict[str, str] = {}
@@ -141,7 +181,9 @@ class Encoder:
         for record in records:
             try:
                 tag = record[0]
-                if tag == QUEUE:
+                if not self._fits(record):
+                    encode_sdk_span(spans.add(), build(record, self._sdk_resource, self._limits))
+                elif tag == QUEUE:
                     self._queue_span(spans.add(), record)
                 elif tag == BATCH:
                     self._batch_span(spans.add(), record)
@@ -151,6 +193,29 @@ class Encoder:
                 log.debug("span record not encoded: %s", exc)
                 del spans[len(spans) - 1 :]
         return request, len(spans)
+
+    def _fits(self, record: Sequence[Any]) -> bool:
+        """Whether a record is within the span limits (then the fast path encodes it as the
+        SDK's bounded span would be: nothing to drop)."""
+        if self._exact:
+            return False
+        tag = record[0]
+        if tag == QUEUE:
+            return self._queue_fits
+        lim = self._limits
+        if tag == BATCH:
+            attributes, links, events = record[6], record[7], record[8]
+            link_attributes = 1 if links else 0
+        else:
+            attributes, links, events = record[7], record[8], record[9]
+            link_attributes = max((len(a) for _, _, a in links), default=0)
+        return (
+            _within(lim.max_links, len(links))
+            and _within(lim.max_events, len(events))
+            and _within(lim.max_span_attributes, len(attributes))
+            and _within(lim.max_link_attributes, link_attributes)
+            and _within(lim.max_event_attributes, max((len(a) for _, _, a in events), default=0))
+        )
 
     def _state(self, state: str) -> str:
         """A tracestate as the SDK's encoder writes it (what TraceState keeps of it)."""
@@ -283,7 +348,8 @@ class RecordExporter(SpanExporter):
     def __init__(self, exporter: SpanExporter, resource: Resource, direct: bool = True) -> None:
         self._exporter = exporter
         self._resource = resource
-        self._encoder = Encoder(resource)
+        self._limits = SpanLimits()  # the OTEL_*_LIMIT variables, read once
+        self._encoder = Encoder(resource, self._limits)
         self.direct = direct and hook_encoder(exporter)
 
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
@@ -297,7 +363,7 @@ class RecordExporter(SpanExporter):
         built = []
         for record in spans:
             try:
-                built.append(build(record, self._resource))
+                built.append(build(record, self._resource, self._limits))
             except Exception as exc:  # a bug's record: the others still go
                 log.debug("span record not built: %s", exc)
                 count_dropped(1)

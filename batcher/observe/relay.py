@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from types import SimpleNamespace
 from typing import Any, NamedTuple
@@ -33,7 +32,8 @@ from typing import Any, NamedTuple
 import msgpack
 import zmq
 
-from batcher.observe.attributes import batch_attributes
+from batcher.observe.attributes import STREAM_FINE, batch_attributes, stream_attributes
+from batcher.observe.clock import wall_offset_ns
 from batcher.observe.counters import count_dropped
 from batcher.observe.settings import TraceSettings
 from batcher.wire.tracecontext import format_traceparent, parse_traceparent, parse_tracestate, should_sample
@@ -76,11 +76,13 @@ _ctx = functools.partial(tuple.__new__, Ctx)
 class RelayTrace:
     """A traced request's context at the broker (as spans.RequestTrace)."""
 
-    __slots__ = ("parent", "queue")
+    __slots__ = ("parent", "queue", "stream")
 
     def __init__(self, parent: Ctx | None) -> None:
         self.parent = parent
         self.queue: Ctx | None = None
+        #: A stream's open delivery span: [ctx, parent span id, start ns, attributes, start].
+        self.stream: list[Any] | None = None
 
 
 class RelaySpans:
@@ -90,7 +92,7 @@ class RelaySpans:
         self.ratio = settings.sample_ratio
         self.parent_based = settings.parent_based
         self.samples_roots = self.ratio > 0.0
-        self._offset_ns = time.time_ns() - time.monotonic_ns()
+        self._offset_ns = wall_offset_ns()
         self._bits = random.getrandbits
         self._random = random.random
         self._records: list[tuple[Any, ...]] = []
@@ -235,6 +237,39 @@ class RelaySpans:
                 )
             )  # fmt: skip
             link((trace, span_id, str(r.id)))
+
+    def stream_started(self, req: Any, model: str, worker: str, now: float) -> str:
+        """A traced request given to a step-level worker's slot: its queue span ends and
+        its stream span begins (as BrokerSpans.stream_started); the START header's traceparent."""
+        rt: RelayTrace = req.trace
+        self.queue_ended(req, model, "started", now)
+        q = rt.queue
+        assert q is not None
+        ctx = Ctx(q.trace_id, self._bits(64) or 1, 1, q.state)
+        rt.stream = [ctx, q.span_id, self.ns(now), stream_attributes(req, model, worker), now]
+        return format_traceparent(ctx.trace_id, ctx.span_id, 1)
+
+    def stream_chunk(self, rt: RelayTrace, now: float) -> None:
+        """A traced stream's first chunk reached the broker."""
+        if rt.stream is not None:
+            rt.stream[3]["batcher.first_chunk_ms"] = round((now - rt.stream[4]) * 1000.0, 3)
+
+    def stream_ended(self, rt: RelayTrace, now: float, outcome: str, chunks: int, why: str | None) -> None:
+        """A traced stream was answered: its span's record (the general form)."""
+        if rt.stream is None:
+            return
+        (ctx, parent_id, start_ns, attributes, _), rt.stream = rt.stream, None
+        attributes["batcher.outcome"] = outcome
+        attributes["batcher.chunks"] = chunks
+        end_ns = self.ns(now)
+        events = [] if why is None else [("batcher.worker_lost", end_ns, {"batcher.reason": why})]
+        error = None if outcome in STREAM_FINE else why or outcome
+        self._records.append(
+            ("batcher.stream", 0, _b(ctx.trace_id), ctx.span_id, parent_id, start_ns, end_ns, attributes, [],
+             events, error, ctx.state)
+        )  # fmt: skip
+        if len(self._records) >= FLUSH_RECORDS:
+            self.flush()
 
     def _end_batch(self, batch_id: int, now: float, error: str | None) -> None:
         held = self._open.pop(batch_id, None)

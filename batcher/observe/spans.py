@@ -7,7 +7,6 @@ the queue span of every request it carries (docs/tracing.md)."""
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.span import TraceState
 
+from batcher.observe.clock import wall_offset_ns
 from batcher.observe.counters import spans_dropped
 from batcher.observe.export import make_provider
 from batcher.observe.settings import TraceSettings
@@ -76,7 +76,7 @@ class Tracer:
         self.sdk = self.provider.get_tracer("batcher")
         self.ratio = settings.sample_ratio
         self.parent_based = settings.parent_based
-        self._offset_ns = time.time_ns() - time.monotonic_ns()
+        self._offset_ns = wall_offset_ns()
         self._random = random.random
         self._ids = self.provider.id_generator
         random_ids = getattr(self._ids, "is_trace_id_random", lambda: False)()  # (as the SDK's Tracer)
@@ -217,11 +217,12 @@ class RequestTrace:
     """A traced request's context at the broker: its caller's span (None: a new trace),
     then its queue span once that ended (the batch spans link to it)."""
 
-    __slots__ = ("parent", "queue")
+    __slots__ = ("parent", "queue", "stream")
 
     def __init__(self, parent: SpanContext | None) -> None:
         self.parent = parent
         self.queue: SpanContext | None = None
+        self.stream: Any = None  # a stream's open delivery span (broker_spans.BrokerSpans)
 
 
 def parent_of(traceparent: object, tracestate: object) -> tuple[bool, TraceParent | None, str | None]:

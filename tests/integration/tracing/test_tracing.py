@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import signal
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -18,7 +19,7 @@ import zmq
 
 from batcher.client import Client
 from batcher.serve.launcher import ServeProcess, free_tcp_address
-from tests.helpers import pack, recv_reply, sample, scrape, wait_until
+from tests.helpers import pack, recv_reply, sample, scrape, start_broker, wait_until
 from tests.otlp_collector import Collector, SpanRecord
 
 pytestmark = pytest.mark.integration
@@ -300,6 +301,37 @@ def test_a_collector_down_slow_or_erroring_never_touches_serving(
         )
 
 
+def test_a_worker_that_stops_reports_the_spans_it_dropped_since_its_last_heartbeat(
+    spawn: Callable[..., Any], zctx: zmq.Context[Any], collector: Callable[..., Collector]
+) -> None:
+    # A collector that refuses every post (400, not retried): each of the worker's exports
+    # fails at once, its spans dropped. Heartbeats 20 s apart: none carries a count before
+    # the worker stops, so only its DISCONNECT can (docs/tracing.md, "Limits").
+    refusing = collector("reject")
+    trace = ("--trace-endpoint", refusing.endpoint)
+    beat = ("--heartbeat-ms", "20000")
+    frontend, backend = start_broker(spawn, zctx, "--model", "sim", *beat, *trace)
+    worker = spawn("worker", "--connect", backend, "--model", "sim", "--sim-base-ms", "1", *beat, *trace)
+    with Client(frontend, timeout_s=10, context=zctx) as client:
+        for i in range(5):  # one at a time: 5 batches, 3 worker spans each
+            assert client.request(float(i)) is not None
+        worker_spans = 15
+
+        def refused_from_worker() -> int:
+            return sum(s.service == "batcher-worker" for s in refusing.refused_snapshot())
+
+        wait_until(lambda: refused_from_worker() >= worker_spans, 15.0, "the worker's exports refused")
+        assert refused_from_worker() == worker_spans
+        assert client.control("stats")["worker_trace_spans_dropped"].get("sim", 0) < worker_spans
+        worker.process.send_signal(signal.SIGTERM)  # a normal stop: drain, DISCONNECT
+        assert worker.process.wait(15) == 0
+        wait_until(
+            lambda: client.control("stats")["worker_trace_spans_dropped"].get("sim", 0) == worker_spans,
+            5.0,
+            "the stopped worker's drops counted at the broker",
+        )
+
+
 def test_bad_context_is_ignored_never_an_error(
     serve: Callable[..., ServeProcess], collector: Callable[..., Collector], zctx: zmq.Context[Any]
 ) -> None:
@@ -411,7 +443,7 @@ def _grpc_live(client: Any) -> bool:
         return False
 
 
-def test_a_stream_is_one_span_at_the_worker_under_its_queue_span(
+def test_a_stream_is_its_queue_span_its_broker_delivery_span_and_one_worker_span(
     serve: Callable[..., ServeProcess], collector: Callable[..., Collector], zctx: zmq.Context[Any]
 ) -> None:
     c = collector()
@@ -424,20 +456,33 @@ def test_a_stream_is_one_span_at_the_worker_under_its_queue_span(
     sock = zctx.socket(zmq.DEALER)
     sock.connect(sp.frontend)
     body = {"id": 1, "input": {"tokens": 5}, "stream": True, "traceparent": traceparent}
+    started = time.monotonic()
     sock.send_multipart([b"", pack(body)])
     replies = [recv_reply(sock)]
     while replies[-1].get("more"):
         replies.append(recv_reply(sock))
+    took_ms = (time.monotonic() - started) * 1000.0
     assert [r["ok"] for r in replies] == [True] * 5, replies
 
-    def both(spans: list[SpanRecord]) -> bool:
+    def all_three(spans: list[SpanRecord]) -> bool:
         names = {s.name for s in spans if s.trace_id == trace_id}
-        return {"batcher.queue", "batcher.worker.sequence"} <= names
+        return {"batcher.queue", "batcher.stream", "batcher.worker.sequence"} <= names
 
-    mine = [s for s in c.wait_for(both) if s.trace_id == trace_id]
-    queue, seq = one(mine, "batcher.queue"), one(mine, "batcher.worker.sequence")
+    mine = [s for s in c.wait_for(all_three) if s.trace_id == trace_id]
+    queue, stream = one(mine, "batcher.queue"), one(mine, "batcher.stream")
+    seq = one(mine, "batcher.worker.sequence")
     assert queue.parent_id == caller_span and queue.attributes["batcher.outcome"] == "started"
-    assert seq.parent_id == queue.span_id and seq.service == "batcher-worker"
+    # The broker's delivery of the stream: from its START to its last chunk, one span.
+    assert stream.parent_id == queue.span_id and stream.service == "batcher-broker"
+    assert stream.attributes["batcher.outcome"] == "ok" and stream.attributes["batcher.chunks"] == 5
+    assert stream.attributes["batcher.request_id"] == "1" and stream.attributes["batcher.model"] == "simlm"
+    assert stream.attributes["batcher.worker"].startswith("simlm/")
+    assert stream.start_ns >= queue.end_ns and stream.duration_ms <= took_ms
+    assert 0 <= stream.attributes["batcher.first_chunk_ms"] <= stream.duration_ms
+    assert stream.status_code != 2  # not an error
+    # The worker's span of the stream is the broker's delivery span's child, within it.
+    assert seq.parent_id == stream.span_id and seq.service == "batcher-worker"
+    assert stream.start_ns <= seq.start_ns and seq.end_ns <= stream.end_ns
     assert seq.attributes["batcher.chunks"] == 5 and seq.attributes["batcher.outcome"] == "ok"
     assert seq.attributes["batcher.steps"] >= 5
     assert 0 <= seq.attributes["batcher.first_chunk_ms"] <= seq.duration_ms
@@ -445,3 +490,66 @@ def test_a_stream_is_one_span_at_the_worker_under_its_queue_span(
     # The time-to-first-chunk histogram's exemplar leads to this stream's trace.
     first = exemplars(openmetrics(metrics_port), "batcher_time_to_first_chunk_seconds")
     assert f'span_id="{queue.span_id}",trace_id="{trace_id}"' in first, first
+
+
+def test_a_cancelled_streams_broker_span_ends_at_the_cancel_with_the_chunks_delivered(
+    serve: Callable[..., ServeProcess], collector: Callable[..., Collector], zctx: zmq.Context[Any]
+) -> None:
+    c = collector()
+    sp = serve(
+        "--model", "simlm", "--workers", "1", "--trace-endpoint", c.endpoint,
+        "--simlm-step-base-ms", "20", workers=1,
+    )  # fmt: skip
+    traceparent, trace_id, _ = new_traceparent()
+    sock = zctx.socket(zmq.DEALER)
+    sock.connect(sp.frontend)
+    sock.send_multipart(
+        [b"", pack({"id": 7, "input": {"tokens": 1000}, "stream": True, "traceparent": traceparent})]
+    )
+    replies = [recv_reply(sock) for _ in range(3)]  # 3 chunks, then the client cancels
+    assert all(r["ok"] and r.get("more") for r in replies), replies
+    sock.send_multipart([b"", pack({"id": 7, "op": "cancel"})])
+    while replies[-1].get("more", False) and replies[-1].get("ok", False):
+        replies.append(recv_reply(sock))
+    assert replies[-1]["error"]["code"] == "cancelled", replies[-1]
+    delivered = len(replies) - 1  # the chunks before the cancel's answer
+    stream = one(
+        [
+            s
+            for s in c.wait_for(lambda s: any(x.name == "batcher.stream" for x in s))
+            if s.trace_id == trace_id
+        ],
+        "batcher.stream",
+    )
+    assert stream.attributes["batcher.outcome"] == "cancelled"
+    assert stream.attributes["batcher.chunks"] == delivered >= 3
+    assert stream.status_code != 2  # a client's cancel is no error
+
+
+def test_a_stream_whose_worker_is_killed_ends_its_broker_span_worker_lost(
+    spawn: Callable[..., Any], collector: Callable[..., Collector], zctx: zmq.Context[Any]
+) -> None:
+    c = collector()
+    trace = ("--trace-endpoint", c.endpoint)
+    beat = ("--heartbeat-ms", "100")
+    frontend, backend = start_broker(spawn, zctx, "--model", "simlm", *beat, *trace)
+    worker = spawn(
+        "worker", "--connect", backend, "--model", "simlm", "--simlm-step-base-ms", "20", *beat, *trace
+    )
+    traceparent, trace_id, _ = new_traceparent()
+    sock = zctx.socket(zmq.DEALER)
+    sock.connect(frontend)
+    sock.send_multipart(
+        [b"", pack({"id": 3, "input": {"tokens": 1000}, "stream": True, "traceparent": traceparent})]
+    )
+    first = recv_reply(sock, timeout_s=20.0)
+    assert first["ok"] and first.get("more"), first
+    worker.process.send_signal(signal.SIGKILL)  # it had sent a chunk: the stream cannot start over
+    replies = [first]
+    while replies[-1].get("ok") and replies[-1].get("more"):
+        replies.append(recv_reply(sock, timeout_s=20.0))
+    assert replies[-1]["error"]["code"] == "worker_failed", replies[-1]
+    spans = c.wait_for(lambda s: any(x.name == "batcher.stream" and x.trace_id == trace_id for x in s))
+    stream = one([x for x in spans if x.trace_id == trace_id], "batcher.stream")
+    assert stream.attributes["batcher.outcome"] == "worker_lost" and "batcher.worker_lost" in stream.events
+    assert stream.attributes["batcher.chunks"] == len(replies) - 1 and stream.status_code == 2  # ERROR

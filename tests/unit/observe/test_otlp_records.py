@@ -132,6 +132,68 @@ def test_expand_spells_out_what_the_queue_and_batch_records_imply() -> None:
     assert [a for _, _, a in expand(b)[8]] == [{"batcher.request_id": "17"}, {"batcher.request_id": "req-b"}]
 
 
+def big_batch(links: int, seed: int = 3) -> tuple[Any, ...]:
+    """A batch span's record with `links` traced requests (each its own trace)."""
+    rng = random.Random(seed)
+    trace = tid(rng)
+    return (
+        BATCH, trace, rng.getrandbits(64), rng.getrandbits(64), T0, T0 + 9_000_000,
+        {"batcher.model": "sim", "batcher.batch_size": links, "batcher.traced_requests": links},
+        [(tid(rng), rng.getrandbits(64), str(i)) for i in range(links)],
+        [("batcher.redispatch", T0, {"batcher.attempt": 2})], None, None,
+    )  # fmt: skip
+
+
+def test_a_batch_of_200_keeps_the_sdks_128_links_and_counts_the_72_dropped() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    res, rec = resource(), big_batch(200)
+    recs = [records()[0], rec, records()[1]]
+    mine, count = Encoder(res).encode(recs)
+    assert count == 3 and mine == sdk_request(recs, res)
+    span = mine.resource_spans[0].scope_spans[0].spans[1]
+    assert len(span.links) == 128 and span.dropped_links_count == 72
+    # the newest 128, as the SDK's own span keeps them (the broker's in-process path)
+    sdk_span = TracerProvider().get_tracer("t").start_span("batcher.batch")
+    for t, s, rid in rec[7]:
+        sdk_span.add_link(SpanContext(int.from_bytes(t, "big"), s, False, TraceFlags(1)), {"rid": rid})
+    assert sdk_span.dropped_links == 72  # type: ignore[attr-defined]
+    assert [ln.span_id for ln in span.links] == [x.context.span_id.to_bytes(8, "big") for x in sdk_span.links]
+    assert [ln.attributes[0].value.string_value for ln in span.links] == [str(i) for i in range(72, 200)]
+    # 128 exactly is within the limit: nothing dropped
+    exact = Encoder(res).encode([big_batch(128)])[0].resource_spans[0].scope_spans[0].spans[0]
+    assert len(exact.links) == 128 and exact.dropped_links_count == 0
+
+
+def test_the_otel_limit_variables_bound_every_record_as_the_sdk_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    res, recs = resource(), [*records(), big_batch(9)]
+    for env in (
+        {"OTEL_SPAN_LINK_COUNT_LIMIT": "4"},
+        {"OTEL_SPAN_LINK_COUNT_LIMIT": "0"},
+        {"OTEL_SPAN_EVENT_COUNT_LIMIT": "1"},
+        {"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "3"},
+        {"OTEL_LINK_ATTRIBUTE_COUNT_LIMIT": "0", "OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT": "0"},
+        {"OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": "2"},
+    ):
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            mine, count = Encoder(res).encode(recs)
+            assert count == len(recs)
+            assert mine == sdk_request(recs, res), env
+            spans = mine.resource_spans[0].scope_spans[0].spans
+            dropped = sum(
+                s.dropped_links_count + s.dropped_events_count + s.dropped_attributes_count
+                + sum(x.dropped_attributes_count for x in [*s.links, *s.events])
+                for s in spans
+            )  # fmt: skip
+            if "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT" in env:
+                assert spans[0].attributes[0].value.string_value == "ec"  # "echo", cut to 2
+            else:
+                assert dropped > 0, env
+
+
 @pytest.fixture
 def collector() -> Iterator[Collector]:
     c = Collector()
