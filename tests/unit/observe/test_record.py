@@ -6,7 +6,6 @@ links, events, errors, attributes the SDK's limits drop or refuse."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -14,22 +13,12 @@ import pytest
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.span import TraceState
 
 from batcher.observe.settings import TraceSettings
 from batcher.observe.spans import Tracer
-
-
-class Keep(SpanExporter):
-    def __init__(self) -> None:
-        self.spans: list[ReadableSpan] = []
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.spans.extend(spans)
-        return SpanExportResult.SUCCESS
 
 
 def sdk_record(
@@ -61,7 +50,7 @@ CASES: list[dict[str, Any]] = [
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("parent_kind", ["remote", "local", "random", "root"])
 def test_record_makes_the_span_the_sdks_start_and_end_made(case: int, parent_kind: str) -> None:
-    keep = Keep()
+    keep = InMemorySpanExporter()
     tracer = Tracer(TraceSettings(endpoint="http://127.0.0.1:9", schedule_delay_ms=10.0), "batcher-worker",
                     {"batcher.model": "echo"}, exporter=keep)  # fmt: skip
     state = TraceState.from_header(["v=1"])
@@ -78,10 +67,10 @@ def test_record_makes_the_span_the_sdks_start_and_end_made(case: int, parent_kin
     theirs = sdk_record(tracer, "batcher.worker.model", parent, now, now + 0.002, **kw)
     assert tracer.flush(5.0)
     tracer.shutdown()
-    assert [s.context for s in keep.spans] == [mine, theirs]
+    assert [s.context for s in keep.get_finished_spans()] == [mine, theirs]
     assert mine.trace_flags == theirs.trace_flags and mine.trace_state == theirs.trace_state
     assert (mine.trace_id == theirs.trace_id) == (parent is not None)
-    a, b = (encode_spans([s]) for s in keep.spans)
+    a, b = (encode_spans([s]) for s in keep.get_finished_spans())
     for request in (a, b):  # the new ids aside
         span = request.resource_spans[0].scope_spans[0].spans[0]
         span.span_id = b"\x00" * 8

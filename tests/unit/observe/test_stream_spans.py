@@ -6,7 +6,6 @@ error status but for ok, cancelled and client_gone."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,23 +13,13 @@ import pytest
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
 
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
 from batcher.observe.broker_spans import BrokerSpans
 from batcher.observe.settings import TraceSettings
 from batcher.observe.spans import Tracer
 from batcher.wire.tracecontext import parse_traceparent
-
-
-class Keep(SpanExporter):
-    def __init__(self) -> None:
-        self.spans: list[ReadableSpan] = []
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.spans.extend(spans)
-        return SpanExportResult.SUCCESS
 
 
 def request(spans: BrokerSpans, rid: str, arrived_at: float) -> Any:
@@ -49,7 +38,7 @@ def request(spans: BrokerSpans, rid: str, arrived_at: float) -> Any:
 def test_a_streams_broker_span_from_its_start_to_its_answer(
     outcome: str, why: str | None, error: bool
 ) -> None:
-    keep = Keep()
+    keep = InMemorySpanExporter()
     tracer = Tracer(TraceSettings(endpoint="http://127.0.0.1:9", schedule_delay_ms=10.0), "batcher-broker",
                     exporter=keep)  # fmt: skip
     spans = BrokerSpans(tracer)
@@ -59,7 +48,7 @@ def test_a_streams_broker_span_from_its_start_to_its_answer(
     spans.stream_ended(req.trace, 101.5, outcome, 7, why)
     spans.stream_ended(req.trace, 102.0, "ok", 8, None)  # ended once only
     assert tracer.flush(5.0)
-    queue, stream = sorted(keep.spans, key=lambda s: s.name)
+    queue, stream = sorted(keep.get_finished_spans(), key=lambda s: s.name)
     assert (queue.name, stream.name) == ("batcher.queue", "batcher.stream")
     assert queue.attributes["batcher.outcome"] == "started" and queue.end_time == tracer.ns(100.5)
     assert stream.parent is not None and stream.parent.span_id == queue.context.span_id
