@@ -16,8 +16,13 @@ For each: closed-loop throughput at concurrency 64, and the single-request round
 broker / echo-loop throughput (target >= 0.7) and broker - echo-loop median round trip
 (target < 0.3 ms), each taken within a round, then the median over the rounds.
 
+With --baseline DIR (a source tree, e.g. v1: `git archive 26ecab0 | tar -x -C /tmp/v1`;
+repeatable), the batching broker at the first --max-wait-ms runs from that tree too, in
+the same rounds: a before/after (or against v1) in one run.
+
     python benchmarks/overhead.py            # 5 rounds
     python benchmarks/overhead.py --quick
+    python benchmarks/overhead.py --max-wait-ms 0 --baseline /tmp/v1 --baseline /tmp/base
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import argparse
 import contextlib
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from common import (
@@ -57,6 +63,7 @@ class Config:
     settings: str
     serve: list[str] | None  # `batcher serve` arguments; None for the echo loop or the chain
     chain: bool = False  # the minimal three-process chain (benchmarks/forwarder.py)
+    source: Path | None = None  # another source tree to run `serve` from (--baseline)
 
 
 def float_list(text: str) -> list[float]:
@@ -78,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-batch-size", type=int, default=32, help="batching broker's max batch")
     p.add_argument("--processes", type=int, default=1, help="load generator processes (throughput)")
+    p.add_argument(
+        "--baseline", type=Path, action="append", default=[], help="a source tree to run the broker from too"
+    )
     args = p.parse_args(argv)
     args.runs = args.runs or (2 if args.quick else 5)
     args.duration = args.duration or (1.0 if args.quick else 3.0)
@@ -101,6 +111,16 @@ def configs(args: argparse.Namespace) -> list[Config]:
                 f"broker, batching (wait {wait:g} ms)",
                 f"1 echo worker, max-batch-size {args.max_batch_size}, max-wait-ms {wait:g}",
                 serve_args(workers=1, model="echo", max_batch_size=args.max_batch_size, max_wait_ms=wait),
+            )
+        )
+    first = args.max_wait_ms[0] if args.max_wait_ms else 0.0
+    for tree in args.baseline:
+        out.append(
+            Config(
+                f"broker, batching (wait {first:g} ms), from {tree}",
+                f"as above, `serve` run from the source tree {tree}",
+                serve_args(workers=1, model="echo", max_batch_size=args.max_batch_size, max_wait_ms=first),
+                source=tree.resolve(),
             )
         )
     out.append(
@@ -128,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
             elif c.serve is None:
                 addresses[c.name] = stack.enter_context(EchoLoop()).frontend
             else:
-                addresses[c.name] = stack.enter_context(running_serve(c.serve, 1)).frontend
+                addresses[c.name] = stack.enter_context(running_serve(c.serve, 1, source=c.source)).frontend
         for i in range(args.runs):
             for c in cfgs:
                 addr = addresses[c.name]
