@@ -105,22 +105,16 @@ def configs(args: argparse.Namespace) -> list[Config]:
             chain=True,
         ),
     ]
-    for wait in args.max_wait_ms:
-        out.append(
-            Config(
-                f"broker, batching (wait {wait:g} ms)",
-                f"1 echo worker, max-batch-size {args.max_batch_size}, max-wait-ms {wait:g}",
-                serve_args(workers=1, model="echo", max_batch_size=args.max_batch_size, max_wait_ms=wait),
-            )
-        )
     first = args.max_wait_ms[0] if args.max_wait_ms else 0.0
-    for tree in args.baseline:
+    batching = [(wait, None) for wait in args.max_wait_ms] + [(first, tree) for tree in args.baseline]
+    for wait, tree in batching:
         out.append(
             Config(
-                f"broker, batching (wait {first:g} ms), from {tree}",
-                f"as above, `serve` run from the source tree {tree}",
-                serve_args(workers=1, model="echo", max_batch_size=args.max_batch_size, max_wait_ms=first),
-                source=tree.resolve(),
+                f"broker, batching (wait {wait:g} ms)" + ("" if tree is None else f", from {tree}"),
+                f"1 echo worker, max-batch-size {args.max_batch_size}, max-wait-ms {wait:g}"
+                + ("" if tree is None else f", `serve` run from the source tree {tree}"),
+                serve_args(workers=1, model="echo", max_batch_size=args.max_batch_size, max_wait_ms=wait),
+                source=None if tree is None else tree.resolve(),
             )
         )
     out.append(
