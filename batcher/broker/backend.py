@@ -211,9 +211,7 @@ class Backend:
             delivered = deliver(seq.request.envelope, body)
             chunk_counted(stats, self.tracer, seq, now)
             if verdict is Verdict.DELIVER_FINAL:
-                outcome = _final_outcome(flag, body)
-                stats.count(seq.model, outcome)
-                stream_ended(self.tracer, seq, now, outcome)
+                stream_ended(self.tracer, seq, now, _final_outcome(flag, body), stats)
             elif not delivered:  # the client is gone: nobody reads what comes next
                 self.end_stream(seq, None, "client_gone")
 
@@ -354,9 +352,18 @@ def chunk_counted(stats: BrokerStats, tracer: Any, seq: Sequence, now: float) ->
         tracer.stream_chunk(seq.request.trace, now)
 
 
-def stream_ended(tracer: Any, seq: Sequence, now: float, outcome: str, why: str | None = None) -> None:
-    """A sequence was answered with `outcome`: its stream span ends, with its chunks,
-    when it is traced."""
+def stream_ended(
+    tracer: Any,
+    seq: Sequence,
+    now: float,
+    outcome: str,
+    stats: BrokerStats | None = None,
+    why: str | None = None,
+) -> None:
+    """A sequence was answered with `outcome` (counted in `stats` when its worker ended
+    it): its stream span ends, with its chunks, when it is traced."""
+    if stats is not None:
+        stats.count(seq.model, outcome)
     if tracer is not None and seq.request.trace is not None:
         tracer.stream_ended(seq.request.trace, now, outcome, seq.chunks, why)
 
