@@ -140,7 +140,7 @@ class Frontend:
             self._control(envelope, header, body)
             return
         model = header.model or self.default_model
-        if self.versions or header.version is not None:  # batcher.core.versions
+        if self.versions.models or header.version is not None:  # batcher.core.versions
             resolved = self.versions.resolve(model, header.version)
             if not isinstance(resolved, str):
                 self.refuse(envelope, header.id, resolved[0], resolved[1], None, header.stream)
@@ -175,12 +175,19 @@ class Frontend:
                 self.stats.count(model, "ok")
                 self.send_to_client(envelope, hit)
                 return
-        request = QueuedRequest(envelope, body, header.id, now, header.priority, verdict.deadline)
-        request.cache_key = cache_key
-        request.trace = trace
-        request.cost = header.cost
-        request.stream = stream
-        request.bucket = verdict.bucket
+        request = QueuedRequest(
+            envelope,
+            body,
+            header.id,
+            now,
+            header.priority,
+            verdict.deadline,
+            cost=header.cost,
+            stream=stream,
+            bucket=verdict.bucket,
+            trace=trace,
+            cache_key=cache_key,
+        )
         try:
             self.scheduler.enqueue(model, request)
         except NoSuchModel:

@@ -300,7 +300,7 @@ def batch_requests(mq: ModelQueue) -> list[QueuedRequest]:
     n = s.cut_size(mq.size)
     cap = s.max_batch_cost
     if cap is None and not mq.suspects:
-        return [mq.pop() for _ in range(n)]
+        return mq.pop_many(n)
     if mq.peek().suspect:
         return [mq.pop()]
     requests: list[QueuedRequest] = []

@@ -123,8 +123,10 @@ class ModelQueue:
     heap_arrivals: deque[QueuedRequest] = field(default_factory=deque)  # the heap lane's, by seq
     deadlines: list[tuple[float, int, QueuedRequest]] = field(default_factory=list)
     # (client routing id, request id) -> the request(s) queued under it, so a cancel is a
-    # look-up and not a scan (a client may reuse an id: then a list).
+    # look-up and not a scan (a client may reuse an id: then a list). Kept from the first
+    # cancel that asks (`find`) on: a queue no client cancels in pays nothing for it.
     by_client: dict[bytes, dict[object, QueuedRequest | list[QueuedRequest]]] = field(default_factory=dict)
+    indexed: bool = False
     size: int = 0
     queued_cost: float = 0.0  # the sum of the queued requests' costs
     suspects: int = 0  # queued requests whose batch killed or hung its worker before (each runs alone)
@@ -199,8 +201,29 @@ class ModelQueue:
         """The next request in scheduling order (priority, deadline, arrival)."""
         req = heapq.heappop(self.heap)[3] if self._heap_next() else self.fifo.popleft()
         self._forget(req)
-        self.unindex(req)
+        if self.indexed:
+            self.unindex(req)
         return req
+
+    def pop_many(self, n: int) -> list[QueuedRequest]:
+        """The next `n` requests (at most `size`) in scheduling order, as `pop` n times
+        gives them; with only the fifo lane in use (plain requests, none cancelled), taken
+        in one pass: 4 calls a request fewer on the broker's busiest path."""
+        if self.heap or self.indexed:
+            return [self.pop() for _ in range(n)]
+        fifo = self.fifo
+        out: list[QueuedRequest] = []
+        while len(out) < n:
+            req = fifo.popleft()
+            if req.state == QUEUED:
+                out.append(req)
+        self.size -= n
+        queued_cost = self.queued_cost
+        for req in out:
+            queued_cost -= req.cost
+            self.suspects -= req.suspect > 0
+        self.queued_cost = queued_cost if self.size else 0.0  # no drift when empty
+        return out
 
     def added(self, req: QueuedRequest) -> None:
         """Count a request just put in a lane."""
@@ -230,7 +253,8 @@ class ModelQueue:
         """Take a queued request out (expired or cancelled); its entries go lazily."""
         req.state = REMOVED
         self._forget(req)
-        self.unindex(req)
+        if self.indexed:
+            self.unindex(req)
         self.compact()
 
     def compact(self) -> None:
@@ -277,7 +301,12 @@ class ModelQueue:
                 ids[req.id] = held[0]
 
     def find(self, client: bytes, req_id: object) -> list[QueuedRequest]:
-        """The queued requests that `client` sent with this id."""
+        """The queued requests that `client` sent with this id (the first call files every
+        queued request, in arrival order: then each is filed as it is queued)."""
+        if not self.indexed:
+            self.indexed = True
+            for req in sorted(self.queued(), key=lambda r: r.seq):
+                self.index(req)
         held = self.by_client.get(client, {}).get(req_id)
         if held is None:
             return []
@@ -309,7 +338,8 @@ class ModelQueue:
         else:
             self.push(request)
             self.heap_arrivals.append(request)
-        self.index(request)
+        if self.indexed:
+            self.index(request)
         self.rate.arrive(request.arrived_at)
 
     def put_back(self, requests: list[QueuedRequest], count_attempt: bool) -> None:
@@ -319,7 +349,8 @@ class ModelQueue:
             req.state = QUEUED
             req.attempts += count_attempt
             self.push(req)
-            self.index(req)
+            if self.indexed:
+                self.index(req)
         # Rebuild the heap lane's arrival order (rare: only after a worker failure),
         # since requests older than the requeued ones may still be queued there.
         queued = {id(r): r for r in [*requests, *self.heap_arrivals] if r.state == QUEUED}

@@ -180,3 +180,58 @@ def test_cancel_finds_a_request_by_client_and_id() -> None:
     assert mq.find(r.envelope[0], r.id) == [r]
     mq.discard(r)
     assert mq.find(r.envelope[0], r.id) == [] and mq.by_client == {}
+
+
+def _twin_queues(
+    spec: list[tuple[int, float | None]], costs: list[float], gone: set[int]
+) -> tuple[ModelQueue, ModelQueue]:
+    """Two queues holding the same requests (copies), some of them discarded."""
+    pair = (queue(), queue())
+    for i, (p, d) in enumerate(spec):
+        for mq in pair:
+            r = QueuedRequest([b"c", b""], b"\x80", i, float(i), p, d)
+            r.cost = costs[i % len(costs)]
+            r.suspect = i % 5 == 4
+            mq.put(r, i)
+            if i in gone:
+                mq.discard(r)
+    return pair
+
+
+@given(requests, st.lists(st.floats(min_value=0.1, max_value=9.0), min_size=1, max_size=5), st.data())
+def test_pop_many_takes_what_pop_n_times_takes(
+    spec: list[tuple[int, float | None]], costs: list[float], data: st.DataObject
+) -> None:
+    gone = set(data.draw(st.lists(st.integers(0, max(0, len(spec) - 1)), max_size=8))) if spec else set()
+    one, many = _twin_queues(spec, costs, gone)
+    while one.size:
+        n = data.draw(st.integers(1, one.size))
+        expected = [(r.id, r.seq) for r in (one.pop() for _ in range(n))]
+        assert [(r.id, r.seq) for r in many.pop_many(n)] == expected
+        assert (many.size, many.suspects) == (one.size, one.suspects)
+        assert many.queued_cost == one.queued_cost
+    assert many.queued_cost == 0.0
+
+
+@given(requests, st.data())
+def test_the_cancel_index_is_filed_at_the_first_find_and_kept_after(
+    spec: list[tuple[int, float | None]], data: st.DataObject
+) -> None:
+    mq = queue()
+    reqs = fill(mq, *[req(float(i), p, d) for i, (p, d) in enumerate(spec)])
+    taken = [mq.pop() for _ in range(data.draw(st.integers(0, len(reqs))))]
+    assert mq.by_client == {} and not mq.indexed  # nobody cancelled: nothing filed
+    assert mq.find(b"nobody", -1) == []
+    later = fill(mq, req(100.0), req(101.0, priority=1))
+    if mq.size > 2:
+        taken += mq.pop_many(data.draw(st.integers(1, mq.size - 2)))
+    queued = [r for r in [*reqs, *later] if r not in taken]
+    filed = {
+        id(r)
+        for ids in mq.by_client.values()
+        for held in ids.values()
+        for r in (held if isinstance(held, list) else [held])
+    }
+    assert filed == {id(r) for r in queued}
+    for r in queued:
+        assert mq.find(r.envelope[0], r.id) == [r]

@@ -474,20 +474,29 @@ def test_queue_structures_stay_bounded_while_a_full_batch_always_waits(mix: str)
     mq = s.models["m"]
     rid = itertools.count()
     t = 0.0
-    for _ in range(2000):
-        for _ in range(8):
-            r = rq(t, rid=next(rid))
-            if mix == "priorities":
-                r.priority = r.id % 3  # type: ignore[operator]
-            elif mix == "deadlines":
-                r.deadline_at = t + 3600.0  # never expires here
-            s.enqueue("m", r)
-        if mq.size < 100:  # keep a backlog of about 100: the worker is the bottleneck
-            continue
-        (batch,) = s.due_batches(t)
-        assert s.complete(batch.worker, batch.batch_id, 0.001) is batch
-        s.expire(t)
-        t += 0.001
+
+    def saturate(turns: int) -> None:
+        nonlocal t
+        for _ in range(turns):
+            for _ in range(8):
+                r = rq(t, rid=next(rid))
+                if mix == "priorities":
+                    r.priority = r.id % 3  # type: ignore[operator]
+                elif mix == "deadlines":
+                    r.deadline_at = t + 3600.0  # never expires here
+                s.enqueue("m", r)
+            if mq.size < 100:  # keep a backlog of about 100: the worker is the bottleneck
+                continue
+            (batch,) = s.due_batches(t)
+            assert s.complete(batch.worker, batch.batch_id, 0.001) is batch
+            s.expire(t)
+            t += 0.001
+
+    saturate(2000)
+    assert mq.by_client == {}  # no cancel asked: nothing filed for one
+    assert s.cancel_id(b"nobody", -1) == []  # the first cancel files the queued requests
+    assert sum(len(ids) for ids in mq.by_client.values()) == mq.size
+    saturate(2000)
     limit = 2 * mq.size + 64
     assert mq.size >= 90  # a backlog throughout
     for name in ("fifo", "heap", "heap_arrivals", "deadlines"):
@@ -534,6 +543,7 @@ def test_cancel_id_removes_only_that_clients_requests_with_that_id(monkeypatch: 
     def no_scan(self: object) -> None:
         raise AssertionError("cancel_id scanned the queue")
 
+    assert s.cancel_id(b"c", 9) == []  # the first cancel files the queued requests, once
     monkeypatch.setattr(type(s.models["m"]), "queued", no_scan)
     got = s.cancel_id(b"a", 1)
     assert sorted((m, id(r)) for m, r in got) == sorted(
