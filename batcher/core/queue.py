@@ -72,6 +72,7 @@ class Batch:
     expected_done_at: float = 0.0
     expected_start: float = 0.0  # when its worker should begin it (after the batches ahead)
     suspect: bool = False  # a suspect run alone: its worker holds nothing else meanwhile
+    cost: float = 0.0  # its requests' summed cost (the cost model predicts and learns by it)
     multiplexed: bool = False  # its worker serves many models: the BATCH names the model
     cold: bool = False  # that worker loads the model first (batcher.core.multiplex)
     unloaded: tuple[str, ...] = ()  # the models it unloads for it
@@ -331,11 +332,16 @@ class ModelQueue:
         """Queue a newly accepted request, the `seq`-th; a plain one (priority 0, no
         deadline) in the fifo lane, any other in the heap lane."""
         request.seq = seq
-        request.rank = self.rank(request)
         if request.priority == 0 and request.deadline_at is None:
+            # `rank` and `added`, written out for the common case (2 calls a request fewer)
+            aging_ms = self.settings.priority_aging_ms
+            request.rank = request.arrived_at * 1000.0 / aging_ms if aging_ms else 0.0
             self.fifo.append(request)  # in seq order, like the heap would keep it
-            self.added(request)
+            self.size += 1
+            self.queued_cost += request.cost
+            self.suspects += request.suspect > 0
         else:
+            request.rank = self.rank(request)
             self.push(request)
             self.heap_arrivals.append(request)
         if self.indexed:

@@ -357,8 +357,7 @@ class Scheduler:
         if batch.suspect:
             w.running_suspect = False
         if infer_s is not None and infer_s >= 0:
-            cost = sum(r.cost for r in batch.requests)
-            self._models[batch.model].cost.observe(len(batch.requests), infer_s, cost)
+            self._models[batch.model].cost.observe(len(batch.requests), infer_s, batch.cost)
         if now is not None and w.in_flight:
             following = next(iter(w.in_flight.values()))  # batches run in the order sent
             following.expected_start = max(following.expected_start, now)
@@ -422,7 +421,8 @@ class Scheduler:
         if requests[0].suspect:  # a suspect is always cut alone, for an idle worker
             batch.suspect = worker.running_suspect = True
         batch.expected_start = start
-        batch.expected_done_at = start + mq.cost.predict(n, sum(r.cost for r in requests))
+        batch.cost = sum(r.cost for r in requests)
+        batch.expected_done_at = start + mq.cost.predict(n, batch.cost)
         if worker.resident is not None:  # its worker runs the same rule (batcher.core.multiplex)
             place(worker.resident, batch)
         self._next_batch_id += 1

@@ -6,6 +6,7 @@ one's frames, built (`batch_frames`, `reply_frames`, `ready_frames`, `start_fram
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -80,12 +81,15 @@ class Heartbeat:
         return self.interval_s * self.liveness
 
 
-def body_frames(bodies: list[Any]) -> list[Any]:
+def body_frames(bodies: list[Any], lengths: list[int] | None = None) -> list[Any]:
     """The bodies of a BATCH or REPLY as frames: one frame holding them all when every
     one is small (one send, one copy of little), or one frame each when any is a large
     zmq.Frame or bytes (sent on by reference, never copied). docs/benchmarks.md
-    ("One frame per batch or per request") has the measurement behind the size."""
-    if any(len(b) >= ZERO_COPY_BYTES for b in bodies):
+    ("One frame per batch or per request") has the measurement behind the size.
+    `lengths`: the bodies' lengths, when the caller has them."""
+    if lengths is None:
+        lengths = [len(b) for b in bodies]
+    if lengths and max(lengths) >= ZERO_COPY_BYTES:
         return bodies
     return [b"".join(bodies)]
 
@@ -109,7 +113,7 @@ def batch_frames(
     else:
         fields = [batch_id, queue_ms, lengths, traceparent]
     header = _packer_pack(fields)
-    return [WORKER_PROTOCOL, CMD_BATCH, header, *body_frames(bodies)]
+    return [WORKER_PROTOCOL, CMD_BATCH, header, *body_frames(bodies, lengths)]
 
 
 def error_counts(model_errors: int, refused: int) -> int | dict[str, int]:
@@ -135,12 +139,13 @@ def reply_frames(
     """Backend REPLY message: a header with each reply's length (how many replies are
     errors, for the broker's counters, the batch's wait in the worker and its padding
     when known), then the replies, joined in one frame or one frame each (`body_frames`)."""
-    fields: list[Any] = [batch_id, infer_ms, [len(r) for r in replies], errors]
+    lengths = [len(r) for r in replies]
+    fields: list[Any] = [batch_id, infer_ms, lengths, errors]
     if wait_ms is not None or padding is not None:
         fields.append(wait_ms)
     if padding is not None:
         fields.append(list(padding))
-    return [WORKER_PROTOCOL, CMD_REPLY, _packer_pack(fields), *body_frames(replies)]
+    return [WORKER_PROTOCOL, CMD_REPLY, _packer_pack(fields), *body_frames(replies, lengths)]
 
 
 def split_bodies(lengths: list[int], frames: list[Any]) -> list[Any]:
@@ -185,6 +190,11 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _naturals(values: list[Any]) -> bool:
+    """Whether every value is an int (not a bool) >= 0."""
+    return not values or (set(map(type, values)) == {int} and min(values) >= 0)
+
+
 def parse_reply_header(frame: bytes) -> ReplyHeader:
     """Decode and check `[batch_id, infer_ms, lengths, errors, wait_ms, padding]` (errors,
     wait_ms and padding may be absent, wait_ms and padding nil).
@@ -210,9 +220,9 @@ def parse_reply_header(frame: bytes) -> ReplyHeader:
 
     if not _is_finite_ms(infer_ms):
         raise bad(f"REPLY infer_ms must be a number in [0, {MAX_REPORTED_MS:.0f}], got {infer_ms!r}")
-    # type() is int: msgpack decodes an int as exactly int (a bool as bool), and this runs
-    # once per reply of every batch (no call per length).
-    if not isinstance(lengths, list) or not all(type(n) is int and n >= 0 for n in lengths):
+    # type() is int: msgpack decodes an int as exactly int (a bool as bool); checked by
+    # C loops (map, min), as this runs once per reply of every batch.
+    if not isinstance(lengths, list) or not _naturals(lengths):
         raise bad(f"REPLY lengths must be a list of ints >= 0, got {lengths!r}")
     errors, refused = _errors(header[3] if len(header) >= 4 else 0, len(lengths), bad)
     wait_ms = header[4] if len(header) >= 5 else None
@@ -298,9 +308,12 @@ def _is_finite_ms(value: object) -> bool:
 def split_replies(lengths: list[int], blob: Any) -> list[bytes]:
     """Cut a frame of joined bodies (bytes, or a zmq.Frame) back into one bytes per
     length. Only small bodies are ever joined (`body_frames`), so the copies are small."""
+    view = blob if isinstance(blob, bytes) else memoryview(blob)
+    if lengths and min(lengths) >= 0 and sum(lengths) == len(blob):  # the common case: no check a body
+        ends = list(itertools.accumulate(lengths))
+        return [bytes(view[end - length : end]) for length, end in zip(lengths, ends, strict=True)]
     out = []
     pos = 0
-    view = blob if isinstance(blob, bytes) else memoryview(blob)
     for length in lengths:
         end = pos + length
         if length < 0 or end > len(blob):
