@@ -7,6 +7,10 @@ Four kinds of server answer the same requests, all up at once and loaded in turn
 - the minimal three-process chain (benchmarks/forwarder.py): a zero-copy forwarder and
   one DEALER echo worker, no batching: what the hops of any client -> broker -> worker
   design cost before any broker logic;
+- the batching floor (benchmarks/batching_floor.py): a forwarder that batches what waits
+  (up to --max-batch-size, 2 batches held by its worker) with one frame each way and no
+  logic: what a broker of batcher's design costs before its own work (reading headers,
+  ordering queues, admission, counts and metrics);
 - the broker with one `echo` worker, batching on (max-batch-size 32, for each
   --max-wait-ms given: 0 dispatches a lone request at once, 1 waits up to 1 ms);
 - the broker with one `echo` worker, batching off (max-batch-size 1).
@@ -30,11 +34,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from common import (
+    BENCH_DIR,
     FORWARDER,
     EchoLoop,
     client_note,
@@ -52,6 +57,7 @@ from common import (
 from batcher.serve.launcher import free_tcp_address
 
 TARGET_RATIO = 1.0
+BATCHING_FLOOR = BENCH_DIR / "batching_floor.py"
 TARGET_ADDED_MS = 0.15
 
 
@@ -61,8 +67,9 @@ class Config:
 
     name: str
     settings: str
-    serve: list[str] | None  # `batcher serve` arguments; None for the echo loop or the chain
-    chain: bool = False  # the minimal three-process chain (benchmarks/forwarder.py)
+    serve: list[str] | None  # `batcher serve` arguments; None for the echo loop or a floor script
+    floor: Path | None = None  # a floor script speaking the frontend protocol (FRONTEND BACKEND ...)
+    floor_args: list[str] = field(default_factory=list)  # its arguments after the two addresses
     source: Path | None = None  # another source tree to run `serve` from (--baseline)
 
 
@@ -102,7 +109,15 @@ def configs(args: argparse.Namespace) -> list[Config]:
             "three-process chain",
             "benchmarks/forwarder.py: zero-copy ROUTER -> ROUTER forwarder, one DEALER echo worker",
             None,
-            chain=True,
+            floor=FORWARDER,
+        ),
+        Config(
+            "batching floor",
+            f"benchmarks/batching_floor.py: batches of up to {args.max_batch_size}, one frame each way, "
+            "no broker logic, one DEALER echo worker",
+            None,
+            floor=BATCHING_FLOOR,
+            floor_args=[str(args.max_batch_size)],
         ),
     ]
     first = args.max_wait_ms[0] if args.max_wait_ms else 0.0
@@ -136,9 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.ExitStack() as stack:
         addresses: dict[str, str] = {}
         for c in cfgs:
-            if c.chain:
-                chain = EchoLoop(script=FORWARDER, extra=[free_tcp_address()])
-                addresses[c.name] = stack.enter_context(chain).frontend
+            if c.floor is not None:
+                floor = EchoLoop(script=c.floor, extra=[free_tcp_address(), *c.floor_args])
+                addresses[c.name] = stack.enter_context(floor).frontend
             elif c.serve is None:
                 addresses[c.name] = stack.enter_context(EchoLoop()).frontend
             else:
@@ -187,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
             return "(baseline)"
         if row["config"] == "three-process chain":
             return "(the floor of any client -> broker -> worker design)"
+        if row["config"] == "batching floor":
+            return "(the floor of a batching broker of this design)"
         ok_ratio = row["ratio_to_echo_loop"] >= TARGET_RATIO
         ok_added = row["added_p50_ms"] < TARGET_ADDED_MS
         return f"ratio {'met' if ok_ratio else 'MISSED'}, round trip {'met' if ok_added else 'MISSED'}"
