@@ -298,7 +298,7 @@ class BrokerStats:
         `arrivals`, `errors` of its replies errors (`refused` of them bad_request): every
         count of it, once per batch. A request's queue time is as its client lives it: in
         the broker's queue, then `in_worker_ms` in the worker until the model began."""
-        queue_ms = [round((sent_at - t) * 1000.0 + in_worker_ms, 3) for t in arrivals]
+        queue_ms = [(sent_at - t) * 1000.0 + in_worker_ms for t in arrivals]  # (rounded when reported)
         self.batch_done(model, queue_ms, infer_ms, wait_ms, len(arrivals), padding, exemplar)
         self.model(model).totals.add_batch(arrivals, sent_at, wait_ms, infer_ms, errors, now)
         self.count(model, "ok", len(arrivals) - errors)
@@ -371,8 +371,8 @@ class BrokerStats:
             "real_elements": st.real_elements,
             "padding_waste": st.padding_waste,
             "outcomes": dict(st.outcomes),
-            "queue_ms_p50": percentile(recent.queue_ms, 50),
-            "queue_ms_p99": percentile(recent.queue_ms, 99),
+            "queue_ms_p50": _ms(percentile(recent.queue_ms, 50)),
+            "queue_ms_p99": _ms(percentile(recent.queue_ms, 99)),
             "worker_wait_ms_p50": percentile(recent.worker_wait_ms, 50),
             "worker_wait_ms_p99": percentile(recent.worker_wait_ms, 99),
             "infer_ms_p50": percentile(recent.infer_ms, 50),
@@ -432,3 +432,9 @@ def gauges(
                 if d.cells is not None:
                     out[name]["desired_cells"] = d.cells
     return out
+
+
+def _ms(value: float | None) -> float | None:
+    """A reported time in ms, to the microsecond: a batch's queue times are kept unrounded
+    (a call a request fewer), and rounded only here."""
+    return None if value is None else round(value, 3)
