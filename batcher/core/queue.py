@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -105,6 +105,54 @@ class WorkerState:
         return max((b.expected_done_at for b in self.in_flight.values()), default=0.0)
 
 
+class CancelIndex:
+    """(client routing id, request id) -> the request(s) queued under it (a client may
+    reuse an id: then a list), so that a cancel is a look-up, whatever the queue's length."""
+
+    __slots__ = ("by_client",)
+
+    def __init__(self, queued: Iterable[QueuedRequest]) -> None:
+        self.by_client: dict[bytes, dict[object, QueuedRequest | list[QueuedRequest]]] = {}
+        for req in sorted(queued, key=lambda r: r.seq):  # in arrival order
+            self.add(req)
+
+    def add(self, req: QueuedRequest) -> None:
+        """File a queued request under its client and id."""
+        client = req.envelope[0]
+        ids = self.by_client.get(client)
+        if ids is None:
+            ids = self.by_client[client] = {}
+        held = ids.get(req.id)
+        if held is None:
+            ids[req.id] = req
+        elif isinstance(held, list):
+            held.append(req)
+        else:
+            ids[req.id] = [held, req]
+
+    def remove(self, req: QueuedRequest) -> None:
+        """Unfile a request that leaves the queue."""
+        client = req.envelope[0]
+        ids = self.by_client[client]
+        held = ids[req.id]
+        if held is req:
+            del ids[req.id]
+            if not ids:
+                del self.by_client[client]
+        else:
+            assert isinstance(held, list)
+            held.remove(req)
+            if len(held) == 1:
+                ids[req.id] = held[0]
+
+    def find(self, client: bytes, req_id: object) -> list[QueuedRequest]:
+        """The queued requests that `client` sent with this id."""
+        held = self.by_client.get(client, {}).get(req_id)
+        if held is None:
+            return []
+        return list(held) if isinstance(held, list) else [held]
+
+
 @dataclass(slots=True, eq=False)
 class ModelQueue:
     """A model's waiting requests, its workers, and what it has learned of its load.
@@ -123,11 +171,10 @@ class ModelQueue:
     heap: list[tuple[float, float, int, QueuedRequest]] = field(default_factory=list)
     heap_arrivals: deque[QueuedRequest] = field(default_factory=deque)  # the heap lane's, by seq
     deadlines: list[tuple[float, int, QueuedRequest]] = field(default_factory=list)
-    # (client routing id, request id) -> the request(s) queued under it, so a cancel is a
-    # look-up and not a scan (a client may reuse an id: then a list). Kept from the first
-    # cancel that asks (`find`) on: a queue no client cancels in pays nothing for it.
-    by_client: dict[bytes, dict[object, QueuedRequest | list[QueuedRequest]]] = field(default_factory=dict)
-    indexed: bool = False
+    # The queued requests by client and id, so a cancel is a look-up and not a scan: made
+    # at the first cancel that asks (`find`), kept from then on; a queue no client cancels
+    # in pays nothing for it.
+    cancels: CancelIndex | None = None
     size: int = 0
     queued_cost: float = 0.0  # the sum of the queued requests' costs
     suspects: int = 0  # queued requests whose batch killed or hung its worker before (each runs alone)
@@ -202,15 +249,15 @@ class ModelQueue:
         """The next request in scheduling order (priority, deadline, arrival)."""
         req = heapq.heappop(self.heap)[3] if self._heap_next() else self.fifo.popleft()
         self._forget(req)
-        if self.indexed:
-            self.unindex(req)
+        if self.cancels is not None:
+            self.cancels.remove(req)
         return req
 
     def pop_many(self, n: int) -> list[QueuedRequest]:
         """The next `n` requests (at most `size`) in scheduling order, as `pop` n times
         gives them; with only the fifo lane in use (plain requests, none cancelled), taken
         in one pass: 4 calls a request fewer on the broker's busiest path."""
-        if self.heap or self.indexed:
+        if self.heap or self.cancels is not None:
             return [self.pop() for _ in range(n)]
         fifo = self.fifo
         out: list[QueuedRequest] = []
@@ -254,8 +301,8 @@ class ModelQueue:
         """Take a queued request out (expired or cancelled); its entries go lazily."""
         req.state = REMOVED
         self._forget(req)
-        if self.indexed:
-            self.unindex(req)
+        if self.cancels is not None:
+            self.cancels.remove(req)
         self.compact()
 
     def compact(self) -> None:
@@ -273,45 +320,12 @@ class ModelQueue:
             self.deadlines = [e for e in self.deadlines if e[2].state == QUEUED]
             heapq.heapify(self.deadlines)
 
-    def index(self, req: QueuedRequest) -> None:
-        """File a queued request under its client and id, for cancel()."""
-        client = req.envelope[0]
-        ids = self.by_client.get(client)
-        if ids is None:
-            ids = self.by_client[client] = {}
-        held = ids.get(req.id)
-        if held is None:
-            ids[req.id] = req
-        elif isinstance(held, list):
-            held.append(req)
-        else:
-            ids[req.id] = [held, req]
-
-    def unindex(self, req: QueuedRequest) -> None:
-        client = req.envelope[0]
-        ids = self.by_client[client]
-        held = ids[req.id]
-        if held is req:
-            del ids[req.id]
-            if not ids:
-                del self.by_client[client]
-        else:
-            assert isinstance(held, list)
-            held.remove(req)
-            if len(held) == 1:
-                ids[req.id] = held[0]
-
     def find(self, client: bytes, req_id: object) -> list[QueuedRequest]:
         """The queued requests that `client` sent with this id (the first call files every
-        queued request, in arrival order: then each is filed as it is queued)."""
-        if not self.indexed:
-            self.indexed = True
-            for req in sorted(self.queued(), key=lambda r: r.seq):
-                self.index(req)
-        held = self.by_client.get(client, {}).get(req_id)
-        if held is None:
-            return []
-        return list(held) if isinstance(held, list) else [held]
+        queued request: CancelIndex)."""
+        if self.cancels is None:
+            self.cancels = CancelIndex(self.queued())
+        return self.cancels.find(client, req_id)
 
     # --- putting requests in, in scheduling order ------------------------------------------------
 
@@ -344,8 +358,8 @@ class ModelQueue:
             request.rank = self.rank(request)
             self.push(request)
             self.heap_arrivals.append(request)
-        if self.indexed:
-            self.index(request)
+        if self.cancels is not None:
+            self.cancels.add(request)
         self.rate.arrive(request.arrived_at)
 
     def put_back(self, requests: list[QueuedRequest], count_attempt: bool) -> None:
@@ -355,8 +369,8 @@ class ModelQueue:
             req.state = QUEUED
             req.attempts += count_attempt
             self.push(req)
-            if self.indexed:
-                self.index(req)
+            if self.cancels is not None:
+                self.cancels.add(req)
         # Rebuild the heap lane's arrival order (rare: only after a worker failure),
         # since requests older than the requeued ones may still be queued there.
         queued = {id(r): r for r in [*requests, *self.heap_arrivals] if r.state == QUEUED}

@@ -227,11 +227,9 @@ class Scheduler:
         if model_queue is None:
             raise NoSuchModel(model)
         model_queue.offered += 1
-        queued = model_queue.total() if model_queue.buckets else model_queue.size
-        if queued >= model_queue.settings.max_queue:
+        if model_queue.total() >= model_queue.settings.max_queue:
             raise QueueFull(model)
-        lane = model_queue if request.bucket is None else model_queue.bucket_queue(request.bucket)
-        lane.put(request, next(self._seq))
+        model_queue.bucket_queue(request.bucket).put(request, next(self._seq))
 
     def requeue(self, model: str, requests: list[QueuedRequest], count_attempt: bool = True) -> None:
         """Put a failed (or left) worker's batch back in its queue, ahead of later arrivals;
@@ -254,8 +252,7 @@ class Scheduler:
 
     def cancel_id(self, client: bytes, req_id: object) -> list[tuple[str, QueuedRequest]]:
         """Remove the queued requests that `client` (the first envelope frame) sent with
-        `req_id`; a look-up, whatever the queue's length (a model's first cancel files its
-        queued requests once: ModelQueue.find). Requests in a batch stay."""
+        `req_id`; a look-up, whatever the queue's length (ModelQueue.find). Requests in a batch stay."""
         out = []
         for name, mq in self._queues():
             for req in mq.find(client, req_id):
