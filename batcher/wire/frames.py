@@ -85,7 +85,7 @@ def body_frames(bodies: list[Any]) -> list[Any]:
     one is small (one send, one copy of little), or one frame each when any is a large
     zmq.Frame or bytes (sent on by reference, never copied). docs/benchmarks.md
     ("One frame per batch or per request") has the measurement behind the size."""
-    if any(len(b) >= ZERO_COPY_BYTES for b in bodies):
+    if bodies and max(map(len, bodies)) >= ZERO_COPY_BYTES:  # map: no Python call per body
         return bodies
     return [b"".join(bodies)]
 
@@ -135,7 +135,7 @@ def reply_frames(
     """Backend REPLY message: a header with each reply's length (how many replies are
     errors, for the broker's counters, the batch's wait in the worker and its padding
     when known), then the replies, joined in one frame or one frame each (`body_frames`)."""
-    fields: list[Any] = [batch_id, infer_ms, [len(r) for r in replies], errors]
+    fields: list[Any] = [batch_id, infer_ms, list(map(len, replies)), errors]
     if wait_ms is not None or padding is not None:
         fields.append(wait_ms)
     if padding is not None:
