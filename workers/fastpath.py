@@ -20,6 +20,7 @@ request decoded here is one the general path would have decoded to the same inpu
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -188,6 +189,24 @@ _extents = msgspec.msgpack.Decoder(list[msgspec.Raw]).decode
 _encode = msgspec.msgpack.Encoder().encode
 
 
+@functools.lru_cache(maxsize=256)
+def _fixed_parts(n: int, worker: str, waited: bool, version: str | None) -> tuple[bytes, bytes, bytes, bytes]:
+    """The parts of a batch's replies that change only with its size, this worker and
+    whether it waited (ReplyEncoder._batch_parts): the same from batch to batch, so
+    encoded once (1.6 of the 2.2 us they cost a batch)."""
+    keys = 3 + len(reply_meta(n, worker, None, 0.0 if waited else None, 0.0, version))
+    head = bytes([0x80 | keys]) + _encode("id")  # a fixmap: at most 15 keys
+    after_id = _encode("ok") + _encode(True) + _encode("output")
+    before_queue = _encode("batch_size") + _encode(n) + _encode("worker") + _encode(worker)
+    before_queue += _encode("queue_ms")
+    version_part = b"" if version is None else _encode("version") + _encode(version)
+    return head, after_id, before_queue, version_part
+
+
+_WAIT_KEY = _encode("worker_wait_ms")
+_INFER_KEY = _encode("infer_ms")
+
+
 class ReplyEncoder:
     """The success replies of one batch whose outputs are arrays or bytes, each written as
     the bytes `protocol.ok_reply(req_id, output, meta)` gives, meta being `reply_meta`'s:
@@ -216,17 +235,10 @@ class ReplyEncoder:
         output only: a batch of other outputs (lists, str) never pays for them (1.6 us a
         batch)."""
         n, worker, wait_ms, infer_ms, version = self._batch
-        keys = 3 + len(reply_meta(n, worker, None, wait_ms, infer_ms, version))
-        head = bytes([0x80 | keys]) + _encode("id")  # a fixmap: at most 15 keys
-        after_id = _encode("ok") + _encode(True) + _encode("output")
-        before_queue = _encode("batch_size") + _encode(n) + _encode("worker") + _encode(worker)
-        before_queue += _encode("queue_ms")
-        tail: dict[str, Any] = {"worker_wait_ms": wait_ms} if wait_ms is not None else {}
-        tail["infer_ms"] = infer_ms
-        if version is not None:
-            tail["version"] = version
-        encoded_tail = b"".join(_encode(k) + _encode(v) for k, v in tail.items())
-        self._parts = (head, after_id, before_queue, encoded_tail)
+        head, after_id, before_queue, version_part = _fixed_parts(n, worker, wait_ms is not None, version)
+        # the tail's keys in reply_meta's order: worker_wait_ms, infer_ms, version
+        waited = b"" if wait_ms is None else _WAIT_KEY + _encode(wait_ms)
+        self._parts = (head, after_id, before_queue, waited + _INFER_KEY + _encode(infer_ms) + version_part)
         return self._parts
 
     def encode_plain(
@@ -253,8 +265,11 @@ class ReplyEncoder:
                     or (type(req_id) is not int and type(req_id) is not str and req_id is not None)
                 ):
                     return None
-                if wait_ms is not None:
-                    q = round_ms(q + wait_ms)
+                if wait_ms is not None:  # round_ms(q + wait_ms), inlined: the call was a third of it
+                    x = q + wait_ms
+                    m = x * 1000.0
+                    k = round(m) if 0.0 < x < 1e9 else 0
+                    q = k / 1000 if k and -0.499 < m - k < 0.499 else round(x, 3)
                 parts = (head, _encode(req_id), after_id, _encode(output), before_queue, _encode(q), tail)
                 append(join(parts))
         except (TypeError, ValueError, OverflowError):  # an id too large for msgpack

@@ -153,3 +153,23 @@ def test_round_ms_is_round_at_the_halves_where_the_product_errs() -> None:
             assert _same_float(round_ms(x), round(x, 3)), x
     for x in (0.0, -0.0, -0.0001, 0.0625, 2.675, 1e9, 1e9 - 0.0005, 5e-324, math.inf, -math.inf, math.nan):
         assert _same_float(round_ms(x), round(x, 3)), x
+
+
+def _near_halves(count: int) -> list[float]:
+    rng = random.Random(11)
+    values = []
+    for _ in range(count):
+        half = rng.randrange(0, 10**12) / 1000 + 0.0005  # the nearest float to a half
+        values += [half, math.nextafter(half, math.inf), math.nextafter(half, -math.inf)]
+    return values
+
+
+def test_the_one_pass_loop_rounds_queue_ms_as_the_per_request_path_at_the_halves() -> None:
+    # wait_ms 0.0: q + wait_ms is q itself, so q may be put exactly where rounding is hard
+    odd = [0.0, 0.0001, 0.0625, 2.675, 1e9, 1e9 - 0.0005, 1e12 + 0.0625, 5e-324, math.inf, math.nan]
+    queue_ms = [*_near_halves(3000), *odd]
+    encoder = ReplyEncoder(len(queue_ms), WORKER, 0.0, 1.5)
+    requests = [{"id": i} for i in range(len(queue_ms))]
+    outputs = [b"x"] * len(queue_ms)
+    one_pass = encoder.encode_plain(requests, outputs, queue_ms)
+    assert one_pass == [encoder.encode(i, b"x", round(q + 0.0, 3)) for i, q in enumerate(queue_ms)]
