@@ -156,8 +156,8 @@ def stacked_of(inputs: list[Any]) -> Any:
 
 def decode_plain(lengths: list[int], frames: list[Any]) -> list[dict[str, Any]] | None:
     """The requests of a batch of small bodies without tensors, joined in one frame as the
-    broker sends them, decoded in one pass over the frame (0.66 against 1.7 us a body: no
-    copy of each body out of the frame, no call per body); each must end exactly where
+    broker sends them, decoded in one call (0.53 against 1.7 us a body: one copy of the
+    frame, not one per body, and no Python call per body); each must end exactly where
     its length says and be a map, as `_decode_request` decodes it. None for anything else:
     then the general path decodes the batch, and says what is wrong with which body."""
     if len(frames) != 1 or len(lengths) < 2:
