@@ -88,7 +88,7 @@ def body_frames(bodies: list[Any], lengths: list[int] | None = None) -> list[Any
     ("One frame per batch or per request") has the measurement behind the size.
     `lengths`: the bodies' lengths, when the caller has them."""
     if lengths is None:
-        lengths = [len(b) for b in bodies]
+        lengths = list(map(len, bodies))  # map: no Python call per body
     if lengths and max(lengths) >= ZERO_COPY_BYTES:
         return bodies
     return [b"".join(bodies)]
@@ -105,7 +105,7 @@ def batch_frames(
     length (and, when the batch is traced, its span's traceparent as a 4th element, the
     parent of the worker's spans; for a multiplexed worker, the batch's model as a 5th),
     then the bodies, joined in one frame or one frame each (`body_frames`)."""
-    lengths = [len(b) for b in bodies]
+    lengths = list(map(len, bodies))
     if model is not None:
         fields = [batch_id, queue_ms, lengths, traceparent, model]
     elif traceparent is None:
@@ -139,7 +139,7 @@ def reply_frames(
     """Backend REPLY message: a header with each reply's length (how many replies are
     errors, for the broker's counters, the batch's wait in the worker and its padding
     when known), then the replies, joined in one frame or one frame each (`body_frames`)."""
-    lengths = [len(r) for r in replies]
+    lengths = list(map(len, replies))
     fields: list[Any] = [batch_id, infer_ms, lengths, errors]
     if wait_ms is not None or padding is not None:
         fields.append(wait_ms)

@@ -215,6 +215,7 @@ def both_ways(
         m.setattr(fastpath, "decode_uniform", lambda bodies: None)
         m.setattr(fastpath, "decode_plain", lambda lengths, frames: None)
         m.setattr(ReplyEncoder, "encode", lambda self, req_id, output, queue_ms: None)
+        m.setattr(ReplyEncoder, "encode_plain", lambda self, requests, outputs, queue_ms: None)
         slow = run_batch(model, header, body_frames, WORKER, arrived_at=49.99)
     return fast, slow
 
@@ -426,6 +427,9 @@ def test_a_plain_batch_decodes_in_one_pass_to_what_the_general_path_gives(maps: 
         ("a truncated body", [3, 1], msgpack.packb({"a": 1})[:3] + b"\x80"),
         ("lengths that miss the frame's end", [4, 1], msgpack.packb({"a": 1}) + b"\x80\x80"),
         ("not msgpack", [1, 1], b"\xc1\xc1"),
+        # read on as one stream these are two maps, {1: 2} and {}, but cut where the lengths
+        # say, the first is truncated and the second is 2 then {}: no body is one map alone
+        ("maps that straddle the lengths", [2, 2], b"\x81\x01\x02\x80"),
     ],
 )
 def test_a_batch_one_pass_cannot_read_exactly_is_left_to_the_general_path(
