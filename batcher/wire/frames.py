@@ -307,22 +307,24 @@ def _is_finite_ms(value: object) -> bool:
 
 def split_replies(lengths: list[int], blob: Any) -> list[bytes]:
     """Cut a frame of joined bodies (bytes, or a zmq.Frame) back into one bytes per
-    length. Only small bodies are ever joined (`body_frames`), so the copies are small."""
-    view = blob if isinstance(blob, bytes) else memoryview(blob)
-    if lengths and min(lengths) >= 0 and sum(lengths) == len(blob):  # the common case: no check a body
-        ends = list(itertools.accumulate(lengths))
+    length, in one pass; ValueError naming the first length that does not fit. Only small
+    bodies are ever joined (`body_frames`), so the copies are small."""
+    if (not lengths or min(lengths) >= 0) and sum(lengths) == len(blob):
+        view = blob if isinstance(blob, bytes) else memoryview(blob)
+        ends = itertools.accumulate(lengths)
         return [bytes(view[end - length : end]) for length, end in zip(lengths, ends, strict=True)]
-    out = []
+    raise ValueError(_misfit(lengths, len(blob)))
+
+
+def _misfit(lengths: list[int], size: int) -> str:
+    """Why `lengths` do not cut a frame of `size` bytes: the first that does not fit, or their sum."""
     pos = 0
     for length in lengths:
         end = pos + length
-        if length < 0 or end > len(blob):
-            raise ValueError(f"reply length {length} does not fit a {len(blob)}-byte frame")
-        out.append(bytes(view[pos:end]))
+        if length < 0 or end > size:
+            return f"reply length {length} does not fit a {size}-byte frame"
         pos = end
-    if pos != len(blob):
-        raise ValueError(f"reply lengths add up to {pos} bytes, frame has {len(blob)}")
-    return out
+    return f"reply lengths add up to {pos} bytes, frame has {size}"
 
 
 def ready_frames(

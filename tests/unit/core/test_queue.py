@@ -131,6 +131,17 @@ def test_aging_ranks_a_request_by_its_wait() -> None:
     assert mq.rank(r) == -2 + 3.0
 
 
+def test_with_aging_a_plain_request_is_overtaken_only_within_one_interval_per_priority() -> None:
+    """Aging 10 ms: a request of priority 1 goes ahead of a plain one (priority 0, the
+    fifo lane) that arrived less than 10 ms before it, and behind one that arrived more."""
+    mq = queue(aging_ms=10.0)
+    plain = req(1.0)
+    within, beyond = req(1.0095, priority=1), req(1.0105, priority=1)
+    fill(mq, plain, beyond, within)
+    assert plain.rank == 1.0 * 1000.0 / 10.0
+    assert drain(mq) == [within, plain, beyond]
+
+
 def test_requeue_puts_each_request_back_in_its_bucket() -> None:
     mq = queue()
     a, b = req(0.0, bucket=0), req(1.0, bucket=1)
@@ -234,4 +245,15 @@ def test_the_cancel_index_is_filed_at_the_first_find_and_kept_after(
     }
     assert filed == {id(r) for r in queued}
     for r in queued:
+        assert mq.find(r.envelope[0], r.id) == [r]
+
+
+def test_requests_put_back_after_the_first_cancel_can_be_cancelled() -> None:
+    mq = queue()
+    a, b, c = fill(mq, req(0.0), req(1.0, priority=1), req(2.0))
+    assert mq.find(b"nobody", -1) == []  # the index is made
+    taken = mq.pop_many(2)
+    assert taken == [b, a]
+    mq.put_back(taken, count_attempt=True)
+    for r in (a, b, c):
         assert mq.find(r.envelope[0], r.id) == [r]

@@ -452,6 +452,43 @@ def test_split_replies_rejects_negative_lengths(lengths: list[int]) -> None:
         protocol.split_replies(lengths, b"abcde")
 
 
+@pytest.mark.parametrize(
+    ("lengths", "message"),
+    [
+        pytest.param([0, 6], "reply length 6 does not fit a 5-byte frame", id="an-empty-reply-first"),
+        pytest.param([5, -1], "reply length -1 does not fit a 5-byte frame", id="an-exact-fit-then-negative"),
+        pytest.param([0, 0, 2, 4], "reply length 4 does not fit a 5-byte frame", id="empties-then-too-long"),
+    ],
+)
+def test_split_replies_names_the_first_length_that_does_not_fit(lengths: list[int], message: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        protocol.split_replies(lengths, b"abcde")
+    assert str(raised.value) == message
+
+
+def test_split_replies_cuts_empty_replies_and_any_buffer() -> None:
+    assert protocol.split_replies([0, 2, 0, 3], b"abcde") == [b"", b"ab", b"", b"cde"]
+    assert protocol.split_replies([2, 3], memoryview(b"abcde")) == [b"ab", b"cde"]
+    assert protocol.split_replies([], b"") == []
+
+
+@pytest.mark.parametrize("given_lengths", [False, True])
+def test_body_frames_join_small_bodies_and_pass_large_ones_each_in_its_frame(given_lengths: bool) -> None:
+    small, large = [b"ab", b"c"], [b"ab", b"x" * protocol.ZERO_COPY_BYTES, b"c"]
+    for bodies, expected in ((small, [b"abc"]), (large, large)):
+        lengths = [len(b) for b in bodies] if given_lengths else None
+        assert protocol.body_frames(bodies, lengths) == expected
+    assert protocol.body_frames([]) == [b""]
+
+
+def test_a_multiplexed_batch_names_its_model_after_the_traceparent() -> None:
+    bodies = [body({"id": 0, "input": 1})]
+    frames = protocol.batch_frames(5, [0.25], bodies, None, "m2")
+    assert protocol.unpack(frames[2]) == [5, [0.25], [len(bodies[0])], None, "m2"]
+    traced = protocol.batch_frames(5, [0.25], bodies, "00-" + "1" * 32 + "-" + "2" * 16 + "-01")
+    assert protocol.unpack(traced[2])[3:] == ["00-" + "1" * 32 + "-" + "2" * 16 + "-01"]
+
+
 def test_ready_frames_layout() -> None:
     frames = protocol.ready_frames("sim", 2, 4242, 3)
     assert frames[:2] == [protocol.WORKER_PROTOCOL, protocol.CMD_READY]
