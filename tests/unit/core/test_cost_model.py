@@ -5,11 +5,12 @@ tests/unit/core/test_scheduler_policy.py, section 8)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
-from batcher.core.cost_model import CostModel
+from batcher.core.cost_model import RATE_QUANTUM_S, RATE_TAU_S, ArrivalRate, CostModel
 
 
 def _jitter(rng: random.Random) -> float:
@@ -97,3 +98,22 @@ def test_batches_of_one_summed_cost_give_the_mean_time_and_no_cost_slope(cost: f
     weights = [d**k for k in range(len(times) - 1, -1, -1)]
     mean = sum(w * t for w, t in zip(weights, times, strict=True)) / sum(weights)
     assert cm._cost.coefficients() == pytest.approx((mean, 0.0), abs=1e-12)
+
+
+def test_arrivals_within_a_quantum_share_the_first_ones_time() -> None:
+    """The rate decays once a RATE_QUANTUM_S, not once a request: arrivals closer than
+    that to the last decay count at its time (at most 0.5% low)."""
+    rate = ArrivalRate()
+    rate.arrive(5.0)
+    rate.arrive(5.0 + RATE_QUANTUM_S / 2)
+    assert rate.per_second(5.0) == 2 / RATE_TAU_S
+    exact = (math.exp(-RATE_QUANTUM_S / 2 / RATE_TAU_S) + 1) / RATE_TAU_S
+    assert rate.per_second(5.0 + RATE_QUANTUM_S / 2) == pytest.approx(exact, rel=0.005)
+
+
+def test_an_arrival_a_whole_quantum_later_decays_the_count() -> None:
+    rate = ArrivalRate()
+    rate.arrive(0.0)
+    rate.arrive(RATE_QUANTUM_S)
+    decayed = math.exp(-RATE_QUANTUM_S / RATE_TAU_S) + 1
+    assert rate.per_second(RATE_QUANTUM_S) == pytest.approx(decayed / RATE_TAU_S)

@@ -215,6 +215,7 @@ def test_pop_many_takes_what_pop_n_times_takes(
 ) -> None:
     gone = set(data.draw(st.lists(st.integers(0, max(0, len(spec) - 1)), max_size=8))) if spec else set()
     one, many = _twin_queues(spec, costs, gone)
+    assert many.suspects == sum(1 for i in range(len(spec)) if i % 5 == 4 and i not in gone)
     while one.size:
         n = data.draw(st.integers(1, one.size))
         expected = [(r.id, r.seq) for r in (one.pop() for _ in range(n))]
