@@ -172,8 +172,8 @@ class ModelQueue:
     heap_arrivals: deque[QueuedRequest] = field(default_factory=deque)  # the heap lane's, by seq
     deadlines: list[tuple[float, int, QueuedRequest]] = field(default_factory=list)
     # The queued requests by client and id, so a cancel is a look-up and not a scan: made
-    # at the first cancel that asks (`find`), kept from then on; a queue no client cancels
-    # in pays nothing for it.
+    # at a cancel that finds requests waiting (`find`), dropped when the queue empties; a
+    # queue no client cancels in pays nothing for it.
     cancels: CancelIndex | None = None
     size: int = 0
     queued_cost: float = 0.0  # the sum of the queued requests' costs
@@ -250,7 +250,7 @@ class ModelQueue:
         req = heapq.heappop(self.heap)[3] if self._heap_next() else self.fifo.popleft()
         self._forget(req)
         if self.cancels is not None:
-            self.cancels.remove(req)
+            self._unfile(req)
         return req
 
     def pop_many(self, n: int) -> list[QueuedRequest]:
@@ -302,7 +302,7 @@ class ModelQueue:
         req.state = REMOVED
         self._forget(req)
         if self.cancels is not None:
-            self.cancels.remove(req)
+            self._unfile(req)
         self.compact()
 
     def compact(self) -> None:
@@ -321,11 +321,23 @@ class ModelQueue:
             heapq.heapify(self.deadlines)
 
     def find(self, client: bytes, req_id: object) -> list[QueuedRequest]:
-        """The queued requests that `client` sent with this id (the first call files every
-        queued request: CancelIndex)."""
+        """The queued requests that `client` sent with this id. The first call while
+        requests wait files them all (CancelIndex), and the index is kept until the queue
+        is empty again: a cancel now and then (a gateway's late rows) does not keep every
+        request of the model paying for it."""
+        if not self.size:
+            return []
         if self.cancels is None:
             self.cancels = CancelIndex(self.queued())
         return self.cancels.find(client, req_id)
+
+    def _unfile(self, req: QueuedRequest) -> None:
+        """A request left the queue: out of the cancel index, dropped once nothing waits."""
+        assert self.cancels is not None
+        if self.size:
+            self.cancels.remove(req)
+        else:
+            self.cancels = None
 
     # --- putting requests in, in scheduling order ------------------------------------------------
 

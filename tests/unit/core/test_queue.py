@@ -190,7 +190,7 @@ def test_cancel_finds_a_request_by_client_and_id() -> None:
     (r,) = fill(mq, req(0.0))
     assert mq.find(r.envelope[0], r.id) == [r]
     mq.discard(r)
-    assert mq.find(r.envelope[0], r.id) == [] and mq.cancels is not None and mq.cancels.by_client == {}
+    assert mq.find(r.envelope[0], r.id) == [] and mq.cancels is None  # emptied: the index is dropped
 
 
 def _twin_queues(
@@ -230,10 +230,10 @@ def test_the_cancel_index_is_filed_at_the_first_find_and_kept_after(
     spec: list[tuple[int, float | None]], data: st.DataObject
 ) -> None:
     mq = queue()
-    reqs = fill(mq, *[req(float(i), p, d) for i, (p, d) in enumerate(spec)])
-    taken = [mq.pop() for _ in range(data.draw(st.integers(0, len(reqs))))]
+    reqs = fill(mq, *[req(float(i), p, d) for i, (p, d) in enumerate(spec)], req(99.0))
+    taken = [mq.pop() for _ in range(data.draw(st.integers(0, len(reqs) - 1)))]
     assert mq.cancels is None  # nobody cancelled: nothing filed
-    assert mq.find(b"nobody", -1) == []
+    assert mq.find(b"nobody", -1) == []  # some wait: the index is made
     later = fill(mq, req(100.0), req(101.0, priority=1))
     if mq.size > 2:
         taken += mq.pop_many(data.draw(st.integers(1, mq.size - 2)))
@@ -258,3 +258,18 @@ def test_requests_put_back_after_the_first_cancel_can_be_cancelled() -> None:
     mq.put_back(taken, count_attempt=True)
     for r in (a, b, c):
         assert mq.find(r.envelope[0], r.id) == [r]
+
+
+def test_the_cancel_index_is_dropped_when_the_queue_empties_and_not_made_for_an_empty_one() -> None:
+    """A cancel now and then (a gateway's late rows) files a queue's requests only while
+    some wait: once it empties, its requests leave the fifo lane in one pass again."""
+    mq = queue()
+    assert mq.find(b"c", 1) == [] and mq.cancels is None  # nothing waits: nothing made
+    a, b = fill(mq, req(0.0), req(1.0))
+    assert mq.find(a.envelope[0], a.id) == [a] and mq.cancels is not None
+    mq.discard(a)
+    assert mq.cancels is not None and mq.find(b.envelope[0], b.id) == [b]
+    assert mq.pop() is b and mq.cancels is None
+    c, d = fill(mq, req(2.0), req(3.0))
+    assert mq.find(c.envelope[0], c.id) == [c]
+    assert mq.pop_many(2) == [c, d] and mq.cancels is None
