@@ -20,14 +20,13 @@ Speaks the frontend protocol, so `batcher bench --connect` loads it like a broke
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
-import signal
 import sys
 from collections import deque
 from typing import Any
 
 import msgpack
 import zmq
+from forwarder import dealer, routers, until_sigterm, with_worker
 
 from batcher.transport.zmqio import recv_frames, send_frames, send_reply
 
@@ -38,22 +37,12 @@ SLOTS = 2  # batches the worker holds at once (serve's default --worker-prefetch
 def forward(frontend_address: str, backend_address: str, max_batch: int = MAX_BATCH) -> None:
     """Batch the client messages waiting, send each batch as one message, answer each
     client from the reply's frame, until SIGTERM."""
-    ctx: zmq.Context[Any] = zmq.Context()
-    frontend, backend = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
-    for sock, address in ((frontend, frontend_address), (backend, backend_address)):
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.bind(address)
-    worker = backend.recv_multipart()[0]  # its hello
-    poller = zmq.Poller()
-    poller.register(frontend, zmq.POLLIN)
-    poller.register(backend, zmq.POLLIN)
+    ctx, frontend, backend, worker, poller = routers(frontend_address, backend_address)
     waiting: deque[list[Any]] = deque()  # client messages: [*envelope, body]
     held: dict[int, list[list[Any]]] = {}  # batch id -> its messages
     packb, unpackb = msgpack.Packer().pack, msgpack.unpackb
     next_id = 0
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
+    with until_sigterm(ctx, frontend, backend):
         while True:
             events = dict(poller.poll())
             if frontend in events:
@@ -76,27 +65,16 @@ def forward(frontend_address: str, backend_address: str, max_batch: int = MAX_BA
                 send_frames(backend, [worker, header, b"".join(bodies)])
                 held[next_id] = batch
                 next_id += 1
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up
-    finally:
-        frontend.close(0)
-        backend.close(0)
-        ctx.term()
 
 
 def echo_worker(backend_address: str) -> None:
     """Decode each body of a batch, encode a protocol-shaped reply to each, send them
     back joined in one frame with their lengths."""
-    ctx: zmq.Context[Any] = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(backend_address)
-    sock.send(b"hello")
+    ctx, sock = dealer(backend_address)
     packb, unpackb = msgpack.Packer().pack, msgpack.unpackb
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    try:
+    with until_sigterm(ctx, sock):
         while True:
             poller.poll()
             with contextlib.suppress(zmq.Again):
@@ -110,20 +88,9 @@ def echo_worker(backend_address: str) -> None:
                         req = unpacker.unpack()
                         replies.append(packb({"id": req.get("id"), "ok": True, "output": req.get("input")}))
                     send_frames(sock, [packb([batch_id, [len(r) for r in replies]]), b"".join(replies)])
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    finally:
-        sock.close(0)
-        ctx.term()
 
 
 if __name__ == "__main__":
     front, back = sys.argv[1], sys.argv[2]
     max_batch = int(sys.argv[3]) if len(sys.argv) > 3 else MAX_BATCH
-    proc = multiprocessing.get_context("spawn").Process(target=echo_worker, args=(back,), daemon=True)
-    proc.start()
-    try:
-        forward(front, back, max_batch)
-    finally:
-        proc.terminate()
-        proc.join(5)
+    with_worker(lambda: forward(front, back, max_batch), echo_worker, back)
