@@ -303,7 +303,11 @@ class EchoLoop:
             cwd=REPO_ROOT,
             env=self.env,
         )
-        self._wait_ready(timeout_s)
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:  # not answering: stopped here, as no `with` will stop it
+            self.stop()
+            raise
         return self
 
     def _wait_ready(self, timeout_s: float) -> None:
