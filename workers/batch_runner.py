@@ -70,8 +70,7 @@ def _decode_header(header_frame: bytes) -> tuple[int, list[Any] | None, list[int
             f"header must be [batch_id, queue_ms, lengths], got {protocol.clip(header)}", None
         )
     lengths = header[2] if len(header) > 2 else None
-    # a set of the types and a min: no Python call per length (bool is not an int here)
-    if not isinstance(lengths, list) or (lengths and (set(map(type, lengths)) != {int} or min(lengths) < 0)):
+    if not isinstance(lengths, list) or not protocol.naturals(lengths):
         raise MalformedBatch(f"header must hold the bodies' lengths, got {protocol.clip(header)}", header[0])
     queue_ms = header[1] if isinstance(header[1], list) else None
     return header[0], queue_ms, lengths
@@ -339,7 +338,7 @@ def _finish_batch(
         if not isinstance(q, _NUMBER) or isinstance(q, bool):
             q = None  # forwarded to the client: only a number from the broker
         elif wait_ms is not None:
-            q = round(q + wait_ms, 3)
+            q = fastpath.round_ms(q + wait_ms)
         # an array or bytes: the batch's encoding, byte for byte (a streamed request's says "more")
         reply = None if stream else encoder.encode(req_id, out, q)
         if reply is not None:

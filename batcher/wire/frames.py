@@ -190,8 +190,9 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _naturals(values: list[Any]) -> bool:
-    """Whether every value is an int (not a bool) >= 0."""
+def naturals(values: list[Any]) -> bool:
+    """Whether every value is an int (not a bool) >= 0, checked by C loops (a set of the
+    types, a min): no Python call per value, for the lengths of every BATCH and REPLY."""
     return not values or (set(map(type, values)) == {int} and min(values) >= 0)
 
 
@@ -222,7 +223,7 @@ def parse_reply_header(frame: bytes) -> ReplyHeader:
         raise bad(f"REPLY infer_ms must be a number in [0, {MAX_REPORTED_MS:.0f}], got {infer_ms!r}")
     # type() is int: msgpack decodes an int as exactly int (a bool as bool); checked by
     # C loops (map, min), as this runs once per reply of every batch.
-    if not isinstance(lengths, list) or not _naturals(lengths):
+    if not isinstance(lengths, list) or not naturals(lengths):
         raise bad(f"REPLY lengths must be a list of ints >= 0, got {lengths!r}")
     errors, refused = _errors(header[3] if len(header) >= 4 else 0, len(lengths), bad)
     wait_ms = header[4] if len(header) >= 5 else None
