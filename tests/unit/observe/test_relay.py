@@ -81,3 +81,27 @@ def test_a_batch_s_queue_spans_are_what_queue_ended_records(seed: int) -> None:
     for a, b in zip(mine_batch.requests, their_batch.requests, strict=True):
         assert a.trace.queue == b.trace.queue
         assert isinstance(a.trace.queue, Ctx) and a.trace.queue.trace_id == b.trace.queue.trace_id
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_records_cross_to_the_exporter_as_msgpack_writes_and_reads_them(seed: int) -> None:
+    """The relay packs with msgspec and the exporter process reads with it: the bytes are
+    msgpack's own (a 64-bit span id, 128-bit trace ids as bytes, attributes, links, events,
+    tracestate), and what the exporter reads is what msgpack reads."""
+    import msgpack
+
+    from batcher.observe import relay, relay_exporter
+
+    now = time.monotonic()
+    rs = spans(seed)
+    batch = SimpleNamespace(requests=requests(seed, now), model="echo", batch_id=7, multiplexed=False)
+    rs.batch_started(batch, "w-1", 12.0, now)
+    rs.batch_answered(7, now + 0.01, 1.5, 0.25, (12, 10), 0)
+    rs.batch_failed(8, now, "batcher.worker_lost", "never opened")  # (no such batch: nothing)
+    records = rs._records
+    assert {r[0] for r in records} == {relay.QUEUE, relay.BATCH}
+    packed = relay._pack(records)
+    assert packed == msgpack.packb(records)
+    assert relay_exporter._unpack(packed) == msgpack.unpackb(packed, raw=False, strict_map_key=False)
+    top = (1 << 64) - 1
+    assert relay._pack([(relay.QUEUE, top)]) == msgpack.packb([(relay.QUEUE, top)])
