@@ -1,6 +1,6 @@
 """Overhead: the broker against the plain pyzmq echo loop, the ceiling for one Python process.
 
-Four kinds of server answer the same requests, all up at once and loaded in turn
+Five kinds of server answer the same requests, all up at once and loaded in turn
 (A B C A B C ... for --runs rounds, so drift on a noisy machine hits them alike):
 
 - the echo loop (benchmarks/echo_loop.py): decode, encode, reply; nothing else;
@@ -10,7 +10,9 @@ Four kinds of server answer the same requests, all up at once and loaded in turn
 - the batching floor (benchmarks/batching_floor.py): a forwarder that batches what waits
   (up to --max-batch-size, 2 batches held by its worker) with one frame each way and no
   logic: what a broker of batcher's design costs before its own work (reading headers,
-  ordering queues, admission, counts and metrics);
+  ordering queues, admission, counts and metrics); and the same forwarder speaking the
+  backend protocol to batcher's own echo worker (what the broker's scheduling costs is
+  what separates the broker's row from this one);
 - the broker with one `echo` worker, batching on (max-batch-size 32, for each
   --max-wait-ms given: 0 dispatches a lone request at once, 1 waits up to 1 ms);
 - the broker with one `echo` worker, batching off (max-batch-size 1).
@@ -119,6 +121,14 @@ def configs(args: argparse.Namespace) -> list[Config]:
             floor=BATCHING_FLOOR,
             floor_args=[str(args.max_batch_size)],
         ),
+        Config(
+            "batching floor, batcher's worker",
+            f"benchmarks/batching_floor.py: the same forwarder (batches of up to {args.max_batch_size}) "
+            "speaking the backend protocol to batcher's own echo worker",
+            None,
+            floor=BATCHING_FLOOR,
+            floor_args=[str(args.max_batch_size), "batcher"],
+        ),
     ]
     first = args.max_wait_ms[0] if args.max_wait_ms else 0.0
     batching = [(wait, None) for wait in args.max_wait_ms] + [(first, tree) for tree in args.baseline]
@@ -204,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
             return "(the floor of any client -> broker -> worker design)"
         if row["config"] == "batching floor":
             return "(the floor of a batching broker of this design)"
+        if row["config"] == "batching floor, batcher's worker":
+            return "(that floor with batcher's worker: what the broker's scheduling costs is the rest)"
         ok_ratio = row["ratio_to_echo_loop"] >= TARGET_RATIO
         ok_added = row["added_p50_ms"] < TARGET_ADDED_MS
         return f"ratio {'met' if ok_ratio else 'MISSED'}, round trip {'met' if ok_added else 'MISSED'}"
