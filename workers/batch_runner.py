@@ -337,8 +337,8 @@ def _finish_batch(
         q = batch.queue_ms[i]
         if not isinstance(q, _NUMBER) or isinstance(q, bool):
             q = None  # forwarded to the client: only a number from the broker
-        elif wait_ms is not None:
-            q = fastpath.round_ms(q + wait_ms)
+        else:  # rounded here, not by the broker (docs/protocol.md, BATCH)
+            q = fastpath.round_ms(q + (wait_ms or 0.0))
         # an array or bytes: the batch's encoding, byte for byte (a streamed request's says "more")
         reply = None if stream else encoder.encode(req_id, out, q)
         if reply is not None:

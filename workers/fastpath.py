@@ -248,10 +248,10 @@ class ReplyEncoder:
         each is the common case: a bytes output, a float queue_ms, no "stream" key, an id
         that is an int, a str or absent; None for any other batch (then each reply is
         encoded by `encode` or `protocol.ok_reply`). The bytes are `encode`'s: the id
-        answered as `protocol.answer_id` answers it, queue_ms plus the batch's wait,
-        rounded to 3 places, as the per-request path adds it."""
+        answered as `protocol.answer_id` answers it, queue_ms plus the batch's wait (0
+        when unknown), rounded to 3 places, as the per-request path adds it."""
         head, after_id, before_queue, tail = self._parts or self._batch_parts()
-        wait_ms = self._batch[2]
+        wait_ms = self._batch[2] or 0.0
         join = b"".join
         replies: list[bytes] = []
         append = replies.append
@@ -265,11 +265,11 @@ class ReplyEncoder:
                     or (type(req_id) is not int and type(req_id) is not str and req_id is not None)
                 ):
                     return None
-                if wait_ms is not None:  # round_ms(q + wait_ms), inlined: the call was a third of it
-                    x = q + wait_ms
-                    m = x * 1000.0
-                    k = round(m) if 0.0 < x < 1e9 else 0
-                    q = k / 1000 if k and -0.499 < m - k < 0.499 else round(x, 3)
+                # round_ms(q + wait_ms), inlined: the call was a third of it
+                x = q + wait_ms
+                m = x * 1000.0
+                k = round(m) if 0.0 < x < 1e9 else 0
+                q = k / 1000 if k and -0.499 < m - k < 0.499 else round(x, 3)
                 parts = (head, _encode(req_id), after_id, _encode(output), before_queue, _encode(q), tail)
                 append(join(parts))
         except (TypeError, ValueError, OverflowError):  # an id too large for msgpack

@@ -116,7 +116,7 @@ def test_the_common_batch_takes_the_one_pass_loop_and_replies_as_the_per_request
     monkeypatch: pytest.MonkeyPatch, wait: bool
 ) -> None:
     bodies = [_request(i, None) for i in range(30)] + [_request("s", None), _request("missing", None)]
-    queue_ms = [0.123 * i for i in range(32)]
+    queue_ms = [0.1234567 * i for i in range(32)]  # (as the broker sends them: not rounded)
     outputs = [b"x" * i for i in range(32)]
     taken: list[int] = []
     encode_plain = ReplyEncoder.encode_plain
@@ -134,6 +134,9 @@ def test_the_common_batch_takes_the_one_pass_loop_and_replies_as_the_per_request
     decoded = [msgpack.unpackb(r) for r in replies]
     assert [r["id"] for r in decoded] == [*range(30), "s", None]
     assert [r["output"] for r in decoded] == outputs
+    # The broker sends queue_ms unrounded: each reply's is rounded here, wait known or not.
+    waited_ms = round((50.0 - 49.98765) * 1000.0, 3) if wait else 0.0  # (the worker's wait, as it rounds it)
+    assert [r["queue_ms"] for r in decoded] == [round(q + waited_ms, 3) for q in queue_ms]
 
 
 def _same_float(a: float, b: float) -> bool:
