@@ -175,12 +175,10 @@ class Frontend:
                 self.stats.count(model, "ok")
                 self.send_to_client(envelope, hit)
                 return
-        request = QueuedRequest(envelope, body, header.id, now, header.priority, verdict.deadline)
-        request.cache_key = cache_key
-        request.trace = trace
-        request.cost = header.cost
-        request.stream = stream
-        request.bucket = verdict.bucket
+        request = QueuedRequest(
+            envelope, body, header.id, now, header.priority, verdict.deadline,
+            cost=header.cost, stream=stream, bucket=verdict.bucket, trace=trace, cache_key=cache_key,
+        )  # fmt: skip
         try:
             self.scheduler.enqueue(model, request)
         except NoSuchModel:

@@ -42,13 +42,6 @@ class Refusal(msgspec.Struct, frozen=True, gc=False):
 SHUTTING_DOWN_MESSAGE = "the broker is shutting down"
 
 
-def deadline_of(header: RequestHeader, now: float, default_timeout_s: float | None) -> float | None:
-    """When a request arriving `now` expires: its own `timeout_ms`, else the broker's
-    default; a timeout of 0 or none means it never does."""
-    timeout_s = header.timeout_ms / 1000.0 if header.timeout_ms else default_timeout_s
-    return now + timeout_s if timeout_s else None
-
-
 def admit(
     header: RequestHeader,
     model: str,
@@ -75,4 +68,6 @@ def admit(
             bucket = settings.bucket(protocol.input_length(body, header.id))
         except ProtocolError as exc:
             return Refusal(exc.code, exc.message, exc.req_id)
-    return Admitted(deadline_of(header, now, default_timeout_s), bucket)
+    # When it expires: its own timeout_ms, else the broker's default; 0 or none: never.
+    timeout_s = header.timeout_ms / 1000.0 if header.timeout_ms else default_timeout_s
+    return Admitted(now + timeout_s if timeout_s else None, bucket)

@@ -227,9 +227,12 @@ class Scheduler:
         if model_queue is None:
             raise NoSuchModel(model)
         model_queue.offered += 1
-        if model_queue.total() >= model_queue.settings.max_queue:
+        # total() and bucket_queue() only where there are buckets (two calls a request fewer)
+        queued = model_queue.total() if model_queue.buckets else model_queue.size
+        if queued >= model_queue.settings.max_queue:
             raise QueueFull(model)
-        model_queue.bucket_queue(request.bucket).put(request, next(self._seq))
+        bucket = request.bucket
+        (model_queue if bucket is None else model_queue.bucket_queue(bucket)).put(request, next(self._seq))
 
     def requeue(self, model: str, requests: list[QueuedRequest], count_attempt: bool = True) -> None:
         """Put a failed (or left) worker's batch back in its queue, ahead of later arrivals;

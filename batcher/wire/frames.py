@@ -311,8 +311,10 @@ def split_replies(lengths: list[int], blob: Any) -> list[bytes]:
     length, in one pass; ValueError naming the first length that does not fit. Only small
     bodies are ever joined (`body_frames`), so the copies are small."""
     if (not lengths or min(lengths) >= 0) and sum(lengths) == len(blob):
-        view = blob if isinstance(blob, bytes) else memoryview(blob)
         ends = itertools.accumulate(lengths)
+        if type(blob) is bytes:  # (its slices are bytes: no call to make them so)
+            return [blob[end - length : end] for length, end in zip(lengths, ends, strict=True)]
+        view = memoryview(blob)
         return [bytes(view[end - length : end]) for length, end in zip(lengths, ends, strict=True)]
     raise ValueError(_misfit(lengths, len(blob)))
 

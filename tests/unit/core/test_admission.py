@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batcher.core.admission import SHUTTING_DOWN_MESSAGE, Admitted, Refusal, admit, deadline_of
+from batcher.core.admission import SHUTTING_DOWN_MESSAGE, Admitted, Refusal, admit
 from batcher.core.pool import WorkerInfo, WorkerPool
 from batcher.core.scheduler import BatchSettings, Scheduler
 from batcher.wire.protocol import ErrorCode, Heartbeat, RequestHeader
@@ -87,7 +87,12 @@ def test_an_unmeasurable_body_is_a_bad_request_under_bucketing_only() -> None:
 def test_the_deadline_is_the_requests_timeout_else_the_default_and_zero_means_none(
     now: float, timeout_ms: float | None, default_s: float | None
 ) -> None:
-    got = deadline_of(header(timeout_ms=timeout_ms), now, default_s)
+    verdict = admit(
+        header(timeout_ms=timeout_ms), "m", body(tensor(3)), now,
+        draining=False, pool=pool(), settings=None, default_timeout_s=default_s,
+    )  # fmt: skip
+    assert isinstance(verdict, Admitted)
+    got = verdict.deadline
     timeout_s = timeout_ms / 1000.0 if timeout_ms else default_s
     if not timeout_s:
         assert got is None
