@@ -259,21 +259,25 @@ class ModelQueue:
     def pop_many(self, n: int) -> list[QueuedRequest]:
         """The next `n` requests (at most `size`) in scheduling order, as `pop` n times
         gives them; with only the fifo lane in use (plain requests, none cancelled), taken
-        in one pass: 4 calls a request fewer on the broker's busiest path."""
+        by list comprehensions (a second pass only when some were taken out before): 4
+        calls a request fewer on the broker's busiest path."""
         if self.heap or self.cancels is not None:
             return [self.pop() for _ in range(n)]
-        fifo = self.fifo
-        out: list[QueuedRequest] = []
-        while len(out) < n:
-            req = fifo.popleft()
-            if req.state == QUEUED:
-                out.append(req)
+        popleft = self.fifo.popleft
+        out = [popleft() for _ in range(n)]
+        if any([r.state for r in out]):  # (QUEUED is 0) some were taken out before: skipped
+            out = [r for r in out if r.state == QUEUED]
+            while len(out) < n:
+                req = popleft()
+                if req.state == QUEUED:
+                    out.append(req)
         self.size -= n
         queued_cost = self.queued_cost
-        for req in out:
-            queued_cost -= req.cost
-            self.suspects -= req.suspect > 0
+        for r in out:  # one by one, as pop() takes them: the same float
+            queued_cost -= r.cost
         self.queued_cost = queued_cost if self.size else 0.0  # no drift when empty
+        if self.suspects:
+            self.suspects -= sum([r.suspect > 0 for r in out])
         return out
 
     def added(self, req: QueuedRequest) -> None:
