@@ -223,16 +223,13 @@ class Scheduler:
     def enqueue(self, model: str, request: QueuedRequest) -> None:
         """Queue an accepted request. Raises NoSuchModel for a model nobody serves and
         QueueFull when the model's queue is full."""
-        model_queue = self._models.get(model)
-        if model_queue is None:
+        mq = self._models.get(model)
+        if mq is None:
             raise NoSuchModel(model)
-        model_queue.offered += 1
-        # total() and bucket_queue() only where there are buckets (two calls a request fewer)
-        queued = model_queue.total() if model_queue.buckets else model_queue.size
-        if queued >= model_queue.settings.max_queue:
+        mq.offered += 1  # (total() and bucket_queue() only where there are buckets)
+        if (mq.total() if mq.buckets else mq.size) >= mq.settings.max_queue:
             raise QueueFull(model)
-        bucket = request.bucket
-        (model_queue if bucket is None else model_queue.bucket_queue(bucket)).put(request, next(self._seq))
+        (mq if request.bucket is None else mq.bucket_queue(request.bucket)).put(request, next(self._seq))
 
     def requeue(self, model: str, requests: list[QueuedRequest], count_attempt: bool = True) -> None:
         """Put a failed (or left) worker's batch back in its queue, ahead of later arrivals;
