@@ -90,6 +90,7 @@ def test_records_cross_to_the_exporter_as_msgpack_writes_and_reads_them(seed: in
     tracestate), and what the exporter reads is what msgpack reads."""
     import msgpack
 
+    pytest.importorskip("opentelemetry.sdk")  # (the exporter process's module imports it)
     from batcher.observe import relay, relay_exporter
 
     now = time.monotonic()
@@ -97,7 +98,6 @@ def test_records_cross_to_the_exporter_as_msgpack_writes_and_reads_them(seed: in
     batch = SimpleNamespace(requests=requests(seed, now), model="echo", batch_id=7, multiplexed=False)
     rs.batch_started(batch, "w-1", 12.0, now)
     rs.batch_answered(7, now + 0.01, 1.5, 0.25, (12, 10), 0)
-    rs.batch_failed(8, now, "batcher.worker_lost", "never opened")  # (no such batch: nothing)
     records = rs._records
     assert {r[0] for r in records} == {relay.QUEUE, relay.BATCH}
     packed = relay._pack(records)
