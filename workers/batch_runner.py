@@ -10,7 +10,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgpack
@@ -140,10 +139,10 @@ def _array(value: dict[Any, Any]) -> tuple[Any, str | None]:
         )
 
 
-@dataclass
-class PreparedBatch:
+class PreparedBatch(msgspec.Struct):
     """A BATCH decoded and ready for the model: what run_batch does before the model call,
-    apart from it so that an overlapping worker does it while the model runs another."""
+    apart from it so that an overlapping worker does it while the model runs another. A
+    Struct, made in C: a lone request's worker pays each Python frame on a cold CPU."""
 
     batch_id: int
     queue_ms: list[Any]
@@ -156,9 +155,9 @@ class PreparedBatch:
     decode_s: tuple[float, float] = (0.0, 0.0)  # its decode began and ended (monotonic), when traced
 
 
-@dataclass
-class ModelOutcome:
-    """What the model call gave: its outputs, or the exception that failed the batch."""
+class ModelOutcome(msgspec.Struct):
+    """What the model call gave: its outputs, or the exception that failed the batch (a
+    Struct, as PreparedBatch)."""
 
     outputs: Any
     error: Exception | None
@@ -252,8 +251,8 @@ def call_model(model: ModelFn, batch: PreparedBatch) -> ModelOutcome:
     t0 = time.perf_counter()
     try:
         outputs = model(batch.inputs) if n else []
-        if not isinstance(outputs, list | tuple) or len(outputs) != n:
-            got = f"{len(outputs)} outputs" if isinstance(outputs, list | tuple) else repr(type(outputs))
+        if not isinstance(outputs, _SEQUENCE) or len(outputs) != n:
+            got = f"{len(outputs)} outputs" if isinstance(outputs, _SEQUENCE) else repr(type(outputs))
             raise ValueError(f"model returned {got} for a batch of {n}")
     except Exception as exc:
         outcome = ModelOutcome(None, exc, (time.perf_counter() - t0) * 1000.0, wait_ms, None)
@@ -303,11 +302,14 @@ def _finish_batch(
         return protocol.reply_frames(batch.batch_id, infer_ms, _all(replies), errors, wait_ms)
     n = len(live)
     refused, model_errors = len(batch.bad), 0
-    encoder = fastpath.ReplyEncoder(n, worker_name, wait_ms, infer_ms, version)
-    if not refused:  # the common batch, every reply in one pass (its bytes are the same)
-        plain = encoder.encode_plain(everything, outcome.outputs, batch.queue_ms)
-        if plain is not None:
-            return protocol.reply_frames(batch.batch_id, infer_ms, plain, 0, wait_ms, outcome.padding)
+    encoder = None  # the batch's shared parts, for outputs that are bytes or arrays (as the first is)
+    first = outcome.outputs[0] if n else None
+    if type(first) is bytes or tensor.is_array(first):
+        encoder = fastpath.ReplyEncoder(n, worker_name, wait_ms, infer_ms, version)
+        if not refused:  # the common batch, every reply in one pass (its bytes are the same)
+            plain = encoder.encode_plain(everything, outcome.outputs, batch.queue_ms)
+            if plain is not None:
+                return protocol.reply_frames(batch.batch_id, infer_ms, plain, 0, wait_ms, outcome.padding)
     # The batch's metadata once; each reply's copy gets its own queue_ms (key order kept).
     template = fastpath.reply_meta(n, worker_name, None, wait_ms, infer_ms, version)
     for i, out in zip(live, outcome.outputs, strict=True):
@@ -339,8 +341,9 @@ def _finish_batch(
             q = None  # forwarded to the client: only a number from the broker
         else:  # rounded here, not by the broker (docs/protocol.md, BATCH)
             q = fastpath.round_ms(q + (wait_ms or 0.0))
-        # an array or bytes: the batch's encoding, byte for byte (a streamed request's says "more")
-        reply = None if stream else encoder.encode(req_id, out, q)
+        # an array or bytes: the batch's encoding, byte for byte (a streamed request's says "more");
+        # any other output (or any, when the first is neither): ok_reply, which gives the same bytes
+        reply = None if stream or encoder is None else encoder.encode(req_id, out, q)
         if reply is not None:
             replies[i] = reply
             continue
@@ -361,6 +364,8 @@ def _finish_batch(
 
 #: What a broker's queue_ms may be (a tuple: `int | float` would build a union each time).
 _NUMBER = (int, float)
+#: What a model may return its outputs as (a tuple, for the same reason).
+_SEQUENCE = (list, tuple)
 
 
 def run_batch(

@@ -181,8 +181,12 @@ def from_array(array: Any) -> dict[str, Any]:
 
 
 def is_array(value: object) -> bool:
-    """Whether `value` is a numpy array (told without importing numpy)."""
-    return type(value).__name__ == "ndarray" and type(value).__module__ == "numpy"
+    """Whether `value` is a numpy array (exactly one, no subclass), told without importing
+    numpy: none exists before numpy is imported. Its type is compared with numpy's, not by
+    its `__name__` and `__module__`, which a builtin type makes anew as strings: a third
+    of a lone request's reply encoding on a cold CPU (docs/benchmarks-history.md)."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and type(value) is getattr(numpy, "ndarray", None)
 
 
 def msgpack_default(value: object) -> Any:

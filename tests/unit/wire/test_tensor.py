@@ -407,6 +407,18 @@ def test_other_objects_with_a_dtype_are_not_taken_for_numpy() -> None:
     assert not tensor.is_array(np.float32(1.0))  # a numpy scalar is not an array
 
 
+def test_only_numpy_arrays_themselves_are_arrays_not_subclasses_or_lookalikes() -> None:
+    class Subclass(np.ndarray):
+        pass
+
+    class ndarray:  # the name of numpy's type
+        pass
+
+    assert tensor.is_array(np.zeros((2, 3)))
+    assert not tensor.is_array(np.zeros(1).view(Subclass))  # its own name: sent as the Packer may
+    assert not tensor.is_array(ndarray()) and not tensor.is_array(np.ndarray)
+
+
 def test_replies_with_non_string_keys_decode_with_arrays() -> None:
     assert tensor.unpack_arrays(protocol.pack({1: np.arange(2, dtype=np.int8), b"k": None}))[1].tolist() == [
         0,

@@ -405,7 +405,7 @@ _PLAIN = st.recursive(
 )  # fmt: skip
 
 
-@given(st.lists(st.dictionaries(st.text(max_size=6), _PLAIN, max_size=4), min_size=2, max_size=8))
+@given(st.lists(st.dictionaries(st.text(max_size=6), _PLAIN, max_size=4), min_size=1, max_size=8))
 def test_a_plain_batch_decodes_in_one_pass_to_what_the_general_path_gives(maps: list[dict[str, Any]]) -> None:
     # (no NaN in the maps: NaN != NaN, so two equal decodes would not compare equal)
     bodies = [msgpack.packb(m) for m in maps]
@@ -430,6 +430,9 @@ def test_a_plain_batch_decodes_in_one_pass_to_what_the_general_path_gives(maps: 
         # read on as one stream these are two maps, {1: 2} and {}, but cut where the lengths
         # say, the first is truncated and the second is 2 then {}: no body is one map alone
         ("maps that straddle the lengths", [2, 2], b"\x81\x01\x02\x80"),
+        ("a lone body that is no map", [1], b"\x01"),
+        ("a lone body with a second value after it", [2], b"\x80\x80"),
+        ("a lone body that is not msgpack", [1], b"\xc1"),
     ],
 )
 def test_a_batch_one_pass_cannot_read_exactly_is_left_to_the_general_path(
@@ -438,7 +441,7 @@ def test_a_batch_one_pass_cannot_read_exactly_is_left_to_the_general_path(
     assert decode_plain(lengths, [blob]) is None, name
 
 
-def test_a_batch_of_one_frame_each_or_one_body_is_left_to_the_other_paths() -> None:
+def test_a_batch_of_one_frame_each_is_left_to_the_other_paths_and_a_lone_body_is_decoded() -> None:
     one = msgpack.packb({"id": 1, "input": 1})
-    assert decode_plain([len(one)], [one]) is None
     assert decode_plain([len(one), len(one)], [one, one]) is None
+    assert decode_plain([len(one)], [one]) == [{"id": 1, "input": 1}]
