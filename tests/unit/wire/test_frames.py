@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 import zmq
+from hypothesis import given
+from hypothesis import strategies as st
 
-from batcher.wire import protocol
+from batcher.wire import frames, protocol
 from batcher.wire.codes import CMD_CANCEL, CMD_READY, CMD_START, MAX_COST, WORKER_PROTOCOL
 from batcher.wire.frames import MAX_WARMUP_ERROR_CHARS, parse_reply_header, split_bodies, split_replies
 from batcher.wire.protocol import (
@@ -129,6 +131,67 @@ def test_a_reply_header_takes_large_padding_counts() -> None:
     assert header.padding == (10**12, 10**6)
     with pytest.raises(WorkerProtocolError, match="padding"):
         parse_reply_header(protocol.pack([1, 2.0, [3], 0, None, [2**63, 1]]))
+
+
+_NUMBERS = (
+    st.integers(-2, 2**64 - 1) | st.sampled_from([0, 2**63 - 1, 2**63, 86_400_000, 86_400_001])
+    | st.floats() | st.sampled_from([-0.0, 86_400_000.0, 86_400_000.5]) | st.booleans()
+)  # fmt: skip
+_ANY = st.none() | _NUMBERS | st.text(max_size=3) | st.binary(max_size=3)
+_ERRORS = _NUMBERS | st.dictionaries(
+    st.sampled_from(["model_error", "bad_request", "other"]), _NUMBERS, max_size=3
+)
+_NATURAL = st.integers(0, 2**63 - 1) | st.sampled_from([0, 1, 2**63 - 1])
+_MS = st.floats(0, 86_400_000) | st.integers(0, 86_400_000) | st.sampled_from([-0.0, 86_400_000.0])
+
+
+@st.composite
+def _headers(draw: st.DrawFn) -> list[Any]:
+    """A REPLY header of the protocol's (3 to 7 elements), with one element made anything
+    at all half the time."""
+    lengths = draw(st.lists(st.integers(0, 99), max_size=4))
+    errors = draw(
+        st.integers(0, len(lengths))
+        | st.fixed_dictionaries(
+            {}, optional={"model_error": st.integers(0, 2), "bad_request": st.integers(0, 2)}
+        )
+    )
+    padding = draw(st.none() | st.lists(_NATURAL, min_size=2, max_size=2))
+    load = draw(
+        st.none() | st.fixed_dictionaries({"ms": _MS, "unloaded": st.just(["a"]), "held": st.just([])})
+    )
+    full = [draw(_NATURAL), draw(_MS), lengths, errors, draw(st.none() | _MS), padding, load, draw(_ANY)]
+    header = full[: draw(st.integers(3, 7))]
+    if draw(st.booleans()):
+        header[draw(st.integers(0, len(header) - 1))] = draw(_ANY | st.lists(_NUMBERS, max_size=3) | _ERRORS)
+    return header
+
+
+#: Headers of the protocol, headers with one element of another kind, and anything at all.
+_HEADERS = _headers() | st.lists(_ANY, max_size=8)
+
+
+@given(_HEADERS)
+def test_the_common_reply_header_read_in_c_gets_the_verdict_the_checks_give(header: list[Any]) -> None:
+    frame = protocol.pack(header)
+    try:
+        expected: Any = frames._parse_reply_header(frame)
+    except WorkerProtocolError as exc:
+        expected = str(exc)
+    try:
+        got: Any = parse_reply_header(frame)
+    except WorkerProtocolError as exc:
+        got = str(exc)
+    assert got == expected
+    if not isinstance(got, str):  # the same types too (a bool is not an int)
+        assert [type(v) for v in got] == [type(v) for v in expected]
+
+
+def test_the_usual_reply_header_is_read_in_c() -> None:
+    usual = protocol.pack([123456, 22.512, [40] * 24, 0, 0.052])
+    common = frames._decode_common_reply_header(usual)
+    assert (common.batch_id, common.lengths, common.wait_ms) == (123456, [40] * 24, 0.052)
+    assert parse_reply_header(usual) == frames._parse_reply_header(usual)
 
 
 def test_joined_replies_are_cut_from_a_zmq_frame_too() -> None:
