@@ -10,7 +10,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgpack
 import msgspec
@@ -55,11 +55,37 @@ def set_tracer(tracer: Any) -> None:
     _tracer = tracer
 
 
+class _BatchHeader(msgspec.Struct, array_like=True):
+    """A BATCH header's first three elements, decoded and checked in one call by msgspec,
+    in C: on a lone request's cold CPU, the general decode and its checks took a third of
+    the worker's time before the model (docs/benchmarks-history.md). Later elements (the
+    traceparent, the model) are left to whoever reads them."""
+
+    batch_id: int
+    queue_ms: Any  # a list when usable (each value checked where it is used)
+    lengths: list[Annotated[int, msgspec.Meta(ge=0)]]
+
+
+_decode_batch_header = msgspec.msgpack.Decoder(_BatchHeader).decode
+
+
 def _decode_header(header_frame: bytes) -> tuple[int, list[Any] | None, list[int]]:
     """(batch id, queue_ms list or None when unusable, each body's length) from a BATCH
     header; MalformedBatch without an id when no integer batch id can be read, with it
     when the lengths cannot. A 4th element (the batch span's traceparent) is read by
-    `_trace_of`, and only when tracing is on."""
+    `_trace_of`, and only when tracing is on. The usual header is read by msgspec
+    (`_BatchHeader`), any other by `_checked_header`, which says what is wrong with it
+    (the same verdict either way: a property test)."""
+    try:
+        header = _decode_batch_header(header_frame)
+    except msgspec.DecodeError:  # (ValidationError is one)
+        return _checked_header(header_frame)
+    queue_ms = header.queue_ms
+    return header.batch_id, queue_ms if isinstance(queue_ms, list) else None, header.lengths
+
+
+def _checked_header(header_frame: bytes) -> tuple[int, list[Any] | None, list[int]]:
+    """_decode_header's checks, one by one, in Python."""
     try:
         header = protocol.unpack(header_frame)
     except Exception as exc:  # msgpack raises several unrelated types
@@ -242,7 +268,10 @@ def call_model(model: ModelFn, batch: PreparedBatch) -> ModelOutcome:
     """Run the model on a prepared batch; the model's exception, or a wrong count of
     outputs, is the outcome's error, not raised."""
     arrived_at = batch.arrived_at
-    wait_ms = None if arrived_at is None else round(max(0.0, (time.monotonic() - arrived_at) * 1000.0), 3)
+    # fastpath.round_ms: round(x, 3)'s float without its decimal conversion (a cold CPU's 23 us)
+    wait_ms = None
+    if arrived_at is not None:
+        wait_ms = fastpath.round_ms(max(0.0, (time.monotonic() - arrived_at) * 1000.0))
     if getattr(model, "last_padding", None) is not None:
         with contextlib.suppress(AttributeError, TypeError):
             model.last_padding = None  # type: ignore[attr-defined]  # only this batch's counts
@@ -257,7 +286,7 @@ def call_model(model: ModelFn, batch: PreparedBatch) -> ModelOutcome:
     except Exception as exc:
         outcome = ModelOutcome(None, exc, (time.perf_counter() - t0) * 1000.0, wait_ms, None)
     else:
-        infer_ms = round((time.perf_counter() - t0) * 1000.0, 3)
+        infer_ms = fastpath.round_ms((time.perf_counter() - t0) * 1000.0)
         outcome = ModelOutcome(outputs, None, infer_ms, wait_ms, _padding_of(model))
     if batch.trace is not None:
         outcome.model_s = (begun, time.monotonic())

@@ -7,9 +7,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from batcher.wire import protocol
 from tests import unit_models
+from workers import batch_runner
 from workers.models import ModelSpec, SimModel, SimSettings, echo, load_model
 from workers.worker import run_batch
 
@@ -336,3 +339,34 @@ def test_a_large_body_refused_by_the_worker_echoes_its_id_wherever_it_stands() -
     out = run_batch(lambda xs: xs, frames[2], frames[3:], WORKER)
     (reply,) = [protocol.unpack(r) for r in protocol.split_bodies(protocol.unpack(out[2])[2], out[3:])]
     assert (reply["id"], reply["error"]["code"]) == (5, "bad_request")
+
+
+_VALUES = (
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=3)
+    | st.binary(max_size=3) | st.lists(st.integers(-1, 3) | st.booleans() | st.floats(), max_size=3)
+    | st.dictionaries(st.text(max_size=2), st.integers(-5, 5), max_size=2)
+)  # fmt: skip
+#: BATCH headers as the broker writes them, with one element made anything at all half the
+#: time, and anything at all.
+_HEADERS = (
+    st.tuples(
+        st.integers(0, 2**64 - 1), st.lists(st.floats(0, 1e6), max_size=4) | st.none(),
+        st.lists(st.integers(0, 2**20), max_size=4), st.none() | st.text(max_size=5), st.text(max_size=3),
+        st.booleans(), st.integers(0, 5), _VALUES,
+    ).map(lambda t: (list(t[:5])[: 3 + t[6] % 3], t[5], t[6], t[7]))
+    .map(lambda h: h[0] if not h[1] else [*h[0][: h[2] % len(h[0])], h[3], *h[0][h[2] % len(h[0]) + 1 :]])
+    | st.lists(_VALUES, max_size=6) | _VALUES
+)  # fmt: skip
+
+
+@given(_HEADERS)
+def test_the_usual_batch_header_read_in_c_gets_the_verdict_the_checks_give(header: Any) -> None:
+    frame = protocol.pack(header)
+
+    def verdict(decode: Callable[[bytes], Any]) -> Any:
+        try:
+            return decode(frame)
+        except batch_runner.MalformedBatch as exc:
+            return (str(exc), exc.batch_id)
+
+    assert verdict(batch_runner._decode_header) == verdict(batch_runner._checked_header)
