@@ -187,7 +187,7 @@ def measure(part: str, tree: Path, steps: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", "--runs", dest="rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=150, help="timed steps a round (each after 22.5 ms idle)")
     p.add_argument("--quick", action="store_true", help="1 round of 40 steps")
     p.add_argument("--baseline", type=Path, action="append", default=[], help="a source tree to measure too")

@@ -32,6 +32,7 @@ SCRIPTS = (
     "overhead",
     "lone_request",
     "broker_cpu",
+    "cold_path",
     "large_bodies",
     "frames",
     "onnx_served",
