@@ -60,13 +60,13 @@ def run_round(tree: Path, requests: int, trace: Path) -> dict[str, float]:
     """Lone requests to a broker and worker started from `tree`, under perf trace."""
     frontend, backend = free_address(), free_address()
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    common = {"start_new_session": True, "cwd": tree, "env": env, "stderr": subprocess.DEVNULL}
+    spawn = {"start_new_session": True, "cwd": tree, "env": env, "stderr": subprocess.DEVNULL}
     broker = subprocess.Popen(
         [sys.executable, "-m", "batcher", "broker", "--frontend", frontend, "--backend", backend,
-         "--model", "sim", "--max-batch-size", "32", "--max-wait-ms", "10"], **common,
+         "--model", "sim", "--max-batch-size", "32", "--max-wait-ms", "10"], **spawn,
     )  # fmt: skip
     worker = subprocess.Popen(
-        [sys.executable, "-m", "batcher", "worker", "--connect", backend, "--model", "sim"], **common
+        [sys.executable, "-m", "batcher", "worker", "--connect", backend, "--model", "sim"], **spawn
     )
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
