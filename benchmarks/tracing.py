@@ -1,14 +1,22 @@
 """Tracing's cost (issue 32): the broker and its worker with tracing off, with tracing on
-at sampling 0, and at sampling 1, all up at once and loaded in turn (off, 0, 1, off, 0,
-1, ... for --runs rounds, so drift on a noisy machine hits them alike), each traced serve
+at sampling 0, and at sampling 1, all up at once and loaded in turn (off, 0, 1, then 0, 1,
+off, ... for --runs rounds, so drift on a noisy machine hits them alike), each traced serve
 exporting to a collector in this process that takes OTLP/HTTP bodies and answers 200
 without decoding them (its own CPU is the benchmark's, not the broker's; it shares the
 machine's cores all the same).
 
-A fourth serve runs sampling 1 with the SDK in the broker's process
+Two more run sampling 1: one with its exporter process at the broker's own priority (not
+niced), one with the SDK in the broker's process
 (BATCHER_TRACE_IN_PROCESS=1), the design the exporter process replaced, for comparison.
 With --baseline DIR (a source tree, e.g. `git archive main | tar -x -C /tmp/base`), one
 more runs sampling 1 from that tree: a before/after in the same run.
+
+A second serve with tracing off ("off, again") runs in the same rounds: its ratio to the
+first is what two identical serves differ by on this machine, the run's resolution, against
+which the targets' 2% can be read. Each round starts one serve further along the list (so no
+serve always runs right after another), and each load waits for every serve to fall quiet
+first (the exporters of the sampling-1 serves posting what the last load left them), so
+one serve's leftover work does not count against the next.
 
 Two loads: small messages (the `echo` model, max batch 32, wait 0: the broker's own
 cost dominates) and `sim` at saturation (2 workers of the simulated GPU, 20 ms + 1 ms an
@@ -28,9 +36,11 @@ import contextlib
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 from common import closed_loop, handle_sigterm, md_table, running_serve, serve_args, summarize, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -70,12 +80,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def stack_pids(served: list[Any]) -> list[int]:
+    """The pids of the serves and of every process each started (workers, exporters)."""
+    pids = []
+    for sp in served:
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(sp.process.pid)
+            pids += [root.pid, *(c.pid for c in root.children(recursive=True))]
+    return pids
+
+
+def wait_quiet(
+    pids: list[int], busy_cores: float = 0.1, window_s: float = 0.2, most_s: float = 10.0
+) -> float:
+    """Wait until the processes `pids` together use under `busy_cores` of a core over a
+    `window_s` window (at most `most_s`); the seconds waited."""
+    begun = time.monotonic()
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            procs.append(psutil.Process(pid))
+
+    def cpu_s() -> float:
+        total = 0.0
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                total += sum(proc.cpu_times()[:2])
+        return total
+
+    while time.monotonic() - begun < most_s:
+        before = cpu_s()
+        time.sleep(window_s)  # the window CPU is measured over, not a wait for anything to settle
+        if cpu_s() - before < busy_cores * window_s:
+            break
+    return time.monotonic() - begun
+
+
 def measure(
     load: str, args: argparse.Namespace, collector: Collector, dropped: dict[str, float]
 ) -> dict[str, list[dict[str, Any]]]:
     base, workers, concurrency = LOADS[load]
     configs = {
         "off": base,
+        "off, again": base,
         "0": [*base, "--trace-endpoint", collector.endpoint, "--trace-sample-ratio", "0"],
         "1": [*base, "--trace-endpoint", collector.endpoint, "--trace-sample-ratio", "1"],
         "1, exporter not niced": [*base, "--trace-endpoint", collector.endpoint, "--trace-sample-ratio", "1"],
@@ -89,18 +136,22 @@ def measure(
     ports = {name: int(free_tcp_address().rsplit(":", 1)[1]) for name in configs}
     with contextlib.ExitStack() as stack:
         addresses = {}
+        served: list[Any] = []
         for name, a in configs.items():
             a = [*a, "--metrics-port", str(ports[name])]
             if "SDK" in name:  # the earlier design: spans made and exported in the broker's process
                 os.environ["BATCHER_TRACE_IN_PROCESS"] = "1"
             if "not niced" in name:  # the exporter process at the broker's own priority
                 os.environ["BATCHER_TRACE_EXPORTER_NICE"] = "0"
-            addresses[name] = stack.enter_context(running_serve(a, workers, source=sources[name])).frontend
+            served.append(stack.enter_context(running_serve(a, workers, source=sources[name])))
+            addresses[name] = served[-1].frontend
             os.environ.pop("BATCHER_TRACE_IN_PROCESS", None)
             os.environ.pop("BATCHER_TRACE_EXPORTER_NICE", None)
+        names = list(addresses)
         for i in range(args.runs):
-            for name, addr in addresses.items():
-                result = summarize(closed_loop(addr, concurrency, args.duration, args.warmup))
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                wait_quiet(stack_pids(served))
+                result = summarize(closed_loop(addresses[name], concurrency, args.duration, args.warmup))
                 rounds[name].append(result)
                 print(
                     f"{load} round {i + 1}/{args.runs} sampling {name}: "
@@ -135,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(
                     [
                         load,
-                        "off" if name == "off" else f"on, sampling {name}",
+                        name if name.startswith("off") else f"on, sampling {name}",
                         f"{statistics.median(r['throughput_rps'] for r in rounds[name]):.0f}",
                         f"{statistics.median(r['p50_ms'] for r in rounds[name]):.2f}",
                         f"{ratio:.3f}",
