@@ -48,6 +48,7 @@ from opentelemetry.trace.span import TraceState
 from batcher.observe.counters import count_dropped
 from batcher.observe.otlp_encode import (
     LOCAL,
+    REMOTE,
     Encoded,
     encode_resource,
     encode_sdk_span,
@@ -125,7 +126,10 @@ def build(record: Sequence[Any], resource: Resource, limits: SpanLimits | None =
     trace_id = int.from_bytes(trace_id, "big")
     trace_state = TraceState.from_header([state]) if state else None
     ctx = SpanContext(trace_id, span_id, False, _SAMPLED, trace_state)
-    parent = SpanContext(trace_id, parent_id, False, _SAMPLED, trace_state) if parent_id else None
+    # A queue span's parent is its caller's span, from another process (the request's
+    # traceparent): remote, as the SDK's span made in the broker says (OTLP's span flags).
+    remote = record[0] == QUEUE
+    parent = SpanContext(trace_id, parent_id, remote, _SAMPLED, trace_state) if parent_id else None
     return ReadableSpan(
         name,
         context=ctx,
@@ -240,8 +244,9 @@ class Encoder:
         placeholders of the others, its link's attributes, its status), made once and kept
         serialized: upb parses them into a new span in 1.7 us, where MergeFrom of the
         message copied them in 2.7."""
-        model, priority, _, outcome, attempt, _, has_id, has_deadline, code, has_link = key
-        t = Span(name="batcher.queue", kind=Span.SPAN_KIND_SERVER, flags=LOCAL)
+        model, priority, _, outcome, attempt, _, has_id, has_deadline, code, has_link, has_parent = key
+        # its parent, the caller's span, is remote (another process's): flags say so, as the SDK's do
+        t = Span(name="batcher.queue", kind=Span.SPAN_KIND_SERVER, flags=REMOTE if has_parent else LOCAL)
         attributes: dict[str, Any] = {
             "batcher.model": model,
             "batcher.priority": priority,
@@ -272,7 +277,7 @@ class Encoder:
         (_, trace_id, span_id, parent_id, start_ns, end_ns, model, priority, outcome, attempt,
          request_id, deadline_ms, code, link_trace, link_span, state) = record  # fmt: skip
         key = (model, priority, type(priority), outcome, attempt, type(attempt), request_id is not None,
-               deadline_ms is not None, code, link_trace is not None)  # fmt: skip
+               deadline_ms is not None, code, link_trace is not None, parent_id != 0)  # fmt: skip
         sp.MergeFromString(self._templates.get(key) or self._queue_template(key))
         self._head(sp, trace_id, span_id, parent_id, state)
         sp.start_time_unix_nano = start_ns

@@ -23,12 +23,16 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
+from opentelemetry.trace import SpanContext, TraceFlags
 
 from batcher.observe.counters import spans_dropped
 from batcher.observe.export import BoundedExporter, make_exporter
+from batcher.observe.otlp_encode import LOCAL, REMOTE
 from batcher.observe.otlp_records import BATCH, QUEUE, Encoder, RecordExporter, build, expand
 from batcher.observe.settings import TraceSettings
+from batcher.observe.spans import parent_of, span_context
 from tests.otlp_collector import Collector
 
 T0 = 1_780_000_000_000_000_000
@@ -110,6 +114,32 @@ def test_random_records_match_the_sdk_path_too() -> None:
     base = records()[0]
     typed = [base, (*base[:7], 0, "batched", 1.0, *base[10:]), (*base[:7], 0.0, "batched", True, *base[10:])]
     assert encoder.encode(typed)[0] == sdk_request(typed, res)
+
+
+def test_a_queue_span_whose_parent_is_the_callers_says_that_parent_is_remote() -> None:
+    """OTLP's span flags say whether a span's parent is remote: a queue span's parent is
+    the caller's span (the request's traceparent, another process's), as the broker's
+    in-process design (BrokerSpans: the SDK's span, the SDK's encoder) marks it; a queue
+    span without a caller is a root, and the batch span's parent (a queue span) is local."""
+    _, parent, _ = parent_of("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", None)
+    assert parent is not None
+    caller = span_context(parent)
+    trace = caller.trace_id.to_bytes(16, "big")
+    queued = ("echo", 0.0, "batched", 1)  # model, priority, outcome, attempt
+    recs = [
+        (QUEUE, trace, 5, caller.span_id, T0, T0 + 10, *queued, "1", None, None, None, 0, None),
+        (QUEUE, trace, 6, 0, T0, T0 + 10, *queued, "2", None, None, None, 0, None),
+        (BATCH, trace, 7, 5, T0 + 10, T0 + 20, {"batcher.model": "echo"}, [(trace, 5, "1")], [], None, None),
+    ]  # fmt: skip
+    res = resource()
+    spans = Encoder(res).encode(recs)[0].resource_spans[0].scope_spans[0].spans
+    assert [s.flags for s in spans] == [REMOTE, LOCAL, LOCAL]
+    assert [ln.flags for ln in spans[2].links] == [LOCAL]
+    # what the SDK's encoder writes for the SDK's own span of that caller
+    ctx = SpanContext(caller.trace_id, 5, False, TraceFlags(1))
+    sdk = encode_spans([ReadableSpan("batcher.queue", context=ctx, parent=caller, resource=res)])
+    assert sdk.resource_spans[0].scope_spans[0].spans[0].flags == spans[0].flags
+    assert sdk_request(recs, res) == Encoder(res).encode(recs)[0]  # the reference path agrees
 
 
 def test_a_bad_record_is_left_out_and_the_others_encoded() -> None:
