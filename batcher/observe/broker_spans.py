@@ -72,9 +72,10 @@ class BrokerSpans:
 
     def refused(self, rt: RequestTrace, req_id: object, model: str | None, code: str, now: float) -> None:
         """A traced request refused at the door: a queue span of no length, with its code."""
-        attributes = {"batcher.model": model or "", "batcher.outcome": "refused", "batcher.error_code": code}
+        attributes = {"batcher.model": model or "", "batcher.outcome": "refused"}
         if req_id is not None:
             attributes["batcher.request_id"] = str(req_id)
+        attributes["batcher.error_code"] = code  # (a queue span's order: id, then code)
         self.tracer.record("batcher.queue", rt.parent, now, now, attributes, kind=SpanKind.SERVER, error=code)
 
     def batch_started(self, batch: Any, worker: str, cost: float, now: float) -> str | None:

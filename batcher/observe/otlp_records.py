@@ -73,6 +73,18 @@ _MAX_STATES = 1024
 _MAX_TEMPLATES = 1024
 
 
+def queue_head(model: str, priority: Any, outcome: str, attempt: Any) -> dict[str, Any]:
+    """A queue span's first attributes, in BrokerSpans's order; a request refused at the
+    door has no priority or attempt (None: left out)."""
+    head: dict[str, Any] = {"batcher.model": model}
+    if priority is not None:
+        head["batcher.priority"] = priority
+    head["batcher.outcome"] = outcome
+    if attempt is not None:
+        head["batcher.attempt"] = attempt
+    return head
+
+
 def expand(record: Sequence[Any]) -> tuple[Any, ...]:
     """Any record as a span record (name, kind, ..., tracestate): the queue span's and the
     batch span's attributes and links spelled out as the SDK path takes them."""
@@ -80,12 +92,7 @@ def expand(record: Sequence[Any]) -> tuple[Any, ...]:
     if tag == QUEUE:
         (_, trace_id, span_id, parent_id, start_ns, end_ns, model, priority, outcome, attempt,
          request_id, deadline_ms, code, link_trace, link_span, state) = record  # fmt: skip
-        attributes: dict[str, Any] = {
-            "batcher.model": model,
-            "batcher.priority": priority,
-            "batcher.outcome": outcome,
-            "batcher.attempt": attempt,
-        }
+        attributes = queue_head(model, priority, outcome, attempt)
         if request_id is not None:
             attributes["batcher.request_id"] = request_id
         if deadline_ms is not None:
@@ -247,12 +254,7 @@ class Encoder:
         model, priority, _, outcome, attempt, _, has_id, has_deadline, code, has_link, has_parent = key
         # its parent, the caller's span, is remote (another process's): flags say so, as the SDK's do
         t = Span(name="batcher.queue", kind=Span.SPAN_KIND_SERVER, flags=REMOTE if has_parent else LOCAL)
-        attributes: dict[str, Any] = {
-            "batcher.model": model,
-            "batcher.priority": priority,
-            "batcher.outcome": outcome,
-            "batcher.attempt": attempt,
-        }
+        attributes = queue_head(model, priority, outcome, attempt)
         if has_id:
             attributes["batcher.request_id"] = ""  # (each span's own, set over it)
         if has_deadline:
@@ -282,10 +284,12 @@ class Encoder:
         self._head(sp, trace_id, span_id, parent_id, state)
         sp.start_time_unix_nano = start_ns
         sp.end_time_unix_nano = end_ns
+        own = 2 + (priority is not None) + (attempt is not None)  # where its own attributes begin
         if request_id is not None:
-            sp.attributes[4].value.string_value = request_id
+            sp.attributes[own].value.string_value = request_id
+            own += 1
         if deadline_ms is not None:
-            set_value(sp.attributes[5 if request_id is not None else 4].value, deadline_ms)
+            set_value(sp.attributes[own].value, deadline_ms)
         if link_trace is not None:
             ln = sp.links[0]
             ln.trace_id = link_trace

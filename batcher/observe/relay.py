@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
-from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import msgpack
@@ -179,12 +178,20 @@ class RelaySpans:
             self.flush()
 
     def refused(self, rt: RelayTrace, req_id: object, model: str | None, code: str, now: float) -> None:
-        """A traced request refused at the door: a queue span of no length, with its code."""
-
-        refused = SimpleNamespace(
-            id=req_id, priority=0.0, attempts=0, deadline_at=None, arrived_at=now, trace=rt
-        )
-        self.queue_ended(refused, model or "", "refused", now, code)
+        """A traced request refused at the door: a queue span of no length, with its code
+        (no priority or attempt: it was never queued; as BrokerSpans.refused)."""
+        parent = rt.parent
+        if parent is None:
+            trace_id, parent_id, state = self._bits(128) or 1, 0, None
+        else:
+            trace_id, parent_id, state = parent.trace_id, parent.span_id, parent.state
+        at_ns = self.ns(now)
+        self._records.append(
+            (QUEUE, _b(trace_id), self._bits(64) or 1, parent_id, at_ns, at_ns, model or "", None, "refused",
+             None, None if req_id is None else str(req_id), None, code, None, 0, state)
+        )  # fmt: skip
+        if len(self._records) >= FLUSH_RECORDS:
+            self.flush()
 
     def batch_started(self, batch: Any, worker: str, cost: float, now: float) -> str | None:
         """The batch's span begins (its record is made when it ends); its traceparent for

@@ -44,8 +44,9 @@ def tid(rng: random.Random) -> bytes:
 
 def records(seed: int = 7) -> list[tuple[Any, ...]]:
     """Records of every kind and field the broker fills: queue spans with and without a
-    caller's parent, tracestate, link, deadline and error; batch spans with links,
-    events, an error and figures of every type; a span in the general form."""
+    caller's parent, tracestate, link, deadline and error, and one refused at the door;
+    batch spans with links, events, an error and figures of every type; a span in the
+    general form."""
     rng = random.Random(seed)
     batch_trace, batch_span = tid(rng), rng.getrandbits(64)
     out: list[tuple[Any, ...]] = [
@@ -72,6 +73,9 @@ def records(seed: int = 7) -> list[tuple[Any, ...]]:
          {"s": "x", "i": -3, "f": 1.5, "b": True, "bytes": b"\x00\x01", "seq": [1, "2"], "none": None,
           "empty": [], "map": {"a": 1}},
          [(tid(rng), rng.getrandbits(64), {"k": False})], [("e", T0, {})], "", None),
+        # refused at the door: no priority, no attempt
+        (QUEUE, tid(rng), rng.getrandbits(64), rng.getrandbits(64), T0 + 5, T0 + 5, "sim", None, "refused",
+         None, "q", None, "overloaded", None, 0, None),
     ]  # fmt: skip
     return out
 
