@@ -97,8 +97,8 @@ class BrokerSpans:
             span.add_link(r.trace.queue, {"batcher.request_id": str(r.id)})
         if attempt > 1:
             span.add_event("batcher.redispatch", {"batcher.attempt": attempt}, timestamp=self.tracer.ns(now))
-        if len(self._open) >= MAX_OPEN_BATCHES:
-            self._open.pop(next(iter(self._open))).end()
+        if len(self._open) >= MAX_OPEN_BATCHES:  # the oldest ends now, at the loop's time
+            self.tracer.end(self._open.pop(next(iter(self._open))), now)
         self._open[batch.batch_id] = span
         return traceparent_of(batch_ctx)
 

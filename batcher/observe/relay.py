@@ -209,8 +209,8 @@ class RelaySpans:
             self._batched(traced, batch.model, now, ctx, links)
         attempt, attributes = batch_attributes(batch, cost, worker, len(traced))
         events = [("batcher.redispatch", self.ns(now), {"batcher.attempt": attempt})] if attempt > 1 else []
-        if len(self._open) >= MAX_OPEN_BATCHES:
-            self._open.pop(next(iter(self._open)))
+        if len(self._open) >= MAX_OPEN_BATCHES:  # the oldest ends now (exported, as BrokerSpans ends it)
+            self._end_batch(next(iter(self._open)), now, None)
         self._open[batch.batch_id] = [ctx, parent.span_id, self.ns(now), attributes, links, events]
         return format_traceparent(ctx.trace_id, ctx.span_id, 1)
 

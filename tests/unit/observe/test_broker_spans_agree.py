@@ -9,7 +9,7 @@ the random ids differ, so spans are compared by where they sit in the traces."""
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -94,20 +94,20 @@ def scenario(maker: Any) -> None:
     maker.stream_ended(streamed.trace, NOW + 0.009, "worker_lost", 2, "worker gone")
 
 
-def in_process() -> ExportTraceServiceRequest:
+def in_process(events: Callable[[Any], None] = scenario) -> ExportTraceServiceRequest:
     kept = Kept()
     tracer = Tracer(trace_settings("http://127.0.0.1:9", 1.0, {}), "batcher-broker", None, exporter=kept)
     spans = BrokerSpans(tracer)
-    scenario(spans)
+    events(spans)
     tracer.flush()
     tracer.shutdown()
     request: ExportTraceServiceRequest = encode_spans(kept.spans)
     return request
 
 
-def relayed() -> ExportTraceServiceRequest:
+def relayed(events: Callable[[Any], None] = scenario) -> ExportTraceServiceRequest:
     spans = relay_spans(3)
-    scenario(spans)
+    events(spans)
     return Encoder(Resource.create({"service.name": "batcher-broker"})).encode(spans._records)[0]
 
 
@@ -147,4 +147,24 @@ def shape(request: ExportTraceServiceRequest) -> list[tuple[Any, ...]]:
 def test_the_exporter_process_design_exports_what_the_sdk_in_the_broker_did() -> None:
     theirs, mine = shape(in_process()), shape(relayed())
     assert len(mine) == len(theirs) == 13  # 6 + 1 + 1 queue spans, 3 batch spans, ..., a stream's
+    assert mine == theirs
+
+
+def test_past_the_open_batch_spans_bound_both_end_the_oldest_and_export_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker that never answers cannot grow the open batch spans past their bound: the
+    oldest is ended (and exported) when another begins, in both designs alike."""
+    from batcher.observe import broker_spans, relay
+
+    def unanswered(maker: Any) -> None:
+        for batch_id in (1, 2, 3):
+            reqs = [request(maker, i, CALLER if i % 2 else None, None) for i in range(2)]
+            batch = SimpleNamespace(requests=reqs, model="echo", batch_id=batch_id, multiplexed=False)
+            maker.batch_started(batch, "w-1", 2.0, NOW + 0.01 * batch_id)
+
+    monkeypatch.setattr(broker_spans, "MAX_OPEN_BATCHES", 2)
+    monkeypatch.setattr(relay, "MAX_OPEN_BATCHES", 2)
+    theirs, mine = shape(in_process(unanswered)), shape(relayed(unanswered))
+    assert [s[0] for s in mine].count("batcher.batch") == 1  # the first, ended at the third's start
     assert mine == theirs
