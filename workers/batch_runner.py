@@ -78,7 +78,9 @@ def _decode_header(header_frame: bytes) -> tuple[int, list[Any] | None, list[int
     (the same verdict either way: a property test)."""
     try:
         header = _decode_batch_header(header_frame)
-    except msgspec.DecodeError:  # (ValidationError is one)
+    except (msgspec.DecodeError, RecursionError):  # (ValidationError is one)
+        # RecursionError: containers nested past Python's recursion limit, which msgspec
+        # keeps to and msgpack does not (it reads 1024 levels): the checks say what it is.
         return _checked_header(header_frame)
     queue_ms = header.queue_ms
     return header.batch_id, queue_ms if isinstance(queue_ms, list) else None, header.lengths
@@ -238,7 +240,10 @@ def _trace_of(header_frame: bytes) -> Any:
     from batcher.observe.spans import span_context
     from batcher.wire.tracecontext import parse_traceparent
 
-    header = protocol.unpack(header_frame)
+    try:  # read by msgspec, which skipped the elements past the third: msgpack may refuse them
+        header = protocol.unpack(header_frame)
+    except Exception:  # msgpack raises several unrelated types
+        return None
     parent = parse_traceparent(header[3]) if len(header) > 3 else None
     return None if parent is None or not parent.sampled else span_context(parent)
 

@@ -66,8 +66,13 @@ class ErrorCode(StrEnum):
 
 
 def clip(value: object, limit: int = 80) -> str:
-    """A value's repr cut to `limit` characters, for a log line or an error message."""
-    text = repr(value)
+    """A value's repr cut to `limit` characters, for a log line or an error message. A
+    peer's msgpack may nest containers deeper than repr can go (msgpack decodes 1024
+    levels, repr stops at Python's recursion limit): such a value is named, not shown."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"<a {type(value).__name__} nested too deeply to show>"
     return text if len(text) <= limit else text[:limit] + "..."
 
 

@@ -371,3 +371,74 @@ def test_the_usual_batch_header_read_in_c_gets_the_verdict_the_checks_give(heade
             return (str(exc), exc.batch_id)
 
     assert verdict(batch_runner._decode_header) == verdict(batch_runner._checked_header)
+
+
+def _nested(depth: int) -> bytes:
+    """A msgpack value of `depth` arrays, one in another (0 innermost): deeper than
+    Python's recursion limit (1000) at 1010, which msgpack still reads (1024 levels)."""
+    return b"\x91" * depth + b"\x00"
+
+
+#: BATCH headers with a value nested past Python's recursion limit: msgspec stops there
+#: (RecursionError), msgpack reads up to 1024 levels, and repr of what it read stops again.
+_DEEP_HEADERS = {
+    "queue_ms readable": b"\x93\x07" + _nested(1010) + protocol.pack([12]),
+    "queue_ms past msgpack": b"\x93\x07" + _nested(5000) + protocol.pack([12]),
+    "lengths bad, queue_ms readable": b"\x93\x07" + _nested(1010) + protocol.pack("x"),
+    "4th element readable": b"\x94\x07" + protocol.pack([0.5]) + protocol.pack([12]) + _nested(1010),
+    "4th element past msgpack": b"\x94\x07" + protocol.pack([0.5]) + protocol.pack([12]) + _nested(5000),
+}
+
+
+@pytest.mark.parametrize("header", list(_DEEP_HEADERS.values()), ids=list(_DEEP_HEADERS))
+def test_a_batch_header_nested_past_the_recursion_limit_is_answered_or_dropped_never_raised(
+    header: bytes,
+) -> None:
+    """A peer's header that msgspec cannot read for its depth is read by the checks, with
+    their verdict (the fast path raised RecursionError, which killed the worker)."""
+
+    def verdict(decode: Callable[[bytes], Any]) -> Any:
+        try:
+            batch_id, queue_ms, lengths = decode(header)
+        except batch_runner.MalformedBatch as exc:
+            return (str(exc), exc.batch_id)
+        return batch_id, type(queue_ms), lengths  # (a queue_ms this deep is not compared: == recurses)
+
+    expected = verdict(batch_runner._checked_header)
+    assert verdict(batch_runner._decode_header) == expected
+    body = protocol.pack({"id": 1, "input": 2})
+    assert len(body) == 12  # as the headers say
+    reply = batch_runner._run_safely(echo, header, [body], WORKER)
+    if isinstance(expected[0], str) and expected[1] is None:  # no batch id read: dropped
+        assert reply is None
+    elif isinstance(expected[0], str):  # an id but no lengths: every request fails
+        assert reply is not None and protocol.unpack(reply[2])[:3] == [7, 0.0, []]
+    else:  # the requests are fine: answered (without a queue_ms when it is not a list of numbers)
+        assert reply is not None
+        (answer,) = [
+            protocol.unpack(r) for r in protocol.split_bodies(protocol.unpack(reply[2])[2], reply[3:])
+        ]
+        assert (answer["id"], answer["ok"], answer["output"], answer["queue_ms"]) == (
+            1,
+            True,
+            2,
+            0.5 if header.startswith(b"\x94") else None,
+        )
+
+
+def test_a_traced_batch_whose_4th_element_msgpack_refuses_is_run_untraced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """msgspec skips the elements past the third unread; the traceparent's own read must
+    then ignore one msgpack refuses (docs/protocol.md 6.3: a malformed one is ignored),
+    not fail the batch."""
+    monkeypatch.setattr(batch_runner, "_tracer", object())  # tracing on (no span is recorded)
+    body = protocol.pack({"id": 1, "input": 2})
+    for fourth in (b"\xa2\xff\xfe", b"\x81\x91\x01\x02", b"\xd4\x85\x00"):  # bad UTF-8, array key, ext -123
+        header = b"\x94\x07" + protocol.pack([0.5]) + protocol.pack([len(body)]) + fourth
+        reply = batch_runner._run_safely(echo, header, [body], WORKER)
+        assert reply is not None
+        (answer,) = [
+            protocol.unpack(r) for r in protocol.split_bodies(protocol.unpack(reply[2])[2], reply[3:])
+        ]
+        assert (answer["id"], answer["ok"], answer["output"]) == (1, True, 2), (fourth, answer)
