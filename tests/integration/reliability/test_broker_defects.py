@@ -72,8 +72,10 @@ class FakeWorker:
                 batch_id, _, lengths = unpack(frames[2])
                 return batch_id, [unpack(b) for b in protocol.split_bodies(lengths, frames[3:])]
 
-    def reply(self, header: list[Any], blob: bytes = b"") -> None:
-        self.sock.send_multipart([W1, protocol.CMD_REPLY, pack(header), blob])
+    def reply(self, header: list[Any] | bytes, blob: bytes = b"") -> None:
+        """Send a REPLY: `header` packed, or as it is when bytes."""
+        frame = header if isinstance(header, bytes) else pack(header)
+        self.sock.send_multipart([W1, protocol.CMD_REPLY, frame, blob])
 
 
 # --- #5 and #13: a worker's numbers are checked before any state changes -----------------------
@@ -90,6 +92,13 @@ class FakeWorker:
         ("infer_ms over a day", lambda bid, lens: [bid, 1e308, lens, 0]),
         ("wait_ms NaN", lambda bid, lens: [bid, 1.0, lens, 0, math.nan]),
         ("errors not an int", lambda bid, lens: [bid, 1.0, lens, "1"]),
+        # repr of it recursed past Python's limit: taken for a bug of the broker's, the batch not failed
+        (
+            "lengths nested 1010 deep",
+            lambda bid, lens: b"\x93" + pack(bid) + pack(1.0) + b"\x91" * 1010 + b"\x00",
+        ),
+        # its repr went into each client's error message: 16 MB each
+        ("lengths of 4 MB", lambda bid, lens: [bid, 1.0, [bytes(4_000_000)]]),
     ],
 )
 @pytest.mark.parametrize("metrics", [False, True], ids=["no-metrics", "metrics"])
@@ -111,6 +120,7 @@ def test_bad_reply_numbers_fail_only_their_batch_and_every_client_hears(
     got = recv_replies(client, 2)
     assert sorted(r["id"] for r in got) == [1, 2]
     assert all(r["error"]["code"] == "worker_failed" for r in got), got
+    assert all(len(r["error"]["message"]) < 500 for r in got)
     st = broker_stats(frontend, zctx)["models"]["m"]
     assert st["outcomes"] == {"worker_failed": 2}
     assert st["batches_in_flight"] == 0 and st["workers"] == 1
