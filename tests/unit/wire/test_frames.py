@@ -259,3 +259,22 @@ def test_a_heartbeat_or_chunk_nested_past_the_recursion_limit_is_refused() -> No
             frames.Heartbeat.from_frame(frame)
     with pytest.raises(WorkerProtocolError, match="nested too deeply"):
         frames.parse_chunk_header(b"\x94" + _nested(1010) + b"\x90\x90\x80")
+
+
+def _message_at_stack_depth(frame: bytes, frames_deeper: int) -> str:
+    """parse_reply_header's message for `frame`, called `frames_deeper` frames down."""
+    if frames_deeper:
+        return _message_at_stack_depth(frame, frames_deeper - 1)
+    with pytest.raises(WorkerProtocolError) as raised:
+        parse_reply_header(frame)
+    return str(raised.value)
+
+
+def test_a_deep_reply_header_gets_one_message_from_any_caller() -> None:
+    """Whether repr reached the bottom of a value nested near Python's recursion limit
+    depended on the caller's stack: the fast path (a frame deeper than the checks called
+    alone) or any other caller could get another message for the same bytes."""
+    named = "REPLY lengths must be a list of ints >= 0, got <a list nested too deeply to show>"
+    for depth in (101, *range(700, 1024, 5)):
+        frame = b"\x93\x05\xcb" + bytes(8) + _nested(depth)
+        assert _message_at_stack_depth(frame, 0) == _message_at_stack_depth(frame, 60) == named, depth
