@@ -18,6 +18,7 @@ import zmq
 
 from batcher.errors import BatcherError
 from batcher.extras import install_command
+from batcher.settings import MAX_BATCH_SIZE
 from batcher.wire import protocol, tensor
 from batcher.wire.protocol import ErrorCode
 from workers import fastpath
@@ -63,7 +64,7 @@ class _BatchHeader(msgspec.Struct, array_like=True):
 
     batch_id: int
     queue_ms: Any  # a list when usable (each value checked where it is used)
-    lengths: list[Annotated[int, msgspec.Meta(ge=0)]]
+    lengths: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_BATCH_SIZE)]
 
 
 _decode_batch_header = msgspec.msgpack.Decoder(_BatchHeader).decode
@@ -99,6 +100,8 @@ def _checked_header(header_frame: bytes) -> tuple[int, list[Any] | None, list[in
     lengths = header[2] if len(header) > 2 else None
     if not isinstance(lengths, list) or not protocol.naturals(lengths):
         raise MalformedBatch(f"header must hold the bodies' lengths, got {protocol.clip(header)}", header[0])
+    if len(lengths) > MAX_BATCH_SIZE:  # no broker sends more (--max-batch-size); each costs a reply
+        raise MalformedBatch(f"a batch holds at most {MAX_BATCH_SIZE} bodies, got {len(lengths)}", header[0])
     queue_ms = header[1] if isinstance(header[1], list) else None
     return header[0], queue_ms, lengths
 
