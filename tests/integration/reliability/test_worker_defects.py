@@ -415,6 +415,8 @@ def test_malformed_batches_are_answered_or_dropped_and_the_worker_serves_on(
         # And a good one.
         (pack([109, [2.5], n1]), [one]),
     ]
+    # A HEARTBEAT whose settings are nested past the recursion limit is ignored (it killed the worker).
+    fb.sock.send_multipart([ident, protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT, deep(1010)])
     for header, body in cases:
         fb.send_batch(ident, header, body)
     got: dict[int, list[dict[str, Any]]] = {}
