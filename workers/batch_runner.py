@@ -79,10 +79,8 @@ def _decode_header(header_frame: bytes) -> tuple[int, list[Any] | None, list[int
     (the same verdict either way: a property test)."""
     try:
         header = _decode_batch_header(header_frame)
-    except (msgspec.DecodeError, RecursionError):  # (ValidationError is one)
-        # RecursionError: containers nested past Python's recursion limit, which msgspec
-        # keeps to and msgpack does not (it reads 1024 levels): the checks say what it is.
-        return _checked_header(header_frame)
+    except (msgspec.DecodeError, RecursionError):  # (ValidationError is one; RecursionError:
+        return _checked_header(header_frame)  # nested past Python's limit, msgpack reads 1024)
     queue_ms = header.queue_ms
     return header.batch_id, queue_ms if isinstance(queue_ms, list) else None, header.lengths
 
@@ -92,7 +90,9 @@ def _checked_header(header_frame: bytes) -> tuple[int, list[Any] | None, list[in
     try:
         header = protocol.unpack(header_frame)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise MalformedBatch(f"header is not msgpack: {type(exc).__name__}: {exc}", None) from None
+        header = _first_three(header_frame)  # the elements a worker reads (protocol.md 6.3)
+        if header is None:
+            raise MalformedBatch(f"header is not msgpack: {type(exc).__name__}: {exc}", None) from None
     if not isinstance(header, list) or not header or type(header[0]) is not int:
         raise MalformedBatch(
             f"header must be [batch_id, queue_ms, lengths], got {protocol.clip(header)}", None
@@ -104,6 +104,24 @@ def _checked_header(header_frame: bytes) -> tuple[int, list[Any] | None, list[in
         raise MalformedBatch(f"a batch holds at most {MAX_BATCH_SIZE} bodies, got {len(lengths)}", header[0])
     queue_ms = header[1] if isinstance(header[1], list) else None
     return header[0], queue_ms, lengths
+
+
+def _first_three(header_frame: bytes) -> list[Any] | None:
+    """[batch_id, queue_ms, lengths] of a header msgpack cannot decode whole: nothing past
+    the third is read (protocol.md 6.3: ignored, as `_BatchHeader` skips it), a queue_ms
+    msgpack refuses is None (unusable). None if the id or the lengths cannot be read."""
+    try:
+        elements = _raw_elements(header_frame)
+        batch_id, lengths = protocol.unpack(elements[0]), protocol.unpack(elements[2])
+    except Exception:  # msgspec's and msgpack's several unrelated types (too few: IndexError)
+        return None
+    with contextlib.suppress(Exception):  # msgpack raises several unrelated types
+        return [batch_id, protocol.unpack(elements[1]), lengths]
+    return [batch_id, None, lengths]
+
+
+#: A msgpack array's elements as their raw bytes, none decoded.
+_raw_elements = msgspec.msgpack.Decoder(list[msgspec.Raw]).decode
 
 
 def _decode_requests(bodies: list[Any]) -> tuple[list[dict[str, Any]], dict[int, str]]:

@@ -412,6 +412,9 @@ def test_malformed_batches_are_answered_or_dropped_and_the_worker_serves_on(
         (b"\x93" + pack(113) + deep(5000) + pack(n1), [one]),
         (b"\x94" + pack(114) + pack([0.5]) + pack(n1) + deep(5000), [one]),
         (b"\x93" + pack(115) + deep(1010) + pack("x"), [one]),
+        # An element past the third that msgpack refuses (invalid UTF-8) is ignored (6.3), by the checks too.
+        (b"\x94" + pack(116) + pack([0.5]) + pack(n1) + b"\xa2\xff\xfe", [one]),
+        (b"\x94" + pack(117) + pack([0.5]) + pack("x") + b"\xa2\xff\xfe", [one]),
         # And a good one.
         (pack([109, [2.5], n1]), [one]),
     ]
@@ -424,8 +427,11 @@ def test_malformed_batches_are_answered_or_dropped_and_the_worker_serves_on(
         frames = fb.next(protocol.CMD_REPLY, 10)
         batch_id, _, lengths, *_ = unpack(frames[3])
         got[batch_id] = [unpack(r) for r in protocol.split_bodies(lengths, frames[4:])]
-    assert sorted(got) == [*range(101, 113), 115], "a dropped batch was answered, or a readable one was not"
-    assert got[101] == got[102] == got[103] == got[115] == []
+    assert sorted(got) == [*range(101, 113), *range(115, 118)], (
+        "a dropped batch was answered, or a readable one was not"
+    )
+    assert got[101] == got[102] == got[103] == got[115] == got[117] == []
+    assert [(r["id"], r["output"]) for r in got[116]] == [("a", 1)]
     assert [(r["id"], r["output"], r["queue_ms"]) for r in got[111]] == [("a", 1, None)]
     assert [(r["id"], r["output"], r["queue_ms"] >= 0.5) for r in got[112]] == [("a", 1, True)]
     assert [(r["id"], r["output"], r["queue_ms"]) for r in got[104]] == [

@@ -465,3 +465,45 @@ def test_a_batch_of_more_bodies_than_any_broker_sends_is_failed_whole_not_answer
             )
         reply = batch_runner._run_safely(echo, header, [b""], WORKER)
         assert reply is not None and protocol.unpack(reply[2])[:3] == [7, 0.0, []]
+
+
+_BODY = protocol.pack({"id": 1, "input": 2})
+#: Elements msgpack refuses (msgspec reads or skips them): invalid UTF-8, a map with an
+#: array key, an ext of a reserved (negative) code.
+_REFUSED = {"bad UTF-8": b"\xa2\xff\xfe", "array key": b"\x81\x91\x01\x02", "ext -123": b"\xd4\x85\x00"}
+
+
+@pytest.mark.parametrize("element", list(_REFUSED.values()), ids=list(_REFUSED))
+def test_what_msgpack_refuses_past_the_lengths_or_in_queue_ms_is_ignored_by_the_checks_too(
+    element: bytes,
+) -> None:
+    """protocol.md 6.3: a worker ignores any element past the third, a malformed one too,
+    and answers without queue_ms when it is unusable. The fast path (msgspec) does; the
+    checks, reached when msgspec refuses something else, dropped the batch instead (its
+    header "is not msgpack", so no id to answer): a verdict of their own."""
+    n1 = protocol.pack([len(_BODY)])
+    headers = {
+        "past the third": b"\x94\x07" + protocol.pack([0.5]) + n1 + element,
+        "past the third, lengths bad": b"\x94\x07" + protocol.pack([0.5]) + protocol.pack("x") + element,
+    }
+    if element != b"\xd4\x85\x00":  # (msgspec keeps an ext in a queue_ms list: not compared)
+        headers["queue_ms"] = b"\x93\x07" + element + n1
+        headers["queue_ms, lengths bad"] = b"\x93\x07" + element + protocol.pack([-1])
+
+    def verdict(decode: Callable[[bytes], Any], header: bytes) -> Any:
+        try:
+            return decode(header)
+        except batch_runner.MalformedBatch as exc:
+            return (str(exc), exc.batch_id)
+
+    for name, header in headers.items():
+        expected = verdict(batch_runner._decode_header, header)
+        assert verdict(batch_runner._checked_header, header) == expected, name
+        reply = batch_runner._run_safely(echo, header, [_BODY], WORKER)
+        assert reply is not None, name  # answered, not dropped
+        replies = protocol.split_bodies(protocol.unpack(reply[2])[2], reply[3:])
+        got = [(r["id"], r["ok"], r["queue_ms"]) for r in map(protocol.unpack, replies)]
+        if "bad" in name:  # the bodies cannot be told apart: every request fails (an empty REPLY)
+            assert protocol.unpack(reply[2])[:3] == [7, 0.0, []], name
+        else:
+            assert len(got) == 1 and got[0][:2] == (1, True), (name, got)
