@@ -184,6 +184,26 @@ def test_requests_are_checked_against_the_newest_live_workers_signature_after_jo
     assert ask(4)["ok"] and refused(ask(3))
 
 
+def test_a_workers_largest_counts_said_again_and_again_leave_stats_answering(spawn, zctx, connect):
+    """Each REPLY may say 2**63 - 1 padded elements and each HEARTBEAT 2**64 - 1 dropped
+    spans: summed past msgpack's int64, every `stats` request was answered internal_error
+    (its id lost) from then on."""
+    frontend, backend = start_broker(spawn, zctx, "--model", "m", "--max-batch-size", "1")
+    worker = FakeWorker(zctx, backend, frontend)
+    client = connect(zmq.DEALER, frontend)
+    for i in range(3):
+        worker.sock.send_multipart([W1, protocol.CMD_HEARTBEAT, pack({"trace_spans_dropped": 0})])
+        worker.sock.send_multipart([W1, protocol.CMD_HEARTBEAT, pack({"trace_spans_dropped": 2**64 - 1})])
+        client.send_multipart([b"", pack({"id": i, "input": i, "model": "m"})])
+        batch_id, _ = worker.next_batch()
+        reply = protocol.ok_reply(i, i)
+        worker.reply([batch_id, 1.0, [len(reply)], 0, None, [2**63 - 1, 2**63 - 1]], reply)
+        assert recv_replies(client, 1)[0] == {"id": i, "ok": True, "output": i}
+    st = broker_stats(frontend, zctx)
+    assert st["models"]["m"]["padded_elements"] == st["models"]["m"]["real_elements"] == 2**63 - 1
+    assert st["worker_trace_spans_dropped"] == {"m": 2**63 - 1}
+
+
 def test_reply_naming_an_unusable_batch_id_fails_over_instead_of_hanging(spawn, zctx, connect):
     frontend, backend = start_broker(spawn, zctx, "--model", "m", "--max-retries", "1")
     broken = FakeWorker(zctx, backend, frontend)
