@@ -18,6 +18,7 @@ import zmq
 
 from batcher.errors import BatcherError
 from batcher.extras import install_command
+from batcher.settings import MAX_BATCH_SIZE
 from batcher.wire import protocol, tensor
 from batcher.wire.protocol import ErrorCode
 from workers import fastpath
@@ -63,7 +64,7 @@ class _BatchHeader(msgspec.Struct, array_like=True):
 
     batch_id: int
     queue_ms: Any  # a list when usable (each value checked where it is used)
-    lengths: list[Annotated[int, msgspec.Meta(ge=0)]]
+    lengths: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_BATCH_SIZE)]
 
 
 _decode_batch_header = msgspec.msgpack.Decoder(_BatchHeader).decode
@@ -78,8 +79,8 @@ def _decode_header(header_frame: bytes) -> tuple[int, list[Any] | None, list[int
     (the same verdict either way: a property test)."""
     try:
         header = _decode_batch_header(header_frame)
-    except msgspec.DecodeError:  # (ValidationError is one)
-        return _checked_header(header_frame)
+    except (msgspec.DecodeError, RecursionError):  # (ValidationError is one; RecursionError:
+        return _checked_header(header_frame)  # nested past Python's limit, msgpack reads 1024)
     queue_ms = header.queue_ms
     return header.batch_id, queue_ms if isinstance(queue_ms, list) else None, header.lengths
 
@@ -89,7 +90,9 @@ def _checked_header(header_frame: bytes) -> tuple[int, list[Any] | None, list[in
     try:
         header = protocol.unpack(header_frame)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise MalformedBatch(f"header is not msgpack: {type(exc).__name__}: {exc}", None) from None
+        header = _first_three(header_frame)  # the elements a worker reads (protocol.md 6.3)
+        if header is None:
+            raise MalformedBatch(f"header is not msgpack: {type(exc).__name__}: {exc}", None) from None
     if not isinstance(header, list) or not header or type(header[0]) is not int:
         raise MalformedBatch(
             f"header must be [batch_id, queue_ms, lengths], got {protocol.clip(header)}", None
@@ -97,8 +100,28 @@ def _checked_header(header_frame: bytes) -> tuple[int, list[Any] | None, list[in
     lengths = header[2] if len(header) > 2 else None
     if not isinstance(lengths, list) or not protocol.naturals(lengths):
         raise MalformedBatch(f"header must hold the bodies' lengths, got {protocol.clip(header)}", header[0])
+    if len(lengths) > MAX_BATCH_SIZE:  # no broker sends more (--max-batch-size); each costs a reply
+        raise MalformedBatch(f"a batch holds at most {MAX_BATCH_SIZE} bodies, got {len(lengths)}", header[0])
     queue_ms = header[1] if isinstance(header[1], list) else None
     return header[0], queue_ms, lengths
+
+
+def _first_three(header_frame: bytes) -> list[Any] | None:
+    """[batch_id, queue_ms, lengths] of a header msgpack cannot decode whole: nothing past
+    the third is read (protocol.md 6.3: ignored, as `_BatchHeader` skips it), a queue_ms
+    msgpack refuses is None (unusable). None if the id or the lengths cannot be read."""
+    try:
+        elements = _raw_elements(header_frame)
+        batch_id, lengths = protocol.unpack(elements[0]), protocol.unpack(elements[2])
+    except Exception:  # msgspec's and msgpack's several unrelated types (too few: IndexError)
+        return None
+    with contextlib.suppress(Exception):  # msgpack raises several unrelated types
+        return [batch_id, protocol.unpack(elements[1]), lengths]
+    return [batch_id, None, lengths]
+
+
+#: A msgpack array's elements as their raw bytes, none decoded.
+_raw_elements = msgspec.msgpack.Decoder(list[msgspec.Raw]).decode
 
 
 def _decode_requests(bodies: list[Any]) -> tuple[list[dict[str, Any]], dict[int, str]]:
@@ -238,7 +261,10 @@ def _trace_of(header_frame: bytes) -> Any:
     from batcher.observe.spans import span_context
     from batcher.wire.tracecontext import parse_traceparent
 
-    header = protocol.unpack(header_frame)
+    try:  # read by msgspec, which skipped the elements past the third: msgpack may refuse them
+        header = protocol.unpack(header_frame)
+    except Exception:  # msgpack raises several unrelated types
+        return None
     parent = parse_traceparent(header[3]) if len(header) > 3 else None
     return None if parent is None or not parent.sampled else span_context(parent)
 

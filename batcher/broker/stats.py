@@ -24,6 +24,9 @@ from batcher.wire.protocol import ErrorCode
 CHUNK_RATE_WINDOW_S = 5.0
 #: Workers whose last dropped-span count is kept (past it the table starts again).
 MAX_WORKERS_COUNTED = 10_000
+#: The largest count of a peer's numbers the stats keep (summed, they stop there): what
+#: msgpack encodes (int64); a worker's REPLY says up to 2**63 - 1 padded elements each time.
+MAX_COUNTED = 2**63 - 1
 
 
 @dataclass
@@ -226,7 +229,9 @@ class BrokerStats:
         new = n - drops.get(worker_id, 0)
         drops[worker_id] = n
         if new > 0:
-            self.worker_spans_dropped[info.model] += new
+            self.worker_spans_dropped[info.model] = min(
+                self.worker_spans_dropped[info.model] + new, MAX_COUNTED
+            )
             self.metrics.worker_spans_dropped(info.model, new)
 
     def model_loaded(self, model: str, load_ms: float, unloaded: tuple[str, ...], info: Any) -> None:
@@ -268,8 +273,8 @@ class BrokerStats:
         its (padded, real) input elements; `exemplar`: a traced batch's span."""
         st = self.model(model)
         if padding is not None:
-            st.padded_elements += padding[0]
-            st.real_elements += padding[1]
+            st.padded_elements = min(st.padded_elements + padding[0], MAX_COUNTED)
+            st.real_elements = min(st.real_elements + padding[1], MAX_COUNTED)
             self.metrics.padding(model, padding[0], padding[1], st.padding_waste)
         st.batches += 1
         st.requests += size

@@ -8,6 +8,7 @@ batcher.wire.frames (backend messages) build on these; docs/protocol.md is their
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
 #: First frame of every backend message, so a peer speaking anything else is spotted.
 WORKER_PROTOCOL = b"BATCHER-W2"
@@ -66,9 +67,38 @@ class ErrorCode(StrEnum):
 
 
 def clip(value: object, limit: int = 80) -> str:
-    """A value's repr cut to `limit` characters, for a log line or an error message."""
-    text = repr(value)
+    """A value's repr cut to `limit` characters, for a log line or an error message. A
+    peer's msgpack may nest containers deeper than repr can go (msgpack decodes 1024
+    levels, repr stops at Python's recursion limit, and where depends on the caller's
+    stack): a value nested past MAX_SHOWN_DEPTH is named, not shown, the same from any
+    caller (a fast path and its fallback give the same message)."""
+    if _nested_past(value, MAX_SHOWN_DEPTH):
+        text = f"<a {type(value).__name__} nested too deeply to show>"
+    else:
+        text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+#: The deepest nesting of containers `clip` shows (none the protocol sends is past 3).
+MAX_SHOWN_DEPTH = 100
+
+
+def _nested_past(value: object, depth: int) -> bool:
+    """Whether `value` holds lists, tuples or dicts nested more than `depth` deep (a walk
+    with a stack of its own: no recursion)."""
+    todo: list[tuple[object, int]] = [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, list | tuple):
+            children: Any = item
+        elif isinstance(item, dict):
+            children = [*item, *item.values()]
+        else:
+            continue
+        if level > depth:
+            return True
+        todo.extend((child, level + 1) for child in children)
+    return False
 
 
 def describe(exc: Exception) -> str:

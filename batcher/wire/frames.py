@@ -29,8 +29,18 @@ from batcher.wire.codes import (
     WORKER_PROTOCOL,
     ZERO_COPY_BYTES,
     ErrorCode,
+    clip,
     describe,
 )
+
+#: The most characters of a peer's value an error message shows (a REPLY's go to the
+#: clients of its batch: a header of megabytes must not make each of them a message as long).
+SHOWN_CHARS = 300
+
+
+def _shown(value: object) -> str:
+    """A peer's value as an error message shows it: its repr, clipped (codes.clip)."""
+    return clip(value, SHOWN_CHARS)
 
 
 @dataclass(frozen=True)
@@ -65,16 +75,16 @@ class Heartbeat:
         except Exception as exc:  # msgpack raises several unrelated types
             raise ValueError(f"heartbeat settings are not msgpack: {exc!r}") from None
         if not isinstance(fields, dict):
-            raise ValueError(f"heartbeat settings must be a map, got {fields!r}")
+            raise ValueError(f"heartbeat settings must be a map, got {_shown(fields)}")
         interval, liveness = fields.get("heartbeat_ms"), fields.get("liveness")
         if (
             isinstance(interval, bool)
             or not isinstance(interval, int | float)
             or not interval <= MAX_REPORTED_MS
         ):
-            raise ValueError(f"heartbeat_ms must be a number up to one day, got {interval!r}")
+            raise ValueError(f"heartbeat_ms must be a number up to one day, got {_shown(interval)}")
         if isinstance(liveness, bool) or not isinstance(liveness, int) or liveness > 1000:
-            raise ValueError(f"liveness must be an int up to 1000, got {liveness!r}")
+            raise ValueError(f"liveness must be an int up to 1000, got {_shown(liveness)}")
         return cls(float(interval), liveness)
 
     @property
@@ -249,32 +259,34 @@ def _parse_reply_header(frame: bytes) -> ReplyHeader:
         raise WorkerProtocolError(f"REPLY header is not valid msgpack: {describe(exc)}") from None
     if not isinstance(header, list) or len(header) not in (3, 4, 5, 6, 7):
         raise WorkerProtocolError(
-            f"REPLY header must be [batch_id, infer_ms, lengths, errors], got {header!r}"
+            f"REPLY header must be [batch_id, infer_ms, lengths, errors], got {_shown(header)}"
         )
     batch_id, infer_ms, lengths = header[:3]
     if not _is_int(batch_id) or not 0 <= batch_id < 2**63:
-        raise WorkerProtocolError(f"REPLY batch id must be an int in [0, 2**63), got {batch_id!r}")
+        raise WorkerProtocolError(f"REPLY batch id must be an int in [0, 2**63), got {_shown(batch_id)}")
 
     def bad(message: str) -> WorkerProtocolError:
         return WorkerProtocolError(message, batch_id)
 
     if not _is_finite_ms(infer_ms):
-        raise bad(f"REPLY infer_ms must be a number in [0, {MAX_REPORTED_MS:.0f}], got {infer_ms!r}")
+        raise bad(f"REPLY infer_ms must be a number in [0, {MAX_REPORTED_MS:.0f}], got {_shown(infer_ms)}")
     # type() is int: msgpack decodes an int as exactly int (a bool as bool); checked by
     # C loops (map, min), as this runs once per reply of every batch.
     if not isinstance(lengths, list) or not naturals(lengths):
-        raise bad(f"REPLY lengths must be a list of ints >= 0, got {lengths!r}")
+        raise bad(f"REPLY lengths must be a list of ints >= 0, got {_shown(lengths)}")
     errors, refused = _errors(header[3] if len(header) >= 4 else 0, len(lengths), bad)
     wait_ms = header[4] if len(header) >= 5 else None
     if wait_ms is not None and not _is_finite_ms(wait_ms):
-        raise bad(f"REPLY wait_ms must be a number in [0, {MAX_REPORTED_MS:.0f}] or nil, got {wait_ms!r}")
+        raise bad(
+            f"REPLY wait_ms must be a number in [0, {MAX_REPORTED_MS:.0f}] or nil, got {_shown(wait_ms)}"
+        )
     padding = header[5] if len(header) >= 6 else None
     if padding is not None and not (
         isinstance(padding, list)
         and len(padding) == 2
         and all(_is_int(n) and 0 <= n < 2**63 for n in padding)
     ):
-        raise bad(f"REPLY padding must be [padded, real] ints >= 0 or nil, got {padding!r}")
+        raise bad(f"REPLY padding must be [padded, real] ints >= 0 or nil, got {_shown(padding)}")
     load = _load(header[6], bad) if len(header) >= 7 and header[6] is not None else None
     return ReplyHeader(
         batch_id,
@@ -302,7 +314,7 @@ def _load(
         if _is_finite_ms(ms) and _names(unloaded) and _names(held):
             return float(ms), tuple(unloaded), tuple(held)
     wanted = f"{{ms: a number in [0, {MAX_REPORTED_MS:.0f}], unloaded: [names], held: [names]}} or nil"
-    raise bad(f"REPLY load must be {wanted}, got {value!r}"[:300])
+    raise bad(f"REPLY load must be {wanted}, got {_shown(value)}")
 
 
 def _names(value: object) -> bool:
@@ -333,7 +345,7 @@ def _errors(value: object, n: int, bad: Callable[[str], WorkerProtocolError]) ->
         return value.get(str(ErrorCode.MODEL_ERROR), 0) + refused, refused
     raise bad(
         f"REPLY errors must be an int in [0, {n}] or a map of model_error and bad_request counts "
-        f"adding up to at most {n}, got {value!r}"
+        f"adding up to at most {n}, got {_shown(value)}"
     )
 
 
@@ -466,18 +478,18 @@ def parse_chunk_header(frame: bytes) -> ChunkHeader:
         raise WorkerProtocolError(f"CHUNK header is not valid msgpack: {describe(exc)}") from None
     if not isinstance(header, list) or len(header) != 4:
         raise WorkerProtocolError(
-            f"CHUNK header must be [seq_ids, flags, lengths, counters], got {header!r}"[:200]
+            f"CHUNK header must be [seq_ids, flags, lengths, counters], got {_shown(header)}"[:200]
         )
     seq_ids, flags, lengths, counters = header
     n = len(seq_ids) if isinstance(seq_ids, list) else -1
     if n < 0 or not all(_is_int(s) and 0 <= s < 2**63 for s in seq_ids):
-        raise WorkerProtocolError(f"CHUNK seq_ids must be ints in [0, 2**63), got {seq_ids!r}"[:200])
+        raise WorkerProtocolError(f"CHUNK seq_ids must be ints in [0, 2**63), got {_shown(seq_ids)}"[:200])
     if (
         not isinstance(flags, list)
         or len(flags) != n
         or not all(_is_int(f) and f in CHUNK_FLAGS for f in flags)
     ):
-        raise WorkerProtocolError(f"CHUNK flags must be {n} of 0, 1, 2 or 3, got {flags!r}"[:200])
+        raise WorkerProtocolError(f"CHUNK flags must be {n} of 0, 1, 2 or 3, got {_shown(flags)}"[:200])
     if (
         not isinstance(lengths, list)
         or len(lengths) != n
@@ -486,16 +498,13 @@ def parse_chunk_header(frame: bytes) -> ChunkHeader:
             for x, f in zip(lengths, flags, strict=False)
         )
     ):
-        raise WorkerProtocolError(
-            f"CHUNK lengths must be {n} ints, 0 for a dropped entry and > 0 for any other, got {lengths!r}"[
-                :200
-            ]
-        )
+        wanted = f"{n} ints, 0 for a dropped entry and > 0 for any other"
+        raise WorkerProtocolError(f"CHUNK lengths must be {wanted}, got {_shown(lengths)}"[:200])
     if not isinstance(counters, dict) or not all(
         k in WORKER_COUNTERS and isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v <= MAX_COST
         for k, v in counters.items()
     ):
         raise WorkerProtocolError(
-            f"CHUNK counters must map {', '.join(WORKER_COUNTERS)} to numbers, got {counters!r}"[:200]
+            f"CHUNK counters must map {', '.join(WORKER_COUNTERS)} to numbers, got {_shown(counters)}"[:200]
         )
     return ChunkHeader(seq_ids, flags, lengths, counters)

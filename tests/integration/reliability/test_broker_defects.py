@@ -72,8 +72,10 @@ class FakeWorker:
                 batch_id, _, lengths = unpack(frames[2])
                 return batch_id, [unpack(b) for b in protocol.split_bodies(lengths, frames[3:])]
 
-    def reply(self, header: list[Any], blob: bytes = b"") -> None:
-        self.sock.send_multipart([W1, protocol.CMD_REPLY, pack(header), blob])
+    def reply(self, header: list[Any] | bytes, blob: bytes = b"") -> None:
+        """Send a REPLY: `header` packed, or as it is when bytes."""
+        frame = header if isinstance(header, bytes) else pack(header)
+        self.sock.send_multipart([W1, protocol.CMD_REPLY, frame, blob])
 
 
 # --- #5 and #13: a worker's numbers are checked before any state changes -----------------------
@@ -90,6 +92,13 @@ class FakeWorker:
         ("infer_ms over a day", lambda bid, lens: [bid, 1e308, lens, 0]),
         ("wait_ms NaN", lambda bid, lens: [bid, 1.0, lens, 0, math.nan]),
         ("errors not an int", lambda bid, lens: [bid, 1.0, lens, "1"]),
+        # repr of it recursed past Python's limit: taken for a bug of the broker's, the batch not failed
+        (
+            "lengths nested 1010 deep",
+            lambda bid, lens: b"\x93" + pack(bid) + pack(1.0) + b"\x91" * 1010 + b"\x00",
+        ),
+        # its repr went into each client's error message: 16 MB each
+        ("lengths of 4 MB", lambda bid, lens: [bid, 1.0, [bytes(4_000_000)]]),
     ],
 )
 @pytest.mark.parametrize("metrics", [False, True], ids=["no-metrics", "metrics"])
@@ -111,6 +120,7 @@ def test_bad_reply_numbers_fail_only_their_batch_and_every_client_hears(
     got = recv_replies(client, 2)
     assert sorted(r["id"] for r in got) == [1, 2]
     assert all(r["error"]["code"] == "worker_failed" for r in got), got
+    assert all(len(r["error"]["message"]) < 500 for r in got)
     st = broker_stats(frontend, zctx)["models"]["m"]
     assert st["outcomes"] == {"worker_failed": 2}
     assert st["batches_in_flight"] == 0 and st["workers"] == 1
@@ -172,6 +182,26 @@ def test_requests_are_checked_against_the_newest_live_workers_signature_after_jo
     workers[1].sock.send_multipart([W1, protocol.CMD_DISCONNECT])  # it leaves: the old one's again
     wait_until(lambda: broker_stats(frontend, zctx)["models"]["m"]["workers"] == 1, 10, "the leave")
     assert ask(4)["ok"] and refused(ask(3))
+
+
+def test_a_workers_largest_counts_said_again_and_again_leave_stats_answering(spawn, zctx, connect):
+    """Each REPLY may say 2**63 - 1 padded elements and each HEARTBEAT 2**64 - 1 dropped
+    spans: summed past msgpack's int64, every `stats` request was answered internal_error
+    (its id lost) from then on."""
+    frontend, backend = start_broker(spawn, zctx, "--model", "m", "--max-batch-size", "1")
+    worker = FakeWorker(zctx, backend, frontend)
+    client = connect(zmq.DEALER, frontend)
+    for i in range(3):
+        worker.sock.send_multipart([W1, protocol.CMD_HEARTBEAT, pack({"trace_spans_dropped": 0})])
+        worker.sock.send_multipart([W1, protocol.CMD_HEARTBEAT, pack({"trace_spans_dropped": 2**64 - 1})])
+        client.send_multipart([b"", pack({"id": i, "input": i, "model": "m"})])
+        batch_id, _ = worker.next_batch()
+        reply = protocol.ok_reply(i, i)
+        worker.reply([batch_id, 1.0, [len(reply)], 0, None, [2**63 - 1, 2**63 - 1]], reply)
+        assert recv_replies(client, 1)[0] == {"id": i, "ok": True, "output": i}
+    st = broker_stats(frontend, zctx)
+    assert st["models"]["m"]["padded_elements"] == st["models"]["m"]["real_elements"] == 2**63 - 1
+    assert st["worker_trace_spans_dropped"] == {"m": 2**63 - 1}
 
 
 def test_reply_naming_an_unusable_batch_id_fails_over_instead_of_hanging(spawn, zctx, connect):

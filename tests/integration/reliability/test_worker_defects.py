@@ -379,6 +379,10 @@ def test_malformed_batches_are_answered_or_dropped_and_the_worker_serves_on(
     ident = fb.next(protocol.CMD_READY, 20)[0]
     one = pack({"id": "a", "input": 1})
     three = [pack({"id": i, "input": i}) for i in range(3)]
+
+    def deep(depth: int) -> bytes:  # `depth` msgpack arrays, one in another
+        return b"\x91" * depth + b"\x00"
+
     n1 = [len(one)]
     odd_id = pack({"id": [1, 2], "input": 2})
     cases: list[tuple[bytes, list[bytes]]] = [
@@ -401,9 +405,21 @@ def test_malformed_batches_are_answered_or_dropped_and_the_worker_serves_on(
         (pack([108, [0.5], [len(odd_id)]]), [odd_id]),
         # A body that is not a request map is answered bad_request alone; its batch-mate is served.
         (pack([110, [0.0, 0.0, 0.0], [1, 1, len(one)]]), [b"\xc1", pack(5), one]),
+        # Nested past Python's recursion limit (msgspec's), not past msgpack's (1024 levels):
+        # read by the checks; past both: dropped as any header msgpack cannot read.
+        (b"\x93" + pack(111) + deep(1010) + pack(n1), [one]),
+        (b"\x94" + pack(112) + pack([0.5]) + pack(n1) + deep(1010), [one]),
+        (b"\x93" + pack(113) + deep(5000) + pack(n1), [one]),
+        (b"\x94" + pack(114) + pack([0.5]) + pack(n1) + deep(5000), [one]),
+        (b"\x93" + pack(115) + deep(1010) + pack("x"), [one]),
+        # An element past the third that msgpack refuses (invalid UTF-8) is ignored (6.3), by the checks too.
+        (b"\x94" + pack(116) + pack([0.5]) + pack(n1) + b"\xa2\xff\xfe", [one]),
+        (b"\x94" + pack(117) + pack([0.5]) + pack("x") + b"\xa2\xff\xfe", [one]),
         # And a good one.
         (pack([109, [2.5], n1]), [one]),
     ]
+    # A HEARTBEAT whose settings are nested past the recursion limit is ignored (it killed the worker).
+    fb.sock.send_multipart([ident, protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT, deep(1010)])
     for header, body in cases:
         fb.send_batch(ident, header, body)
     got: dict[int, list[dict[str, Any]]] = {}
@@ -411,8 +427,13 @@ def test_malformed_batches_are_answered_or_dropped_and_the_worker_serves_on(
         frames = fb.next(protocol.CMD_REPLY, 10)
         batch_id, _, lengths, *_ = unpack(frames[3])
         got[batch_id] = [unpack(r) for r in protocol.split_bodies(lengths, frames[4:])]
-    assert sorted(got) == list(range(101, 111)), "a dropped batch was answered, or a readable one was not"
-    assert got[101] == got[102] == got[103] == []
+    assert sorted(got) == [*range(101, 113), *range(115, 118)], (
+        "a dropped batch was answered, or a readable one was not"
+    )
+    assert got[101] == got[102] == got[103] == got[115] == got[117] == []
+    assert [(r["id"], r["output"]) for r in got[116]] == [("a", 1)]
+    assert [(r["id"], r["output"], r["queue_ms"]) for r in got[111]] == [("a", 1, None)]
+    assert [(r["id"], r["output"], r["queue_ms"] >= 0.5) for r in got[112]] == [("a", 1, True)]
     assert [(r["id"], r["output"], r["queue_ms"]) for r in got[104]] == [
         (0, 0, None),
         (1, 1, None),
@@ -431,7 +452,7 @@ def test_malformed_batches_are_answered_or_dropped_and_the_worker_serves_on(
     assert worker.process.poll() is None, "the worker died"
     log = worker.stderr_path.read_text()
     assert "Traceback" not in log, log
-    assert log.count("dropped a batch whose header cannot be read") == 6, log
+    assert log.count("dropped a batch whose header cannot be read") == 8, log
     worker.process.send_signal(signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
         worker.process.wait(10)

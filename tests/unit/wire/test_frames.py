@@ -222,3 +222,59 @@ def test_a_bad_chunk_header_says_what_in_200_characters_at_most() -> None:
     with pytest.raises(WorkerProtocolError, match="not valid msgpack: ") as broken:
         protocol.parse_chunk_header(b"\xc1")
     assert "None" not in str(broken.value)  # says what msgpack found wrong
+
+
+def _nested(depth: int) -> bytes:
+    """`depth` msgpack arrays, one in another: past Python's recursion limit at 1010 (repr
+    stops there), which msgpack still reads (1024 levels)."""
+    return b"\x91" * depth + b"\x00"
+
+
+@pytest.mark.parametrize("place", [1, 2, 3, 4, 5, 6])
+def test_a_reply_header_nested_past_the_recursion_limit_is_refused_naming_its_batch(place: int) -> None:
+    """repr of the value that is wrong recursed past the limit: RecursionError, which the
+    broker takes for a bug of its own, so the batch was not failed (its clients waited for
+    the batch time limit) and the fallback's verdict was no protocol error."""
+    fields = [protocol.pack(v) for v in (5, 1.0, [1], 0, None, None, None)]
+    fields[place] = _nested(1010)
+    frame = b"\x97" + b"".join(fields)
+    with pytest.raises(WorkerProtocolError, match="nested too deeply to show") as raised:
+        parse_reply_header(frame)
+    assert raised.value.batch_id == 5
+
+
+def test_a_reply_headers_huge_value_makes_no_huge_message() -> None:
+    """The message goes to each client of the batch: a 4 MB element is not repeated in it."""
+    for header in ([5, 1.0, [b"\x00" * 4_000_000]], [5, 1.0, [1], 0, None, None, {"ms": "x" * 4_000_000}]):
+        with pytest.raises(WorkerProtocolError) as raised:
+            parse_reply_header(protocol.pack(header))
+        assert raised.value.batch_id == 5 and len(str(raised.value)) < 500
+
+
+def test_a_heartbeat_or_chunk_nested_past_the_recursion_limit_is_refused() -> None:
+    """A broker's HEARTBEAT is read by the worker, which ignores a bad one (ValueError): a
+    RecursionError killed it."""
+    for frame in (_nested(1010), b"\x82\xacheartbeat_ms\x01\xa8liveness" + _nested(1010)):
+        with pytest.raises(ValueError, match="nested too deeply"):
+            frames.Heartbeat.from_frame(frame)
+    with pytest.raises(WorkerProtocolError, match="nested too deeply"):
+        frames.parse_chunk_header(b"\x94" + _nested(1010) + b"\x90\x90\x80")
+
+
+def _message_at_stack_depth(frame: bytes, frames_deeper: int) -> str:
+    """parse_reply_header's message for `frame`, called `frames_deeper` frames down."""
+    if frames_deeper:
+        return _message_at_stack_depth(frame, frames_deeper - 1)
+    with pytest.raises(WorkerProtocolError) as raised:
+        parse_reply_header(frame)
+    return str(raised.value)
+
+
+def test_a_deep_reply_header_gets_one_message_from_any_caller() -> None:
+    """Whether repr reached the bottom of a value nested near Python's recursion limit
+    depended on the caller's stack: the fast path (a frame deeper than the checks called
+    alone) or any other caller could get another message for the same bytes."""
+    named = "REPLY lengths must be a list of ints >= 0, got <a list nested too deeply to show>"
+    for depth in (101, *range(700, 1024, 5)):
+        frame = b"\x93\x05\xcb" + bytes(8) + _nested(depth)
+        assert _message_at_stack_depth(frame, 0) == _message_at_stack_depth(frame, 60) == named, depth

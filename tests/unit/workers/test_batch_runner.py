@@ -371,3 +371,139 @@ def test_the_usual_batch_header_read_in_c_gets_the_verdict_the_checks_give(heade
             return (str(exc), exc.batch_id)
 
     assert verdict(batch_runner._decode_header) == verdict(batch_runner._checked_header)
+
+
+def _nested(depth: int) -> bytes:
+    """A msgpack value of `depth` arrays, one in another (0 innermost): deeper than
+    Python's recursion limit (1000) at 1010, which msgpack still reads (1024 levels)."""
+    return b"\x91" * depth + b"\x00"
+
+
+#: BATCH headers with a value nested past Python's recursion limit: msgspec stops there
+#: (RecursionError), msgpack reads up to 1024 levels, and repr of what it read stops again.
+_DEEP_HEADERS = {
+    "queue_ms readable": b"\x93\x07" + _nested(1010) + protocol.pack([12]),
+    "queue_ms past msgpack": b"\x93\x07" + _nested(5000) + protocol.pack([12]),
+    "lengths bad, queue_ms readable": b"\x93\x07" + _nested(1010) + protocol.pack("x"),
+    "4th element readable": b"\x94\x07" + protocol.pack([0.5]) + protocol.pack([12]) + _nested(1010),
+    "4th element past msgpack": b"\x94\x07" + protocol.pack([0.5]) + protocol.pack([12]) + _nested(5000),
+}
+
+
+@pytest.mark.parametrize("header", list(_DEEP_HEADERS.values()), ids=list(_DEEP_HEADERS))
+def test_a_batch_header_nested_past_the_recursion_limit_is_answered_or_dropped_never_raised(
+    header: bytes,
+) -> None:
+    """A peer's header that msgspec cannot read for its depth is read by the checks, with
+    their verdict (the fast path raised RecursionError, which killed the worker)."""
+
+    def verdict(decode: Callable[[bytes], Any]) -> Any:
+        try:
+            batch_id, queue_ms, lengths = decode(header)
+        except batch_runner.MalformedBatch as exc:
+            return (str(exc), exc.batch_id)
+        return batch_id, type(queue_ms), lengths  # (a queue_ms this deep is not compared: == recurses)
+
+    expected = verdict(batch_runner._checked_header)
+    assert verdict(batch_runner._decode_header) == expected
+    body = protocol.pack({"id": 1, "input": 2})
+    assert len(body) == 12  # as the headers say
+    reply = batch_runner._run_safely(echo, header, [body], WORKER)
+    if isinstance(expected[0], str) and expected[1] is None:  # no batch id read: dropped
+        assert reply is None
+    elif isinstance(expected[0], str):  # an id but no lengths: every request fails
+        assert reply is not None and protocol.unpack(reply[2])[:3] == [7, 0.0, []]
+    else:  # the requests are fine: answered (without a queue_ms when it is not a list of numbers)
+        assert reply is not None
+        (answer,) = [
+            protocol.unpack(r) for r in protocol.split_bodies(protocol.unpack(reply[2])[2], reply[3:])
+        ]
+        assert (answer["id"], answer["ok"], answer["output"], answer["queue_ms"]) == (
+            1,
+            True,
+            2,
+            0.5 if header.startswith(b"\x94") else None,
+        )
+
+
+def test_a_traced_batch_whose_4th_element_msgpack_refuses_is_run_untraced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """msgspec skips the elements past the third unread; the traceparent's own read must
+    then ignore one msgpack refuses (docs/protocol.md 6.3: a malformed one is ignored),
+    not fail the batch."""
+    monkeypatch.setattr(batch_runner, "_tracer", object())  # tracing on (no span is recorded)
+    body = protocol.pack({"id": 1, "input": 2})
+    for fourth in (b"\xa2\xff\xfe", b"\x81\x91\x01\x02", b"\xd4\x85\x00"):  # bad UTF-8, array key, ext -123
+        header = b"\x94\x07" + protocol.pack([0.5]) + protocol.pack([len(body)]) + fourth
+        reply = batch_runner._run_safely(echo, header, [body], WORKER)
+        assert reply is not None
+        (answer,) = [
+            protocol.unpack(r) for r in protocol.split_bodies(protocol.unpack(reply[2])[2], reply[3:])
+        ]
+        assert (answer["id"], answer["ok"], answer["output"]) == (1, True, 2), (fourth, answer)
+
+
+def test_a_batch_of_more_bodies_than_any_broker_sends_is_failed_whole_not_answered_one_by_one() -> None:
+    """A header of a million zero lengths (1 MB) and an empty frame made a million
+    bad_request replies: 9 s and 780 MB in the worker. No broker sends more than
+    --max-batch-size (at most MAX_BATCH_SIZE) bodies: one more fails the batch."""
+    from batcher.settings import MAX_BATCH_SIZE
+
+    body = protocol.pack({"id": 1, "input": 2})
+    full = protocol.pack([7, None, [len(body)] * MAX_BATCH_SIZE])
+    reply = batch_runner._run_safely(echo, full, [body * MAX_BATCH_SIZE], WORKER)
+    assert reply is not None and len(protocol.unpack(reply[2])[2]) == MAX_BATCH_SIZE
+    for n in (MAX_BATCH_SIZE + 1, 1_000_000):
+        header = protocol.pack([7, None, [0] * n])
+        for decode in (batch_runner._decode_header, batch_runner._checked_header):
+            with pytest.raises(batch_runner.MalformedBatch) as raised:
+                decode(header)
+            assert (str(raised.value), raised.value.batch_id) == (
+                f"a batch holds at most {MAX_BATCH_SIZE} bodies, got {n}",
+                7,
+            )
+        reply = batch_runner._run_safely(echo, header, [b""], WORKER)
+        assert reply is not None and protocol.unpack(reply[2])[:3] == [7, 0.0, []]
+
+
+_BODY = protocol.pack({"id": 1, "input": 2})
+#: Elements msgpack refuses (msgspec reads or skips them): invalid UTF-8, a map with an
+#: array key, an ext of a reserved (negative) code.
+_REFUSED = {"bad UTF-8": b"\xa2\xff\xfe", "array key": b"\x81\x91\x01\x02", "ext -123": b"\xd4\x85\x00"}
+
+
+@pytest.mark.parametrize("element", list(_REFUSED.values()), ids=list(_REFUSED))
+def test_what_msgpack_refuses_past_the_lengths_or_in_queue_ms_is_ignored_by_the_checks_too(
+    element: bytes,
+) -> None:
+    """protocol.md 6.3: a worker ignores any element past the third, a malformed one too,
+    and answers without queue_ms when it is unusable. The fast path (msgspec) does; the
+    checks, reached when msgspec refuses something else, dropped the batch instead (its
+    header "is not msgpack", so no id to answer): a verdict of their own."""
+    n1 = protocol.pack([len(_BODY)])
+    headers = {
+        "past the third": b"\x94\x07" + protocol.pack([0.5]) + n1 + element,
+        "past the third, lengths bad": b"\x94\x07" + protocol.pack([0.5]) + protocol.pack("x") + element,
+    }
+    if element != b"\xd4\x85\x00":  # (msgspec keeps an ext in a queue_ms list: not compared)
+        headers["queue_ms"] = b"\x93\x07" + element + n1
+        headers["queue_ms, lengths bad"] = b"\x93\x07" + element + protocol.pack([-1])
+
+    def verdict(decode: Callable[[bytes], Any], header: bytes) -> Any:
+        try:
+            return decode(header)
+        except batch_runner.MalformedBatch as exc:
+            return (str(exc), exc.batch_id)
+
+    for name, header in headers.items():
+        expected = verdict(batch_runner._decode_header, header)
+        assert verdict(batch_runner._checked_header, header) == expected, name
+        reply = batch_runner._run_safely(echo, header, [_BODY], WORKER)
+        assert reply is not None, name  # answered, not dropped
+        replies = protocol.split_bodies(protocol.unpack(reply[2])[2], reply[3:])
+        got = [(r["id"], r["ok"], r["queue_ms"]) for r in map(protocol.unpack, replies)]
+        if "bad" in name:  # the bodies cannot be told apart: every request fails (an empty REPLY)
+            assert protocol.unpack(reply[2])[:3] == [7, 0.0, []], name
+        else:
+            assert len(got) == 1 and got[0][:2] == (1, True), (name, got)
