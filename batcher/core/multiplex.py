@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from batcher.errors import SettingsError
+from batcher.wire.codes import clip
 
 #: The name a multiplexed worker announces for itself (its logs and stats): the pool's.
 POOL_NAME = "multiplexed"
@@ -43,19 +44,22 @@ class Catalog:
     def __post_init__(self) -> None:
         if type(self.budget_mb) is not int or not 1 <= self.budget_mb <= MAX_MB:
             raise SettingsError(
-                f"multiplex budget_mb must be an int in [1, {MAX_MB}], got {self.budget_mb!r}"
+                f"multiplex budget_mb must be an int in [1, {MAX_MB}], got {clip(self.budget_mb)}"
             )
         if not isinstance(self.sizes_mb, Mapping) or not 1 <= len(self.sizes_mb) <= MAX_MODELS:
             raise SettingsError(
-                f"a multiplexed worker serves 1 to {MAX_MODELS} models, got {self.sizes_mb!r}"[:300]
+                f"a multiplexed worker serves 1 to {MAX_MODELS} models, got {clip(self.sizes_mb, 240)}"
             )
         for key, mb in self.sizes_mb.items():
             if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS:
                 raise SettingsError(
-                    f"a multiplexed model's name must be 1 to {MAX_KEY_CHARS} characters, got {key!r}"[:300]
+                    f"a multiplexed model's name must be 1 to {MAX_KEY_CHARS} characters, "
+                    f"got {clip(key, 200)}"
                 )
             if type(mb) is not int or not 1 <= mb <= MAX_MB:
-                raise SettingsError(f"memory_mb of model {key!r} must be an int in [1, {MAX_MB}], got {mb!r}")
+                raise SettingsError(
+                    f"memory_mb of model {key!r} must be an int in [1, {MAX_MB}], got {clip(mb)}"
+                )
             if mb > self.budget_mb:
                 raise SettingsError(
                     f"model {key!r} needs {mb} MB, more than the multiplexed workers' budget of "
@@ -70,10 +74,10 @@ class Catalog:
     def from_wire(cls, value: Any) -> Catalog:
         """A READY's `multiplexed` map; SettingsError (a ValueError) for anything else."""
         if not isinstance(value, dict) or set(value) != {"budget_mb", "models"}:
-            raise SettingsError(f"multiplexed must be a map of budget_mb and models, got {value!r}"[:300])
+            raise SettingsError(f"multiplexed must be a map of budget_mb and models, got {clip(value, 240)}")
         models = value["models"]
         if not isinstance(models, dict):
-            raise SettingsError(f"multiplexed models must be a map of name to MB, got {models!r}"[:300])
+            raise SettingsError(f"multiplexed models must be a map of name to MB, got {clip(models, 240)}")
         return cls(value["budget_mb"], dict(models))
 
 

@@ -33,7 +33,7 @@ from batcher.core.multiplex import LOAD_LIMIT_S, Catalog
 from batcher.core.queue import Batch, QueuedRequest
 from batcher.core.scheduler import Scheduler
 from batcher.core.streams import Streams
-from batcher.wire.codes import MAX_ACTIVE, MAX_REPORTED_MS, ErrorCode
+from batcher.wire.codes import MAX_ACTIVE, MAX_REPORTED_MS, ErrorCode, clip
 from batcher.wire.frames import MAX_WARMUP_ERROR_CHARS, Heartbeat
 from batcher.wire.signature import Signature
 
@@ -319,7 +319,7 @@ def worker_info(info: Any) -> WorkerInfo:
     """A READY's info map as WorkerInfo; ValueError for a map no worker sends."""
     model, slots = (info.get("model"), info.get("slots")) if isinstance(info, dict) else (None, None)
     if not isinstance(model, str) or not model or not (slots is None or type(slots) is int):
-        raise ValueError(f"bad READY info {info!r}")
+        raise ValueError(f"bad READY info {clip(info, 200)}")
     raw = info.get("signature")
     try:
         signature = None if raw is None else Signature.from_wire(raw)
@@ -334,17 +334,17 @@ def worker_info(info: Any) -> WorkerInfo:
         )
     ):
         raise ValueError(
-            f"bad READY cost_ms: must be [a, b], two numbers in [0, one day], got {cost!r}"[:200]
+            f"bad READY cost_ms: must be [a, b], two numbers in [0, one day], got {clip(cost, 120)}"
         )
     cost_ms = None if cost is None else (float(cost[0]), float(cost[1]))
     max_active = info.get("max_active")
     if max_active is not None and not (type(max_active) is int and 1 <= max_active <= MAX_ACTIVE):
         raise ValueError(
-            f"bad READY max_active: must be an int in [1, {MAX_ACTIVE}], got {max_active!r}"[:200]
+            f"bad READY max_active: must be an int in [1, {MAX_ACTIVE}], got {clip(max_active, 120)}"
         )
     warmup_error = info.get("warmup_error")
     if warmup_error is not None and not isinstance(warmup_error, str):
-        raise ValueError(f"bad READY warmup_error: must be a str, got {warmup_error!r}"[:200])
+        raise ValueError(f"bad READY warmup_error: must be a str, got {clip(warmup_error, 150)}")
     if warmup_error is not None:
         warmup_error = warmup_error[:MAX_WARMUP_ERROR_CHARS]
     raw_catalog = info.get("multiplexed")
@@ -375,7 +375,7 @@ def _signatures(raw: Any, catalog: Catalog | None) -> dict[str, Signature] | Non
         return None
     if catalog is None or not isinstance(raw, dict) or not set(raw) <= set(catalog.sizes_mb):
         raise ValueError(
-            f"bad READY signatures: a map of the multiplexed models' signatures, got {raw!r}"[:300]
+            f"bad READY signatures: a map of the multiplexed models' signatures, got {clip(raw, 200)}"
         )
     try:
         return {model: Signature.from_wire(sig) for model, sig in raw.items()}

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from batcher.errors import SettingsError
+from batcher.wire.codes import clip
 from batcher.wire.tensor import DATATYPES, MAX_ELEMENTS, MAX_RANK
 
 #: The longest tensor name a signature may hold.
@@ -37,11 +38,13 @@ class TensorSpec:
         name = self.name
         if not isinstance(name, str) or not name or len(name) > MAX_NAME or not name.isprintable():
             raise SettingsError(
-                f"a tensor's name must be a printable str of 1 to {MAX_NAME} characters, got {name!r}"[:300]
+                f"a tensor's name must be a printable str of 1 to {MAX_NAME} characters, "
+                f"got {clip(name, 200)}"
             )
         if not isinstance(self.datatype, str) or self.datatype not in DATATYPES:
             raise SettingsError(
-                f"tensor {self.name!r}: datatype must be one of {', '.join(DATATYPES)}, got {self.datatype!r}"
+                f"tensor {self.name!r}: datatype must be one of {', '.join(DATATYPES)}, "
+                f"got {clip(self.datatype)}"
             )
         shape = self.shape
         if (
@@ -51,7 +54,7 @@ class TensorSpec:
         ):
             raise SettingsError(
                 f"tensor {self.name!r}: shape must be 1 to {MAX_RANK + 1} ints >= -1 (the batch axis "
-                f"first), got {shape!r}"
+                f"first), got {clip(shape, 200)}"
             )
 
     def wire(self) -> dict[str, Any]:
@@ -61,14 +64,15 @@ class TensorSpec:
         """Why a request's tensor (without the batch axis) does not fit, or None."""
         want = list(self.shape[1:])
         if datatype != self.datatype:
-            return f"input {self.name!r} must be {self.datatype}, got {datatype!r}"
+            return f"input {self.name!r} must be {self.datatype}, got {clip(datatype)}"
         if (
             not isinstance(shape, list)
             or len(shape) != len(want)
             or not all(type(d) is int and (w == -1 or d == w) for d, w in zip(shape, want, strict=True))
         ):
             return (
-                f"input {self.name!r} must have shape {want} (-1: any), without the batch axis; got {shape!r}"
+                f"input {self.name!r} must have shape {want} (-1: any), without the batch axis; "
+                f"got {clip(shape, 200)}"
             )
         return None
 
@@ -98,17 +102,17 @@ class Signature:
     def from_wire(cls, raw: object) -> Signature:
         """A signature from its wire form; ValueError naming what is wrong."""
         if not isinstance(raw, dict) or set(raw) - {"inputs", "outputs"}:
-            raise SettingsError(f"a signature is a map of inputs and outputs, got {raw!r}"[:200])
+            raise SettingsError(f"a signature is a map of inputs and outputs, got {clip(raw, 145)}")
 
         def specs(key: str) -> tuple[TensorSpec, ...]:
             items = raw.get(key, [])
             if not isinstance(items, list):
-                raise SettingsError(f"signature {key} must be a list, got {items!r}"[:200])
+                raise SettingsError(f"signature {key} must be a list, got {clip(items, 150)}")
             out = []
             for item in items:
                 if not isinstance(item, dict) or set(item) != {"name", "datatype", "shape"}:
                     raise SettingsError(
-                        f"a signature's tensor is a map of name, datatype and shape, got {item!r}"[:200]
+                        f"a signature's tensor is a map of name, datatype and shape, got {clip(item, 130)}"
                     )
                 shape = item["shape"]
                 out.append(

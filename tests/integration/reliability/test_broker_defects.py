@@ -204,6 +204,34 @@ def test_a_workers_largest_counts_said_again_and_again_leave_stats_answering(spa
     assert st["worker_trace_spans_dropped"] == {"m": 2**63 - 1}
 
 
+def test_a_ready_nested_past_repr_or_of_megabytes_is_refused_as_any_bad_ready(spawn, zctx, connect):
+    """A READY's value nested past what repr reaches (msgpack reads 1024 levels) went to
+    the broker's "unexpected error" path with a traceback, and one of megabytes into its
+    log whole: each is refused as any bad READY, in a line of its own size, and the broker
+    goes on with the workers that announce themselves well."""
+    frontend, backend = free_tcp_address(), free_tcp_address()
+    broker = spawn("broker", "--frontend", frontend, "--backend", backend, "--model", "m")
+    wait_until(lambda: broker_stats(frontend, zctx), 20, "the broker answers", error=RuntimeError)
+    head = b"\x83" + pack("model") + pack("m") + pack("pid") + pack(0) + pack("cost_ms")
+    deep = head + b"\x91" * 1000 + b"\x00"  # [[[...[0]...]]], 1000 deep
+    bad = connect(zmq.DEALER, backend)
+    for info in (deep, pack({"model": "m", "pid": 0, "cost_ms": list(range(500_000))})):
+        bad.send_multipart([W1, protocol.CMD_READY, info])
+    worker = FakeWorker(zctx, backend, frontend)  # joins after them, and alone
+    client = connect(zmq.DEALER, frontend)
+    client.send_multipart([b"", pack({"id": 1, "input": 1, "model": "m"})])
+    batch_id, _ = worker.next_batch()
+    reply = protocol.ok_reply(1, 1)
+    worker.reply([batch_id, 1.0, [len(reply)], 0], reply)
+    assert recv_replies(client, 1)[0] == {"id": 1, "ok": True, "output": 1}
+    assert broker_stats(frontend, zctx)["models"]["m"]["workers"] == 1
+    logged = broker.stderr_path.read_text
+    wait_until(lambda: logged().count("bad READY cost_ms") == 2, 10, "both refusals logged")
+    log = logged()
+    assert "unexpected error" not in log and "Traceback" not in log
+    assert max(map(len, log.splitlines())) < 1000
+
+
 def test_reply_naming_an_unusable_batch_id_fails_over_instead_of_hanging(spawn, zctx, connect):
     frontend, backend = start_broker(spawn, zctx, "--model", "m", "--max-retries", "1")
     broken = FakeWorker(zctx, backend, frontend)

@@ -346,14 +346,14 @@ def test_the_catalogs_bounds_are_inclusive_and_its_refusals_are_cut_at_300_chara
         assert len(str(raised.value)) <= 300
     with pytest.raises(SettingsError) as raised:
         Catalog(1, {f"m{i}": 1 for i in range(MAX_MODELS + 1)})
-    assert len(str(raised.value)) == 300  # the map it quotes is long: cut
+    assert len(str(raised.value)) <= 300 and str(raised.value).endswith("...")  # the map it quotes: cut
     with pytest.raises(SettingsError) as raised:
         Catalog(1, {"k" * 400: 1})
-    assert len(str(raised.value)) == 300
+    assert len(str(raised.value)) <= 300 and str(raised.value).endswith("...")
     for bad in ({"budget_mb": "x" * 400}, {"budget_mb": 1, "models": ["x" * 400]}):
         with pytest.raises(SettingsError) as raised:
             Catalog.from_wire(bad)
-        assert len(str(raised.value)) == 300
+        assert len(str(raised.value)) <= 300 and str(raised.value).endswith("...")
     with pytest.raises(SettingsError, match="multiplexed models must be a map of name to MB, got"):
         Catalog.from_wire({"budget_mb": 1, "models": [1]})
 
