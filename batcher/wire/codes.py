@@ -86,19 +86,18 @@ MAX_SHOWN_DEPTH = 100
 def _nested_past(value: object, depth: int) -> bool:
     """Whether `value` holds lists, tuples or dicts nested more than `depth` deep (a walk
     with a stack of its own: no recursion)."""
-    todo: list[tuple[object, int]] = [(value, 1)]
+    todo: list[tuple[object, int]] = [(value, 1)] if isinstance(value, _CONTAINERS) else []
     while todo:
         item, level = todo.pop()
-        if isinstance(item, list | tuple):
-            children: Any = item
-        elif isinstance(item, dict):
-            children = [*item, *item.values()]
-        else:
-            continue
         if level > depth:
             return True
-        todo.extend((child, level + 1) for child in children)
+        children: Any = (*item, *item.values()) if isinstance(item, dict) else item
+        # only the containers among them are kept: a flat list of millions costs no memory
+        todo.extend((child, level + 1) for child in children if isinstance(child, _CONTAINERS))
     return False
+
+
+_CONTAINERS = (list, tuple, dict)
 
 
 def describe(exc: Exception) -> str:

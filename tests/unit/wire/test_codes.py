@@ -31,3 +31,20 @@ def test_the_documented_words_are_the_codes_values() -> None:
     assert [codes.CMD_READY, codes.CMD_BATCH, codes.CMD_REPLY, codes.CMD_HEARTBEAT] == [
         b"\x01", b"\x02", b"\x03", b"\x04",
     ]  # fmt: skip
+
+
+def test_clipping_a_flat_list_of_a_million_costs_its_repr_and_no_more() -> None:
+    """A peer's value may be a list of millions (a 64 MB frame holds 60 million msgpack
+    ints): telling how deep it nests keeps none of its elements, so clipping it costs
+    what its repr costs (7 MB here), not a tuple per element (64 MB more)."""
+    import tracemalloc
+
+    flat = list(range(1_000_000))
+    tracemalloc.start()
+    try:
+        shown = codes.clip(flat)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert shown == repr(flat)[:80] + "..."
+    assert peak < len(repr(flat)) * 2
