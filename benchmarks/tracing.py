@@ -213,8 +213,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     body = (
         "The broker and its worker(s), tracing off, on at sampling 0 and on at sampling 1, up at once and "
-        "loaded in turn each round (closed loop; `small`: the echo model, concurrency 64; `sim`: 2 workers, "
-        "20 ms + 1 ms an item, concurrency 128). The traced serves export to a collector in the benchmark's "
+        "loaded in turn each round, each round begun one serve further along and each load once every serve "
+        "is quiet (closed loop; `small`: the echo model, concurrency 64; `sim`: 2 workers, "
+        '20 ms + 1 ms an item, concurrency 128). "off, again" is a second serve with tracing off: its ratio '
+        "to the first is what two identical serves differ by in the run. "
+        "The traced serves export to a collector in the benchmark's "
         f"process that answers without decoding ({spans_posts} OTLP posts in all).\n\n" + table
     )
     write_results("tracing", "Tracing: off, sampling 0 and sampling 1", body, {"rounds": results}, args.quick)
