@@ -8,7 +8,6 @@ the random ids differ, so spans are compared by where they sit in the traces."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -25,9 +24,9 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from batcher.observe.broker_spans import BrokerSpans
 from batcher.observe.otlp_records import Encoder
-from batcher.observe.relay import RelaySpans
 from batcher.observe.settings import trace_settings
 from batcher.observe.spans import Tracer
+from tests.unit.observe.test_relay import spans as relay_spans
 
 NOW = 1000.0
 CALLER = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -42,17 +41,6 @@ class Kept(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         self.spans.extend(spans)
         return SpanExportResult.SUCCESS
-
-
-def relay_spans(seed: int) -> RelaySpans:
-    """A RelaySpans without its exporter process or socket (records are only kept)."""
-    rs = RelaySpans.__new__(RelaySpans)
-    rs.ratio, rs.parent_based, rs.samples_roots = 1.0, True, True
-    rs._offset_ns = 1_700_000_000_000_000_000
-    rs._bits = random.Random(seed).getrandbits
-    rs._random = random.Random(seed + 1).random
-    rs._records, rs._max_kept, rs._open = [], 4096, {}
-    return rs
 
 
 def request(maker: Any, i: int, traceparent: str | None, tracestate: str | None) -> Any:
