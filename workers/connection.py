@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from batcher.core.link import Backoff, Beat, Drop, GiveUp, PeerLink, Reconnect
+from batcher.core.stalls import Stalls, overslept
 from batcher.transport.connection_watch import HANDSHAKE_FAILED, ConnectionWatch
 from batcher.transport.security import secure_client
 from batcher.transport.stopping import StopSignals
@@ -97,6 +98,10 @@ class BrokerConnection:
         self._link = PeerLink(
             RECONNECT_BACKOFF, beat_s=self.heartbeat.interval_s, expiry_s=self.heartbeat.expiry_s
         )
+        # Spans this process did not run (batcher.core.stalls): those counted, and those
+        # the heartbeat thread saw, for the main thread to count.
+        self._stalls = Stalls()
+        self._stalls_seen: deque[tuple[float, float]] = deque()
         self._ready_sent = False
         self._refused: str | None = None  # why the current connection's handshake failed
         self._refusals = 0  # handshakes failed in a row
@@ -157,6 +162,20 @@ class BrokerConnection:
                 if self._watch is not None and not self._watching:
                     self._read_monitor()  # a dropped connection, or a later handshake's outcome
                 self._send(heartbeat(self.tracer))
+
+    def _count_stalls(self, stall: tuple[float, float] | None, now: float) -> None:
+        """The stalls seen by the loop's poll (`stall`) and by the heartbeat thread: the
+        broker's silence then does not count (it was not silent: we were not listening)."""
+        stalls = [self._stalls_seen.popleft() for _ in range(len(self._stalls_seen))]
+        if stall is not None:
+            stalls.append(stall)
+        by_s = sum(self._stalls.new_s(s) for s in sorted(stalls, key=lambda s: s[1]))
+        if by_s > 0:
+            log.warning(
+                "worker %s did not run for %.1f s (stopped, or starved of CPU): "
+                "the broker's silence then does not count", self.name, by_s,
+            )  # fmt: skip
+            self._link.stalled(by_s, now)
 
     def _lost(self, drop: Drop | GiveUp) -> None:
         assert isinstance(drop, Drop)  # a worker never gives up on its broker
@@ -330,8 +349,15 @@ class BrokerConnection:
             self._link.retime(said.interval_s, said.expiry_s, now)
 
     def _beat_while_in_model(self) -> None:
-        """Heartbeat while the main thread is inside the model and cannot."""
-        while not self._stopped.wait(self.heartbeat.interval_s):
+        """Heartbeat while the main thread is inside the model and cannot; and, at any
+        time, note a wait that overslept: the process was stopped (batcher.core.stalls),
+        which the main thread may not see for itself if it was in the model then."""
+        while True:
+            wait_s, began = self.heartbeat.interval_s, time.monotonic()
+            if self._stopped.wait(wait_s):
+                return
+            if (stall := overslept(began, wait_s, time.monotonic())) is not None:
+                self._stalls_seen.append(stall)
             if not self._in_model:
                 continue
             with self._socket_lock:

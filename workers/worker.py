@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 
 from batcher.core.multiplex import POOL_NAME
+from batcher.core.stalls import STALL_MIN_S, overslept
 from batcher.core.versions import split_key
 from batcher.errors import ModelLoadError, SettingsError
 from batcher.extras import extra_of, install_command
@@ -346,9 +347,13 @@ class Worker(BatchRunner):
             wake = self._link.next_wakeup()
             if self._steps is not None and (self._inbox or self._steps.busy()):
                 wake = 0.0  # a step is due: only look at what came meanwhile
-            timeout_ms = -1 if wake is None else max(0, math.ceil((wake - time.monotonic()) * 1000))
+            began = time.monotonic()
+            timeout_ms = -1 if wake is None else max(0, math.ceil((wake - began) * 1000))
             events = dict(self._poller.poll(timeout_ms))
             now = time.monotonic()
+            stall = overslept(began, timeout_ms / 1000.0, now) if now - began > STALL_MIN_S else None
+            if stall is not None or self._stalls_seen:
+                self._count_stalls(stall, now)
             if self._watch is not None and self._watch.monitor in events:
                 self._read_monitor()
             if self._sock is not None and self._sock in events:

@@ -321,15 +321,23 @@ class Backend:
                 )
                 self.lost(worker_id, f"the worker's process exited with code {code}", failed=code != 0)
 
-    def lost(self, worker_id: bytes, why: str, failed: bool = True, blame: int | None = None) -> None:
+    def lost(
+        self,
+        worker_id: bytes,
+        why: str,
+        failed: bool = True,
+        blame: int | None = None,
+        unsent: int | None = None,
+    ) -> None:
         """Forget a worker: the pool decides which of its requests go back to their queue
-        and which have used up their retries (answered worker_failed)."""
+        and which have used up their retries (answered worker_failed); `unsent`: the batch
+        that could not be sent it, which goes back free (WorkerPool.lose)."""
         info = self.pool.info(worker_id)
         if info is not None:
             worker_gone(self.stats, self.cache, info, failed)
         self.stats.workers_lost += failed
         end_lost_spans(self.tracer, self.pool, worker_id, why, blame)
-        lost = self.pool.lose(worker_id, failed, blame)
+        lost = self.pool.lose(worker_id, failed, blame, unsent)
         self.stats.batches_retried += lost.batches_requeued
         for model, req in lost.failed:
             self.reply_error(req, model, ErrorCode.WORKER_FAILED, why)

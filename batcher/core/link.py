@@ -100,6 +100,7 @@ class PeerLink:
       connected), `Drop` (no word from the peer for `expiry_s`), `Reconnect` (the wait
       is over), or None.
     - `next_wakeup()`: when `due` will next return an action (None: never, by itself).
+    - `stalled(by_s, now)`: this process did not run for `by_s`; that is no silence.
     """
 
     def __init__(
@@ -147,6 +148,13 @@ class PeerLink:
             self._first_heard_at = now
         if self._stable(now):
             self.failures = 0
+
+    def stalled(self, by_s: float, now: float) -> None:
+        """This process did not run for `by_s` (batcher.core.stalls): the peer's silence
+        then does not count, so its expiry moves as much later (the last word never
+        later than `now`)."""
+        if self.up and self.heard_at is not None and by_s > 0:
+            self.heard_at = min(self.heard_at + by_s, now)
 
     def refused(self, why: str, now: float) -> Drop | GiveUp:
         """The connection failed (or could not be made): close it, and try again after

@@ -10,7 +10,8 @@ scheduler (no zmq, the time passed in), tested on a float clock (tests/unit/core
   then on (batcher.core.policy.batch_requests), so that a request that kills every worker it meets
   takes none of its batch-mates with it again. The batches behind it, which the worker
   had not begun, are handed back as by a worker that left on its own (DISCONNECT):
-  free the first time only. A request whose attempts reach `max_retries` is answered
+  free the first time only; a batch the broker could not send it at all (its connection
+  was gone) goes back free. A request whose attempts reach `max_retries` is answered
   `worker_failed`; the others go back to their queue, ahead of later arrivals.
 - **A load that hung.** A multiplexed worker's batch that had to load its model first
   (`Batch.cold`) and hung is not re-dispatched: the load would most likely hang the next
@@ -199,29 +200,44 @@ class WorkerPool:
         """When the broker's last read of its backend to the end began."""
         return self._backend_read_at
 
+    def stalled(self, by_s: float) -> None:
+        """The broker did not run for `by_s` (batcher.core.stalls): it heard no worker
+        then and watched none, so their silence and their batches' and steps' time
+        limits skip that time."""
+        for worker_id, at in self._heard_at.items():
+            self._heard_at[worker_id] = at + by_s
+        self.scheduler.stalled(by_s)
+        self.streams.stalled(by_s)
+
     def silent(self) -> list[tuple[bytes, float]]:
         """(worker, seconds of silence) of each worker past its liveness."""
         read_at, expiry = self._backend_read_at, self.heartbeat.expiry_s
         return [(w, read_at - at) for w, at in self._heard_at.items() if read_at - at > expiry]
 
-    def lose(self, worker_id: bytes, failed: bool, blame: int | None = None) -> Lost:
+    def lose(
+        self, worker_id: bytes, failed: bool, blame: int | None = None, unsent: int | None = None
+    ) -> Lost:
         """Forget a worker; requeue its batches' requests or fail them (module docstring).
         `blame` names the batch that failed it when that is known (one that hung: if that
         batch had to load its model first, its requests are `load_hung`); by default a
-        failed worker's running batch is blamed: its first."""
+        failed worker's running batch is blamed: its first. `unsent` names the batch whose
+        BATCH it could not be sent: that one never reached it, so it goes back free."""
         hung = failed and blame is not None
         self._heard_at.pop(worker_id, None)
         self._info.pop(worker_id, None)
         self._admitted.clear()
         lost = Lost()
         batches = self.scheduler.remove_worker(worker_id)
-        if failed and blame is None and batches:
-            blame = batches[0].batch_id
+        if failed and blame is None:
+            blame = next((b.batch_id for b in batches if b.batch_id != unsent), None)
         for batch in batches:
-            if hung and batch.batch_id == blame and batch.cold:
+            if batch.batch_id == unsent:
+                lost.batches_requeued += 1
+                self.scheduler.requeue(batch.model, batch.requests, count_attempt=False)
+            elif hung and batch.batch_id == blame and batch.cold:
                 lost.load_hung.extend((batch.model, req) for req in batch.requests)
-                continue
-            self._hand_back(batch, failed and batch.batch_id == blame, lost)
+            else:
+                self._hand_back(batch, failed and batch.batch_id == blame, lost)
         retry: list[tuple[str, QueuedRequest]] = []
         for seq in self.streams.remove_worker(worker_id):
             # One that sent a chunk cannot start over: its client holds part of an answer.

@@ -243,6 +243,12 @@ class Streams:
         limit = STEP_LIMIT_S if limit_s is None else max(limit_s, MIN_STEP_LIMIT_S)
         return [(w, limit) for w in self._workers.values() if w.held and read_at - w.last_chunk_at > limit]
 
+    def stalled(self, by_s: float) -> None:
+        """The broker did not run for `by_s` (batcher.core.stalls): no CHUNK could be read
+        then, so every worker's step time limit counts that much later."""
+        for w in self._workers.values():
+            w.last_chunk_at += by_s
+
     def heard(self, worker_id: bytes, counters: dict[str, float], now: float) -> None:
         """A worker's CHUNK, with or without entries: its counters, and a sign that its
         steps make progress."""

@@ -50,6 +50,7 @@ class Answer:
     status: int
     echo: list[float] | None
     elapsed_s: float
+    error: str | None = None
 
 
 @dataclass
@@ -104,8 +105,9 @@ class Load:
                 conn.close()
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
                 continue
-            echo = doc["outputs"][0]["data"] if response.status == 200 else None
-            self.answers.append(Answer(n, response.status, echo, time.monotonic() - started))
+            ok = response.status == 200
+            echo, error = (doc["outputs"][0]["data"], None) if ok else (None, doc.get("error"))
+            self.answers.append(Answer(n, response.status, echo, time.monotonic() - started, error))
         conn.close()
 
 
@@ -114,7 +116,8 @@ def check_answers(answers: list[Answer], allowed: tuple[int, ...] = (200,)) -> N
     numbers = [a.number for a in answers]
     assert len(numbers) == len(set(numbers)), "a request answered twice"
     statuses = {a.status for a in answers}
-    assert statuses <= set(allowed), f"statuses {statuses}, allowed {allowed}"
+    unexpected = [(a.number, a.status, a.error) for a in answers if a.status not in allowed]
+    assert statuses <= set(allowed), f"statuses {statuses}, allowed {allowed}: {unexpected[:3]}"
     for a in answers:
         if a.status == 200:
             assert a.echo == [a.number, -a.number], f"request {a.number} answered {a.echo}"

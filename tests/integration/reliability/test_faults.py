@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import zmq
 
@@ -41,7 +42,14 @@ from tests.helpers import (
     unpack,
     wait_until,
 )
-from tests.reliability_models import MARKS_ENV, DealerLoad, LoggedServe, read_marks, stop_inside_a_batch
+from tests.reliability_models import (
+    MARKS_ENV,
+    DealerLoad,
+    LoggedServe,
+    in_flight_on,
+    read_marks,
+    stop_inside_a_batch,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -213,6 +221,49 @@ def test_sigstop_worker_past_liveness_batch_redispatched_then_it_rejoins_without
     assert sorted(r["id"] for r in replies) == after, replies
     assert all(r["ok"] and r["output"]["pid"] == victim for r in replies), replies
     assert "taken for dead" in s.log()
+
+
+def test_serve_stopped_whole_past_liveness_goes_on_after_sigcont_with_nothing_taken_for_dead(
+    served, marks, zctx, connect
+):
+    """SIGSTOP serve's whole process group (broker and workers: `docker pause`, a suspended
+    VM) for 8 x the liveness while a batch runs, then SIGCONT: neither side takes the
+    other's silence for a death (none of them ran meanwhile), so the batch is answered by
+    the worker that held it, with no retry, and both workers stay as they were."""
+    s = served(
+        "--workers", "2", "--model", SLEEPY, *HEARTBEAT,
+        "--max-batch-size", "4", "--policy", "window", "--max-wait-ms", "2000",
+        workers=2,
+    )  # fmt: skip
+    sock = connect(zmq.DEALER, s.frontend)
+    tags = [f"p{i}" for i in range(4)]
+    for tag in tags:  # one full batch: it goes to one worker at once
+        sock.send_multipart([b"", pack({"id": tag, "input": {"tag": tag, "sleep": 1.0}})])
+    started = wait_until(
+        lambda: next((m for m in read_marks(marks) if m["event"] == "start"), None), 10, "the batch started"
+    )
+    pids = s.worker_pids()
+    group = s.group_alive()
+    os.killpg(s.pid, signal.SIGSTOP)
+    try:
+        stopped_at = time.monotonic()
+        wait_until(
+            lambda: all(psutil.Process(p).status() == psutil.STATUS_STOPPED for p in group), 5, "stopped"
+        )
+        assert in_flight_on(marks, started["pid"]), "the batch ended before the stop landed"
+        time.sleep(max(0.0, stopped_at + 6.0 - time.monotonic()))  # the fault: 8 x 750 ms of liveness
+    finally:
+        os.killpg(s.pid, signal.SIGCONT)
+    replies = [recv_reply(sock, timeout_s=10) for _ in tags]
+    assert sorted(r["id"] for r in replies) == tags, replies
+    assert all(r["ok"] and r["output"]["pid"] == started["pid"] for r in replies), replies
+    stats = broker_stats(s.frontend, zctx, timeout_s=5)
+    lost = {k: stats[k] for k in ("workers_lost", "batches_retried", "batches_timed_out")}
+    assert lost == {"workers_lost": 0, "batches_retried": 0, "batches_timed_out": 0}, stats
+    assert stats["models"]["sleepy"]["workers"] == 2, stats
+    assert s.worker_pids() == pids, "a worker was replaced"
+    log = s.log()
+    assert "the broker did not run for" in log and "lost the broker" not in log, log
 
 
 def test_worker_dying_at_startup_is_given_up_after_5_attempts_and_serve_serves_on(served, zctx):

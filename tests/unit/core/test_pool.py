@@ -267,6 +267,40 @@ def test_a_leave_after_a_failure_still_costs_an_attempt() -> None:
     assert r.attempts == 2  # free, then one for the failure, then one for the second leave
 
 
+def test_a_batch_that_could_not_be_sent_goes_back_free_and_the_one_running_is_blamed() -> None:
+    """The broker found the worker's connection gone when it sent a batch: that batch never
+    reached the worker, so it neither took the blame nor cost its requests a try; the one
+    the worker ran did."""
+    s = Scheduler(per_model={"m": BatchSettings(max_batch_size=1, max_wait_ms=0.0)}, worker_prefetch=2)
+    p = WorkerPool(s, HEARTBEAT, 1, now=0.0)
+    p.joined(b"w", WorkerInfo("m", 0, 1), 2, 0.0)
+    running, unsent = request(1), request(2)
+    unsent.attempts = 1  # a retry already: one more charge would fail it
+    for r in (running, unsent):
+        s.enqueue("m", r)
+    first, second = s.due_batches(0.0)
+    assert first.requests == [running]
+    lost = p.lose(b"w", failed=True, unsent=second.batch_id)
+    assert lost.failed == [] and lost.batches_requeued == 2
+    assert (running.attempts, running.suspect) == (1, 1)
+    assert (unsent.attempts, unsent.suspect, unsent.handbacks) == (1, 0, 0)
+
+
+def test_a_worker_whose_only_batch_could_not_be_sent_blames_none() -> None:
+    """Two workers gone at once (a pause of serve's group): the batch handed back by the first
+    finds the second's connection gone too; it costs nothing there either."""
+    p = pool(max_retries=1)
+    join(p, b"w1")
+    join(p, b"w2")
+    (r,) = [request(1)]
+    p.scheduler.enqueue("m", r)
+    (batch,) = p.scheduler.due_batches(0.0)
+    p.lose(batch.worker, failed=True)  # the worker that ran it: one try spent
+    (again,) = p.scheduler.due_batches(0.0)
+    lost = p.lose(again.worker, failed=True, unsent=again.batch_id)
+    assert lost.failed == [] and lost.batches_requeued == 1 and r.attempts == 1
+
+
 def test_model_failed_cancels_only_that_models_requests() -> None:
     s = Scheduler(per_model={"m": BatchSettings(2, 0.0), "n": BatchSettings(2, 0.0)})
     p = WorkerPool(s, HEARTBEAT, 1, now=0.0)
