@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import zmq
@@ -328,16 +328,18 @@ class Backend:
         failed: bool = True,
         blame: int | None = None,
         unsent: int | None = None,
+        unstarted: Collection[int] = (),
     ) -> None:
         """Forget a worker: the pool decides which of its requests go back to their queue
-        and which have used up their retries (answered worker_failed); `unsent`: the batch
-        that could not be sent it, which goes back free (WorkerPool.lose)."""
+        and which have used up their retries (answered worker_failed); `unsent`: the batch,
+        `unstarted`: the sequences that could not be sent it, which go back free
+        (WorkerPool.lose)."""
         info = self.pool.info(worker_id)
         if info is not None:
             worker_gone(self.stats, self.cache, info, failed)
         self.stats.workers_lost += failed
         end_lost_spans(self.tracer, self.pool, worker_id, why, blame)
-        lost = self.pool.lose(worker_id, failed, blame, unsent)
+        lost = self.pool.lose(worker_id, failed, blame, unsent, unstarted)
         self.stats.batches_retried += lost.batches_requeued
         for model, req in lost.failed:
             self.reply_error(req, model, ErrorCode.WORKER_FAILED, why)

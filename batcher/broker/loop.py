@@ -508,7 +508,8 @@ class Broker:
             )
             if not self.workers.send(w.worker_id, frames):
                 log.warning("worker %s unreachable; its sequences go to another", self.pool.name(w.worker_id))
-                self.workers.lost(w.worker_id, "worker unreachable")
+                unstarted = {s.seq_id for s in sequences}
+                self.workers.lost(w.worker_id, "worker unreachable", unstarted=unstarted)
 
 
 def without_workers(broker: Broker, now: float) -> None:

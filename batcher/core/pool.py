@@ -10,9 +10,10 @@ scheduler (no zmq, the time passed in), tested on a float clock (tests/unit/core
   then on (batcher.core.policy.batch_requests), so that a request that kills every worker it meets
   takes none of its batch-mates with it again. The batches behind it, which the worker
   had not begun, are handed back as by a worker that left on its own (DISCONNECT):
-  free the first time only; a batch the broker could not send it at all (its connection
-  was gone) goes back free. A request whose attempts reach `max_retries` is answered
-  `worker_failed`; the others go back to their queue, ahead of later arrivals.
+  free the first time only; a batch (or a step-level worker's sequence) the broker could
+  not send it at all (its connection was gone) goes back free. A request whose attempts
+  reach `max_retries` is answered `worker_failed`; the others go back to their queue,
+  ahead of later arrivals.
 - **A load that hung.** A multiplexed worker's batch that had to load its model first
   (`Batch.cold`) and hung is not re-dispatched: the load would most likely hang the next
   worker too, and keep its clients (and that worker's other models) waiting as long
@@ -27,6 +28,7 @@ scheduler (no zmq, the time passed in), tested on a float clock (tests/unit/core
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -215,13 +217,19 @@ class WorkerPool:
         return [(w, read_at - at) for w, at in self._heard_at.items() if read_at - at > expiry]
 
     def lose(
-        self, worker_id: bytes, failed: bool, blame: int | None = None, unsent: int | None = None
+        self,
+        worker_id: bytes,
+        failed: bool,
+        blame: int | None = None,
+        unsent: int | None = None,
+        unstarted: Collection[int] = (),
     ) -> Lost:
         """Forget a worker; requeue its batches' requests or fail them (module docstring).
         `blame` names the batch that failed it when that is known (one that hung: if that
         batch had to load its model first, its requests are `load_hung`); by default a
         failed worker's running batch is blamed: its first. `unsent` names the batch whose
-        BATCH it could not be sent: that one never reached it, so it goes back free."""
+        BATCH it could not be sent, `unstarted` the sequences whose START it could not be
+        sent: those never reached it, so they go back free."""
         hung = failed and blame is not None
         self._heard_at.pop(worker_id, None)
         self._info.pop(worker_id, None)
@@ -241,7 +249,7 @@ class WorkerPool:
         retry: list[tuple[str, QueuedRequest]] = []
         for seq in self.streams.remove_worker(worker_id):
             # One that sent a chunk cannot start over: its client holds part of an answer.
-            if not seq.chunks and self._retries(seq.request, failed):
+            if seq.seq_id in unstarted or (not seq.chunks and self._retries(seq.request, failed)):
                 retry.append((seq.model, seq.request))
             else:
                 lost.failed.append((seq.model, seq.request))

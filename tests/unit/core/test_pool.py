@@ -699,6 +699,23 @@ def test_the_pool_keeps_the_streams_it_is_given_and_joins_step_level_workers_to_
     assert b"b" not in streams  # a batch-level worker holds no sequences
 
 
+def test_sequences_whose_start_could_not_be_sent_go_back_free_the_others_cost_a_try() -> None:
+    streams = Streams()
+    p = WorkerPool(pool().scheduler, HEARTBEAT, 1, now=0.0, streams=streams)
+    p.joined(b"s", WorkerInfo("m", 0, 1, max_active=3), None, 0.0)
+    held, unsent = request(1), request(2)
+    unsent.attempts = 1  # one more charge would fail it
+    for r in (held, unsent):
+        p.scheduler.enqueue("m", r)
+    streams.start(b"s", p.scheduler.take("m", 1), 0.0)
+    (new,) = streams.start(b"s", p.scheduler.take("m", 1), 1.0)
+    assert new.request is unsent
+    lost = p.lose(b"s", failed=True, unstarted={new.seq_id})
+    assert lost.failed == [] and lost.batches_requeued == 1
+    assert (held.attempts, unsent.attempts, unsent.handbacks) == (1, 1, 0)
+    assert p.scheduler.queued("m") == 2
+
+
 def test_a_multiplexed_ready_makes_a_worker_of_every_model_of_its_catalog() -> None:
     wire = {"budget_mb": 200, "models": {"a/1": 100, "b/1": 100}}
     info = worker_info({"model": "multiplexed", "gpu": None, "pid": 3, "multiplexed": wire})
