@@ -26,6 +26,7 @@ from batcher.wire import protocol
 from workers.exit_codes import EXIT_HUNG
 from workers.models import ModelSpec
 from workers.overlap import ModelThread
+from workers.refusals import Refusals
 from workers.steps import StepRunner
 
 if TYPE_CHECKING:
@@ -38,8 +39,6 @@ log = logging.getLogger("batcher.worker")
 RECONNECT_MIN_S = 0.25
 RECONNECT_MAX_S = 8.0
 RECONNECT_BACKOFF = Backoff(initial_s=RECONNECT_MIN_S, cap_s=RECONNECT_MAX_S)
-#: A refused handshake is logged at WARNING once, then again at most this often (DEBUG between).
-REFUSAL_LOG_EVERY_S = 60.0
 
 
 class BrokerConnection:
@@ -98,14 +97,10 @@ class BrokerConnection:
         self._link = PeerLink(
             RECONNECT_BACKOFF, beat_s=self.heartbeat.interval_s, expiry_s=self.heartbeat.expiry_s
         )
-        # Spans this process did not run (batcher.core.stalls): those counted, and those
-        # the heartbeat thread saw, for the main thread to count.
-        self._stalls = Stalls()
-        self._stalls_seen: deque[tuple[float, float]] = deque()
+        self._stalls = Stalls()  # spans this process did not run (batcher.core.stalls)
         self._ready_sent = False
         self._refused: str | None = None  # why the current connection's handshake failed
-        self._refusals = 0  # handshakes failed in a row
-        self._refusal_logged: tuple[str, float] | None = None  # (why, when) of the last warning
+        self._refusals = Refusals(self.name, settings.connect)
         self._socket_lock = threading.Lock()  # a full memory barrier when the socket changes thread
         self._in_model = False
         self._stopped = threading.Event()
@@ -149,7 +144,7 @@ class BrokerConnection:
         if self._sock is not None and self._refused is not None:
             drop = self._link.refused(self._refused, now)
             assert isinstance(drop, Drop)  # a worker never gives up on its broker
-            self._log_refusal(self._refused, now, drop.retry_in_s)
+            self._refusals.failed(self._refused, now, drop.retry_in_s)
             self._disconnect()  # libzmq may never reconnect it: a fresh socket will
         elif self._sock is not None and self._told_to_reconnect:
             self._lost(self._link.refused("the broker does not know us", now))
@@ -166,15 +161,10 @@ class BrokerConnection:
     def _count_stalls(self, stall: tuple[float, float] | None, now: float) -> None:
         """The stalls seen by the loop's poll (`stall`) and by the heartbeat thread: the
         broker's silence then does not count (it was not silent: we were not listening)."""
-        stalls = [self._stalls_seen.popleft() for _ in range(len(self._stalls_seen))]
-        if stall is not None:
-            stalls.append(stall)
-        by_s = sum(self._stalls.new_s(s) for s in sorted(stalls, key=lambda s: s[1]))
-        if by_s > 0:
+        if (by_s := self._stalls.count(stall)) > 0:
             log.warning(
-                "worker %s did not run for %.1f s (stopped, or starved of CPU): "
-                "the broker's silence then does not count", self.name, by_s,
-            )  # fmt: skip
+                "worker %s did not run for %.1f s: the broker's silence then does not count", self.name, by_s
+            )
             self._link.stalled(by_s, now)
 
     def _lost(self, drop: Drop | GiveUp) -> None:
@@ -206,7 +196,7 @@ class BrokerConnection:
         self._told_to_reconnect = False
         self._refused = None
         self._ready_sent = self._send(self._ready())
-        level = logging.DEBUG if self._refusals else logging.INFO  # retries after a refusal: quiet
+        level = logging.DEBUG if self._refusals.count else logging.INFO  # retries after a refusal: quiet
         log.log(level, "worker %s ready for model %s at %s", self.name, self.spec.name, self.settings.connect)
 
     def _disconnect(self, linger_ms: int = 0) -> None:
@@ -251,14 +241,7 @@ class BrokerConnection:
             if event in HANDSHAKE_FAILED:
                 self._refused = watch.refusal()
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                if self._refusals:
-                    log.info(
-                        "worker %s: the broker at %s accepted us after %d failed handshakes",
-                        self.name,
-                        self.settings.connect,
-                        self._refusals,
-                    )
-                self._refusals, self._refusal_logged = 0, None
+                self._refusals.accepted()
                 if not self._ready_sent:
                     self._ready_sent = self._send(self._ready())
         if watch.handshake_ok == self._watching:  # up: read at heartbeats; down: at once
@@ -267,25 +250,6 @@ class BrokerConnection:
             else:
                 self._poller.register(watch.monitor, zmq.POLLIN)
             self._watching = not self._watching
-
-    def _log_refusal(self, why: str, now: float, retry_s: float) -> None:
-        """A failed handshake: WARNING the first time, then at most every REFUSAL_LOG_EVERY_S
-        (DEBUG in between), so a worker left refused for days does not flood its log."""
-        self._refusals += 1
-        last = self._refusal_logged
-        again = last is not None and last[0] == why and now - last[1] < REFUSAL_LOG_EVERY_S
-        level = logging.DEBUG if again else logging.WARNING
-        if not again:
-            self._refusal_logged = (why, now)
-        log.log(
-            level,
-            "worker %s cannot join the broker at %s: %s; retrying in %.2gs (failed handshakes: %d)",
-            self.name,
-            self.settings.connect,
-            why,
-            retry_s,
-            self._refusals,
-        )
 
     def _drain(self, now: float) -> bool:
         """Take every message from the broker (a BATCH noted with `now`, its arrival);
@@ -357,7 +321,7 @@ class BrokerConnection:
             if self._stopped.wait(wait_s):
                 return
             if (stall := overslept(began, wait_s, time.monotonic())) is not None:
-                self._stalls_seen.append(stall)
+                self._stalls.seen(stall)
             if not self._in_model:
                 continue
             with self._socket_lock:

@@ -59,7 +59,6 @@ from workers.connection import (  # re-exported, as before the split
     RECONNECT_BACKOFF,
     RECONNECT_MAX_S,
     RECONNECT_MIN_S,
-    REFUSAL_LOG_EVERY_S,
     BrokerConnection,
     goodbye,
 )
@@ -75,6 +74,7 @@ from workers.models import (
 from workers.multiplexed import MultiplexSpec, Shelf
 from workers.overlap import ModelThread
 from workers.placement import pin_to
+from workers.refusals import REFUSAL_LOG_EVERY_S
 from workers.steps import BATCHING_LEVELS, BatchingLevel, StepRunner, is_step_model
 
 log = logging.getLogger("batcher.worker")
@@ -352,7 +352,7 @@ class Worker(BatchRunner):
             events = dict(self._poller.poll(timeout_ms))
             now = time.monotonic()
             stall = overslept(began, timeout_ms / 1000.0, now) if now - began > STALL_MIN_S else None
-            if stall is not None or self._stalls_seen:
+            if stall is not None or self._stalls.pending:
                 self._count_stalls(stall, now)
             if self._watch is not None and self._watch.monitor in events:
                 self._read_monitor()

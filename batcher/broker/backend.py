@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -321,25 +321,15 @@ class Backend:
                 )
                 self.lost(worker_id, f"the worker's process exited with code {code}", failed=code != 0)
 
-    def lost(
-        self,
-        worker_id: bytes,
-        why: str,
-        failed: bool = True,
-        blame: int | None = None,
-        unsent: int | None = None,
-        unstarted: Collection[int] = (),
-    ) -> None:
+    def lost(self, worker_id: bytes, why: str, failed: bool = True, blame: int | None = None) -> None:
         """Forget a worker: the pool decides which of its requests go back to their queue
-        and which have used up their retries (answered worker_failed); `unsent`: the batch,
-        `unstarted`: the sequences that could not be sent it, which go back free
-        (WorkerPool.lose)."""
+        and which have used up their retries (answered worker_failed)."""
         info = self.pool.info(worker_id)
         if info is not None:
             worker_gone(self.stats, self.cache, info, failed)
         self.stats.workers_lost += failed
         end_lost_spans(self.tracer, self.pool, worker_id, why, blame)
-        lost = self.pool.lose(worker_id, failed, blame, unsent, unstarted)
+        lost = self.pool.lose(worker_id, failed, blame)
         self.stats.batches_retried += lost.batches_requeued
         for model, req in lost.failed:
             self.reply_error(req, model, ErrorCode.WORKER_FAILED, why)

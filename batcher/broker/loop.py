@@ -476,40 +476,43 @@ class Broker:
                 frames = traced_batch(tracer, batch, queue_ms, now, self.pool.name(batch.worker), self.stats)
             if not self.workers.send(batch.worker, frames):
                 log.warning("worker %s unreachable; its batches go to another", self.pool.name(batch.worker))
-                self.workers.lost(batch.worker, "worker unreachable", unsent=batch.batch_id)
+                batch.unsent = True  # it goes back free: it never reached the worker
+                self.workers.lost(batch.worker, "worker unreachable")
         if self.streams:
-            self._dispatch_sequences(now)
+            dispatch_sequences(self, now)
         if not self._limits_armed and (self.scheduler.running() or self.streams.busy()):
             self._arm_time_limits()
 
-    def _dispatch_sequences(self, now: float) -> None:
-        """Step-level workers: end the sequences past their deadline, then fill every free
-        slot from its model's queue (the worker admits them at its next step)."""
-        for seq in self.streams.expire(now):
-            self.workers.end_stream(
-                seq, ErrorCode.DEADLINE_EXCEEDED, "deadline", "deadline passed while generating"
-            )
-        for w in self.streams.free_slots():
-            if not self.scheduler.queued(w.model):
-                continue
-            requests = self.scheduler.take(w.model, w.free)
-            sequences = self.streams.start(w.worker_id, requests, now)
-            queue_ms = [round((now - r.arrived_at) * 1000.0, 3) for r in requests]
-            self.stats.sequences_started(w.model, queue_ms)
-            remaining_ms = [
-                None if r.deadline_at is None else round(max(0.0, r.deadline_at - now) * 1000.0, 3)
-                for r in requests
-            ]
-            parents = None
-            if self.tracer is not None:
-                parents = traced_start(self.tracer, w.model, requests, self.pool.name(w.worker_id), now)
-            frames = protocol.start_frames(
-                [s.seq_id for s in sequences], remaining_ms, [r.body for r in requests], parents
-            )
-            if not self.workers.send(w.worker_id, frames):
-                log.warning("worker %s unreachable; its sequences go to another", self.pool.name(w.worker_id))
-                unstarted = {s.seq_id for s in sequences}
-                self.workers.lost(w.worker_id, "worker unreachable", unstarted=unstarted)
+
+def dispatch_sequences(broker: Broker, now: float) -> None:
+    """Step-level workers: end the sequences past their deadline, then fill every free
+    slot from its model's queue (the worker admits them at its next step)."""
+    for seq in broker.streams.expire(now):
+        broker.workers.end_stream(
+            seq, ErrorCode.DEADLINE_EXCEEDED, "deadline", "deadline passed while generating"
+        )
+    for w in broker.streams.free_slots():
+        if not broker.scheduler.queued(w.model):
+            continue
+        requests = broker.scheduler.take(w.model, w.free)
+        sequences = broker.streams.start(w.worker_id, requests, now)
+        queue_ms = [round((now - r.arrived_at) * 1000.0, 3) for r in requests]
+        broker.stats.sequences_started(w.model, queue_ms)
+        remaining_ms = [
+            None if r.deadline_at is None else round(max(0.0, r.deadline_at - now) * 1000.0, 3)
+            for r in requests
+        ]
+        parents = None
+        if broker.tracer is not None:
+            parents = traced_start(broker.tracer, w.model, requests, broker.pool.name(w.worker_id), now)
+        frames = protocol.start_frames(
+            [s.seq_id for s in sequences], remaining_ms, [r.body for r in requests], parents
+        )
+        if not broker.workers.send(w.worker_id, frames):
+            log.warning("worker %s unreachable; its sequences go to another", broker.pool.name(w.worker_id))
+            for seq in sequences:  # they go back free: they never reached the worker
+                seq.unsent = True
+            broker.workers.lost(w.worker_id, "worker unreachable")
 
 
 def without_workers(broker: Broker, now: float) -> None:

@@ -28,7 +28,6 @@ scheduler (no zmq, the time passed in), tested on a float clock (tests/unit/core
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -208,7 +207,8 @@ class WorkerPool:
         limits skip that time."""
         for worker_id, at in self._heard_at.items():
             self._heard_at[worker_id] = at + by_s
-        self.scheduler.stalled(by_s)
+        for batch in self.scheduler.in_flight():
+            batch.expected_start += by_s
         self.streams.stalled(by_s)
 
     def silent(self) -> list[tuple[bytes, float]]:
@@ -216,20 +216,12 @@ class WorkerPool:
         read_at, expiry = self._backend_read_at, self.heartbeat.expiry_s
         return [(w, read_at - at) for w, at in self._heard_at.items() if read_at - at > expiry]
 
-    def lose(
-        self,
-        worker_id: bytes,
-        failed: bool,
-        blame: int | None = None,
-        unsent: int | None = None,
-        unstarted: Collection[int] = (),
-    ) -> Lost:
+    def lose(self, worker_id: bytes, failed: bool, blame: int | None = None) -> Lost:
         """Forget a worker; requeue its batches' requests or fail them (module docstring).
         `blame` names the batch that failed it when that is known (one that hung: if that
         batch had to load its model first, its requests are `load_hung`); by default a
-        failed worker's running batch is blamed: its first. `unsent` names the batch whose
-        BATCH it could not be sent, `unstarted` the sequences whose START it could not be
-        sent: those never reached it, so they go back free."""
+        failed worker's running batch is blamed: the first it was sent. A batch or a
+        sequence marked `unsent` never reached it: it goes back free."""
         hung = failed and blame is not None
         self._heard_at.pop(worker_id, None)
         self._info.pop(worker_id, None)
@@ -237,9 +229,9 @@ class WorkerPool:
         lost = Lost()
         batches = self.scheduler.remove_worker(worker_id)
         if failed and blame is None:
-            blame = next((b.batch_id for b in batches if b.batch_id != unsent), None)
+            blame = next((b.batch_id for b in batches if not b.unsent), None)
         for batch in batches:
-            if batch.batch_id == unsent:
+            if batch.unsent:
                 lost.batches_requeued += 1
                 self.scheduler.requeue(batch.model, batch.requests, count_attempt=False)
             elif hung and batch.batch_id == blame and batch.cold:
@@ -249,7 +241,7 @@ class WorkerPool:
         retry: list[tuple[str, QueuedRequest]] = []
         for seq in self.streams.remove_worker(worker_id):
             # One that sent a chunk cannot start over: its client holds part of an answer.
-            if seq.seq_id in unstarted or (not seq.chunks and self._retries(seq.request, failed)):
+            if seq.unsent or (not seq.chunks and self._retries(seq.request, failed)):
                 retry.append((seq.model, seq.request))
             else:
                 lost.failed.append((seq.model, seq.request))

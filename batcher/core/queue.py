@@ -80,6 +80,7 @@ class Batch:
     cold: bool = False  # that worker loads the model first (batcher.core.multiplex)
     unloaded: tuple[str, ...] = ()  # the models it unloads for it
     held_after: tuple[str, ...] = ()  # and the models it holds after this batch, least recent first
+    unsent: bool = False  # its BATCH could not be sent (the worker's connection was gone)
 
 
 @dataclass(slots=True, eq=False)

@@ -388,13 +388,6 @@ class Scheduler:
         """(batch, its limit) of each running batch past its time limit (policy.hung_batches)."""
         return policy.hung_batches(self._workers.values(), now, limit_s, self.default_limit_s)
 
-    def stalled(self, by_s: float) -> None:
-        """The broker did not run for `by_s` (batcher.core.stalls): every running batch's
-        time limit counts that much later."""
-        for w in self._workers.values():
-            for batch in w.in_flight.values():
-                batch.expected_start += by_s
-
     def default_limit_s(self, batch: Batch) -> float:
         """A batch's default time limit (batcher.core.policy.default_limit_s)."""
         return policy.default_limit_s(self._models[batch.model].cost, batch.requests)

@@ -15,6 +15,7 @@ machine's scheduling, not a stall. Pure: the times are arguments.
 from __future__ import annotations
 
 import math
+from collections import deque
 
 #: A wait that ends later than asked by more than this is a stall: a loaded machine's
 #: scheduling delays stay below it, and a heartbeat's expiry (seconds) is far above it.
@@ -32,16 +33,33 @@ def overslept(began_at: float, wait_s: float, woke_at: float) -> tuple[float, fl
 
 
 class Stalls:
-    """The stalls already counted, so that two watchers of one stall (a loop's poll and a
-    thread's timed wait, both late after one SIGCONT) skip it once."""
+    """The stalls a process saw, each counted once. The loop counts them as it finds them
+    (`count`); another watcher of the same process (a thread's timed wait, late after the
+    same SIGCONT) only notes its own (`seen`, safe from any thread), for the loop's next
+    `count` to take with the loop's own."""
 
     def __init__(self) -> None:
         self._counted_until = -math.inf
+        self._seen: deque[tuple[float, float]] = deque()
 
-    def new_s(self, stall: tuple[float, float]) -> float:
-        """The seconds of `stall` not counted before (0.0 for one counted already); counted
-        from now on. Stalls are told in the order they end."""
-        began, ended = stall
+    @property
+    def pending(self) -> bool:
+        """Whether another watcher noted a stall not counted yet."""
+        return bool(self._seen)
+
+    def seen(self, stall: tuple[float, float]) -> None:
+        """A stall another watcher found, for the next `count`."""
+        self._seen.append(stall)
+
+    def count(self, stall: tuple[float, float] | None = None) -> float:
+        """The seconds of `stall` and of the stalls seen since the last count that were not
+        counted before (0.0 when every one was: two watchers of one stall)."""
+        stalls = [self._seen.popleft() for _ in range(len(self._seen))]
+        if stall is not None:
+            stalls.append(stall)
+        return sum(self._new_s(began, ended) for began, ended in sorted(stalls, key=lambda s: s[1]))
+
+    def _new_s(self, began: float, ended: float) -> float:
         began = max(began, self._counted_until)
         if ended <= began:
             return 0.0

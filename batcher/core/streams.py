@@ -45,6 +45,7 @@ class Sequence:
     request: QueuedRequest
     chunks: int = 0  # chunks delivered to the client so far
     answered: bool = False  # its final reply went (from the worker or the broker)
+    unsent: bool = False  # its START could not be sent (the worker's connection was gone)
 
 
 @dataclass(slots=True, eq=False)

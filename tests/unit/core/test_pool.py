@@ -280,7 +280,8 @@ def test_a_batch_that_could_not_be_sent_goes_back_free_and_the_one_running_is_bl
         s.enqueue("m", r)
     first, second = s.due_batches(0.0)
     assert first.requests == [running]
-    lost = p.lose(b"w", failed=True, unsent=second.batch_id)
+    second.unsent = True
+    lost = p.lose(b"w", failed=True)
     assert lost.failed == [] and lost.batches_requeued == 2
     assert (running.attempts, running.suspect) == (1, 1)
     assert (unsent.attempts, unsent.suspect, unsent.handbacks) == (1, 0, 0)
@@ -297,7 +298,8 @@ def test_a_worker_whose_only_batch_could_not_be_sent_blames_none() -> None:
     (batch,) = p.scheduler.due_batches(0.0)
     p.lose(batch.worker, failed=True)  # the worker that ran it: one try spent
     (again,) = p.scheduler.due_batches(0.0)
-    lost = p.lose(again.worker, failed=True, unsent=again.batch_id)
+    again.unsent = True
+    lost = p.lose(again.worker, failed=True)
     assert lost.failed == [] and lost.batches_requeued == 1 and r.attempts == 1
 
 
@@ -710,7 +712,8 @@ def test_sequences_whose_start_could_not_be_sent_go_back_free_the_others_cost_a_
     streams.start(b"s", p.scheduler.take("m", 1), 0.0)
     (new,) = streams.start(b"s", p.scheduler.take("m", 1), 1.0)
     assert new.request is unsent
-    lost = p.lose(b"s", failed=True, unstarted={new.seq_id})
+    new.unsent = True
+    lost = p.lose(b"s", failed=True)
     assert lost.failed == [] and lost.batches_requeued == 1
     assert (held.attempts, unsent.attempts, unsent.handbacks) == (1, 1, 0)
     assert p.scheduler.queued("m") == 2
