@@ -44,6 +44,9 @@ HANDLER = "batcher.handler"
 GONE = "batcher.gone"
 #: Set by the server in the scope of a request whose body has all arrived.
 BODY_COMPLETE = "batcher.body_complete"
+#: Set by the server: the connection's transport, which sends a response's head and body
+#: as one write between its cork() and uncork() (http_server.CorkedTransport).
+CORK = "batcher.cork"
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -106,7 +109,7 @@ class HttpApi:
         except Exception as exc:  # a bug of ours: the client still gets a v2 error
             log.exception("HTTP request failed")
             response = error_response(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-        await write(send, response)
+        await write(send, response, scope.get(CORK))
 
     async def _route(self, scope: Scope, receive: Receive) -> Response:
         if self.api_keys is not None and scope["raw_path"] not in access.OPEN_PATHS:
@@ -232,14 +235,21 @@ class HttpApi:
         return infer_response(infer, outputs, binary_default, binary_outputs, answered)
 
 
-async def write(send: Send, response: Response) -> None:
+async def write(send: Send, response: Response, cork: Any = None) -> None:
+    """Send `response`; with the server's `cork` (CORK), its head and body in one write."""
     headers = [(b"content-length", b"%d" % len(response.body))]
     if response.content_type is not None:
         headers.append((b"content-type", response.content_type.encode()))
     for k, v in response.headers.items():
         headers.append((k.lower().encode(), v.encode()))
-    await send({"type": "http.response.start", "status": response.status, "headers": headers})
-    await send({"type": "http.response.body", "body": response.body})
+    if cork is not None:
+        cork.cork()
+    try:
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        await send({"type": "http.response.body", "body": response.body})
+    finally:
+        if cork is not None:
+            cork.uncork()
 
 
 _MODEL_ENDPOINTS = {
