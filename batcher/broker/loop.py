@@ -462,7 +462,10 @@ class Broker:
             self.clients.reply_error(req, name, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
         without_workers(self, now)
         tracer = self.tracer
-        for batch in self.scheduler.due_batches(now):
+        batches = self.scheduler.due_batches(now)
+        for i, batch in enumerate(batches):
+            if batch.unsent:
+                continue  # its worker was lost with an earlier batch of this turn
             # Unrounded (round(x, 3) cost 0.46 us a request): the worker rounds each reply's.
             queue_ms = [(now - r.arrived_at) * 1000.0 for r in batch.requests]
             if tracer is None or all(r.trace is None for r in batch.requests):
@@ -476,7 +479,9 @@ class Broker:
                 frames = traced_batch(tracer, batch, queue_ms, now, self.pool.name(batch.worker), self.stats)
             if not self.workers.send(batch.worker, frames):
                 log.warning("worker %s unreachable; its batches go to another", self.pool.name(batch.worker))
-                batch.unsent = True  # it goes back free: it never reached the worker
+                for later in batches[i:]:  # this one and the next ones cut for that worker
+                    if later.worker == batch.worker:
+                        later.unsent = True  # it goes back free: it never reached the worker
                 self.workers.lost(batch.worker, "worker unreachable")
         if self.streams:
             dispatch_sequences(self, now)
