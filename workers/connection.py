@@ -161,7 +161,7 @@ class BrokerConnection:
     def _count_stalls(self, stall: tuple[float, float] | None, now: float) -> None:
         """The stalls seen by the loop's poll (`stall`) and by the heartbeat thread: the
         broker's silence then does not count (it was not silent: we were not listening)."""
-        if (by_s := self._stalls.count(stall)) > 0:
+        if (by_s := self._stalls.count(stall, now)) > 0:
             log.warning(
                 "worker %s did not run for %.1f s: the broker's silence then does not count", self.name, by_s
             )
@@ -318,10 +318,13 @@ class BrokerConnection:
         which the main thread may not see for itself if it was in the model then."""
         while True:
             wait_s, began = self.heartbeat.interval_s, time.monotonic()
-            if self._stopped.wait(wait_s):
-                return
+            self._stalls.waiting(began, wait_s)
+            stopped = self._stopped.wait(wait_s)
             if (stall := overslept(began, wait_s, time.monotonic())) is not None:
                 self._stalls.seen(stall)
+            self._stalls.woke()  # (it may then wait for the socket as long as the loop keeps it)
+            if stopped:
+                return
             if not self._in_model:
                 continue
             with self._socket_lock:

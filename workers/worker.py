@@ -352,7 +352,7 @@ class Worker(BatchRunner):
             events = dict(self._poller.poll(timeout_ms))
             now = time.monotonic()
             stall = overslept(began, timeout_ms / 1000.0, now) if now - began > STALL_MIN_S else None
-            if stall is not None or self._stalls.pending:
+            if stall is not None or self._stalls.pending(now):
                 self._count_stalls(stall, now)
             if self._watch is not None and self._watch.monitor in events:
                 self._read_monitor()

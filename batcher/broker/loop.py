@@ -367,8 +367,13 @@ class Broker:
             "broker listening: frontend %s, backend %s, models %s (pid %d)",
             s.frontend, s.backend, ",".join(s.models), os.getpid(),
         )  # fmt: skip
+        looked_at = time.monotonic()  # the loop's last look at the clock outside its poll
         while True:
             now = time.monotonic()
+            # The loop's work between two looks is no wait: past STALL_MIN_S, it did not run
+            # (stopped there, not in its poll), and its workers' silence skips that too.
+            if now - looked_at > STALL_MIN_S:
+                self._stalled((looked_at, now))
             if self._drain is not None and self._finished_stopping(now):
                 break
             timeout_ms = self._poll_timeout_ms(now)
@@ -377,7 +382,7 @@ class Broker:
             # (Only a poll that took over STALL_MIN_S can have overslept: 0.14 us saved a turn.)
             if woke_at - now > STALL_MIN_S and (stall := overslept(now, timeout_ms / 1000.0, woke_at)):
                 self._stalled(stall)
-            now = woke_at
+            now = looked_at = woke_at
             if self.signals.fd in events:
                 self.signals.clear()
                 self._note_stop(now)
@@ -389,8 +394,11 @@ class Broker:
                 for monitor in watch.monitors:
                     if monitor in events:
                         self._guard(functools.partial(watch.handle, monitor, now))
-            for fn in self.timers.due(time.monotonic()):
-                self._guard(functools.partial(fn, time.monotonic()))
+            for fn in self.timers.due(time.monotonic()):  # a judge of silence among them
+                if (now := time.monotonic()) - looked_at > STALL_MIN_S:
+                    self._stalled((looked_at, now))
+                self._guard(functools.partial(fn, now))
+                looked_at = now
             self._guard(self._dispatch)
         log.info("broker stopped")
 
@@ -462,7 +470,10 @@ class Broker:
             self.clients.reply_error(req, name, ErrorCode.DEADLINE_EXCEEDED, "deadline passed while queued")
         without_workers(self, now)
         tracer = self.tracer
-        for batch in self.scheduler.due_batches(now):
+        batches = self.scheduler.due_batches(now)
+        for i, batch in enumerate(batches):
+            if batch.unsent:
+                continue  # its worker was lost with an earlier batch of this turn
             # Unrounded (round(x, 3) cost 0.46 us a request): the worker rounds each reply's.
             queue_ms = [(now - r.arrived_at) * 1000.0 for r in batch.requests]
             if tracer is None or all(r.trace is None for r in batch.requests):
@@ -476,7 +487,9 @@ class Broker:
                 frames = traced_batch(tracer, batch, queue_ms, now, self.pool.name(batch.worker), self.stats)
             if not self.workers.send(batch.worker, frames):
                 log.warning("worker %s unreachable; its batches go to another", self.pool.name(batch.worker))
-                batch.unsent = True  # it goes back free: it never reached the worker
+                for later in batches[i:]:  # this one and the next ones cut for that worker
+                    if later.worker == batch.worker:
+                        later.unsent = True  # it goes back free: it never reached the worker
                 self.workers.lost(batch.worker, "worker unreachable")
         if self.streams:
             dispatch_sequences(self, now)

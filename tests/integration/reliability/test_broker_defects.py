@@ -26,9 +26,11 @@ import zmq
 
 from batcher.broker.loop import Broker, BrokerSettings
 from batcher.client.sync import BadRequest, Client, reply_key
+from batcher.core.scheduler import BatchSettings
 from batcher.serve.launcher import free_tcp_address
 from batcher.transport.allocator import heap_trimmer
 from batcher.wire import protocol
+from batcher.wire.frames import Heartbeat
 from batcher.wire.protocol import pack, unpack
 from tests.helpers import broker_stats, recv_replies, start_broker, wait_until
 
@@ -468,6 +470,101 @@ def test_a_worker_whose_goodbye_waits_unread_is_taken_as_left_not_dead(zctx: zmq
         assert broker.stats.workers_lost == 0, "a worker that said goodbye was counted as lost"
     finally:
         peer.close(linger=0)
+        broker.close()
+
+
+def test_batches_of_one_turn_for_a_worker_found_gone_go_back_free_and_it_is_lost_once(
+    zctx: zmq.Context[Any],
+) -> None:
+    """Two batches cut in one turn for a worker whose connection is gone (it died, unseen
+    yet): the first send fails, and neither batch reached it, so neither costs its requests
+    a try (with --max-retries 0, one did: `worker_failed` for a request no worker ever saw)
+    and the worker is lost once, not once per batch."""
+    settings = BrokerSettings(
+        frontend=free_tcp_address(), backend=free_tcp_address(), models=("echo",),
+        batch=BatchSettings(max_batch_size=1, max_wait_ms=0.0), max_retries=0,
+    )  # fmt: skip
+    broker = Broker(settings, context=zctx)
+    peer: zmq.Socket[Any] = zctx.socket(zmq.DEALER)
+    client: zmq.Socket[Any] = zctx.socket(zmq.DEALER)
+    try:
+        peer.connect(settings.backend)
+        peer.send_multipart([protocol.WORKER_PROTOCOL, protocol.CMD_READY, pack({"model": "echo", "pid": 1})])
+        wait_until(
+            lambda: broker.workers.drain(time.monotonic()) and broker.pool.ids(), 10, "the worker joined"
+        )
+        (worker,) = broker.pool.ids()
+        peer.close(linger=0)  # gone without a word, as by SIGKILL
+        probe = [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT, broker.pool.heartbeat_frame]
+        wait_until(lambda: not broker.workers.send(worker, probe), 10, "sends to the worker refused")
+        client.connect(settings.frontend)
+        for i in range(2):
+            client.send_multipart([b"", pack({"id": i, "model": "echo", "input": "x"})])
+
+        def queued() -> bool:
+            broker.clients.drain(time.monotonic())
+            return broker.scheduler.queued("echo") == 2
+
+        wait_until(queued, 10, "both requests queued")
+        broker._dispatch()  # both cut for the one worker; the first send finds it gone
+        assert not client.poll(200), f"a request answered: {unpack(client.recv_multipart()[-1])}"
+        assert broker.scheduler.queued("echo") == 2
+        assert broker.stats.workers_lost == 1, "the worker was lost once per batch"
+    finally:
+        peer.close(linger=0)
+        client.close(linger=0)
+        broker.close()
+
+
+def test_a_broker_stopped_outside_its_poll_takes_none_of_its_workers_stopped_with_it_for_dead(
+    zctx: zmq.Context[Any],
+) -> None:
+    """serve's group stopped while the broker was at work, not in its poll (reading a request,
+    say), its worker stopped with it: after SIGCONT the broker judges silence before the
+    worker has said anything. The time it did not run in its turn is skipped as a stopped
+    poll's is. (The stop stands in as a 2 s block of the broker's frontend read, the worker
+    silent throughout and until 0.3 s after: 0.75 s of liveness.)"""
+    settings = BrokerSettings(
+        frontend=free_tcp_address(), backend=free_tcp_address(), models=("echo",),
+        heartbeat=Heartbeat(interval_ms=250.0, liveness=3),
+    )  # fmt: skip
+    broker = Broker(settings, context=zctx)
+    stopped, resumed = threading.Event(), threading.Event()
+    read = broker.clients.drain
+
+    def read_stopped(now: float) -> None:
+        if not stopped.is_set():
+            stopped.set()
+            time.sleep(2.0)  # the fault: not running, mid-turn
+            resumed.set()
+        read(now)
+
+    broker.clients.drain = read_stopped  # type: ignore[method-assign]
+    loop = threading.Thread(target=broker.run, daemon=True)
+    peer: zmq.Socket[Any] = zctx.socket(zmq.DEALER)
+    client: zmq.Socket[Any] = zctx.socket(zmq.DEALER)
+    beat = [protocol.WORKER_PROTOCOL, protocol.CMD_HEARTBEAT]
+    try:
+        loop.start()
+        peer.connect(settings.backend)
+        peer.send_multipart([protocol.WORKER_PROTOCOL, protocol.CMD_READY, pack({"model": "echo", "pid": 1})])
+        wait_until(lambda: broker.pool.ids(), 10, "the worker joined")
+        client.connect(settings.frontend)
+        client.send_multipart([b"", pack({"id": 0, "model": "echo", "input": "x"})])
+        wait_until(stopped.is_set, 10, "the broker stopped mid-turn")
+        assert resumed.wait(10)
+        deadline = time.monotonic() + 0.3  # the worker too goes on, a moment after the broker
+        while time.monotonic() < deadline:
+            peer.poll(10)
+        for _ in range(5):  # back to work
+            peer.send_multipart(beat)
+            peer.poll(100)
+        assert broker.stats.workers_lost == 0, "a worker stopped with the broker was taken for dead"
+    finally:
+        broker.stop(now=True)
+        loop.join(10)
+        peer.close(linger=0)
+        client.close(linger=0)
         broker.close()
 
 
