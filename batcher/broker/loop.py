@@ -373,15 +373,14 @@ class Broker:
             # The loop's work between two looks is no wait: past STALL_MIN_S, it did not run
             # (stopped there, not in its poll), and its workers' silence skips that too.
             if now - looked_at > STALL_MIN_S:
-                self._stalled((looked_at, now))
+                skip_stall(self.pool, (looked_at, now))
             if self._drain is not None and self._finished_stopping(now):
                 break
             timeout_ms = self._poll_timeout_ms(now)
             events = dict(poller.poll(timeout_ms))
             woke_at = time.monotonic()  # the turn's time, for everything read in it
-            # (Only a poll that took over STALL_MIN_S can have overslept: 0.14 us saved a turn.)
             if woke_at - now > STALL_MIN_S and (stall := overslept(now, timeout_ms / 1000.0, woke_at)):
-                self._stalled(stall)
+                skip_stall(self.pool, stall)
             now = looked_at = woke_at
             if self.signals.fd in events:
                 self.signals.clear()
@@ -396,21 +395,11 @@ class Broker:
                         self._guard(functools.partial(watch.handle, monitor, now))
             for fn in self.timers.due(time.monotonic()):  # a judge of silence among them
                 if (now := time.monotonic()) - looked_at > STALL_MIN_S:
-                    self._stalled((looked_at, now))
+                    skip_stall(self.pool, (looked_at, now))
                 self._guard(functools.partial(fn, now))
                 looked_at = now
             self._guard(self._dispatch)
         log.info("broker stopped")
-
-    def _stalled(self, stall: tuple[float, float]) -> None:
-        """The broker did not run for a while (batcher.core.stalls): its workers' silence
-        and their batches' time limits skip that time."""
-        by_s = stall[1] - stall[0]
-        log.warning(
-            "the broker did not run for %.1f s (stopped, or starved of CPU): "
-            "its workers' silence and time limits skip that time", by_s,
-        )  # fmt: skip
-        self.pool.stalled(by_s)
 
     def _note_stop(self, now: float) -> None:
         """Begin draining once a stop signal came (its handler counts it as soon as the
@@ -526,6 +515,18 @@ def dispatch_sequences(broker: Broker, now: float) -> None:
             for seq in sequences:  # they go back free: they never reached the worker
                 seq.unsent = True
             broker.workers.lost(w.worker_id, "worker unreachable")
+
+
+def skip_stall(pool: WorkerPool, stall: tuple[float, float]) -> None:
+    """The broker did not run for a while (batcher.core.stalls): its workers' silence and
+    their batches' time limits skip that time. (`Broker.run` tests a poll's overshoot
+    only past STALL_MIN_S of poll: 0.14 us a turn saved.)"""
+    by_s = stall[1] - stall[0]
+    log.warning(
+        "the broker did not run for %.1f s (stopped, or starved of CPU): "
+        "its workers' silence and time limits skip that time", by_s,
+    )  # fmt: skip
+    pool.stalled(by_s)
 
 
 def without_workers(broker: Broker, now: float) -> None:
