@@ -49,6 +49,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from common import handle_sigterm, md_table, running_serve, serve_v2_grpc, wait_http_200, write_results
@@ -314,6 +315,13 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=None, help="rounds, median and spread (3; quick 1)")
     p.add_argument("--seconds", type=float, default=None, help="measured window of each row (3; quick 1.5)")
     p.add_argument("--only", choices=["servers", "gateway"], help="the bare servers or the gateway rows")
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        action="append",
+        default=[],
+        help="another source tree (git archive REV | tar -x -C DIR): its gateway's HTTP row, same rounds",
+    )
     p.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
@@ -354,6 +362,14 @@ def main() -> None:
             grpc_port_bare, grpc_pid_bare = stack.enter_context(bare_server(BARE_GRPC))
             rows[FORWARDER_HTTP] = (http_load, fwd_http, fwd_http_proc)
             rows[GATEWAY_HTTP] = (http_load, http_port, gw_pid)
+            for source in args.baseline:
+                port = free_port()
+                base_serve = [*serve[:-4], "--http-port", str(port), "--grpc-port", str(free_port())]
+                base = stack.enter_context(running_serve(base_serve, 1, source=source))
+                assert base.process is not None
+                rows[f"the gateway at {source}: HTTP JSON infer"] = (
+                    http_load, port, gw_bench.gateway_process(base.process.pid).pid
+                )  # fmt: skip
             rows[BARE_GRPC] = (grpc_load, grpc_port_bare, grpc_pid_bare)
             rows[FORWARDER_GRPC] = (grpc_load, fwd_grpc, fwd_grpc_proc)
             rows[GATEWAY_GRPC] = (grpc_load, grpc_port, gw_pid)
