@@ -170,21 +170,31 @@ def test_serve_tells_its_broker_at_once_when_a_worker_process_exits(served, mark
     assert stats["workers_lost"] == 1 and stats["batches_retried"] >= 1, stats  # running + prefetched
 
 
-def test_sigstop_worker_past_liveness_batch_redispatched_then_it_rejoins_without_duplicates(
-    served, marks, zctx, connect
-):
+def one_sleepy_batch(
+    served: Callable[..., LoggedServe], marks: Path, connect: Callable[..., Any], prefix: str
+) -> tuple[LoggedServe, Any, list[str], dict[str, Any]]:
+    """serve with 2 Sleepy workers (heartbeat 250 ms x 3), a DEALER, and one full batch of 4
+    requests of 1 s each, tagged `prefix`0..3, once a worker has begun it: (serve, the
+    DEALER, the tags, the batch's start mark)."""
     s = served(
         "--workers", "2", "--model", SLEEPY, *HEARTBEAT,
         "--max-batch-size", "4", "--policy", "window", "--max-wait-ms", "2000",
         workers=2,
     )  # fmt: skip
     sock = connect(zmq.DEALER, s.frontend)
-    tags = [f"s{i}" for i in range(4)]
+    tags = [f"{prefix}{i}" for i in range(4)]
     for tag in tags:  # one full batch: it goes to one worker at once
         sock.send_multipart([b"", pack({"id": tag, "input": {"tag": tag, "sleep": 1.0}})])
     started = wait_until(
         lambda: next((m for m in read_marks(marks) if m["event"] == "start"), None), 10, "the batch started"
     )
+    return s, sock, tags, started
+
+
+def test_sigstop_worker_past_liveness_batch_redispatched_then_it_rejoins_without_duplicates(
+    served, marks, zctx, connect
+):
+    s, sock, tags, started = one_sleepy_batch(served, marks, connect, "s")
     victim = started["pid"]
     try:
         held = stop_inside_a_batch(marks, victim, 10)
@@ -230,18 +240,7 @@ def test_serve_stopped_whole_past_liveness_goes_on_after_sigcont_with_nothing_ta
     VM) for 8 x the liveness while a batch runs, then SIGCONT: neither side takes the
     other's silence for a death (none of them ran meanwhile), so the batch is answered by
     the worker that held it, with no retry, and both workers stay as they were."""
-    s = served(
-        "--workers", "2", "--model", SLEEPY, *HEARTBEAT,
-        "--max-batch-size", "4", "--policy", "window", "--max-wait-ms", "2000",
-        workers=2,
-    )  # fmt: skip
-    sock = connect(zmq.DEALER, s.frontend)
-    tags = [f"p{i}" for i in range(4)]
-    for tag in tags:  # one full batch: it goes to one worker at once
-        sock.send_multipart([b"", pack({"id": tag, "input": {"tag": tag, "sleep": 1.0}})])
-    started = wait_until(
-        lambda: next((m for m in read_marks(marks) if m["event"] == "start"), None), 10, "the batch started"
-    )
+    s, sock, tags, started = one_sleepy_batch(served, marks, connect, "p")
     pids = s.worker_pids()
     group = s.group_alive()
     os.killpg(s.pid, signal.SIGSTOP)
